@@ -1,0 +1,40 @@
+# Spooler: make run | make test | make bench | make proto
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test test-all bench proto install clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# One node on 127.0.0.1 (HTTP 8080, gRPC 50051), data under ./var.
+SPOOLER_ADMIN_KEY ?= dev-admin-key
+run: $(STAMP)
+	@echo "admin key: $(SPOOLER_ADMIN_KEY)"
+	SPOOLER_ADMIN_KEY=$(SPOOLER_ADMIN_KEY) $(BIN)/spooler-node --id n1 --data ./var \
+		--http 127.0.0.1:8080 --grpc 127.0.0.1:50051
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+# Everything, the slow drills included.
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -m ''
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run
+
+# Regenerate the protobuf/gRPC code from proto/ (reproducible: grpcio-tools is pinned).
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. \
+		proto/spooler/pb/log.proto proto/spooler/pb/api.proto
+
+clean:
+	rm -rf $(VENV) var

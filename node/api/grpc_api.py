@@ -1,0 +1,210 @@
+"""gRPC client service (grpc.aio): mirrors every HTTP call, plus batches.
+
+Like ``http.py`` it only translates: decisions are in ``service.Service`` and
+errors become (status code, trailers) through the one table in
+``spooler.errors``.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from spooler import errors
+from spooler.pb import api_pb2, api_pb2_grpc
+from node.api.service import SETTINGS, Service
+
+log = logging.getLogger("spooler.grpc")
+
+_SETTINGS_PB = {"leaseTimeoutSeconds": "lease_timeout_seconds", "maxRetries": "max_retries",
+                "retentionSeconds": "retention_seconds", "dedupWindowSeconds": "dedup_window_seconds",
+                "failureQueue": "failure_queue"}
+_PB_SETTINGS = {v: k for k, v in _SETTINGS_PB.items()}
+assert set(_SETTINGS_PB) == set(SETTINGS)
+
+_ACTIONS = {api_pb2.SETTLE_ACK: "ack", api_pb2.SETTLE_NACK: "nack", api_pb2.SETTLE_RENEW: "renew"}
+
+
+def _queue_pb(doc: dict) -> api_pb2.Queue:
+    s, st = doc["settings"], doc["stats"]
+    return api_pb2.Queue(
+        name=doc["name"],
+        settings=api_pb2.Settings(**{_SETTINGS_PB[k]: v for k, v in s.items()}),
+        stats=api_pb2.QueueStats(visible=st["visible"], leased=st["leased"], delayed=st["delayed"],
+                                 sent_total=st["sentTotal"], acked_total=st["ackedTotal"],
+                                 failed_total=st["failedTotal"], expired_total=st["expiredTotal"],
+                                 nacked_total=st["nackedTotal"], lease_expired_total=st["leaseExpiredTotal"]))
+
+
+def _cluster_pb(d: dict) -> api_pb2.ClusterInfo:
+    return api_pb2.ClusterInfo(node_id=d["nodeId"], role=d["role"], epoch=d["epoch"], primary=d["primary"] or "",
+                               nodes=[api_pb2.NodeInfo(id=n["id"], role=n["role"], address=n.get("address", ""),
+                                                       lsn=n.get("lsn", 0)) for n in d["nodes"]])
+
+
+def _delivery_pb(d) -> api_pb2.Delivery:
+    return api_pb2.Delivery(id=d.id, body=d.body, lease_token=d.token, retry_count=d.retry_count,
+                            lease_expires_at=d.expires_at, queue=d.queue)
+
+
+def rpc(method):
+    """Authenticate, call, map SpoolerError to a status with the kind in trailers."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        epoch_md = ("spooler-epoch", str(self.svc.engine.epoch))
+        try:
+            auth = None
+            for k, v in context.invocation_metadata() or ():
+                if k == "authorization":
+                    auth = v
+                    break
+            p = self.svc.authenticate(auth)
+            resp = await method(self, p, request, context)
+            context.set_trailing_metadata((epoch_md,))
+            return resp
+        except errors.SpoolerError as e:
+            self.metrics.http_errors.labels(e.kind).inc()
+            await context.abort(e.grpc_code, e.message, trailing_metadata=errors.grpc_trailers(e) + (epoch_md,))
+        except Exception as e:
+            if isinstance(e, grpc.aio.AbortError) or type(e).__name__ == "AbortError":
+                raise
+            log.exception("unexpected error in %s", method.__name__)
+            err = errors.Internal("internal error")
+            await context.abort(err.grpc_code, err.message, trailing_metadata=errors.grpc_trailers(err) + (epoch_md,))
+
+    return wrapper
+
+
+class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
+    def __init__(self, svc: Service, metrics):
+        self.svc = svc
+        self.metrics = metrics
+
+    def _settings(self, s: api_pb2.Settings) -> dict:
+        return {_PB_SETTINGS[f.name]: v for f, v in s.ListFields()}
+
+    @rpc
+    async def PutQueue(self, p, req, ctx):
+        created, doc = await self.svc.put_queue(p, req.name, self._settings(req.settings))
+        return api_pb2.PutQueueResponse(created=created, queue=_queue_pb(doc))
+
+    @rpc
+    async def GetQueue(self, p, req, ctx):
+        return _queue_pb(self.svc.get_queue(p, req.name))
+
+    @rpc
+    async def ListQueues(self, p, req, ctx):
+        return api_pb2.ListQueuesResponse(queues=[_queue_pb(d) for d in self.svc.list_queues(p)])
+
+    @rpc
+    async def DeleteQueue(self, p, req, ctx):
+        await self.svc.delete_queue(p, req.name)
+        return api_pb2.Empty()
+
+    @rpc
+    async def Redrive(self, p, req, ctx):
+        return api_pb2.RedriveResponse(moved=await self.svc.redrive(p, req.name))
+
+    @rpc
+    async def Send(self, p, req, ctx):
+        [(mid, dup)] = await self.svc.send(p, [(req.queue, req.body, req.delay_seconds, req.dedup_key)])
+        return api_pb2.SendResponse(id=mid, duplicate=dup)
+
+    @rpc
+    async def SendBatch(self, p, req, ctx):
+        res = await self.svc.send(p, [(e.queue, e.body, e.delay_seconds, e.dedup_key) for e in req.entries])
+        return api_pb2.SendBatchResponse(results=[api_pb2.SendResponse(id=i, duplicate=d) for i, d in res])
+
+    @rpc
+    async def Receive(self, p, req, ctx):
+        got = await self.svc.receive(p, req.queue, req.wait_seconds, 1)
+        return api_pb2.ReceiveResponse(messages=[_delivery_pb(d) for d in got])
+
+    @rpc
+    async def ReceiveBatch(self, p, req, ctx):
+        got = await self.svc.receive(p, req.queue, req.wait_seconds, req.max_messages or 1)
+        return api_pb2.ReceiveResponse(messages=[_delivery_pb(d) for d in got])
+
+    @rpc
+    async def Ack(self, p, req, ctx):
+        await self.svc.ack(p, req.token)
+        return api_pb2.Empty()
+
+    @rpc
+    async def Nack(self, p, req, ctx):
+        await self.svc.nack(p, req.token, req.delay_seconds)
+        return api_pb2.Empty()
+
+    @rpc
+    async def Renew(self, p, req, ctx):
+        return api_pb2.RenewResponse(expires_at=self.svc.renew(p, req.token))
+
+    @rpc
+    async def SettleBatch(self, p, req, ctx):
+        items = []
+        for it in req.items:
+            items.append((it.token, _ACTIONS.get(it.action, "unspecified"), it.delay_seconds))
+        out = await self.svc.settle(p, items, per_item_errors=True)
+        results = []
+        for r in out:
+            if isinstance(r, errors.SpoolerError):
+                results.append(api_pb2.SettleResult(error=errors.to_detail(r)))
+            else:
+                results.append(api_pb2.SettleResult(expires_at=r or ""))
+        return api_pb2.SettleBatchResponse(results=results)
+
+    @rpc
+    async def CreateKey(self, p, req, ctx):
+        d = await self.svc.create_key(p, req.queue, list(req.scopes))
+        return api_pb2.KeyInfo(id=d["id"], queue=d["queue"], scopes=d["scopes"], key=d["key"])
+
+    @rpc
+    async def ListKeys(self, p, req, ctx):
+        return api_pb2.ListKeysResponse(keys=[api_pb2.KeyInfo(id=k["id"], queue=k["queue"], scopes=k["scopes"])
+                                              for k in self.svc.list_keys(p)])
+
+    @rpc
+    async def DeleteKey(self, p, req, ctx):
+        await self.svc.delete_key(p, req.id)
+        return api_pb2.Empty()
+
+    @rpc
+    async def GetCluster(self, p, req, ctx):
+        return _cluster_pb(self.svc.cluster(p))
+
+    @rpc
+    async def Promote(self, p, req, ctx):
+        return _cluster_pb(await self.svc.promote(p, req.node))
+
+
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.so_reuseport", 0),
+]
+
+
+async def build_server(svc: Service, metrics, address: str) -> tuple:
+    server = grpc.aio.server(options=GRPC_OPTIONS, maximum_concurrent_rpcs=10_000)
+    api_pb2_grpc.add_SpoolerServicer_to_server(SpoolerServicer(svc, metrics), server)
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind gRPC to {address}")
+    return server, health_servicer, port
+
+
+async def set_serving(health_servicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", "spooler.v1.Spooler"):
+        r = health_servicer.set(name, status)
+        if hasattr(r, "__await__"):
+            await r

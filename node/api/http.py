@@ -1,0 +1,202 @@
+"""HTTP/JSON API (aiohttp), exactly the routes of the contract plus key management.
+
+Parsing and rendering only: every decision is in ``service.Service``, every
+error is rendered from the one table in ``spooler.errors``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+from aiohttp import web
+
+from spooler import errors
+from node.api.service import Service
+
+log = logging.getLogger("spooler.http")
+
+JSON = "application/json"
+
+
+def _json(obj, status=200) -> web.Response:
+    return web.Response(status=status, body=json.dumps(obj).encode(), content_type=JSON)
+
+
+def _error(e: errors.SpoolerError) -> web.Response:
+    r = web.Response(status=e.http_status, body=errors.http_body(e), content_type=JSON)
+    r.headers.update(errors.http_headers(e))
+    return r
+
+
+async def _read_json(request: web.Request):
+    data = await request.read()
+    if not data.strip():
+        return {}
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        raise errors.InvalidArgument("body is not valid JSON") from None
+
+
+def build_app(svc: Service, metrics) -> web.Application:
+    lim = svc.limits
+    # Bodies beyond this never reach a handler (413); a single message is
+    # checked against body_bytes_max before it is read.
+    app = web.Application(client_max_size=lim.body_bytes_max + 1, middlewares=[_errors_mw(metrics)])
+
+    async def add_epoch(request, response):
+        response.headers["Spooler-Epoch"] = str(svc.engine.epoch)
+
+    app.on_response_prepare.append(add_epoch)
+
+    def principal(request):
+        return svc.authenticate(request.headers.get("Authorization"))
+
+    # ------------------------------------------------------------ queues
+    async def put_queue(request):
+        p = principal(request)
+        name = svc.check_name(request.match_info["queue"])
+        settings = await _read_json(request)
+        created, doc = await svc.put_queue(p, name, settings)
+        return _json(doc, 201 if created else 200)
+
+    async def get_queue(request):
+        return _json(svc.get_queue(principal(request), request.match_info["queue"]))
+
+    async def list_queues(request):
+        return _json({"queues": svc.list_queues(principal(request))})
+
+    async def delete_queue(request):
+        await svc.delete_queue(principal(request), request.match_info["queue"])
+        return web.Response(status=204)
+
+    async def redrive(request):
+        moved = await svc.redrive(principal(request), request.match_info["queue"])
+        return _json({"moved": moved})
+
+    # ---------------------------------------------------------- messages
+    async def send(request):
+        p = principal(request)
+        queue = request.match_info["queue"]
+        if request.content_length is not None and request.content_length > lim.body_bytes_max:
+            raise errors.MessageTooLarge(f"message of {request.content_length} bytes; the limit is {lim.body_bytes_max}")
+        delay = svc.parse_seconds_header(request.headers.get("Spooler-Delay-Seconds"), "Spooler-Delay-Seconds",
+                                         lim.delay_s_max)
+        key = request.headers.get("Spooler-Dedup-Key")
+        if key is not None and (not key or len(key) > lim.dedup_key_chars_max):
+            raise errors.InvalidArgument(f"Spooler-Dedup-Key: 1..{lim.dedup_key_chars_max} characters")
+        body = await request.read()
+        [(mid, dup)] = await svc.send(p, [(queue, body, delay, key or "")])
+        return _json({"id": mid, "duplicate": dup}, 200 if dup else 201)
+
+    async def receive(request):
+        p = principal(request)
+        raw = request.query.get("wait", "0")
+        wait = svc.parse_seconds_header(raw, "wait", lim.wait_s_max)
+        got = await svc.receive(p, request.match_info["queue"], wait, 1)
+        if not got:
+            return web.Response(status=204)
+        d = got[0]
+        return web.Response(status=200, body=d.body, content_type="application/octet-stream", headers={
+            "Spooler-Message-Id": d.id, "Spooler-Lease-Token": d.token,
+            "Spooler-Retry-Count": str(d.retry_count), "Spooler-Lease-Expires-At": d.expires_at})
+
+    # ------------------------------------------------------------ leases
+    async def ack(request):
+        await svc.ack(principal(request), request.match_info["token"])
+        return web.Response(status=204)
+
+    async def nack(request):
+        p = principal(request)
+        delay = svc.parse_seconds_header(request.headers.get("Spooler-Delay-Seconds"), "Spooler-Delay-Seconds",
+                                         lim.delay_s_max)
+        await svc.nack(p, request.match_info["token"], delay)
+        return web.Response(status=204)
+
+    async def renew(request):
+        return _json({"expiresAt": svc.renew(principal(request), request.match_info["token"])})
+
+    # -------------------------------------------------------------- keys
+    async def create_key(request):
+        p = principal(request)
+        body = await _read_json(request)
+        if not isinstance(body, dict):
+            raise errors.InvalidArgument("body must be a JSON object")
+        return _json(await svc.create_key(p, body.get("queue", "*"), body.get("scopes")), 201)
+
+    async def list_keys(request):
+        return _json({"keys": svc.list_keys(principal(request))})
+
+    async def delete_key(request):
+        await svc.delete_key(principal(request), request.match_info["id"])
+        return web.Response(status=204)
+
+    # ----------------------------------------------------------- cluster
+    async def cluster(request):
+        return _json(svc.cluster(principal(request)))
+
+    async def promote(request):
+        p = principal(request)
+        body = await _read_json(request)
+        if not isinstance(body, dict):
+            raise errors.InvalidArgument("body must be a JSON object")
+        return _json(await svc.promote(p, body.get("node")))
+
+    # --------------------------------------------------------------- ops
+    async def healthz(request):
+        return _json({"status": "ok"})
+
+    async def readyz(request):
+        if not svc.engine.ready:
+            raise errors.Unavailable("not ready", retry_after_s=1.0)
+        return _json({"status": "ready", "role": "primary", "epoch": svc.engine.epoch})
+
+    async def metrics_route(request):
+        return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    app.add_routes([
+        web.put("/v1/queues/{queue}", put_queue),
+        web.get("/v1/queues/{queue}", get_queue, allow_head=False),
+        web.delete("/v1/queues/{queue}", delete_queue),
+        web.get("/v1/queues", list_queues, allow_head=False),
+        web.post("/v1/queues/{queue}/redrive", redrive),
+        web.post("/v1/queues/{queue}/messages", send),
+        web.post("/v1/queues/{queue}/receive", receive),
+        web.post("/v1/leases/{token}/ack", ack),
+        web.post("/v1/leases/{token}/nack", nack),
+        web.post("/v1/leases/{token}/renew", renew),
+        web.post("/v1/keys", create_key),
+        web.get("/v1/keys", list_keys, allow_head=False),
+        web.delete("/v1/keys/{id}", delete_key),
+        web.get("/v1/cluster", cluster, allow_head=False),
+        web.post("/v1/cluster/promote", promote),
+        web.get("/healthz", healthz, allow_head=False),
+        web.get("/readyz", readyz, allow_head=False),
+        web.get("/metrics", metrics_route, allow_head=False),
+    ])
+    return app
+
+
+def _errors_mw(metrics):
+    @web.middleware
+    async def mw(request, handler):
+        try:
+            return await handler(request)
+        except errors.SpoolerError as e:
+            metrics.http_errors.labels(e.kind).inc()
+            return _error(e)
+        except web.HTTPRequestEntityTooLarge as e:
+            return _error(errors.MessageTooLarge(f"body over the limit ({e.text})"))
+        except web.HTTPMethodNotAllowed:
+            return _error(errors.MethodNotAllowed(f"{request.method} is not allowed on {request.path}"))
+        except web.HTTPNotFound:
+            return _error(errors.NotFound(f"no route {request.path}"))
+        except web.HTTPException as e:
+            if e.status >= 400:
+                return _error(errors.InvalidArgument(e.reason or str(e.status)))
+            raise
+        except Exception:
+            log.exception("unexpected error on %s %s", request.method, request.path)
+            metrics.http_errors.labels("internal").inc()
+            return _error(errors.Internal("internal error"))
+    return mw

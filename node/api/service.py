@@ -1,0 +1,415 @@
+"""The transport-neutral API: what every route and RPC does.
+
+HTTP (``http.py``) and gRPC (``grpc_api.py``) only parse, call a method here
+and render the answer; validation, authorization, limits and the mapping to
+log records live here once. Errors are raised as ``spooler.errors`` classes.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Optional
+
+from spooler import errors
+from spooler.pb import log_pb2
+from node.core.spool import US, BadToken, StaleLeaseError, failure_queue_of
+from node.engine import Engine
+
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,80}$")
+DERIVED_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,255}$")  # failure queues may be derived: "{queue}.failed"
+KEY_ID_RE = re.compile(r"^[a-f0-9]{12}$")
+SCOPES = ("send", "receive", "admin")
+
+# API setting name -> (internal field, to-internal, from-internal)
+SETTINGS = {
+    "leaseTimeoutSeconds": "lease_timeout_us",
+    "maxRetries": "max_retries",
+    "retentionSeconds": "retention_us",
+    "dedupWindowSeconds": "dedup_window_us",
+    "failureQueue": "failure_queue",
+}
+
+
+def rfc3339(us: int) -> str:
+    return datetime.fromtimestamp(us / US, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass(frozen=True)
+class Principal:
+    admin: bool          # a bootstrap admin key: everything
+    queue: str = "*"     # a scoped key's queue, "*" = every queue
+    scopes: frozenset = frozenset()
+    key_id: str = ""
+
+    def allows(self, scope: str, queue: Optional[str]) -> bool:
+        if self.admin:
+            return True
+        if self.queue != "*" and (queue is None or queue != self.queue):
+            return False
+        return scope in self.scopes or "admin" in self.scopes
+
+    def any_scope(self, queue: str) -> bool:
+        return self.admin or ((self.queue == "*" or self.queue == queue) and bool(self.scopes))
+
+
+@dataclass
+class Delivery:
+    id: str
+    body: bytes
+    token: str
+    retry_count: int
+    expires_at: str
+    queue: str
+
+
+class Service:
+    def __init__(self, engine: Engine, admin_keys: list):
+        self.engine = engine
+        self.core = engine.core
+        self.limits = engine.limits
+        self._admin = [hashlib.sha256(k.encode()).digest() for k in admin_keys if k]
+        self._id_prefix = os.urandom(8).hex()
+        self._id_counter = 0
+
+    # -------------------------------------------------------------- auth
+    def authenticate(self, authorization: Optional[str]) -> Principal:
+        if not authorization:
+            raise errors.Unauthenticated("missing Authorization: Bearer <key>")
+        scheme, _, key = authorization.strip().partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key or len(key) > 512:
+            raise errors.Unauthenticated("expected Authorization: Bearer <key>")
+        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+        ok = False
+        for a in self._admin:  # constant time, and compare against every one
+            ok |= hmac.compare_digest(a, digest)
+        if ok:
+            return Principal(admin=True)
+        if key.startswith("spk_"):
+            kid, _, secret = key[4:].partition("_")
+            rec = self.core.keys.get(kid)
+            if rec is not None:
+                sha = hashlib.sha256(secret.encode("utf-8", "surrogateescape")).digest()
+                if hmac.compare_digest(rec[0], sha):
+                    return Principal(admin=False, queue=rec[1], scopes=frozenset(rec[2]), key_id=kid)
+        raise errors.Unauthenticated("unknown key")
+
+    @staticmethod
+    def authorize(p: Principal, scope: str, queue: Optional[str]) -> None:
+        if not p.allows(scope, queue):
+            raise errors.Forbidden(f"key lacks the {scope} scope" + (f" on queue {queue}" if queue else ""))
+
+    def _global_admin(self, p: Principal) -> None:
+        if not (p.admin or (p.queue == "*" and "admin" in p.scopes)):
+            raise errors.Forbidden("needs an admin key for every queue")
+
+    # ---------------------------------------------------------- validation
+    def check_name(self, name: str) -> str:
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise errors.InvalidArgument("queue name must match [A-Za-z0-9._-]{1,80}")
+        return name
+
+    def _queue(self, name: str):
+        q = self.core.queues.get(name)
+        if q is None:
+            raise errors.QueueNotFound(f"queue {name} does not exist")
+        return q
+
+    def _seconds(self, v, what: str, lo: float, hi: float, lo_open: bool = False) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise errors.InvalidArgument(f"{what} must be a number")
+        if v < lo or (lo_open and v <= lo) or v > hi:
+            raise errors.InvalidArgument(f"{what} must be {'>' if lo_open else '>='} {lo:g} and <= {hi:g}")
+        return float(v)
+
+    def parse_seconds_header(self, v: Optional[str], what: str, hi: float) -> float:
+        if v is None or v == "":
+            return 0.0
+        try:
+            f = float(v.strip())
+        except ValueError:
+            raise errors.InvalidArgument(f"{what} must be a number of seconds") from None
+        return self._seconds(f, what, 0.0, hi)
+
+    def settings_to_internal(self, name: str, given: dict) -> log_pb2.QueueSettings:
+        if not isinstance(given, dict):
+            raise errors.InvalidArgument("settings must be a JSON object")
+        lim = self.limits
+        out = log_pb2.QueueSettings()
+        for k, v in given.items():
+            if k not in SETTINGS:
+                raise errors.InvalidArgument(f"unknown setting {k!r}; known: {', '.join(SETTINGS)}")
+            if k == "leaseTimeoutSeconds":
+                out.lease_timeout_us = max(1, round(self._seconds(v, k, 0, lim.lease_timeout_s_max, lo_open=True) * US))
+            elif k == "retentionSeconds":
+                out.retention_us = max(1, round(self._seconds(v, k, 0, lim.retention_s_max, lo_open=True) * US))
+            elif k == "dedupWindowSeconds":
+                out.dedup_window_us = round(self._seconds(v, k, 0, lim.dedup_window_s_max) * US)
+            elif k == "maxRetries":
+                if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= lim.max_retries_max:
+                    raise errors.InvalidArgument(f"maxRetries must be an integer 0..{lim.max_retries_max}")
+                out.max_retries = v
+            elif k == "failureQueue":
+                if not isinstance(v, str) or not NAME_RE.match(v):
+                    raise errors.InvalidArgument("failureQueue must be a queue name [A-Za-z0-9._-]{1,80}")
+                if v == name:
+                    raise errors.InvalidArgument("a queue cannot be its own failure queue")
+                out.failure_queue = v
+        return out
+
+    # -------------------------------------------------------------- queues
+    def queue_doc(self, name: str) -> dict:
+        q = self._queue(name)
+        s = q.settings
+        return {"name": name,
+                "settings": {"leaseTimeoutSeconds": s["lease_timeout_us"] / US,
+                             "maxRetries": s["max_retries"],
+                             "retentionSeconds": s["retention_us"] / US,
+                             "dedupWindowSeconds": s["dedup_window_us"] / US,
+                             "failureQueue": failure_queue_of(name, s)},
+                "stats": self.core.stats(name, self.engine.now_us())}
+
+    async def put_queue(self, p: Principal, name: str, settings: dict) -> tuple:
+        self.check_name(name)
+        self.authorize(p, "admin", name)
+        st = self.settings_to_internal(name, settings)
+        if name not in self.core.queues and len(self.core.queues) >= self.limits.queues_max:
+            raise errors.InvalidArgument(f"at most {self.limits.queues_max} queues")
+        created = await self.engine.propose(log_pb2.Record(queue_put=log_pb2.QueuePut(name=name, settings=st)))
+        return created, self.queue_doc(name)
+
+    def get_queue(self, p: Principal, name: str) -> dict:
+        self.check_name_any(name)
+        if not p.any_scope(name):
+            raise errors.Forbidden(f"key has no scope on queue {name}")
+        return self.queue_doc(name)
+
+    def check_name_any(self, name: str) -> str:
+        if not isinstance(name, str) or not DERIVED_NAME_RE.match(name):
+            raise errors.InvalidArgument("queue name must match [A-Za-z0-9._-]{1,80}")
+        return name
+
+    def list_queues(self, p: Principal) -> list:
+        return [self.queue_doc(n) for n in sorted(self.core.queues) if p.any_scope(n)]
+
+    async def delete_queue(self, p: Principal, name: str) -> None:
+        self.check_name_any(name)
+        self.authorize(p, "admin", name)
+        self._queue(name)
+        await self.engine.propose(log_pb2.Record(queue_delete=log_pb2.QueueDelete(name=name)))
+
+    async def redrive(self, p: Principal, name: str) -> int:
+        self.check_name_any(name)
+        self.authorize(p, "admin", name)
+        self._queue(name)
+        return await self.engine.propose(log_pb2.Record(redrive=log_pb2.Redrive(queue=name)))
+
+    # ------------------------------------------------------------ messages
+    async def send(self, p: Principal, entries: list) -> list:
+        """entries: [(queue, body bytes, delay_s float, dedup_key str)] -> [(id, duplicate)].
+
+        All entries are one log record: stored together or not at all.
+        """
+        lim = self.limits
+        if not entries:
+            raise errors.InvalidArgument("nothing to send")
+        if len(entries) > lim.batch_entries_max:
+            raise errors.InvalidArgument(f"at most {lim.batch_entries_max} messages in a batch")
+        rec = log_pb2.Record()
+        add = rec.send.entries.add
+        total = 0
+        checked: dict = {}  # queue -> room left; each queue is validated once per batch
+        for queue, body, delay_s, key in entries:
+            room = checked.get(queue)
+            if room is None:
+                self.check_name_any(queue)
+                self.authorize(p, "send", queue)
+                room = lim.messages_per_queue_max - len(self._queue(queue).msgs)
+            if room <= 0:
+                raise errors.Unavailable(f"queue {queue} holds its maximum of {lim.messages_per_queue_max} messages",
+                                         retry_after_s=1.0)
+            checked[queue] = room - 1
+            if len(body) > lim.body_bytes_max:
+                raise errors.MessageTooLarge(f"message of {len(body)} bytes; the limit is {lim.body_bytes_max}")
+            total += len(body)
+            if delay_s:
+                delay_s = self._seconds(delay_s, "delay", 0.0, lim.delay_s_max)
+            if key and (len(key) > lim.dedup_key_chars_max or not key.isprintable()):
+                raise errors.InvalidArgument(f"dedup key: 1..{lim.dedup_key_chars_max} printable characters")
+            add(queue=queue, id=self._next_id(), body=body, delay_us=round(delay_s * US) if delay_s else 0,
+                dedup_key=key or "")
+        if total > lim.batch_bytes_max:
+            raise errors.MessageTooLarge(f"batch of {total} bytes; the limit is {lim.batch_bytes_max}")
+        results = await self.engine.propose(rec)
+        out = []
+        for mid, dup_or_error in results:
+            if mid is None:
+                raise errors.make(dup_or_error, "queue was deleted while the send was committed")
+            out.append((mid, dup_or_error))
+        return out
+
+    def _next_id(self) -> str:
+        """Message ids: a random per-process prefix and a counter (unique across
+        restarts and nodes without a syscall per message)."""
+        self._id_counter += 1
+        return f"{self._id_prefix}{self._id_counter:08x}"
+
+    def _lease_out(self, queue: str, max_n: int) -> list:
+        now = self.engine.now_us()
+        got = self.core.receive(queue, now, max_n, self.limits.leases_per_queue_max)
+        return [Delivery(m.id, self.engine.body_of(m), self.encode_token(lease), m.retry,
+                         rfc3339(lease.expires_at), queue) for m, lease in got]
+
+    async def receive(self, p: Principal, queue: str, wait_s: float, max_n: int = 1) -> list:
+        self.check_name_any(queue)
+        self.authorize(p, "receive", queue)
+        self._queue(queue)
+        wait_s = self._seconds(wait_s, "wait", 0.0, self.limits.wait_s_max)
+        if not 1 <= max_n <= self.limits.batch_entries_max:
+            raise errors.InvalidArgument(f"max messages must be 1..{self.limits.batch_entries_max}")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            if not self.engine.ready:
+                raise errors.Unavailable("node is not serving", retry_after_s=1.0)
+            ev = self.engine.queue_event(queue)
+            out = self._lease_out(queue, max_n)
+            if out:
+                return out
+            left = deadline - loop.time()
+            if left <= 0:
+                return []
+            vis = self.core.next_visible_at(queue)
+            if vis is not None:
+                left = min(left, max(0.001, (vis - self.engine.now_us()) / US))
+            try:
+                await asyncio.wait_for(ev.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+            if queue not in self.core.queues:
+                raise errors.QueueNotFound(f"queue {queue} was deleted")
+
+    # -------------------------------------------------------------- leases
+    def encode_token(self, lease) -> str:
+        raw = struct.pack(">BQQ", 1, lease.epoch, lease.id) + lease.nonce + lease.queue.encode()
+        return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+    def decode_token(self, token: str) -> tuple:
+        try:
+            if not isinstance(token, str) or not 27 <= len(token) <= 400:
+                raise ValueError
+            raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+            version, epoch, lease_id = struct.unpack(">BQQ", raw[:17])
+            nonce, queue = raw[17:25], raw[25:].decode()
+            if version != 1 or len(nonce) != 8 or not DERIVED_NAME_RE.match(queue):
+                raise ValueError
+        except (ValueError, UnicodeDecodeError, struct.error):
+            raise errors.InvalidArgument("malformed lease token") from None
+        return epoch, lease_id, nonce, queue
+
+    def _live_lease(self, p: Principal, token: str):
+        epoch, lease_id, nonce, queue = self.decode_token(token)
+        self.authorize(p, "receive", queue)
+        if not self.engine.ready:
+            raise errors.Unavailable("node is not serving", retry_after_s=1.0)
+        try:
+            return self.core.check_lease(epoch, lease_id, nonce, self.engine.now_us())
+        except StaleLeaseError as e:
+            raise errors.StaleLease(f"lease is no longer valid: {e.reason}", reason=e.reason) from None
+        except BadToken as e:
+            raise errors.InvalidArgument(str(e)) from None
+
+    async def ack(self, p: Principal, token: str) -> None:
+        await self.settle(p, [(token, "ack", 0.0)])
+
+    async def nack(self, p: Principal, token: str, delay_s: float = 0.0) -> None:
+        await self.settle(p, [(token, "nack", delay_s)])
+
+    def renew(self, p: Principal, token: str) -> str:
+        lease = self._live_lease(p, token)
+        return rfc3339(self.core.renew(lease, self.engine.now_us()))
+
+    async def settle(self, p: Principal, items: list, per_item_errors: bool = False) -> list:
+        """items: [(token, "ack"|"nack"|"renew", delay_s)]. Acks and nacks share one
+        log record. Returns per item None, an expiresAt string (renew) or, with
+        ``per_item_errors``, the SpoolerError of that item."""
+        if not items:
+            raise errors.InvalidArgument("nothing to settle")
+        if len(items) > self.limits.batch_entries_max:
+            raise errors.InvalidArgument(f"at most {self.limits.batch_entries_max} items in a batch")
+        out: list = [None] * len(items)
+        rec = log_pb2.Record()
+        fenced = []
+        for i, (token, action, delay_s) in enumerate(items):
+            try:
+                if action not in ("ack", "nack", "renew"):
+                    raise errors.InvalidArgument(f"unknown action {action!r}")
+                delay_us = round(self._seconds(delay_s or 0.0, "delay", 0.0, self.limits.delay_s_max) * US)
+                lease = self._live_lease(p, token)
+                if action == "renew":
+                    out[i] = rfc3339(self.core.renew(lease, self.engine.now_us()))
+                    continue
+                self.core.begin_settle(lease)  # fenced: no expiry, no second settle
+                fenced.append(lease)
+                rec.settle.entries.add(kind=log_pb2.ACK if action == "ack" else log_pb2.NACK,
+                                       queue=lease.queue, id=lease.msg_id, delay_us=delay_us if action == "nack" else 0)
+            except errors.SpoolerError as e:
+                if not per_item_errors:
+                    if fenced:  # commit what was already fenced, then report
+                        await self.engine.propose(rec)
+                    raise
+                out[i] = e
+        if rec.settle.entries:
+            await self.engine.propose(rec)
+        return out
+
+    # ---------------------------------------------------------------- keys
+    async def create_key(self, p: Principal, queue: str, scopes: list) -> dict:
+        self._global_admin(p)
+        queue = queue or "*"
+        if queue != "*":
+            self.check_name(queue)
+        if not isinstance(scopes, list) or not scopes or any(s not in SCOPES for s in scopes):
+            raise errors.InvalidArgument(f"scopes: a non-empty list of {', '.join(SCOPES)}")
+        if len(self.core.keys) >= self.limits.keys_max:
+            raise errors.InvalidArgument(f"at most {self.limits.keys_max} keys")
+        kid = os.urandom(6).hex()
+        secret = base64.urlsafe_b64encode(os.urandom(24)).rstrip(b"=").decode()
+        sha = hashlib.sha256(secret.encode()).digest()  # only the hash is stored
+        scopes = sorted(set(scopes))
+        await self.engine.propose(log_pb2.Record(key_put=log_pb2.KeyPut(id=kid, secret_sha256=sha, queue=queue,
+                                                                         scopes=scopes)))
+        return {"id": kid, "key": f"spk_{kid}_{secret}", "queue": queue, "scopes": scopes}
+
+    def list_keys(self, p: Principal) -> list:
+        self._global_admin(p)
+        return [{"id": k, "queue": v[1], "scopes": list(v[2])} for k, v in sorted(self.core.keys.items())]
+
+    async def delete_key(self, p: Principal, kid: str) -> None:
+        self._global_admin(p)
+        if not isinstance(kid, str) or not KEY_ID_RE.match(kid) or kid not in self.core.keys:
+            raise errors.NotFound(f"no key {kid}")
+        await self.engine.propose(log_pb2.Record(key_delete=log_pb2.KeyDelete(id=kid)))
+
+    # ------------------------------------------------------------- cluster
+    def cluster(self, p: Principal) -> dict:
+        e = self.engine
+        return {"nodeId": e.node_id, "role": "primary", "epoch": e.epoch, "primary": e.node_id,
+                "nodes": [{"id": e.node_id, "role": "primary", "address": getattr(e, "grpc_address", ""),
+                           "lsn": e.core.lsn}]}
+
+    async def promote(self, p: Principal, node: str) -> dict:
+        self._global_admin(p)
+        if not isinstance(node, str) or not node:
+            raise errors.InvalidArgument("body must be {\"node\": \"<id>\"}")
+        if node != self.engine.node_id:
+            raise errors.InvalidArgument(f"unknown node {node}")
+        return self.cluster(p)  # a single node is already the primary

@@ -1,0 +1,534 @@
+"""The pure spool state machine: queues, messages, leases.
+
+No IO and no clock here. Two kinds of input:
+
+* ``apply(record)`` — a committed log record (``spooler.pb.log_pb2.Record``).
+  Deterministic: it reads only the record (its ``ts_us`` is the primary's
+  stamped time) and the state, so every node that applies the same records in
+  the same order holds the same state. It never raises for a well-formed
+  record: a command that no longer fits the state (a message acked twice, a
+  queue deleted meanwhile) is a no-op with a result saying so.
+* lease calls — ``receive``, ``check_lease``, ``renew``, ``due_expiries`` —
+  with an explicit ``now_us``. Leases live in memory on the primary only and
+  are never logged: a primary change drops them by design, and their messages
+  are visible again at once with the retry count they had.
+
+Every change also lands in ``self.dirty`` so the store can checkpoint the
+materialised state in batches (see ``node/store``); the log stays the source
+of truth until then.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from spooler.pb import log_pb2
+
+US = 1_000_000
+
+# Message lifecycle. Transitions (h11-style, in one place):
+#   send ──> READY | DELAYED;  DELAYED ──time──> READY;  READY ──receive──> LEASED
+#   LEASED ──ack──> (gone)     LEASED ──nack/expiry──> READY | DELAYED | failure queue | (gone: retention)
+#   LEASED ──primary change──> READY (retry count unchanged)
+#   READY|DELAYED ──retention──> (gone)     any ──redrive/move──> READY in another queue
+READY, DELAYED, LEASED = "ready", "delayed", "leased"
+
+ACTIVE, SETTLING, EXPIRING = "active", "settling", "expiring"
+
+DEFAULT_SETTINGS = {
+    "lease_timeout_us": 30 * US,
+    "max_retries": 5,
+    "retention_us": 345_600 * US,
+    "dedup_window_us": 0,
+    "failure_queue": "",  # "" = "{queue}.failed"
+}
+
+
+def failure_queue_of(name: str, settings: dict) -> str:
+    return settings["failure_queue"] or f"{name}.failed"
+
+
+class Msg:
+    __slots__ = ("id", "queue", "seq", "body", "retry", "visible_at", "expires_at", "state",
+                 "lease", "gen", "persisted", "removed")
+
+    def __init__(self, id, queue, seq, body, retry, visible_at, expires_at):
+        self.id = id
+        self.queue = queue
+        self.seq = seq
+        self.body = body           # None once checkpointed: read from the store
+        self.retry = retry
+        self.visible_at = visible_at
+        self.expires_at = expires_at
+        self.state = READY
+        self.lease = 0             # lease id while LEASED
+        self.gen = 0               # heap entries carry gen; a stale entry is skipped
+        self.persisted = False     # a row exists in the store's messages table
+        self.removed = False
+
+
+class Lease:
+    __slots__ = ("id", "nonce", "queue", "msg_id", "epoch", "expires_at", "state")
+
+    def __init__(self, id, nonce, queue, msg_id, epoch, expires_at):
+        self.id = id
+        self.nonce = nonce
+        self.queue = queue
+        self.msg_id = msg_id
+        self.epoch = epoch
+        self.expires_at = expires_at
+        self.state = ACTIVE
+
+
+class Queue:
+    def __init__(self, name: str, settings: dict):
+        self.name = name
+        self.settings = dict(settings)
+        self.msgs: dict[str, Msg] = {}
+        self.ready: list = []      # (seq, gen, id)
+        self.delayed: list = []    # (visible_at, seq, gen, id)
+        self.retention: list = []  # (expires_at, seq, id)
+        self.n_ready = self.n_delayed = self.n_leased = 0
+        self.counters = {"sent": 0, "acked": 0, "failed": 0, "expired": 0, "nacked": 0,
+                         "lease_expired": 0}
+        self.dedup: dict[str, tuple] = {}  # key -> (message id, until_us)
+        self.dedup_heap: list = []         # (until_us, key)
+
+    @property
+    def failure_queue(self) -> str:
+        return failure_queue_of(self.name, self.settings)
+
+
+@dataclass
+class Dirty:
+    """What changed since the last checkpoint (values are read at checkpoint time)."""
+
+    msgs: dict = field(default_factory=dict)     # id -> Msg (removed or not)
+    queues: set = field(default_factory=set)     # names (present or deleted)
+    dedup: set = field(default_factory=set)      # (queue, key)
+    keys: set = field(default_factory=set)       # key ids
+
+    def __len__(self):
+        return len(self.msgs) + len(self.queues) + len(self.dedup) + len(self.keys)
+
+
+class Core:
+    def __init__(self, rand: Callable[[int], bytes], ended_leases_max: int = 100_000):
+        self.rand = rand                 # injected randomness (lease nonces)
+        self.epoch = 0                   # epoch of the last applied record
+        self.lsn = 0                     # lsn of the last applied record
+        self.next_seq = 1                # message order (oldest first)
+        self.queues: dict[str, Queue] = {}
+        self.keys: dict[str, tuple] = {}  # key id -> (sha256, queue, scopes tuple)
+        self.leases: dict[int, Lease] = {}
+        self.lease_heap: list = []       # (expires_at, lease id)
+        self.next_lease_id = 1
+        self.ended: OrderedDict[int, str] = OrderedDict()  # lease id -> reason, bounded
+        self.ended_leases_max = ended_leases_max
+        self.dirty = Dirty()
+        self.woken: set = set()          # queues that gained ready messages since last drained
+
+    # ------------------------------------------------------------------ apply
+    def apply(self, rec) -> object:
+        assert rec.lsn == self.lsn + 1, f"log gap: applying lsn {rec.lsn} after {self.lsn}"
+        assert rec.epoch >= self.epoch, f"epoch went back: {rec.epoch} after {self.epoch}"
+        self.lsn = rec.lsn
+        self.epoch = rec.epoch
+        op = rec.WhichOneof("op")
+        return getattr(self, "_apply_" + op)(getattr(rec, op), rec.ts_us)
+
+    def _apply_epoch_begin(self, op, ts):
+        # A primary change: every lease of an older epoch is gone; its message
+        # is visible at once, retry count unchanged (infrastructure, not consumer).
+        for lease in list(self.leases.values()):
+            q = self.queues.get(lease.queue)
+            m = q.msgs.get(lease.msg_id) if q else None
+            if m is not None and m.state == LEASED:
+                self._detach(q, m, "primary_changed")
+                m.visible_at = min(m.visible_at, ts)
+                self._make_available(q, m, ts)
+            self._end_lease(lease, "primary_changed")
+        self.lease_heap.clear()
+        return None
+
+    def _apply_queue_put(self, op, ts):
+        given = {f.name: v for f, v in op.settings.ListFields()}
+        q = self.queues.get(op.name)
+        created = q is None
+        if created:
+            q = self.queues[op.name] = Queue(op.name, {**DEFAULT_SETTINGS, **given})
+        else:
+            q.settings.update(given)
+        self.dirty.queues.add(op.name)
+        return created
+
+    def _apply_queue_delete(self, op, ts):
+        q = self.queues.pop(op.name, None)
+        if q is None:
+            return False
+        for m in list(q.msgs.values()):
+            self._detach(q, m, "settled")
+            self._remove(m)
+        for key in q.dedup:
+            self.dirty.dedup.add((q.name, key))
+        self.dirty.queues.add(op.name)
+        return True
+
+    def _apply_send(self, op, ts):
+        """Per entry: (id, duplicate) or (None, error kind)."""
+        out = []
+        queues = self.queues
+        for e in op.entries:
+            q = queues.get(e.queue)
+            if q is None:
+                out.append((None, "queue_not_found"))
+                continue
+            mid = e.id
+            key = e.dedup_key
+            if key:
+                window = q.settings["dedup_window_us"]
+                if window > 0:
+                    self._prune_dedup(q, ts)
+                    hit = q.dedup.get(key)
+                    if hit is not None and ts < hit[1]:
+                        out.append((hit[0], True))
+                        continue
+                    q.dedup[key] = (mid, ts + window)
+                    heapq.heappush(q.dedup_heap, (ts + window, key))
+                    self.dirty.dedup.add((q.name, key))
+            visible_at = ts + e.delay_us if e.delay_us > 0 else ts
+            m = Msg(mid, q.name, self.next_seq, e.body, 0, visible_at, visible_at + q.settings["retention_us"])
+            self.next_seq += 1
+            q.msgs[mid] = m
+            q.counters["sent"] += 1
+            self._make_available(q, m, ts)
+            heapq.heappush(q.retention, (m.expires_at, m.seq, mid))
+            out.append((mid, False))
+            self.dirty.queues.add(q.name)
+        return out
+
+    def _apply_settle(self, op, ts):
+        """Per entry: True if it changed a message, False if the message was gone."""
+        out = []
+        for e in op.entries:
+            q = self.queues.get(e.queue)
+            m = q.msgs.get(e.id) if q else None
+            if m is None:
+                out.append(False)
+                continue
+            self._detach(q, m, "settled" if e.kind != log_pb2.EXPIRE else "expired")
+            if e.kind == log_pb2.ACK:
+                q.counters["acked"] += 1
+                self._remove(m)
+            else:
+                q.counters["nacked" if e.kind == log_pb2.NACK else "lease_expired"] += 1
+                delay = e.delay_us if e.kind == log_pb2.NACK else 0
+                self._retry_or_fail(q, m, ts, delay)
+            self.dirty.queues.add(q.name)
+            out.append(True)
+        return out
+
+    def _apply_drop(self, op, ts):
+        q = self.queues.get(op.queue)
+        n = 0
+        for mid in op.ids:
+            m = q.msgs.get(mid) if q else None
+            if m is None or ts < m.expires_at:
+                continue
+            self._detach(q, m, "expired")
+            self._remove(m)
+            q.counters["expired"] += 1
+            n += 1
+        if n:
+            self.dirty.queues.add(q.name)
+        return n
+
+    def _apply_redrive(self, op, ts):
+        q = self.queues.get(op.queue)
+        if q is None:
+            return 0
+        fq = self.queues.get(q.failure_queue)
+        if fq is None or fq is q:
+            return 0
+        moved = 0
+        for m in sorted(fq.msgs.values(), key=lambda m: m.seq):
+            self._detach(fq, m, "settled")
+            self._move(fq, m, q, ts)
+            moved += 1
+        self.dirty.queues.update((q.name, fq.name))
+        return moved
+
+    def _apply_key_put(self, op, ts):
+        self.keys[op.id] = (bytes(op.secret_sha256), op.queue, tuple(op.scopes))
+        self.dirty.keys.add(op.id)
+        return None
+
+    def _apply_key_delete(self, op, ts):
+        found = self.keys.pop(op.id, None) is not None
+        self.dirty.keys.add(op.id)
+        return found
+
+    # --------------------------------------------------------------- helpers
+    def _seq(self) -> int:
+        s = self.next_seq
+        self.next_seq += 1
+        return s
+
+    def _make_available(self, q: Queue, m: Msg, now: int) -> None:
+        """Place a message that is not leased into the ready or delayed set."""
+        m.gen += 1
+        if m.visible_at > now:
+            m.state = DELAYED
+            q.n_delayed += 1
+            heapq.heappush(q.delayed, (m.visible_at, m.seq, m.gen, m.id))
+        else:
+            m.state = READY
+            q.n_ready += 1
+            heapq.heappush(q.ready, (m.seq, m.gen, m.id))
+            self.woken.add(q.name)
+        self.dirty.msgs[m.id] = m
+
+    def _detach(self, q: Queue, m: Msg, lease_end_reason: str) -> None:
+        """Take a message out of whichever set holds it (ready, delayed or leased);
+        a lease on it ends with ``lease_end_reason``. Heap entries go stale via gen."""
+        if m.state == READY:
+            q.n_ready -= 1
+        elif m.state == DELAYED:
+            q.n_delayed -= 1
+        elif m.state == LEASED:
+            q.n_leased -= 1
+            self._end_lease(self.leases.get(m.lease), lease_end_reason)
+        m.gen += 1
+        m.state = None
+
+    def _remove(self, m: Msg) -> None:
+        q = self.queues.get(m.queue)
+        if q is not None and q.msgs.get(m.id) is m:
+            del q.msgs[m.id]
+        m.removed = True
+        self.dirty.msgs[m.id] = m
+
+    def _retry_or_fail(self, q: Queue, m: Msg, ts: int, delay_us: int) -> None:
+        if ts >= m.expires_at:  # its retention ended while it was leased
+            q.counters["expired"] += 1
+            self._remove(m)
+            return
+        if m.retry + 1 > q.settings["max_retries"]:
+            q.counters["failed"] += 1
+            fq = self._ensure_queue(q.failure_queue)
+            if fq is q:  # a queue that is its own failure queue: keep it, count saturates
+                m.visible_at = ts + max(0, delay_us)
+                self._make_available(q, m, ts)
+                return
+            self._move(q, m, fq, ts)
+            return
+        m.retry += 1
+        m.visible_at = ts + max(0, delay_us)
+        self._make_available(q, m, ts)
+
+    def _move(self, src: Queue, m: Msg, dst: Queue, ts: int) -> None:
+        """Move a taken message into ``dst`` as a new arrival with retry count 0."""
+        del src.msgs[m.id]
+        m.queue = dst.name
+        m.seq = self._seq()
+        m.retry = 0
+        m.visible_at = ts
+        m.expires_at = ts + dst.settings["retention_us"]
+        dst.msgs[m.id] = m
+        heapq.heappush(dst.retention, (m.expires_at, m.seq, m.id))
+        self._make_available(dst, m, ts)
+        self.dirty.queues.add(dst.name)
+
+    def _ensure_queue(self, name: str) -> Queue:
+        q = self.queues.get(name)
+        if q is None:
+            q = self.queues[name] = Queue(name, DEFAULT_SETTINGS)
+            self.dirty.queues.add(name)
+        return q
+
+    def _prune_dedup(self, q: Queue, ts: int) -> None:
+        h = q.dedup_heap
+        while h and h[0][0] <= ts:
+            until, key = heapq.heappop(h)
+            hit = q.dedup.get(key)
+            if hit is not None and hit[1] == until:
+                del q.dedup[key]
+                self.dirty.dedup.add((q.name, key))
+
+    def _end_lease(self, lease: Optional[Lease], reason: str) -> None:
+        if lease is None:
+            return
+        self.leases.pop(lease.id, None)
+        self.ended[lease.id] = reason
+        while len(self.ended) > self.ended_leases_max:
+            self.ended.popitem(last=False)
+
+    # ------------------------------------------------------- time (primary)
+    def promote(self, q: Queue, now: int) -> None:
+        """Delayed messages whose time has come become ready."""
+        h = q.delayed
+        while h and h[0][0] <= now:
+            _, seq, gen, mid = heapq.heappop(h)
+            m = q.msgs.get(mid)
+            if m is None or m.gen != gen or m.state != DELAYED:
+                continue
+            q.n_delayed -= 1
+            m.gen += 1
+            m.state = READY
+            q.n_ready += 1
+            heapq.heappush(q.ready, (m.seq, m.gen, m.id))
+            self.woken.add(q.name)
+
+    def next_visible_at(self, queue: str) -> Optional[int]:
+        q = self.queues.get(queue)
+        if q is None:
+            return None
+        h = q.delayed
+        while h:
+            vis, _, gen, mid = h[0]
+            m = q.msgs.get(mid)
+            if m is not None and m.gen == gen and m.state == DELAYED:
+                return vis
+            heapq.heappop(h)
+        return None
+
+    # --------------------------------------------------------- leases (primary)
+    def receive(self, queue: str, now: int, max_n: int = 1, leases_max: int = 1 << 62) -> list:
+        """Lease up to ``max_n`` of the oldest visible messages. Returns [(Msg, Lease)].
+
+        Only the primary calls this; the caller has checked that the queue exists.
+        """
+        q = self.queues[queue]
+        self.promote(q, now)
+        out = []
+        h = q.ready
+        timeout = q.settings["lease_timeout_us"]
+        while h and len(out) < max_n and q.n_leased < leases_max:
+            seq, gen, mid = heapq.heappop(h)
+            m = q.msgs.get(mid)
+            if m is None or m.gen != gen or m.state != READY:
+                continue
+            if now >= m.expires_at:
+                # retention over: not handed out; due_drops() proposes its Drop
+                continue
+            lease = Lease(self.next_lease_id, self.rand(8), q.name, m.id, self.epoch, now + timeout)
+            self.next_lease_id += 1
+            self.leases[lease.id] = lease
+            heapq.heappush(self.lease_heap, (lease.expires_at, lease.id))
+            q.n_ready -= 1
+            q.n_leased += 1
+            m.gen += 1
+            m.state = LEASED
+            m.lease = lease.id
+            out.append((m, lease))
+        return out
+
+    def check_lease(self, epoch: int, lease_id: int, nonce: bytes, now: int) -> Lease:
+        """The one lease gate: returns the live lease or raises StaleLeaseError."""
+        if epoch != self.epoch:
+            if epoch < self.epoch:
+                raise StaleLeaseError("primary_changed")
+            raise BadToken("lease token from an unknown epoch")
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            raise StaleLeaseError(self.ended.get(lease_id, "expired"))
+        if not _same(lease.nonce, nonce):
+            raise BadToken("lease token does not match")
+        if lease.state == SETTLING:
+            raise StaleLeaseError("settled")
+        if lease.state == EXPIRING or now >= lease.expires_at:
+            raise StaleLeaseError("expired")
+        return lease
+
+    def begin_settle(self, lease: Lease) -> None:
+        """Fence a lease while its ack/nack is being committed: no expiry, no second settle."""
+        lease.state = SETTLING
+
+    def renew(self, lease: Lease, now: int) -> int:
+        q = self.queues[lease.queue]
+        lease.expires_at = now + q.settings["lease_timeout_us"]
+        heapq.heappush(self.lease_heap, (lease.expires_at, lease.id))
+        return lease.expires_at
+
+    def due_expiries(self, now: int) -> list:
+        """Leases whose time ran out: [(queue, message id)] for a Settle(EXPIRE) record."""
+        out = []
+        h = self.lease_heap
+        while h and h[0][0] <= now:
+            exp, lid = heapq.heappop(h)
+            lease = self.leases.get(lid)
+            if lease is None or lease.state != ACTIVE or lease.expires_at != exp:
+                continue
+            lease.state = EXPIRING
+            out.append((lease.queue, lease.msg_id))
+        return out
+
+    def due_drops(self, now: int, max_n: int = 10_000) -> list:
+        """Messages past retention and not leased: [(queue, [ids])] for Drop records."""
+        out = []
+        for q in self.queues.values():
+            h = q.retention
+            ids = []
+            while h and h[0][0] <= now and len(ids) < max_n:
+                exp, seq, mid = heapq.heappop(h)
+                m = q.msgs.get(mid)
+                if m is None or m.expires_at != exp:
+                    continue
+                if m.state == LEASED:
+                    continue  # dropped when its lease ends (see _retry_or_fail)
+                ids.append(mid)
+            if ids:
+                out.append((q.name, ids))
+        return out
+
+    # ------------------------------------------------------------- reading
+    def stats(self, queue: str, now: int) -> dict:
+        q = self.queues[queue]
+        self.promote(q, now)
+        c = q.counters
+        return {"visible": q.n_ready, "leased": q.n_leased, "delayed": q.n_delayed,
+                "sentTotal": c["sent"], "ackedTotal": c["acked"], "failedTotal": c["failed"],
+                "expiredTotal": c["expired"], "nackedTotal": c["nacked"],
+                "leaseExpiredTotal": c["lease_expired"]}
+
+    # ------------------------------------------------------------- loading
+    def load_queue(self, name: str, settings: dict, counters: dict) -> None:
+        q = self.queues[name] = Queue(name, settings)
+        q.counters.update(counters)
+
+    def load_message(self, queue, id, seq, retry, visible_at, expires_at, now) -> None:
+        q = self.queues[queue]
+        m = Msg(id, queue, seq, None, retry, visible_at, expires_at)
+        m.persisted = True
+        q.msgs[id] = m
+        self._make_available(q, m, now)
+        del self.dirty.msgs[id]  # loaded from the store: nothing to write back
+        heapq.heappush(q.retention, (expires_at, seq, id))
+        self.next_seq = max(self.next_seq, seq + 1)
+
+    def load_dedup(self, queue, key, msg_id, until) -> None:
+        q = self.queues[queue]
+        q.dedup[key] = (msg_id, until)
+        heapq.heappush(q.dedup_heap, (until, key))
+
+
+class StaleLeaseError(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class BadToken(Exception):
+    pass
+
+
+def _same(a: bytes, b: bytes) -> bool:
+    # constant-time compare without importing hmac into the core's hot path
+    if len(a) != len(b):
+        return False
+    r = 0
+    for x, y in zip(a, b):
+        r |= x ^ y
+    return r == 0

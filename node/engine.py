@@ -1,0 +1,352 @@
+"""The IO shell around the pure core: group commit, apply, timers, checkpoints.
+
+The write path, in the order it is enforced here (``_commit_loop``):
+
+    1. a caller proposes an operation -> it waits in ``_pending``;
+    2. the writer takes every pending operation, stamps epoch, lsn and the
+       primary's time, chains the checksum and encodes the records;
+    3. the store appends them in ONE transaction: one fsync for the batch;
+    4. (cluster) the records are confirmed by a quorum of replicas;
+    5. only then are they applied to the core, and only then do callers get
+       their results — so a 201/204 always means "durable".
+
+The core therefore only ever holds committed state: a receive can never hand
+out a message whose send is not yet durable.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
+
+from spooler import errors
+from spooler.pb import log_pb2
+from node.core.spool import Core, US
+from node.store.sqlite import CheckpointData, Store, chain
+
+log = logging.getLogger("spooler.engine")
+
+
+def wall_us() -> int:
+    return time.time_ns() // 1000
+
+
+class Limits:
+    """Every bound of the node in one place (documented in docs/limits.md)."""
+
+    def __init__(self, **kw):
+        self.body_bytes_max = 256 * 1024
+        self.queue_name_chars_max = 80
+        self.dedup_key_chars_max = 128
+        self.wait_s_max = 20.0
+        self.delay_s_max = 14 * 86400.0
+        self.batch_entries_max = 1000
+        self.batch_bytes_max = 8 * 1024 * 1024
+        self.leases_per_queue_max = 100_000
+        self.messages_per_queue_max = 2_000_000
+        self.queues_max = 10_000
+        self.keys_max = 10_000
+        self.commit_records_max = 4096       # records in one group commit
+        self.commit_bytes_max = 16 * 1024 * 1024
+        self.pending_records_max = 65_536    # waiting for the writer; beyond: 503
+        self.lease_timeout_s_max = 43_200.0
+        self.retention_s_max = 14 * 86400.0
+        self.dedup_window_s_max = 86_400.0
+        self.max_retries_max = 1000
+        for k, v in kw.items():
+            if not hasattr(self, k):
+                raise TypeError(k)
+            setattr(self, k, v)
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+class Engine:
+    def __init__(self, data_dir: str, node_id: str = "n1", limits: Optional[Limits] = None,
+                 clock_us: Callable[[], int] = wall_us, vfs: Optional[str] = None,
+                 checkpoint_interval_s: float = 1.0, checkpoint_dirty_max: int = 50_000):
+        self.node_id = node_id
+        self.limits = limits or Limits()
+        self.clock_us = clock_us
+        self.store = Store(os.path.join(data_dir, "spool.db"), vfs=vfs)
+        self.core = Core(rand=os.urandom)
+        self.checkpoint_interval_s = checkpoint_interval_s
+        self.checkpoint_dirty_max = checkpoint_dirty_max
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer")
+        self._pending: list = []          # (Record, Future)
+        self._wake: Optional[asyncio.Event] = None
+        self._events: dict[str, asyncio.Event] = {}
+        self._tasks: list = []
+        self.crc = 0                      # checksum after the last appended record
+        self.applied_crc = 0              # checksum after the last applied record
+        self.write_epoch = 0              # epoch stamped on new records
+        self.appended_lsn = 0
+        self.last_ts = 0
+        self.ready = False
+        self.failed: Optional[BaseException] = None
+        self.on_apply = []                # callables(record, result) for metrics
+        self.metrics = None
+
+    # ------------------------------------------------------------ startup
+    def load(self) -> None:
+        """Rebuild the core: checkpointed tables, then replay the log after them."""
+        st, core = self.store, self.core
+        now = self.clock_us()
+        applied = st.applied_position()
+        for name, settings, counters in st.load_queues():
+            core.load_queue(name, settings, counters)
+        for queue, mid, seq, retry, vis, exp in st.load_messages():
+            core.load_message(queue, mid, seq, retry, vis, exp, now)
+        for queue, key, mid, until in st.load_dedup():
+            core.load_dedup(queue, key, mid, until)
+        for kid, sha, queue, scopes in st.load_keys():
+            core.keys[kid] = (sha, queue, scopes)
+        core.next_seq = max(core.next_seq, int(st.get_meta("next_seq") or 1))
+        core.lsn, core.epoch = applied.lsn, applied.epoch
+        self.crc = applied.crc
+        self.applied_crc = self.crc
+        replayed = 0
+        while True:
+            rows = st.records_after(core.lsn)
+            if not rows:
+                break
+            for lsn, epoch, crc, data in rows:
+                rec = log_pb2.Record.FromString(data)
+                expect = chain(self.crc, data)
+                if expect != crc:
+                    raise RuntimeError(f"log checksum mismatch at lsn {lsn}: store is corrupt")
+                self.crc = crc
+                core.apply(rec)
+                self.last_ts = max(self.last_ts, rec.ts_us)
+                replayed += 1
+        core.woken.clear()
+        self.appended_lsn = core.lsn
+        self.applied_crc = self.crc
+        log.info("loaded: lsn %d epoch %d, %d records replayed", core.lsn, core.epoch, replayed)
+
+    async def start(self) -> None:
+        """Load, then open a new epoch: a node restart is a primary change."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._io, self.load)
+        self._wake = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._commit_loop(), name="commit"),
+                       asyncio.create_task(self._lease_timer(), name="lease-timer"),
+                       asyncio.create_task(self._retention_timer(), name="retention"),
+                       asyncio.create_task(self._checkpoint_loop(), name="checkpoint")]
+        self.write_epoch = self.core.epoch + 1
+        await self.propose(log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id=self.node_id)))
+        self.ready = True
+        log.info("node %s serving as primary in epoch %d", self.node_id, self.core.epoch)
+
+    async def stop(self) -> None:
+        self.ready = False
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self.failed is None:
+            await asyncio.get_running_loop().run_in_executor(self._io, self._checkpoint_now_sync, self._take_checkpoint())
+        self._io.shutdown(wait=True)
+        self.store.close()
+
+    @property
+    def epoch(self) -> int:
+        return self.core.epoch
+
+    # ------------------------------------------------------------- writes
+    def propose(self, rec) -> asyncio.Future:
+        """Queue a record for the next group commit; the future resolves to the
+        core's apply result once the record is durable (and applied)."""
+        if self.failed is not None:
+            raise errors.Unavailable("node stopped after a storage failure", retry_after_s=1.0)
+        if len(self._pending) >= self.limits.pending_records_max:
+            raise errors.Unavailable("write queue full", retry_after_s=0.5)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((rec, fut))
+        self._wake.set()
+        return fut
+
+    async def _commit_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        lim = self.limits
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                n = min(len(self._pending), lim.commit_records_max)
+                taken = self._pending[:n]
+                del self._pending[:n]
+                batch, rows = [], []
+                for rec, fut in taken:
+                    rec.epoch = self.write_epoch
+                    self.appended_lsn += 1
+                    rec.lsn = self.appended_lsn
+                    # the primary's time, stamped once; never goes backwards
+                    self.last_ts = rec.ts_us = max(self.last_ts, self.clock_us())
+                    data = rec.SerializeToString()
+                    self.crc = chain(self.crc, data)
+                    rows.append((rec.lsn, rec.epoch, self.crc, data))
+                    batch.append((rec, fut, self.crc))
+                t = time.perf_counter()
+                try:
+                    # 1. fsync (one transaction, one fsync for the whole batch)
+                    await loop.run_in_executor(self._io, self.store.append, rows)
+                except Exception as e:  # fsync/IO failure: never confirm, stop serving
+                    self._fail(e, batch)
+                    return
+                if self.metrics:
+                    self.metrics.observe_commit(len(rows), time.perf_counter() - t)
+                # 2. (cluster) quorum confirmation goes here, before any answer.
+                # 3. Durable: only now apply and answer.
+                for rec, fut, crc in batch:
+                    try:
+                        result = self.core.apply(rec)
+                    except Exception as e:  # a broken invariant stops the node
+                        self._fail(e, [])
+                        raise
+                    self.applied_crc = crc
+                    if not fut.done():
+                        fut.set_result(result)
+                    for cb in self.on_apply:
+                        cb(rec, result)
+                self._wake_receivers()
+
+    def _fail(self, e: BaseException, batch) -> None:
+        log.critical("storage failure, the node stops serving: %r", e)
+        self.failed = e
+        self.ready = False
+        err = errors.OperationUnconfirmed(f"storage failure: {e}")
+        for _, fut in batch:
+            if not fut.done():
+                fut.set_exception(err)
+        for _, fut, _ in self._pending:
+            if not fut.done():
+                fut.set_exception(errors.Unavailable("node stopped after a storage failure"))
+        self._pending.clear()
+        if self.on_fatal:
+            self.on_fatal(e)
+
+    on_fatal = None
+
+    # ---------------------------------------------------------- receivers
+    def _wake_receivers(self) -> None:
+        woken = self.core.woken
+        if not woken:
+            return
+        for name in woken:
+            ev = self._events.pop(name, None)
+            if ev is not None:
+                ev.set()
+        woken.clear()
+
+    def queue_event(self, queue: str) -> asyncio.Event:
+        ev = self._events.get(queue)
+        if ev is None:
+            ev = self._events[queue] = asyncio.Event()
+        return ev
+
+    # -------------------------------------------------------------- timers
+    async def _lease_timer(self, tick_s: float = 0.02) -> None:
+        """Lease expiry is the server's nack: a Settle(EXPIRE) record."""
+        while True:
+            await asyncio.sleep(tick_s)
+            due = self.core.due_expiries(self.clock_us())
+            if due:
+                rec = log_pb2.Record()
+                for queue, mid in due:
+                    rec.settle.entries.add(kind=log_pb2.EXPIRE, queue=queue, id=mid)
+                try:
+                    self.propose(rec)
+                except errors.SpoolerError:
+                    pass  # the node is stopping; leases die with it
+            # delayed messages whose time came: wake long polls on their queue
+            now = self.clock_us()
+            for name, ev in list(self._events.items()):
+                vis = self.core.next_visible_at(name)
+                if vis is not None and vis <= now:
+                    self._events.pop(name, None)
+                    ev.set()
+
+    async def _retention_timer(self, tick_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(tick_s)
+            for queue, ids in self.core.due_drops(self.clock_us()):
+                try:
+                    self.propose(log_pb2.Record(drop=log_pb2.Drop(queue=queue, ids=ids)))
+                except errors.SpoolerError:
+                    return
+
+    async def _checkpoint_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.checkpoint_interval_s)
+            if not len(self.core.dirty):
+                continue
+            c = self._take_checkpoint()
+            try:
+                await loop.run_in_executor(self._io, self._checkpoint_now_sync, c)
+            except Exception as e:
+                self._fail(e, [])
+                return
+            # Bodies now live in the store: drop them from memory.
+            for mid, m in c.persisted_msgs:
+                if not m.removed:
+                    m.body = None
+
+    def _take_checkpoint(self) -> CheckpointData:
+        """Copy what changed, on the loop thread, consistent at the applied lsn."""
+        core = self.core
+        d, core.dirty = core.dirty, type(core.dirty)()
+        queues = []
+        for name in d.queues:
+            q = core.queues.get(name)
+            if q is None:
+                queues.append((name, None, None))
+            else:
+                queues.append((name, json.dumps(q.settings), json.dumps(q.counters)))
+        put, dele, persisted = [], [], []
+        for mid, m in d.msgs.items():
+            if m.removed:
+                if m.persisted:
+                    dele.append(mid)
+                    m.persisted = False
+                continue
+            put.append((mid, m.queue, m.seq, m.retry, m.visible_at, m.expires_at,
+                        None if m.persisted else bytes(m.body)))
+            if not m.persisted:
+                m.persisted = True
+                persisted.append((mid, m))
+        dedup = []
+        for qname, key in d.dedup:
+            q = core.queues.get(qname)
+            hit = q.dedup.get(key) if q else None
+            dedup.append((qname, key, hit[0], hit[1]) if hit else (qname, key, None, 0))
+        keys = []
+        for kid in d.keys:
+            k = core.keys.get(kid)
+            keys.append((kid, k[0], k[1], json.dumps(list(k[2]))) if k else (kid, None, "", ""))
+        c = CheckpointData(lsn=core.lsn, epoch=core.epoch, crc=self.applied_crc, next_seq=core.next_seq,
+                           queues=queues, msgs_put=put, msgs_del=dele, dedup=dedup, keys=keys)
+        c.persisted_msgs = persisted
+        return c
+
+    def _checkpoint_now_sync(self, c: CheckpointData) -> None:
+        self.store.checkpoint(c)
+
+    # -------------------------------------------------------------- reading
+    def body_of(self, m) -> bytes:
+        body = m.body
+        if body is not None:
+            return body
+        return self.store.read_body(m.id)
+
+    def now_us(self) -> int:
+        return self.clock_us()

@@ -1,0 +1,141 @@
+"""spooler-node: flags and environment, wiring, signals.
+
+Every flag has an environment variable (for containers): --id -> SPOOLER_ID,
+--data -> SPOOLER_DATA, and so on. One asyncio loop runs the HTTP server, the
+gRPC server and the engine.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+
+from aiohttp import web
+
+from node.api import grpc_api
+from node.api.http import build_app
+from node.api.metrics import Metrics
+from node.api.service import Service
+from node.engine import Engine, Limits
+
+log = logging.getLogger("spooler.node")
+
+
+def _env(name, default=None):
+    return os.environ.get(name, default)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="spooler-node", description="Spooler node")
+    p.add_argument("--id", default=_env("SPOOLER_ID", "n1"), help="node id (SPOOLER_ID)")
+    p.add_argument("--data", default=_env("SPOOLER_DATA", "./var"), help="data directory (SPOOLER_DATA)")
+    p.add_argument("--http", default=_env("SPOOLER_HTTP", "127.0.0.1:8080"), help="HTTP HOST:PORT (SPOOLER_HTTP)")
+    p.add_argument("--grpc", default=_env("SPOOLER_GRPC", "127.0.0.1:50051"), help="gRPC HOST:PORT (SPOOLER_GRPC)")
+    p.add_argument("--peers", default=_env("SPOOLER_PEERS", ""),
+                   help="ID=HOST:PORT,... every member's gRPC address, this node included (SPOOLER_PEERS)")
+    p.add_argument("--admin-key", action="append", default=None,
+                   help="bootstrap admin API key, repeatable (SPOOLER_ADMIN_KEY, comma-separated)")
+    p.add_argument("--failover-timeout", type=float, default=float(_env("SPOOLER_FAILOVER_TIMEOUT", "2")),
+                   help="seconds replicas wait for a silent primary (SPOOLER_FAILOVER_TIMEOUT)")
+    p.add_argument("--max-body-bytes", type=int, default=int(_env("SPOOLER_MAX_BODY_BYTES", str(256 * 1024))),
+                   help="largest message body (SPOOLER_MAX_BODY_BYTES, default 262144)")
+    p.add_argument("--log-level", default=_env("SPOOLER_LOG_LEVEL", "INFO"))
+    a = p.parse_args(argv)
+    if a.admin_key is None:
+        a.admin_key = [k for k in _env("SPOOLER_ADMIN_KEY", "").split(",") if k]
+    if a.failover_timeout <= 0:
+        p.error("--failover-timeout must be > 0")
+    if not 1 <= a.max_body_bytes <= 64 * 1024 * 1024:
+        p.error("--max-body-bytes must be 1..67108864")
+    return a
+
+
+def _hostport(s: str) -> tuple:
+    host, _, port = s.rpartition(":")
+    if not host or not port.isdigit():
+        raise SystemExit(f"spooler-node: expected HOST:PORT, got {s!r}")
+    return host.strip("[]"), int(port)
+
+
+def _admin_keys(args) -> list:
+    if args.admin_key:
+        return args.admin_key
+    # No key given: make one, keep it beside the store so restarts reuse it.
+    path = os.path.join(args.data, "admin.key")
+    if os.path.exists(path):
+        with open(path) as f:
+            key = f.read().strip()
+    else:
+        import secrets
+        key = secrets.token_urlsafe(24)
+        os.makedirs(args.data, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+    print(f"spooler-node: no --admin-key given; using the key in {path}: {key}", file=sys.stderr, flush=True)
+    return [key]
+
+
+async def serve(args) -> int:
+    peers = [x for x in args.peers.split(",") if x.strip()]
+    if len(peers) > 1:
+        raise SystemExit("spooler-node: --peers with more than one member: replication is not in this build yet")
+    os.makedirs(args.data, exist_ok=True)
+    engine = Engine(args.data, node_id=args.id, limits=Limits(body_bytes_max=args.max_body_bytes))
+    stop = asyncio.Event()
+    exit_code = 0
+
+    def fatal(e):
+        nonlocal exit_code
+        exit_code = 70
+        stop.set()
+
+    engine.on_fatal = fatal
+    svc = Service(engine, _admin_keys(args))
+    metrics = Metrics(engine)
+
+    ghost, gport = _hostport(args.grpc)
+    server, health_servicer, gport = await grpc_api.build_server(svc, metrics, f"{ghost}:{gport}")
+    engine.grpc_address = f"{ghost}:{gport}"
+    await engine.start()
+    await server.start()
+    await grpc_api.set_serving(health_servicer, True)
+
+    app = build_app(svc, metrics)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    hhost, hport = _hostport(args.http)
+    site = web.TCPSite(runner, hhost, hport, reuse_address=True)
+    await site.start()
+    hport = site._server.sockets[0].getsockname()[1]
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(json.dumps({"event": "ready", "id": args.id, "http": f"{hhost}:{hport}", "grpc": f"{ghost}:{gport}",
+                      "epoch": engine.epoch}), flush=True)
+    await stop.wait()
+    log.info("stopping")
+    await grpc_api.set_serving(health_servicer, False)
+    await server.stop(grace=1.0)
+    await runner.cleanup()
+    await engine.stop()
+    return exit_code
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s",
+                        stream=sys.stderr)
+    try:
+        return asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

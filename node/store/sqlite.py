@@ -1,0 +1,202 @@
+"""The node's durable store: one SQLite file (apsw, WAL, synchronous=FULL).
+
+Two writes, both from the single writer thread (``Store`` is not shared
+across threads except :meth:`read_body`, which uses its own connection):
+
+* :meth:`append` — group commit of log records: one transaction, one fsync
+  for every record that arrived while the previous commit was syncing. A
+  record is durable when ``append`` returns; nothing is answered before.
+* :meth:`checkpoint` — writes the materialised state (queues, messages, dedup
+  keys, API keys) as of an applied lsn, and compacts the log behind it,
+  keeping a tail for replicas that fall behind. Recovery is: load the tables,
+  replay the log after ``applied_lsn``.
+
+Every statement here is IO; the decisions are in ``node/core``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import apsw
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS log(lsn INTEGER PRIMARY KEY, epoch INTEGER NOT NULL,
+                               crc INTEGER NOT NULL, rec BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS queues(name TEXT PRIMARY KEY, settings TEXT NOT NULL,
+                                  counters TEXT NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS messages(id TEXT PRIMARY KEY, queue TEXT NOT NULL, seq INTEGER NOT NULL,
+                                    retry INTEGER NOT NULL, visible_at INTEGER NOT NULL,
+                                    expires_at INTEGER NOT NULL, body BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS dedup(queue TEXT NOT NULL, key TEXT NOT NULL, msg_id TEXT NOT NULL,
+                                 until INTEGER NOT NULL, PRIMARY KEY(queue, key)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS keys(id TEXT PRIMARY KEY, sha256 BLOB NOT NULL, queue TEXT NOT NULL,
+                                scopes TEXT NOT NULL) WITHOUT ROWID;
+"""
+
+SCHEMA_VERSION = 1
+
+
+def chain(crc: int, data: bytes) -> int:
+    """The log checksum: crc32 over every record so far (a position's third part)."""
+    return zlib.crc32(data, crc)
+
+
+@dataclass
+class Position:
+    epoch: int = 0
+    lsn: int = 0
+    crc: int = 0
+
+
+@dataclass
+class CheckpointData:
+    """A consistent copy of what changed, taken on the event loop at ``lsn``."""
+
+    lsn: int
+    epoch: int
+    crc: int
+    next_seq: int
+    queues: list      # (name, settings json, counters json) or (name, None, None) = deleted
+    msgs_put: list    # (id, queue, seq, retry, visible_at, expires_at, body or None = keep)
+    msgs_del: list    # ids
+    dedup: list       # (queue, key, msg_id or None = deleted, until)
+    keys: list        # (id, sha256 or None = deleted, queue, scopes json)
+
+
+class Store:
+    def __init__(self, path: str, vfs: Optional[str] = None, log_keep_records: int = 100_000):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self.vfs = vfs
+        self.log_keep_records = log_keep_records
+        self.db = self._connect()
+        self._reader: Optional[apsw.Connection] = None
+        self.db.execute(SCHEMA)
+        v = self.get_meta("schema_version")
+        if v is None:
+            self.set_meta("schema_version", SCHEMA_VERSION)
+        elif int(v) != SCHEMA_VERSION:
+            raise RuntimeError(f"store schema {v} is not {SCHEMA_VERSION}")
+        #: called with (records in the batch, seconds the commit took)
+        self.on_commit = None
+
+    def _connect(self) -> apsw.Connection:
+        flags = apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_CREATE
+        db = apsw.Connection(self.path, flags=flags, vfs=self.vfs) if self.vfs else apsw.Connection(self.path, flags=flags)
+        db.setbusytimeout(5000)
+        db.execute("PRAGMA journal_mode=WAL")
+        # FULL: a commit returns only after the WAL is fsync'd. This is the
+        # "fsync" in "fsync, then quorum, then answer".
+        db.execute("PRAGMA synchronous=FULL")
+        return db
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+        self.db.close()
+
+    # ---------------------------------------------------------------- meta
+    def get_meta(self, k: str):
+        for (v,) in self.db.execute("SELECT v FROM meta WHERE k=?", (k,)):
+            return v
+        return None
+
+    def set_meta(self, k: str, v) -> None:
+        self.db.execute("INSERT INTO meta(k, v) VALUES(?, ?) ON CONFLICT(k) DO UPDATE SET v=excluded.v", (k, v))
+
+    # ----------------------------------------------------------------- log
+    def append(self, rows: list) -> None:
+        """Group commit: rows are (lsn, epoch, crc, encoded record). Returns once fsync'd."""
+        t = time.perf_counter()
+        with self.db:
+            self.db.executemany("INSERT INTO log(lsn, epoch, crc, rec) VALUES(?, ?, ?, ?)", rows)
+        if self.on_commit:
+            self.on_commit(len(rows), time.perf_counter() - t)
+
+    def last_position(self) -> Position:
+        for lsn, epoch, crc in self.db.execute("SELECT lsn, epoch, crc FROM log ORDER BY lsn DESC LIMIT 1"):
+            return Position(epoch, lsn, crc)
+        return self.applied_position()
+
+    def applied_position(self) -> Position:
+        return Position(int(self.get_meta("applied_epoch") or 0), int(self.get_meta("applied_lsn") or 0),
+                        int(self.get_meta("applied_crc") or 0))
+
+    def records_after(self, lsn: int, limit: int = 10_000) -> list:
+        """[(lsn, epoch, crc, rec bytes)] with lsn > ``lsn``, in order."""
+        return list(self.db.execute("SELECT lsn, epoch, crc, rec FROM log WHERE lsn > ? ORDER BY lsn LIMIT ?",
+                                    (lsn, limit)))
+
+    # ---------------------------------------------------------- checkpoint
+    def checkpoint(self, c: CheckpointData) -> None:
+        db = self.db
+        with db:
+            for name, settings, counters in c.queues:
+                if settings is None:
+                    db.execute("DELETE FROM queues WHERE name=?", (name,))
+                else:
+                    db.execute("INSERT INTO queues(name, settings, counters) VALUES(?, ?, ?) "
+                               "ON CONFLICT(name) DO UPDATE SET settings=excluded.settings, "
+                               "counters=excluded.counters", (name, settings, counters))
+            if c.msgs_del:
+                db.executemany("DELETE FROM messages WHERE id=?", ((i,) for i in c.msgs_del))
+            new = [r for r in c.msgs_put if r[6] is not None]
+            upd = [r[:6] for r in c.msgs_put if r[6] is None]
+            if new:
+                db.executemany("INSERT OR REPLACE INTO messages(id, queue, seq, retry, visible_at, expires_at, body) "
+                               "VALUES(?, ?, ?, ?, ?, ?, ?)", new)
+            if upd:
+                db.executemany("UPDATE messages SET queue=?2, seq=?3, retry=?4, visible_at=?5, expires_at=?6 "
+                               "WHERE id=?1", upd)
+            for queue, key, msg_id, until in c.dedup:
+                if msg_id is None:
+                    db.execute("DELETE FROM dedup WHERE queue=? AND key=?", (queue, key))
+                else:
+                    db.execute("INSERT OR REPLACE INTO dedup(queue, key, msg_id, until) VALUES(?, ?, ?, ?)",
+                               (queue, key, msg_id, until))
+            for kid, sha, queue, scopes in c.keys:
+                if sha is None:
+                    db.execute("DELETE FROM keys WHERE id=?", (kid,))
+                else:
+                    db.execute("INSERT OR REPLACE INTO keys(id, sha256, queue, scopes) VALUES(?, ?, ?, ?)",
+                               (kid, sha, queue, scopes))
+            for k, v in (("applied_lsn", c.lsn), ("applied_epoch", c.epoch), ("applied_crc", c.crc),
+                         ("next_seq", c.next_seq)):
+                self.set_meta(k, v)
+            # Bounded growth: the log keeps only a tail behind the checkpoint
+            # (replicas that fall further behind get a snapshot instead).
+            db.execute("DELETE FROM log WHERE lsn <= ?", (c.lsn - self.log_keep_records,))
+
+    # ------------------------------------------------------------- loading
+    def load_queues(self) -> Iterable:
+        for name, settings, counters in self.db.execute("SELECT name, settings, counters FROM queues"):
+            yield name, json.loads(settings), json.loads(counters)
+
+    def load_messages(self) -> Iterable:
+        return self.db.execute("SELECT queue, id, seq, retry, visible_at, expires_at FROM messages ORDER BY seq")
+
+    def load_dedup(self) -> Iterable:
+        return self.db.execute("SELECT queue, key, msg_id, until FROM dedup")
+
+    def load_keys(self) -> Iterable:
+        for kid, sha, queue, scopes in self.db.execute("SELECT id, sha256, queue, scopes FROM keys"):
+            yield kid, bytes(sha), queue, tuple(json.loads(scopes))
+
+    # ------------------------------------------------------------- reading
+    def read_body(self, msg_id: str) -> bytes:
+        """Body of a checkpointed message, on a read-only connection of its own."""
+        if self._reader is None:
+            self._reader = self._connect()
+        for (body,) in self._reader.execute("SELECT body FROM messages WHERE id=?", (msg_id,)):
+            return bytes(body)
+        raise KeyError(msg_id)
+
+    def integrity_check(self) -> str:
+        return "; ".join(r[0] for r in self.db.execute("PRAGMA integrity_check"))

@@ -1,0 +1,5 @@
+import sys
+
+from spooler.cli import main
+
+sys.exit(main())

@@ -1,0 +1,139 @@
+"""What the sync and asyncio gRPC clients share: types, error mapping, retry policy."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Optional
+
+import grpc
+import tenacity
+
+from spooler import errors
+from spooler.pb import api_pb2
+
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+    # must agree with the node's keepalive policy (node/api/grpc_api.py)
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+SETTINGS_PB = {"leaseTimeoutSeconds": "lease_timeout_seconds", "maxRetries": "max_retries",
+               "retentionSeconds": "retention_seconds", "dedupWindowSeconds": "dedup_window_seconds",
+               "failureQueue": "failure_queue"}
+SNAKE_SETTINGS = {v: v for v in SETTINGS_PB.values()}
+
+
+@dataclass
+class Message:
+    id: str
+    body: bytes
+    token: str
+    retry_count: int
+    expires_at: str
+    queue: str
+
+    @property
+    def expires_at_dt(self) -> datetime:
+        return datetime.fromisoformat(self.expires_at.replace("Z", "+00:00"))
+
+
+@dataclass
+class SendResult:
+    id: str
+    duplicate: bool
+
+
+def settings_pb(settings: dict) -> api_pb2.Settings:
+    """Accepts contract names (leaseTimeoutSeconds) or snake_case (lease_timeout_seconds)."""
+    out = {}
+    for k, v in settings.items():
+        name = SETTINGS_PB.get(k) or SNAKE_SETTINGS.get(k)
+        if name is None:
+            raise errors.InvalidArgument(f"unknown setting {k!r}")
+        out[name] = v
+    return api_pb2.Settings(**out)
+
+
+def message_of(d: api_pb2.Delivery) -> Message:
+    return Message(d.id, d.body, d.lease_token, d.retry_count, d.lease_expires_at, d.queue)
+
+
+def queue_dict(q: api_pb2.Queue) -> dict:
+    s, st = q.settings, q.stats
+    return {"name": q.name,
+            "settings": {"leaseTimeoutSeconds": s.lease_timeout_seconds, "maxRetries": s.max_retries,
+                         "retentionSeconds": s.retention_seconds, "dedupWindowSeconds": s.dedup_window_seconds,
+                         "failureQueue": s.failure_queue},
+            "stats": {"visible": st.visible, "leased": st.leased, "delayed": st.delayed,
+                      "sentTotal": st.sent_total, "ackedTotal": st.acked_total, "failedTotal": st.failed_total,
+                      "expiredTotal": st.expired_total, "nackedTotal": st.nacked_total,
+                      "leaseExpiredTotal": st.lease_expired_total}}
+
+
+def map_rpc_error(e: grpc.RpcError, write: bool = False) -> errors.SpoolerError:
+    """The client half of the error table. ``write``: the call changes state, so a
+    transport failure after it left us means the outcome is unknown."""
+    err = errors.from_grpc_trailers(e.code(), e.details(), e.trailing_metadata())
+    if write and isinstance(err, errors.Unavailable) and not _has_detail(e):
+        # no node answered "not accepted": the request may have been applied
+        return errors.OperationUnconfirmed(f"transport failure: {e.details()}")
+    return err
+
+
+def _has_detail(e: grpc.RpcError) -> bool:
+    return any(k == errors.KIND_TRAILER for k, _ in (e.trailing_metadata() or ()))
+
+
+def retry_policy(attempts: int, *, send_with_key: bool = False, settle: bool = False):
+    """When a call may be retried (never silently for an unkeyed unconfirmed send).
+
+    * any call: ``unavailable`` from a node (known not accepted);
+    * a send with a dedup key: also ``operation_unconfirmed`` (the key makes a
+      repeat harmless inside the queue's dedup window);
+    * ack/nack/renew: also a transport failure (a repeat of a settle that did
+      land answers ``stale_lease``/``settled``, which the client reports as done).
+    """
+    def retryable(exc: BaseException) -> bool:
+        if isinstance(exc, errors.Unavailable):
+            return True
+        if isinstance(exc, errors.OperationUnconfirmed):
+            return send_with_key or settle
+        return False
+
+    return tenacity.Retrying(
+        stop=tenacity.stop_after_attempt(attempts),
+        wait=tenacity.wait_exponential(multiplier=0.05, max=2.0),
+        retry=tenacity.retry_if_exception(retryable),
+        reraise=True,
+    ), retryable
+
+
+def async_retry_policy(attempts: int, **kw):
+    _, retryable = retry_policy(attempts, **kw)
+    return tenacity.AsyncRetrying(
+        stop=tenacity.stop_after_attempt(attempts),
+        wait=tenacity.wait_exponential(multiplier=0.05, max=2.0),
+        retry=tenacity.retry_if_exception(retryable),
+        reraise=True,
+    )
+
+
+def auth_metadata(key: str) -> tuple:
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+def is_batch_entry_error(err: errors.SpoolerError) -> bool:
+    """Errors that one bad entry causes for a whole SendBatch (then each entry is
+    retried alone, so only the bad one fails)."""
+    return isinstance(err, (errors.InvalidArgument, errors.MessageTooLarge, errors.QueueNotFound, errors.Forbidden))
+
+
+def renew_delay_s(expires_at: str, now: Optional[datetime] = None) -> float:
+    """Renew at half the remaining lease time (at least 50 ms from now)."""
+    from datetime import timezone
+    exp = datetime.fromisoformat(expires_at.replace("Z", "+00:00"))
+    now = now or datetime.now(timezone.utc)
+    return max(0.05, (exp - now).total_seconds() / 2)

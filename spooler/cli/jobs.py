@@ -1,0 +1,282 @@
+"""spoolctl job-runner commands: submit, worker, status, list, output, retry, cancel, capabilities.
+
+Local back-end by default (the spool directory ``--spool``); ``submit`` and
+``worker`` use a Spooler queue instead when given ``--queue Q`` (server from
+the global ``--server``, API key from the global ``--key``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from spooler.cli import add_json, emit
+from spooler.errors import InvalidArgument
+from spooler.jobs import knobs, states
+
+
+# --- helpers ----------------------------------------------------------------
+
+def _settings(args, **kw) -> knobs.Settings:
+    return knobs.load(busy_timeout_s=getattr(args, "busy_timeout", None), **kw)
+
+
+def _store(args, settings=None):
+    from spooler.jobs.store import Store
+
+    settings = settings or _settings(args)
+    return Store(args.spool, settings.busy_timeout_s)
+
+
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return v
+
+
+def _fmt_time(t) -> str:
+    return "-" if t is None else time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t))
+
+
+def _job_text(job: dict) -> str:
+    lines = [f"job {job['id']}: {job['state']}",
+             f"  command:     {' '.join(job['command'])}",
+             f"  priority:    {job['priority']}",
+             f"  failures:    {job['failure_count']} of max_retries {job['max_retries']}",
+             f"  crashes:     {job['crash_count']} of max_crashes "
+             f"{'unbounded' if job['max_crashes'] is None else job['max_crashes']}"]
+    if job["failure_reason"]:
+        lines.append(f"  failure:     {job['failure_reason']}")
+    if job["state"] == states.QUEUED and job["run_after"] and job["run_after"] > time.time():
+        lines.append(f"  eligible at: {_fmt_time(job['run_after'])}")
+    if job["worker"]:
+        w = job["worker"]
+        lines.append(f"  worker:      {w['id']} (heartbeat {_fmt_time(w['heartbeat_at'])})")
+    for a in job["attempts"]:
+        lines.append(f"  attempt {a['n']}: exit {a['exit_code']} {a['failure_reason'] or ''}"
+                     f" started {_fmt_time(a['started_at'])} on {a['host']}".rstrip())
+        lines.append(f"    stdout {a['stdout']}")
+        lines.append(f"    stderr {a['stderr']}")
+    return "\n".join(lines)
+
+
+def _command_argv(args) -> list:
+    cmd = list(args.cmd or [])
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise InvalidArgument("usage: spoolctl submit [options] -- CMD [ARG...]")
+    return cmd
+
+
+def _stderr_tty() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+# --- commands ---------------------------------------------------------------
+
+def cmd_submit(args) -> int:
+    command = _command_argv(args)
+    if args.queue:
+        from spooler.http import HttpClient
+        from spooler.jobs import remote
+
+        knobs.load()   # validate the knobs everywhere, for one consistent rule
+        job = remote.submit(HttpClient(args.server, args.key), args.queue, command, args.priority,
+                            args.max_retries, args.max_crashes, args.timeout, args.idem_key, os.getcwd())
+        emit(args, job, job["id"])
+        return 0
+    store = _store(args)
+    try:
+        job_id, dup = store.submit(command, args.priority, args.max_retries, args.max_crashes, args.timeout,
+                                   args.idem_key, cwd=os.getcwd())
+        if args.json:
+            emit(args, dict(store.get(job_id), duplicate=dup))
+        else:
+            print(job_id)
+    finally:
+        store.close()
+    return 0
+
+
+def cmd_worker(args) -> int:
+    settings = _settings(args, heartbeat_interval_s=args.heartbeat_interval)
+    progress = sys.stderr if (args.drain and _stderr_tty()) else None
+    if args.queue:
+        from spooler.http import HttpClient
+        from spooler.jobs.remote import RemoteWorker
+
+        w = RemoteWorker(lambda: HttpClient(args.server, args.key), args.queue, args.spool, settings,
+                         args.concurrency, args.drain, progress, server=args.server)
+    else:
+        from spooler.jobs.worker import Worker
+
+        w = Worker(args.spool, settings, args.concurrency, args.drain, progress)
+    summary = w.run()
+    if args.json:
+        emit(args, summary)
+    return 1 if summary.get("errors") else 0
+
+
+def cmd_status(args) -> int:
+    store = _store(args)
+    try:
+        if args.job:
+            job = store.get(args.job)
+            emit(args, job, _job_text(job))
+        else:
+            counts = store.counts(backend=None)
+            emit(args, {"spool": store.spool_dir, "counts": counts, "total": sum(counts.values())},
+                 "  ".join(f"{s} {n}" for s, n in counts.items()))
+    finally:
+        store.close()
+    return 0
+
+
+def cmd_list(args) -> int:
+    store = _store(args)
+    try:
+        jobs = store.list(args.state, args.limit)
+    finally:
+        store.close()
+    text = "\n".join(f"{j['id']}  {j['state']:<9} p={j['priority']:<4} attempts={len(j['attempts'])}"
+                     f"  {' '.join(j['command'])}" for j in jobs)
+    emit(args, {"jobs": jobs}, text)
+    return 0
+
+
+def cmd_output(args) -> int:
+    store = _store(args)
+    try:
+        att = store.attempt(args.job, args.attempt)
+    finally:
+        store.close()
+    stream = "stderr" if args.stderr else "stdout"
+    path = att[stream]
+    if args.json:
+        try:
+            with open(path, "rb") as f:
+                data = f.read(knobs.OUTPUT_JSON_BYTES_MAX + 1)
+            exists = True
+        except FileNotFoundError:
+            data, exists = b"", False
+        emit(args, {"id": args.job, "attempt": att["n"], "stream": stream, "path": path, "exists": exists,
+                    "content": data[:knobs.OUTPUT_JSON_BYTES_MAX].decode("utf-8", "replace"),
+                    "truncated": len(data) > knobs.OUTPUT_JSON_BYTES_MAX})
+        return 0
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return 0   # not started yet (or the spool was cleaned): empty output
+    with f:
+        out = sys.stdout.buffer
+        while True:
+            chunk = f.read(1 << 16)
+            if not chunk:
+                break
+            out.write(chunk)
+        out.flush()
+    return 0
+
+
+def cmd_retry(args) -> int:
+    store = _store(args)
+    try:
+        store.retry(args.job, force=args.force)
+        job = store.get(args.job)
+    finally:
+        store.close()
+    emit(args, job, job["id"])
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    from spooler.jobs import executor
+
+    store = _store(args)
+    try:
+        prev, pid, host = store.cancel(args.job)
+        if prev == states.RUNNING and pid:
+            import socket
+
+            if host in (None, socket.gethostname()):
+                # the owning worker notices at its next heartbeat too; killing here
+                # stops it now. The group is the job's (pid = pgid, new session).
+                executor.kill_group(pid, None)
+            store.close_canceled_attempt(args.job)
+        job = store.get(args.job)
+    finally:
+        store.close()
+    emit(args, job, job["id"])
+    return 0
+
+
+def cmd_capabilities(args) -> int:
+    emit(args, knobs.capabilities(), None)
+    return 0
+
+
+# --- registration -------------------------------------------------------------
+
+def register(sub) -> None:
+    p = add_json(sub.add_parser("submit", help="queue a job: submit [options] -- CMD [ARG...]"))
+    p.add_argument("--key", dest="idem_key", default=None,
+                   help="idempotency key: a repeat returns the first job's id (prevents duplicate "
+                        "submission, not duplicate execution)")
+    p.add_argument("--priority", type=int, default=knobs.DEFAULT_PRIORITY, help="higher runs first (default 0)")
+    p.add_argument("--max-retries", type=_nonneg_int, default=knobs.DEFAULT_MAX_RETRIES,
+                   help="job-owned failures retried before dead (default 3)")
+    p.add_argument("--max-crashes", type=_nonneg_int, default=knobs.DEFAULT_MAX_CRASHES,
+                   help="worker crashes survived before dead (default unbounded)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds; then the process group is killed")
+    p.add_argument("--queue", default=None, help="submit to this Spooler queue (at --server) instead of the spool")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARG...]")
+    p.set_defaults(func=cmd_submit)
+
+    p = add_json(sub.add_parser("worker", help="claim and run jobs"))
+    p.add_argument("--concurrency", type=int, default=knobs.DEFAULT_CONCURRENCY,
+                   help=f"jobs at once (1..{knobs.CONCURRENCY_MAX})")
+    p.add_argument("--drain", action="store_true", help="exit once nothing is queued or running")
+    p.add_argument("--queue", default=None, help="run jobs from this Spooler queue (at --server)")
+    p.add_argument("--heartbeat-interval", type=float, default=None,
+                   help=f"seconds between heartbeats (default {knobs.DEFAULT_HEARTBEAT_INTERVAL_S:g})")
+    p.add_argument("--busy-timeout", type=float, default=None,
+                   help=f"seconds to wait for the spool's write lock (default {knobs.DEFAULT_BUSY_TIMEOUT_S:g}; "
+                        f"env {knobs.ENV_BUSY_TIMEOUT})")
+    p.set_defaults(func=cmd_worker)
+
+    p = add_json(sub.add_parser("status", help="one job, or counts by state"))
+    p.add_argument("job", nargs="?")
+    p.set_defaults(func=cmd_status)
+
+    p = add_json(sub.add_parser("list", help="jobs, oldest first"))
+    p.add_argument("--state", choices=states.STATES)
+    p.add_argument("--limit", type=int, default=knobs.LIST_LIMIT_DEFAULT)
+    p.set_defaults(func=cmd_list)
+
+    p = add_json(sub.add_parser("output", help="stdout (or stderr) of the latest or a given attempt"))
+    p.add_argument("job")
+    p.add_argument("--attempt", type=int, default=None, help="1-based attempt number")
+    p.add_argument("--stderr", action="store_true")
+    p.set_defaults(func=cmd_output)
+
+    p = add_json(sub.add_parser("retry", help="requeue now; --force for a dead or succeeded job"))
+    p.add_argument("job")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(func=cmd_retry)
+
+    p = add_json(sub.add_parser("cancel", help="cancel a queued job or stop a running one"))
+    p.add_argument("job")
+    p.set_defaults(func=cmd_cancel)
+
+    p = add_json(sub.add_parser("capabilities", help="version, defaults, limits, test knobs"))
+    p.set_defaults(func=cmd_capabilities)

@@ -1,0 +1,191 @@
+"""spoolctl commands for a Spooler node: queues, messages, leases, keys, cluster.
+
+They speak HTTP (``--server``/SPOOLER_URL, ``--key``/SPOOLER_KEY) through
+``spooler.http.HttpClient``; every command takes ``--json``.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import sys
+
+from spooler.cli import add_json, emit
+from spooler.http import HttpClient
+
+SETTING_FLAGS = (("--lease-timeout", "leaseTimeoutSeconds", float), ("--max-retries", "maxRetries", int),
+                 ("--retention", "retentionSeconds", float), ("--dedup-window", "dedupWindowSeconds", float),
+                 ("--failure-queue", "failureQueue", str))
+
+
+def _client(args) -> HttpClient:
+    return HttpClient(args.server, args.key)
+
+
+def _body_text(b: bytes):
+    try:
+        return {"body": b.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"bodyBase64": base64.b64encode(b).decode()}
+
+
+def _queue_line(d: dict) -> str:
+    s = d["stats"]
+    return (f"{d['name']}: visible={s['visible']} leased={s['leased']} delayed={s['delayed']} "
+            f"sent={s['sentTotal']} acked={s['ackedTotal']} failed={s['failedTotal']} expired={s['expiredTotal']}")
+
+
+def cmd_queue_create(args):
+    settings = {api: getattr(args, api) for _, api, _ in SETTING_FLAGS if getattr(args, api) is not None}
+    d = _client(args).put_queue(args.name, **settings)
+    emit(args, d, f"{'created' if d.pop('created') else 'updated'} {_queue_line(d)}")
+
+
+def cmd_queue_get(args):
+    d = _client(args).get_queue(args.name)
+    emit(args, d, json.dumps(d, indent=2))
+
+
+def cmd_queue_list(args):
+    qs = _client(args).list_queues()
+    emit(args, {"queues": qs}, "\n".join(_queue_line(d) for d in qs) or "(no queues)")
+
+
+def cmd_queue_delete(args):
+    _client(args).delete_queue(args.name)
+    emit(args, {"deleted": args.name}, f"deleted {args.name}")
+
+
+def cmd_send(args):
+    body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
+    r = _client(args).send(args.queue, body, delay_s=args.delay, dedup_key=args.dedup_key)
+    emit(args, r, r["id"] + (" (duplicate)" if r["duplicate"] else ""))
+
+
+def cmd_receive(args):
+    c = _client(args)
+    d = c.receive(args.queue, wait_s=args.wait)
+    if d is None:
+        emit(args, {"message": None}, "(no message)")
+        return 3 if not args.json else 0
+    if args.ack:
+        c.ack(d.token)
+    out = {"id": d.id, "token": d.token, "retryCount": d.retry_count, "leaseExpiresAt": d.expires_at,
+           "acked": bool(args.ack), **_body_text(d.body)}
+    if args.json:
+        emit(args, out)
+    else:
+        sys.stdout.buffer.write(d.body + (b"" if d.body.endswith(b"\n") else b"\n"))
+        print(f"id={d.id} retry={d.retry_count} expires={d.expires_at}" + ("" if args.ack else f"\ntoken={d.token}"),
+              file=sys.stderr)
+
+
+def cmd_ack(args):
+    _client(args).ack(args.token)
+    emit(args, {"acked": True}, "acked")
+
+
+def cmd_nack(args):
+    _client(args).nack(args.token, delay_s=args.delay)
+    emit(args, {"nacked": True}, "nacked")
+
+
+def cmd_renew(args):
+    exp = _client(args).renew(args.token)
+    emit(args, {"expiresAt": exp}, exp)
+
+
+def cmd_redrive(args):
+    n = _client(args).redrive(args.queue)
+    emit(args, {"moved": n}, f"moved {n}")
+
+
+def cmd_stats(args):
+    c = _client(args)
+    qs = [c.get_queue(args.queue)] if args.queue else c.list_queues()
+    emit(args, {"queues": [{"name": d["name"], "stats": d["stats"]} for d in qs]},
+         "\n".join(_queue_line(d) for d in qs) or "(no queues)")
+
+
+def cmd_keys_create(args):
+    scopes = [s.strip() for s in args.scope.split(",") if s.strip()]
+    k = _client(args).create_key(args.queue or "*", scopes)
+    emit(args, k, k["key"])
+
+
+def cmd_keys_list(args):
+    ks = _client(args).list_keys()
+    emit(args, {"keys": ks}, "\n".join(f"{k['id']} queue={k['queue']} scopes={','.join(k['scopes'])}" for k in ks)
+         or "(no keys)")
+
+
+def cmd_keys_delete(args):
+    _client(args).delete_key(args.id)
+    emit(args, {"deleted": args.id}, f"deleted {args.id}")
+
+
+def cmd_cluster_status(args):
+    d = _client(args).cluster()
+    lines = [f"node {d['nodeId']} ({d['role']}), epoch {d['epoch']}, primary {d['primary']}"]
+    lines += [f"  {n['id']} {n['role']} {n.get('address', '')}" for n in d["nodes"]]
+    emit(args, d, "\n".join(lines))
+
+
+def cmd_cluster_promote(args):
+    d = _client(args).promote(args.node)
+    emit(args, d, f"primary is now {d['primary']} (epoch {d['epoch']})")
+
+
+def register(sub) -> None:
+    def cmd(parent, name, func, help):
+        p = add_json(parent.add_parser(name, help=help))
+        p.set_defaults(func=func)
+        return p
+
+    q = sub.add_parser("queue", help="create, inspect, list and delete queues").add_subparsers(dest="queue_cmd",
+                                                                                              metavar="ACTION")
+    q.required = True
+    for action, func in (("create", cmd_queue_create), ("update", cmd_queue_create)):
+        p = cmd(q, action, func, f"{action} a queue (PUT: creates or updates)")
+        p.add_argument("name")
+        for flag, api, typ in SETTING_FLAGS:
+            p.add_argument(flag, dest=api, type=typ, default=None)
+    cmd(q, "get", cmd_queue_get, "show a queue").add_argument("name")
+    cmd(q, "list", cmd_queue_list, "list queues")
+    cmd(q, "delete", cmd_queue_delete, "delete a queue and its messages").add_argument("name")
+
+    p = cmd(sub, "send", cmd_send, "send a message (BODY, or - for stdin)")
+    p.add_argument("queue")
+    p.add_argument("body")
+    p.add_argument("--delay", type=float, default=None, help="seconds before it becomes visible")
+    p.add_argument("--dedup-key", default=None)
+
+    p = cmd(sub, "receive", cmd_receive, "lease one message (body to stdout, token to stderr)")
+    p.add_argument("queue")
+    p.add_argument("--wait", type=float, default=0.0, help="long poll up to 20 s")
+    p.add_argument("--ack", action="store_true", help="ack it at once")
+
+    cmd(sub, "ack", cmd_ack, "ack a lease").add_argument("token")
+    p = cmd(sub, "nack", cmd_nack, "nack a lease (redelivered, retry count +1)")
+    p.add_argument("token")
+    p.add_argument("--delay", type=float, default=None)
+    cmd(sub, "renew", cmd_renew, "renew a lease").add_argument("token")
+    cmd(sub, "redrive", cmd_redrive, "move the failure queue's messages back").add_argument("queue")
+    cmd(sub, "stats", cmd_stats, "queue statistics").add_argument("queue", nargs="?")
+
+    k = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_cmd", metavar="ACTION")
+    k.required = True
+    p = cmd(k, "create", cmd_keys_create, "create a scoped key (printed once)")
+    p.add_argument("--queue", default="*", help="queue name, or * for every queue")
+    p.add_argument("--scope", default="send,receive", help="comma list of send, receive, admin")
+    cmd(k, "list", cmd_keys_list, "list keys (never the secrets)")
+    cmd(k, "delete", cmd_keys_delete, "delete a key").add_argument("id")
+
+    c = sub.add_parser("cluster", help="cluster status and switchover").add_subparsers(dest="cluster_cmd",
+                                                                                     metavar="ACTION")
+    c.required = True
+    cmd(c, "status", cmd_cluster_status, "who is primary, epoch, members")
+    cmd(c, "promote", cmd_cluster_promote, "planned switchover to NODE").add_argument("node")
+
+
+__all__ = ["register", "argparse"]

@@ -1,0 +1,233 @@
+"""Synchronous gRPC client (thread-safe).
+
+``send()`` is auto-batched like the asyncio client's: sends from many threads
+coalesce into SendBatch RPCs, at most ``batches_in_flight_max`` at once.
+
+    with Client("127.0.0.1:50051", key) as c:
+        c.put_queue("jobs")
+        c.send("jobs", b"hello")
+        for m in c.receive("jobs", wait_s=5):
+            c.ack(m.token)
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional
+
+import grpc
+
+from spooler import errors
+from spooler._common import (GRPC_OPTIONS, Message, SendResult, auth_metadata, is_batch_entry_error,
+                             map_rpc_error, message_of, queue_dict, renew_delay_s, retry_policy, settings_pb)
+from spooler.pb import api_pb2, api_pb2_grpc
+
+log = logging.getLogger("spooler.client")
+
+
+class Client:
+    def __init__(self, target: str = "127.0.0.1:50051", key: str = "", *, timeout_s: float = 30.0,
+                 batch_max: int = 100, batches_in_flight_max: int = 4, retry_attempts: int = 5):
+        self.target = target
+        self.channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+        self.stub = api_pb2_grpc.SpoolerStub(self.channel)
+        self.md = auth_metadata(key)
+        self.timeout_s = timeout_s
+        self.batch_max = batch_max
+        self.batches_in_flight_max = batches_in_flight_max
+        self.retry_attempts = retry_attempts
+        self._lock = threading.Lock()
+        self._pending: list = []
+        self._in_flight = 0
+        self.send_rpcs = 0           # SendBatch RPCs made by auto-batching (observability, tests)
+        self._pool = ThreadPoolExecutor(max_workers=batches_in_flight_max, thread_name_prefix="spooler-send")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, rpc, req, *, write: bool, timeout_s: Optional[float] = None):
+        try:
+            return rpc(req, metadata=self.md, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as e:
+            raise map_rpc_error(e, write=write) from None
+
+    # ------------------------------------------------------------- queues
+    def put_queue(self, name: str, **settings) -> dict:
+        r = self._call(self.stub.PutQueue, api_pb2.PutQueueRequest(name=name, settings=settings_pb(settings)),
+                       write=True)
+        return {**queue_dict(r.queue), "created": r.created}
+
+    def get_queue(self, name: str) -> dict:
+        return queue_dict(self._call(self.stub.GetQueue, api_pb2.QueueRequest(name=name), write=False))
+
+    def list_queues(self) -> list:
+        return [queue_dict(q) for q in self._call(self.stub.ListQueues, api_pb2.ListQueuesRequest(),
+                                                  write=False).queues]
+
+    def delete_queue(self, name: str) -> None:
+        self._call(self.stub.DeleteQueue, api_pb2.QueueRequest(name=name), write=True)
+
+    def redrive(self, name: str) -> int:
+        return self._call(self.stub.Redrive, api_pb2.QueueRequest(name=name), write=True).moved
+
+    # ----------------------------------------------------------- sending
+    def send(self, queue: str, body: bytes, *, delay_s: float = 0.0, dedup_key: str = "") -> SendResult:
+        """Auto-batched send; blocks until durable. Retried only where safe."""
+        req = api_pb2.SendRequest(queue=queue, body=body, delay_seconds=delay_s, dedup_key=dedup_key)
+        retrying, _ = retry_policy(self.retry_attempts, send_with_key=bool(dedup_key))
+        return retrying(lambda: self.send_async(req).result())
+
+    def send_async(self, req: api_pb2.SendRequest) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            self._pending.append((req, fut))
+            start = self._in_flight < self.batches_in_flight_max
+            if start:
+                self._in_flight += 1
+        if start:
+            self._pool.submit(self._flush)
+        return fut
+
+    def _flush(self) -> None:
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._in_flight -= 1
+                    return
+                batch = self._pending[:self.batch_max]
+                del self._pending[:self.batch_max]
+            self._send_batch_now(batch)
+
+    def _send_batch_now(self, batch: list) -> None:
+        self.send_rpcs += 1
+        try:
+            r = self._call(self.stub.SendBatch, api_pb2.SendBatchRequest(entries=[b[0] for b in batch]), write=True)
+        except errors.SpoolerError as e:
+            if len(batch) > 1 and is_batch_entry_error(e):
+                for one in batch:
+                    self._send_batch_now([one])
+                return
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        except BaseException as e:  # never leave a caller waiting
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+            raise
+        for (_, fut), res in zip(batch, r.results):
+            fut.set_result(SendResult(res.id, res.duplicate))
+
+    def send_batch(self, queue: str, bodies: list, *, delay_s: float = 0.0) -> list:
+        """One RPC, one log record: all stored or none."""
+        req = api_pb2.SendBatchRequest(entries=[api_pb2.SendRequest(queue=queue, body=b, delay_seconds=delay_s)
+                                                for b in bodies])
+        return [SendResult(x.id, x.duplicate) for x in self._call(self.stub.SendBatch, req, write=True).results]
+
+    # --------------------------------------------------------- receiving
+    def receive(self, queue: str, *, wait_s: float = 0.0, max_messages: int = 1) -> list:
+        req = api_pb2.ReceiveRequest(queue=queue, wait_seconds=wait_s, max_messages=max_messages)
+        rpc = self.stub.ReceiveBatch if max_messages > 1 else self.stub.Receive
+        return [message_of(d) for d in self._call(rpc, req, write=False, timeout_s=self.timeout_s + wait_s).messages]
+
+    def _settle(self, rpc, req):
+        state = {"first": True}
+
+        def once():
+            try:
+                return self._call(rpc, req, write=True)
+            except errors.StaleLease as e:
+                if not state["first"] and e.reason == errors.StaleLease.SETTLED:
+                    return None  # our earlier attempt landed
+                raise
+            finally:
+                state["first"] = False
+
+        retrying, _ = retry_policy(self.retry_attempts, settle=True)
+        return retrying(once)
+
+    def ack(self, token: str) -> None:
+        self._settle(self.stub.Ack, api_pb2.LeaseRequest(token=token))
+
+    def nack(self, token: str, *, delay_s: float = 0.0) -> None:
+        self._settle(self.stub.Nack, api_pb2.LeaseRequest(token=token, delay_seconds=delay_s))
+
+    def renew(self, token: str) -> str:
+        retrying, _ = retry_policy(self.retry_attempts, settle=True)
+        return retrying(lambda: self._call(self.stub.Renew, api_pb2.LeaseRequest(token=token), write=True).expires_at)
+
+    def settle_batch(self, items: list) -> list:
+        """items: [(token, "ack"|"nack"|"renew", delay_s)] -> per item None / expiresAt / SpoolerError."""
+        actions = {"ack": api_pb2.SETTLE_ACK, "nack": api_pb2.SETTLE_NACK, "renew": api_pb2.SETTLE_RENEW}
+        req = api_pb2.SettleBatchRequest(items=[api_pb2.SettleBatchRequest.Item(
+            token=t, action=actions[a], delay_seconds=d) for t, a, d in items])
+        r = self._call(self.stub.SettleBatch, req, write=True)
+        return [errors.from_detail(x.error) if x.HasField("error") else (x.expires_at or None) for x in r.results]
+
+    # --------------------------------------------------------- consuming
+    def consume(self, queue: str, handler: Callable[[Message], None], *, wait_s: float = 20.0,
+                nack_delay_s: float = 0.0, stop: Optional[threading.Event] = None, max_messages: int = 0) -> int:
+        """Run ``handler`` for each message in this thread: the lease is renewed
+        while it runs; ack when it returns, nack when it raises. Returns the
+        number handled once ``stop`` is set (or ``max_messages`` were handled)."""
+        stop = stop or threading.Event()
+        handled = 0
+        while not stop.is_set() and (not max_messages or handled < max_messages):
+            try:
+                msgs = self.receive(queue, wait_s=wait_s)
+            except errors.Unavailable:
+                stop.wait(0.2)
+                continue
+            for m in msgs:
+                self.handle(m, handler, nack_delay_s)
+                handled += 1
+        return handled
+
+    def handle(self, m: Message, handler: Callable[[Message], None], nack_delay_s: float = 0.0) -> bool:
+        """One message: renew in the background while ``handler`` runs, then settle."""
+        done = threading.Event()
+
+        def keep_renewing():
+            expires = m.expires_at
+            while not done.wait(renew_delay_s(expires)):
+                try:
+                    expires = self.renew(m.token)
+                except errors.SpoolerError as e:
+                    log.warning("renew of %s failed: %s", m.id, e)
+                    return
+
+        t = threading.Thread(target=keep_renewing, daemon=True)
+        t.start()
+        try:
+            handler(m)
+            ok = True
+        except Exception:
+            log.exception("handler failed for message %s; nacking", m.id)
+            ok = False
+        finally:
+            done.set()
+            t.join()
+        try:
+            if ok:
+                self.ack(m.token)
+            else:
+                self.nack(m.token, delay_s=nack_delay_s)
+        except errors.StaleLease as e:
+            log.warning("settle of %s came too late (%s): it will be delivered again", m.id, e.reason)
+        return ok
+
+    # ----------------------------------------------------------- cluster
+    def cluster(self) -> api_pb2.ClusterInfo:
+        return self._call(self.stub.GetCluster, api_pb2.Empty(), write=False)
+
+    def create_key(self, queue: str = "*", scopes=("send", "receive")) -> api_pb2.KeyInfo:
+        return self._call(self.stub.CreateKey, api_pb2.CreateKeyRequest(queue=queue, scopes=list(scopes)), write=True)

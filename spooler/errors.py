@@ -1,0 +1,193 @@
+"""The one error table of Spooler.
+
+Every error a client can see is one of these classes. Each class carries its
+contract ``kind``, its HTTP status, its gRPC status code and whether a client
+may retry the call blindly. The node raises them, the HTTP edge and the gRPC
+edge map them with :func:`http_body` / :func:`grpc_trailers`, and the SDK maps
+both transports back with :func:`from_http` / :func:`from_grpc_trailers`, so
+the three can never disagree.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import grpc
+
+_CODE = grpc.StatusCode
+
+
+class SpoolerError(Exception):
+    kind = "internal"
+    http_status = 500
+    grpc_code = _CODE.INTERNAL
+    #: a client may resend the same call without risking a duplicate effect
+    retry_safe = False
+
+    def __init__(self, message: str = "", *, reason: str = "", retry_after_s: float = 0.0):
+        super().__init__(message or self.kind)
+        self.message = message or self.kind
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+    def to_dict(self) -> dict:
+        d = {"kind": self.kind, "message": self.message}
+        if self.reason:
+            d["reason"] = self.reason
+        if self.retry_after_s:
+            d["retryAfterSeconds"] = self.retry_after_s
+        return d
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}{', reason=' + self.reason if self.reason else ''})"
+
+
+class InvalidArgument(SpoolerError):
+    kind, http_status, grpc_code = "invalid_argument", 400, _CODE.INVALID_ARGUMENT
+
+
+class Unauthenticated(SpoolerError):
+    kind, http_status, grpc_code = "unauthenticated", 401, _CODE.UNAUTHENTICATED
+
+
+class Forbidden(SpoolerError):
+    kind, http_status, grpc_code = "forbidden", 403, _CODE.PERMISSION_DENIED
+
+
+class QueueNotFound(SpoolerError):
+    kind, http_status, grpc_code = "queue_not_found", 404, _CODE.NOT_FOUND
+
+
+class NotFound(SpoolerError):
+    """A route (or key id) that does not exist. Not a contract kind: an extension."""
+
+    kind, http_status, grpc_code = "not_found", 404, _CODE.NOT_FOUND
+
+
+class MethodNotAllowed(SpoolerError):
+    kind, http_status, grpc_code = "method_not_allowed", 405, _CODE.UNIMPLEMENTED
+
+
+class StaleLease(SpoolerError):
+    """reason: ``expired``, ``settled`` or ``primary_changed``."""
+
+    kind, http_status, grpc_code = "stale_lease", 409, _CODE.FAILED_PRECONDITION
+    EXPIRED, SETTLED, PRIMARY_CHANGED = "expired", "settled", "primary_changed"
+
+
+class MessageTooLarge(SpoolerError):
+    kind, http_status, grpc_code = "message_too_large", 413, _CODE.INVALID_ARGUMENT
+
+
+class OperationUnconfirmed(SpoolerError):
+    """The write was accepted; whether it is durable is unknown. Never retried
+    blindly: a send may be resent only with the same dedup key."""
+
+    kind, http_status, grpc_code = "operation_unconfirmed", 500, _CODE.UNKNOWN
+
+
+class Unavailable(SpoolerError):
+    """Known not to have been accepted: safe to retry after ``retry_after_s``."""
+
+    kind, http_status, grpc_code = "unavailable", 503, _CODE.UNAVAILABLE
+    retry_safe = True
+
+    def __init__(self, message: str = "", *, reason: str = "", retry_after_s: float = 1.0):
+        super().__init__(message, reason=reason, retry_after_s=retry_after_s)
+
+
+class Internal(SpoolerError):
+    kind, http_status, grpc_code = "internal", 500, _CODE.INTERNAL
+
+
+ERRORS: dict[str, type[SpoolerError]] = {
+    c.kind: c
+    for c in (InvalidArgument, Unauthenticated, Forbidden, QueueNotFound, NotFound, MethodNotAllowed,
+              StaleLease, MessageTooLarge, OperationUnconfirmed, Unavailable, Internal)
+}
+
+_BY_GRPC_CODE = {c.grpc_code: c for c in reversed(list(ERRORS.values()))}
+_BY_HTTP_STATUS = {c.http_status: c for c in reversed(list(ERRORS.values()))}
+
+
+def make(kind: str, message: str = "", reason: str = "", retry_after_s: float = 0.0) -> SpoolerError:
+    cls = ERRORS.get(kind, Internal)
+    if cls is Unavailable:
+        return cls(message, reason=reason, retry_after_s=retry_after_s or 1.0)
+    return cls(message, reason=reason, retry_after_s=retry_after_s)
+
+
+# --- HTTP ---------------------------------------------------------------
+
+def http_body(err: SpoolerError) -> bytes:
+    return json.dumps(err.to_dict()).encode()
+
+
+def http_headers(err: SpoolerError) -> dict:
+    if isinstance(err, Unavailable):
+        return {"Retry-After": str(max(1, int(round(err.retry_after_s))))}
+    return {}
+
+
+def from_http(status: int, body: bytes, headers: Optional[dict] = None) -> SpoolerError:
+    try:
+        d = json.loads(body or b"{}")
+        kind = d.get("kind", "")
+    except (ValueError, AttributeError):
+        d, kind = {}, ""
+    if kind not in ERRORS:
+        cls = _BY_HTTP_STATUS.get(status, Internal)
+        kind = cls.kind
+    retry_after = 0.0
+    if headers and headers.get("Retry-After"):
+        try:
+            retry_after = float(headers["Retry-After"])
+        except ValueError:
+            pass
+    return make(kind, d.get("message", f"HTTP {status}"), d.get("reason", ""), retry_after)
+
+
+# --- gRPC ---------------------------------------------------------------
+
+KIND_TRAILER = "spooler-error-kind"
+DETAILS_TRAILER = "grpc-status-details-bin"
+
+
+def grpc_trailers(err: SpoolerError) -> tuple:
+    """Trailing metadata carrying the error kind (google.rpc.Status-shaped)."""
+    from spooler.pb import api_pb2
+
+    detail = api_pb2.ErrorDetail(kind=err.kind, message=err.message, reason=err.reason,
+                                 retry_after_seconds=err.retry_after_s)
+    status = api_pb2.Status(code=err.grpc_code.value[0], message=err.message)
+    status.details.add().Pack(detail)
+    return ((KIND_TRAILER, err.kind), (DETAILS_TRAILER, status.SerializeToString()))
+
+
+def from_grpc_trailers(code, details: str, trailers) -> SpoolerError:
+    from spooler.pb import api_pb2
+
+    for key, value in trailers or ():
+        if key == DETAILS_TRAILER:
+            status = api_pb2.Status.FromString(value)
+            for anyd in status.details:
+                d = api_pb2.ErrorDetail()
+                if anyd.Unpack(d):
+                    return make(d.kind, d.message, d.reason, d.retry_after_seconds)
+    # No detail: a transport failure. UNAVAILABLE before the call reached a
+    # node is retry-safe; DEADLINE_EXCEEDED after it left is outcome-unknown.
+    if code == _CODE.DEADLINE_EXCEEDED:
+        return OperationUnconfirmed(details or "deadline exceeded: outcome unknown")
+    cls = _BY_GRPC_CODE.get(code, Internal)
+    return cls(details or str(code))
+
+
+def from_detail(d) -> SpoolerError:
+    return make(d.kind, d.message, d.reason, d.retry_after_seconds)
+
+
+def to_detail(err: SpoolerError):
+    from spooler.pb import api_pb2
+
+    return api_pb2.ErrorDetail(kind=err.kind, message=err.message, reason=err.reason,
+                               retry_after_seconds=err.retry_after_s)

@@ -1,0 +1,139 @@
+"""A small synchronous HTTP/JSON client (standard library only).
+
+spoolctl uses it; services may too. Errors come back as the classes of
+:mod:`spooler.errors`, mapped from the same table the node uses.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.parse
+from dataclasses import dataclass
+from typing import Optional
+
+from spooler import errors
+
+
+@dataclass
+class Delivery:
+    id: str
+    body: bytes
+    token: str
+    retry_count: int
+    expires_at: str
+    queue: str = ""
+
+
+class HttpClient:
+    def __init__(self, url: str = "http://127.0.0.1:8080", key: str = "", timeout_s: float = 30.0):
+        u = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
+        if u.scheme not in ("http", "https"):
+            raise errors.InvalidArgument(f"unsupported server URL scheme: {u.scheme}")
+        self.scheme, self.netloc = u.scheme, u.netloc
+        self.prefix = u.path.rstrip("/")
+        self.key = key
+        self.timeout_s = timeout_s
+        self.last_epoch: Optional[int] = None
+
+    # --- plumbing ---------------------------------------------------------
+    def request(self, method: str, path: str, body: bytes = b"", headers: Optional[dict] = None,
+                timeout_s: Optional[float] = None):
+        """Returns (status, headers, body); raises SpoolerError for 4xx/5xx."""
+        cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+        conn = cls(self.netloc, timeout=timeout_s or self.timeout_s)
+        h = {"Content-Length": str(len(body))}
+        if self.key:
+            h["Authorization"] = f"Bearer {self.key}"
+        h.update(headers or {})
+        try:
+            conn.request(method, self.prefix + path, body=body, headers=h)
+            resp = conn.getresponse()
+            data = resp.read()
+        except (ConnectionError, OSError) as e:
+            # We cannot know whether a write reached the node.
+            if method == "GET":
+                raise errors.Unavailable(f"cannot reach {self.netloc}: {e}") from e
+            raise errors.OperationUnconfirmed(f"connection to {self.netloc} failed: {e}") from e
+        finally:
+            conn.close()
+        rh = {k.title(): v for k, v in resp.getheaders()}
+        if rh.get("Spooler-Epoch", "").isdigit():
+            self.last_epoch = int(rh["Spooler-Epoch"])
+        if resp.status >= 400:
+            raise errors.from_http(resp.status, data, rh)
+        return resp.status, rh, data
+
+    def _json(self, method, path, obj=None):
+        body = json.dumps(obj).encode() if obj is not None else b""
+        hdr = {"Content-Type": "application/json"} if obj is not None else {}
+        status, _, data = self.request(method, path, body, hdr)
+        return status, (json.loads(data) if data else None)
+
+    @staticmethod
+    def _q(name: str) -> str:
+        return urllib.parse.quote(name, safe="")
+
+    # --- queues -----------------------------------------------------------
+    def put_queue(self, name: str, **settings) -> dict:
+        """settings: leaseTimeoutSeconds, maxRetries, retentionSeconds, dedupWindowSeconds, failureQueue."""
+        status, doc = self._json("PUT", f"/v1/queues/{self._q(name)}", settings)
+        doc["created"] = status == 201
+        return doc
+
+    def get_queue(self, name: str) -> dict:
+        return self._json("GET", f"/v1/queues/{self._q(name)}")[1]
+
+    def list_queues(self) -> list:
+        return self._json("GET", "/v1/queues")[1]["queues"]
+
+    def delete_queue(self, name: str) -> None:
+        self.request("DELETE", f"/v1/queues/{self._q(name)}")
+
+    def redrive(self, name: str) -> int:
+        return self._json("POST", f"/v1/queues/{self._q(name)}/redrive")[1]["moved"]
+
+    # --- messages ---------------------------------------------------------
+    def send(self, queue: str, body: bytes, delay_s: Optional[float] = None,
+             dedup_key: Optional[str] = None) -> dict:
+        h = {"Content-Type": "application/octet-stream"}
+        if delay_s is not None:
+            h["Spooler-Delay-Seconds"] = repr(float(delay_s))
+        if dedup_key:
+            h["Spooler-Dedup-Key"] = dedup_key
+        _, _, data = self.request("POST", f"/v1/queues/{self._q(queue)}/messages", body, h)
+        return json.loads(data)
+
+    def receive(self, queue: str, wait_s: float = 0.0) -> Optional[Delivery]:
+        path = f"/v1/queues/{self._q(queue)}/receive?wait={wait_s:g}"
+        status, h, data = self.request("POST", path, timeout_s=self.timeout_s + wait_s)
+        if status == 204:
+            return None
+        return Delivery(id=h["Spooler-Message-Id"], body=data, token=h["Spooler-Lease-Token"],
+                        retry_count=int(h["Spooler-Retry-Count"]),
+                        expires_at=h["Spooler-Lease-Expires-At"], queue=queue)
+
+    def ack(self, token: str) -> None:
+        self.request("POST", f"/v1/leases/{self._q(token)}/ack")
+
+    def nack(self, token: str, delay_s: Optional[float] = None) -> None:
+        h = {"Spooler-Delay-Seconds": repr(float(delay_s))} if delay_s is not None else {}
+        self.request("POST", f"/v1/leases/{self._q(token)}/nack", headers=h)
+
+    def renew(self, token: str) -> str:
+        return self._json("POST", f"/v1/leases/{self._q(token)}/renew")[1]["expiresAt"]
+
+    # --- keys and cluster -------------------------------------------------
+    def create_key(self, queue: str = "*", scopes=("send", "receive")) -> dict:
+        return self._json("POST", "/v1/keys", {"queue": queue, "scopes": list(scopes)})[1]
+
+    def list_keys(self) -> list:
+        return self._json("GET", "/v1/keys")[1]["keys"]
+
+    def delete_key(self, key_id: str) -> None:
+        self.request("DELETE", f"/v1/keys/{self._q(key_id)}")
+
+    def cluster(self) -> dict:
+        return self._json("GET", "/v1/cluster")[1]
+
+    def promote(self, node: str) -> dict:
+        return self._json("POST", "/v1/cluster/promote", {"node": node})[1]

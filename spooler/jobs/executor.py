@@ -1,0 +1,166 @@
+"""Run one attempt: spawn in a new session, stdout/stderr straight to files,
+enforce the timeout by killing the whole process group.
+
+The command is a process-group leader (``start_new_session=True``), so the
+group id is its pid and a group kill reaches everything it forked, unless a
+descendant calls setsid() itself.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from spooler.jobs import knobs, states
+
+POLL_S = 0.1   # how often a running attempt checks for timeout / stop requests
+
+
+@dataclass(frozen=True)
+class Result:
+    reason: Optional[str]      # None: exit 0
+    exit_code: Optional[int]   # None: never started; negative: killed by that signal
+    detail: str = ""
+    pid: Optional[int] = None
+
+
+def _group_members(pgid: int) -> Optional[int]:
+    """How many live (non-zombie) processes are in the group; None without /proc."""
+    if not os.path.isdir("/proc"):
+        return None
+    n = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        rest = stat[stat.rfind(b")") + 2:].split()
+        # rest[0] = state, rest[2] = pgrp
+        if len(rest) > 2 and rest[0] != b"Z" and int(rest[2]) == pgid:
+            n += 1
+    return n
+
+
+ATTEMPT_ENV = "SPOOLCTL_ATTEMPT_TOKEN"   # "<job id>:<attempt n>" in every attempt's environment
+
+
+def kill_orphans(pgid: int, token: str) -> int:
+    """SIGKILL the members of ``pgid`` that carry ``SPOOLCTL_ATTEMPT_TOKEN=token``.
+
+    Used by the reaper on the attempt of a dead worker: the group id alone could
+    have been reused since, the token in the environment cannot. Best effort:
+    a process that replaced its environment is not found. Returns how many."""
+    if not os.path.isdir("/proc"):
+        return 0
+    needle = f"{ATTEMPT_ENV}={token}".encode()
+    killed = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            rest = stat[stat.rfind(b")") + 2:].split()
+            if len(rest) < 3 or rest[0] == b"Z" or int(rest[2]) != pgid:
+                continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            os.kill(int(name), signal.SIGKILL)
+            killed += 1
+        except (OSError, ValueError):
+            continue
+    return killed
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    members = _group_members(pgid)
+    return True if members is None else members > 0
+
+
+def kill_group(pgid: int, proc: Optional[subprocess.Popen] = None, grace_s: float = knobs.TERM_GRACE_S) -> None:
+    """SIGTERM the group, wait up to ``grace_s`` for it to go, SIGKILL it, wait."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if proc is not None:
+            proc.poll()   # reap the leader so it does not linger as a zombie
+        if not group_alive(pgid):
+            break
+        time.sleep(0.02)
+    else:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc is not None:
+        proc.wait()   # unconditional: SIGKILL cannot be ignored
+    # orphaned members are reaped by init; bounded wait for them to disappear
+    deadline = time.monotonic() + grace_s
+    while group_alive(pgid) and time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            break
+        time.sleep(0.02)
+
+
+def run(argv: list, stdout_path: str, stderr_path: str, timeout_s: Optional[float] = None,
+        cwd: Optional[str] = None, env: Optional[dict] = None,
+        on_spawn: Callable[[int], None] = lambda pid: None,
+        should_stop: Callable[[], Optional[str]] = lambda: None,
+        grace_s: float = knobs.TERM_GRACE_S) -> Result:
+    """Run ``argv`` to completion. ``should_stop`` returns a failure reason
+    (canceled, worker_stopped, lease_lost) when the worker wants it killed."""
+    os.makedirs(os.path.dirname(stdout_path), exist_ok=True)
+    try:
+        with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=cwd, env=env,
+                                    start_new_session=True, close_fds=True)
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        try:
+            with open(stderr_path, "ab") as err:
+                err.write(f"spoolctl: cannot start {argv[0]!r}: {e}\n".encode())
+        except OSError:
+            pass
+        return Result(states.SPAWN_FAILED, None, f"{type(e).__name__}: {e}")
+    pid = proc.pid
+    try:
+        on_spawn(pid)
+    except BaseException:
+        kill_group(pid, proc, grace_s)
+        raise
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        wait_s = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
+        try:
+            code = proc.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        stop = should_stop()
+        if stop:
+            kill_group(pid, proc, grace_s)
+            return Result(stop, proc.returncode, f"stopped: {stop}", pid)
+        if deadline is not None and time.monotonic() >= deadline:
+            kill_group(pid, proc, grace_s)
+            return Result(states.TIMEOUT, proc.returncode, f"exceeded --timeout {timeout_s:g}s", pid)
+    if code == 0:
+        return Result(None, 0, "", pid)
+    detail = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    return Result(states.NONZERO_EXIT, code, detail, pid)

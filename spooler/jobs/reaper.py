@@ -1,0 +1,122 @@
+"""Crash recovery without a daemon: workers reap as they claim.
+
+A running job whose heartbeat is older than its reap threshold is a candidate.
+Its worker's PID is then checked (the order matters and is the contract):
+
+* ``os.kill(pid, 0)`` raises ProcessLookupError -> dead
+* ``os.kill(pid, 0)`` raises PermissionError    -> inconclusive, treated as alive
+* it succeeds -> the process exists; if its command line does not carry the
+  spoolctl marker the PID was recycled by an unrelated process -> dead
+
+The marker: an argv element containing ``spoolctl`` (the console script), or
+``-m`` followed by ``spooler`` / ``spooler.<anything>`` (``python -m spooler``).
+A worker recorded under another host name is never judged (its PIDs are not
+ours to probe): inconclusive, left alone.
+
+Only then does :meth:`Store.reap` requeue it, in its own BEGIN IMMEDIATE that
+re-checks staleness and ownership.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from spooler.jobs import executor
+from spooler.jobs.store import Candidate, Store
+
+DEAD, ALIVE, RECYCLED, INCONCLUSIVE = "dead", "alive", "recycled", "inconclusive"
+
+
+def is_spoolctl_argv(argv: list) -> bool:
+    for i, a in enumerate(argv):
+        if "spoolctl" in a:
+            return True
+        if a == "-m" and i + 1 < len(argv):
+            mod = argv[i + 1]
+            if mod == "spooler" or mod.startswith("spooler."):
+                return True
+        if a.startswith("-m") and (a[2:] == "spooler" or a[2:].startswith("spooler.")):
+            return True
+    return False
+
+
+def read_cmdline(pid: int) -> Optional[list]:
+    """argv of ``pid``; None if it cannot be read (gone, or not ours to read)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+        return [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
+    except FileNotFoundError:
+        if os.path.isdir("/proc"):
+            return None
+    except OSError:
+        return None
+    try:  # no /proc (macOS, BSD): ask ps
+        out = subprocess.run(["ps", "-o", "args=", "-p", str(pid)], capture_output=True, text=True,
+                             timeout=5.0)
+        return out.stdout.split() if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def liveness(pid: Optional[int], host: Optional[str] = None, *, my_host: Optional[str] = None,
+             kill: Callable = os.kill, cmdline: Callable = read_cmdline) -> str:
+    """DEAD / RECYCLED mean reapable; ALIVE / INCONCLUSIVE mean leave it alone."""
+    my_host = socket.gethostname() if my_host is None else my_host
+    if host is not None and host != my_host:
+        return INCONCLUSIVE
+    if not pid or pid <= 0:
+        return DEAD
+    try:
+        kill(pid, 0)
+    except ProcessLookupError:
+        return DEAD
+    except PermissionError:
+        return INCONCLUSIVE
+    argv = cmdline(pid)
+    if argv is None:
+        # vanished between the two checks (dead), or unreadable (inconclusive)
+        try:
+            kill(pid, 0)
+        except ProcessLookupError:
+            return DEAD
+        except PermissionError:
+            return INCONCLUSIVE
+        return INCONCLUSIVE
+    return ALIVE if is_spoolctl_argv(argv) else RECYCLED
+
+
+@dataclass
+class ReapResult:
+    job_id: str
+    verdict: str          # liveness verdict
+    new_state: Optional[str]   # None: not touched (alive, or re-check failed)
+
+
+def reap_pass(store: Store, threshold_override_s: Optional[float] = None, now: Optional[float] = None,
+              limit: int = 100, *, kill: Callable = os.kill, cmdline: Callable = read_cmdline,
+              my_host: Optional[str] = None) -> list:
+    """Scan for stale running jobs, confirm their workers are dead, reap them."""
+    results = []
+    now_s = time.time() if now is None else now
+    for cand in store.reap_candidates(now_s, threshold_override_s, limit):
+        verdict = liveness(cand.worker_pid, cand.worker_host, my_host=my_host, kill=kill, cmdline=cmdline)
+        if verdict in (ALIVE, INCONCLUSIVE):
+            results.append(ReapResult(cand.job_id, verdict, None))
+            continue
+        age = now_s - (cand.heartbeat_at or 0.0)
+        detail = (f"worker pid {cand.worker_pid} on {cand.worker_host} is {verdict}; "
+                  f"last heartbeat {age:.1f}s ago")
+        # the clock inside reap() is read again: the candidate scan and the liveness
+        # probe took time, and the re-check must use the time of the transaction
+        new_state = store.reap(cand, detail, None if now is None else now, threshold_override_s)
+        if new_state is not None and cand.pgid:
+            # the dead worker's command may still run (it has its own session);
+            # stop it before the job runs again, identified by its attempt token
+            executor.kill_orphans(cand.pgid, f"{cand.job_id}:{cand.n}")
+        results.append(ReapResult(cand.job_id, verdict, new_state))
+    return results

@@ -1,0 +1,285 @@
+"""The cluster back-end: the same executor, fed from a Spooler queue.
+
+``submit --queue Q`` sends a JSON job message; ``worker --queue Q`` leases it,
+renews the lease as its heartbeat, acks on success, nacks with the backoff
+delay on a job-owned failure, and moves it to the queue's failure queue (which
+plays ``dead``) once the job's ``max_retries`` is spent.
+
+Differences from the local spool, by design:
+
+* A worker crash is a lease expiry, which the queue counts as a retry (the
+  server raises the retry count on expiry). There is no separate crash budget
+  and no PID probing: the lease timeout replaces the reaper.
+* A message has no priority; ``--priority`` is carried in the body and
+  reported, not used for ordering.
+* ``--key`` becomes the message dedup key and works within the queue's dedup
+  window (set to ``DEDUP_WINDOW_S`` when spoolctl creates the queue).
+* Outputs stay on the machine of the worker that ran the attempt; that
+  worker's spool records the job (``backend: spooler``) with the attempt's host
+  and file paths, and a message moved to the failure queue carries them in
+  ``spoolctl_result``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Optional
+
+from spooler import errors
+from spooler.jobs import executor, knobs, states
+from spooler.jobs.store import Claim, Store, WorkerIdentity, validate_command, validate_job_options
+from spooler.jobs.worker import Progress
+
+JOB_FORMAT = 1
+DEDUP_WINDOW_S = 86400.0
+
+
+def job_body(command: list, priority: int, max_retries: int, max_crashes: Optional[int],
+             timeout_s: Optional[float], key: Optional[str], cwd: Optional[str], now: float) -> dict:
+    return {"spoolctl_job": JOB_FORMAT, "command": command, "cwd": cwd, "priority": priority,
+            "max_retries": max_retries, "max_crashes": max_crashes, "timeout_s": timeout_s,
+            "key": key, "submitted_at": now}
+
+
+def parse_body(body: bytes) -> dict:
+    try:
+        job = json.loads(body)
+    except ValueError:
+        raise errors.InvalidArgument("message body is not JSON") from None
+    if not isinstance(job, dict) or job.get("spoolctl_job") != JOB_FORMAT:
+        raise errors.InvalidArgument("message is not a spoolctl job (format 1)")
+    command = validate_command(list(job.get("command") or []))
+    validate_job_options(int(job.get("priority") or 0), int(job.get("max_retries", knobs.DEFAULT_MAX_RETRIES)),
+                         None, job.get("timeout_s"), None)
+    job["command"] = command
+    return job
+
+
+def ensure_queue(client, queue: str, max_retries: int = knobs.DEFAULT_MAX_RETRIES,
+                 dedup: bool = False) -> dict:
+    """The queue document; created (maxRetries = the job's budget) if missing."""
+    try:
+        return client.get_queue(queue)
+    except errors.QueueNotFound:
+        settings = {"maxRetries": max_retries}
+        if dedup:
+            settings["dedupWindowSeconds"] = DEDUP_WINDOW_S
+        try:
+            return client.put_queue(queue, **settings)
+        except errors.InvalidArgument:
+            return client.put_queue(queue, maxRetries=max_retries)
+
+
+def submit(client, queue: str, command: list, priority: int = knobs.DEFAULT_PRIORITY,
+           max_retries: int = knobs.DEFAULT_MAX_RETRIES, max_crashes: Optional[int] = None,
+           timeout_s: Optional[float] = None, key: Optional[str] = None, cwd: Optional[str] = None) -> dict:
+    command = validate_command(command)
+    validate_job_options(priority, max_retries, max_crashes, timeout_s, key)
+    doc = ensure_queue(client, queue, max_retries, dedup=key is not None)
+    if key is not None and not (doc.get("settings") or {}).get("dedupWindowSeconds"):
+        print(f"spoolctl: warning: queue {queue} has no dedup window; --key will not prevent duplicates",
+              file=sys.stderr)
+    body = job_body(command, priority, max_retries, max_crashes, timeout_s, key, cwd, time.time())
+    r = client.send(queue, json.dumps(body).encode(), dedup_key=key)
+    return {"id": r["id"], "duplicate": bool(r.get("duplicate")), "state": states.QUEUED,
+            "priority": priority, "command": command, "key": key, "backend": "spooler", "queue": queue,
+            "max_retries": max_retries, "max_crashes": None, "timeout_s": timeout_s,
+            "crash_count": 0, "failure_reason": None, "attempts": []}
+
+
+class RemoteWorker:
+    def __init__(self, client_factory, queue: str, spool_dir: str, settings: knobs.Settings,
+                 concurrency: int = 1, drain: bool = False, progress=None, server: str = ""):
+        if not 1 <= concurrency <= knobs.CONCURRENCY_MAX:
+            raise errors.InvalidArgument(f"--concurrency must be in [1, {knobs.CONCURRENCY_MAX}]")
+        self.client_factory = client_factory
+        self.queue = queue
+        self.spool_dir = spool_dir
+        self.settings = settings
+        self.concurrency = concurrency
+        self.drain = drain
+        self.progress = Progress(progress)
+        self.source = f"{server.rstrip('/')}/v1/queues/{queue}"
+        self.identity = WorkerIdentity.current(settings.heartbeat_interval_s)
+        self.stop_event = threading.Event()
+        self._lock = threading.Lock()
+        self._active: dict = {}   # token -> job id
+        self._lost: set = set()   # tokens whose lease is gone
+        self.stats = {"claimed": 0, "succeeded": 0, "failed": 0, "dead": 0, "stopped": 0, "lease_lost": 0,
+                      "errors": 0}
+        self.errors: list = []
+        self.failure_queue = f"{queue}.failed"
+        self.renew_every_s = settings.heartbeat_interval_s
+
+    def run(self) -> dict:
+        from spooler.jobs.worker import Worker
+        client = self.client_factory()
+        doc = ensure_queue(client, self.queue)
+        st = doc.get("settings") or {}
+        self.failure_queue = st.get("failureQueue") or self.failure_queue
+        lease_s = float(st.get("leaseTimeoutSeconds") or 30.0)
+        self.renew_every_s = max(0.05, min(self.settings.heartbeat_interval_s, lease_s / 3))
+        Store(self.spool_dir, self.settings.busy_timeout_s).close()
+        restore = Worker._install_signals(self)   # same SIGTERM/SIGINT handling
+        renew = threading.Thread(target=self._renew_loop, name="renew", daemon=True)
+        renew.start()
+        slots = [threading.Thread(target=self._slot_main, daemon=True) for _ in range(self.concurrency)]
+        for t in slots:
+            t.start()
+        try:
+            while True:
+                alive = [t for t in slots if t.is_alive()]
+                if not alive:
+                    break
+                alive[0].join(timeout=0.5)
+                self.progress.show(self.stats["succeeded"], self.stats["failed"], self._left(client))
+        finally:
+            self.stop_event.set()
+            for t in slots:
+                t.join()
+            self.progress.end()
+            restore()
+        renew.join(timeout=5.0)
+        return {"worker_id": self.identity.worker_id, "pid": self.identity.pid, "backend": "spooler",
+                "queue": self.queue, **self.stats, "errors": self.errors[:10]}
+
+    def _left(self, client) -> int:
+        if self.progress.stream is None:
+            return 0
+        try:
+            s = client.get_queue(self.queue).get("stats") or {}
+            return int(s.get("visible", 0)) + int(s.get("delayed", 0)) + int(s.get("leased", 0))
+        except errors.SpoolerError:
+            return 0
+
+    def _bump(self, key: str) -> None:
+        with self._lock:
+            self.stats[key] += 1
+
+    def _renew_loop(self) -> None:
+        client = self.client_factory()
+        while not self.stop_event.wait(self.renew_every_s):
+            with self._lock:
+                tokens = list(self._active)
+            for tok in tokens:
+                try:
+                    client.renew(tok)
+                except errors.StaleLease:
+                    with self._lock:
+                        self._lost.add(tok)
+                except errors.SpoolerError:
+                    pass   # unreachable for now: try again next beat, the lease may still hold
+
+    def _slot_main(self) -> None:
+        try:
+            self._slot()
+        except Exception as e:
+            self.errors.append(f"{type(e).__name__}: {e}")
+            self.stop_event.set()
+            print(f"spoolctl worker: slot failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+    def _slot(self) -> None:
+        client = self.client_factory()
+        store = Store(self.spool_dir, self.settings.busy_timeout_s)
+        try:
+            while not self.stop_event.is_set():
+                try:
+                    d = client.receive(self.queue, wait_s=0.5 if self.drain else knobs.REMOTE_RECEIVE_WAIT_S)
+                except (errors.Unavailable, errors.OperationUnconfirmed) as e:
+                    # an unconfirmed receive may have leased a message we never saw: it
+                    # expires and comes back with its retry count raised
+                    self._bump("errors")
+                    self.stop_event.wait(min(5.0, max(0.2, e.retry_after_s or 1.0)))
+                    continue
+                if d is None:
+                    if self.drain and self._drained(client):
+                        return
+                    continue
+                self._handle(client, store, d)
+        finally:
+            store.close()
+
+    def _drained(self, client) -> bool:
+        with self._lock:
+            if self._active:
+                return False
+        s = client.get_queue(self.queue).get("stats") or {}
+        return int(s.get("visible", 0)) + int(s.get("delayed", 0)) + int(s.get("leased", 0)) == 0
+
+    def _handle(self, client, store: Store, d) -> None:
+        self._bump("claimed")
+        try:
+            job = parse_body(d.body)
+        except errors.SpoolerError as e:
+            self._bury(client, d, {"spoolctl_result": {"failure_reason": "invalid_job", "detail": e.message},
+                                   "raw": d.body.decode("utf-8", "replace")})
+            return
+        claim = store.begin_remote(self.identity, d.id, self.source, job["command"], job.get("cwd"),
+                                   int(job.get("priority") or 0), int(job["max_retries"]), job.get("timeout_s"))
+        with self._lock:
+            self._active[d.token] = d.id
+        try:
+            env = dict(os.environ, SPOOLCTL_JOB_ID=d.id, SPOOLCTL_ATTEMPT=str(claim.n),
+                       SPOOLCTL_RETRY_COUNT=str(d.retry_count))
+            res = executor.run(claim.command, claim.stdout, claim.stderr, claim.timeout_s, cwd=claim.cwd, env=env,
+                               should_stop=lambda: self._should_stop(d.token))
+        finally:
+            with self._lock:
+                self._active.pop(d.token, None)
+                lost = d.token in self._lost
+                self._lost.discard(d.token)
+        self._settle(client, store, d, job, claim, res, lost)
+
+    def _should_stop(self, token: str) -> Optional[str]:
+        if self.stop_event.is_set():
+            return states.WORKER_STOPPED
+        with self._lock:
+            return states.LEASE_LOST if token in self._lost else None
+
+    def _settle(self, client, store: Store, d, job: dict, claim: Claim, res: executor.Result, lost: bool) -> None:
+        reason, detail = res.reason, res.detail
+        if lost or reason == states.LEASE_LOST:
+            # someone else may hold it now: do not settle; the queue redelivers it
+            self._bump("lease_lost")
+            store.finish_remote(claim, states.LEASE_LOST, res.exit_code, states.QUEUED, d.retry_count,
+                                "lease expired while running; the queue will redeliver")
+            return
+        try:
+            if reason is None:
+                client.ack(d.token)
+                self._bump("succeeded")
+                store.finish_remote(claim, None, res.exit_code, states.SUCCEEDED, d.retry_count, detail)
+            elif reason == states.WORKER_STOPPED:
+                client.nack(d.token)
+                self._bump("stopped")
+                store.finish_remote(claim, reason, res.exit_code, states.QUEUED, d.retry_count, detail)
+            else:
+                self._bump("failed")
+                failures = d.retry_count + 1
+                if failures > int(job["max_retries"]):
+                    result = {"failure_reason": reason, "exit_code": res.exit_code, "detail": detail,
+                              "host": self.identity.host, "worker_id": self.identity.worker_id,
+                              "stdout": claim.stdout, "stderr": claim.stderr, "retry_count": d.retry_count,
+                              "finished_at": time.time()}
+                    self._bury(client, d, dict(job, spoolctl_result=result))
+                    store.finish_remote(claim, reason, res.exit_code, states.DEAD, d.retry_count, detail)
+                else:
+                    delay_s = states.backoff_s(failures)
+                    client.nack(d.token, delay_s=delay_s)
+                    store.finish_remote(claim, reason, res.exit_code, states.QUEUED, d.retry_count,
+                                        f"{detail}; redelivery in {delay_s:g}s")
+        except errors.StaleLease as e:
+            self._bump("lease_lost")
+            store.finish_remote(claim, reason or None, res.exit_code,
+                                states.SUCCEEDED if reason is None else states.QUEUED, d.retry_count,
+                                f"{detail}; settling failed ({e.reason or e.message}): the queue will redeliver")
+
+    def _bury(self, client, d, body: dict) -> None:
+        """Move to the failure queue: send there first, then ack (a crash between the
+        two leaves a duplicate in the failure queue, never a lost job)."""
+        client.send(self.failure_queue, json.dumps(body).encode(), dedup_key=f"dead:{d.id}:{d.retry_count}")
+        client.ack(d.token)
+        self._bump("dead")

@@ -1,0 +1,520 @@
+"""The spool: one SQLite file (apsw, WAL, synchronous=FULL) plus per-attempt output files.
+
+Every state change runs in its own ``BEGIN IMMEDIATE`` transaction, which takes
+SQLite's write lock when the transaction opens: concurrent workers serialize on
+the lock instead of racing to upgrade a read lock. Each function takes ``now``
+(Unix seconds) so tests can drive time. A ``Store`` is one connection: use one
+per thread.
+
+Only jobs with ``backend = 'local'`` are claimed and reaped here; rows that a
+cluster worker records (``backend = 'spooler'``) are history only, their truth
+is the Spooler queue.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import apsw
+
+from spooler.errors import InvalidArgument, NotFound
+from spooler.jobs import knobs, states
+
+DB_NAME = "spool.db"
+OUTPUT_DIR = "output"
+SCHEMA_VERSION = 1
+
+SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS jobs (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        id TEXT NOT NULL UNIQUE,
+        idem_key TEXT UNIQUE,
+        backend TEXT NOT NULL DEFAULT 'local',
+        source TEXT,                      -- cluster back-end: server URL and queue
+        command TEXT NOT NULL,            -- JSON argv
+        cwd TEXT,
+        priority INTEGER NOT NULL,
+        state TEXT NOT NULL,
+        max_retries INTEGER NOT NULL,
+        max_crashes INTEGER,              -- NULL: unbounded
+        timeout_s REAL,                   -- NULL: none
+        failure_count INTEGER NOT NULL DEFAULT 0,  -- job-owned failures in the current budget
+        crash_count INTEGER NOT NULL DEFAULT 0,    -- worker crashes in the current budget
+        attempt_count INTEGER NOT NULL DEFAULT 0,  -- attempts ever started (= last attempt n)
+        failure_reason TEXT,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL,
+        run_after REAL NOT NULL,          -- a queued job is eligible from this time
+        worker_id TEXT,
+        worker_pid INTEGER,
+        worker_host TEXT,
+        heartbeat_at REAL,
+        heartbeat_interval_s REAL         -- of the owning worker: sets its reap threshold
+    )""",
+    "CREATE INDEX IF NOT EXISTS jobs_claim ON jobs(backend, state, priority DESC, seq)",
+    "CREATE INDEX IF NOT EXISTS jobs_running ON jobs(state, heartbeat_at)",
+    """CREATE TABLE IF NOT EXISTS attempts (
+        job_id TEXT NOT NULL,
+        n INTEGER NOT NULL,               -- 1-based
+        worker_id TEXT,
+        worker_pid INTEGER,
+        worker_host TEXT,
+        pid INTEGER,                      -- the command's pid = its process group id
+        started_at REAL NOT NULL,
+        finished_at REAL,
+        exit_code INTEGER,                -- negative: killed by that signal
+        failure_reason TEXT,
+        detail TEXT,
+        stdout TEXT NOT NULL,
+        stderr TEXT NOT NULL,
+        PRIMARY KEY (job_id, n)
+    )""",
+]
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    worker_id: str
+    pid: int
+    host: str
+    heartbeat_interval_s: float
+
+    @classmethod
+    def current(cls, heartbeat_interval_s: float) -> "WorkerIdentity":
+        host = socket.gethostname()
+        pid = os.getpid()
+        return cls(f"{host}:{pid}:{uuid.uuid4().hex[:8]}", pid, host, heartbeat_interval_s)
+
+
+@dataclass(frozen=True)
+class Claim:
+    job_id: str
+    n: int
+    command: list
+    cwd: Optional[str]
+    timeout_s: Optional[float]
+    stdout: str
+    stderr: str
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class Candidate:
+    job_id: str
+    n: int
+    worker_id: str
+    worker_pid: Optional[int]
+    worker_host: Optional[str]
+    heartbeat_at: Optional[float]
+    pgid: Optional[int] = None   # the attempt's process group, if it was spawned
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def validate_command(command: list) -> list:
+    if not command:
+        raise InvalidArgument("a command is required after --")
+    if len(command) > knobs.COMMAND_ARGS_MAX:
+        raise InvalidArgument(f"command has {len(command)} arguments; the limit is {knobs.COMMAND_ARGS_MAX}")
+    size = sum(len(a.encode("utf-8", "surrogateescape")) + 1 for a in command)
+    if size > knobs.COMMAND_BYTES_MAX:
+        raise InvalidArgument(f"command is {size} bytes; the limit is {knobs.COMMAND_BYTES_MAX}")
+    return [str(a) for a in command]
+
+
+def validate_job_options(priority: int, max_retries: int, max_crashes: Optional[int],
+                         timeout_s: Optional[float], key: Optional[str]) -> None:
+    if not knobs.PRIORITY_MIN <= priority <= knobs.PRIORITY_MAX:
+        raise InvalidArgument(f"--priority must be in [{knobs.PRIORITY_MIN}, {knobs.PRIORITY_MAX}]")
+    if not 0 <= max_retries <= knobs.MAX_RETRIES_MAX:
+        raise InvalidArgument(f"--max-retries must be in [0, {knobs.MAX_RETRIES_MAX}]")
+    if max_crashes is not None and not 0 <= max_crashes <= knobs.MAX_CRASHES_MAX:
+        raise InvalidArgument(f"--max-crashes must be in [0, {knobs.MAX_CRASHES_MAX}]")
+    if timeout_s is not None and not (0 < timeout_s <= knobs.TIMEOUT_S_MAX):
+        raise InvalidArgument(f"--timeout must be > 0 and <= {knobs.TIMEOUT_S_MAX:g} seconds")
+    if key is not None and (key == "" or len(key.encode()) > knobs.IDEMPOTENCY_KEY_BYTES_MAX):
+        raise InvalidArgument(f"--key must be 1..{knobs.IDEMPOTENCY_KEY_BYTES_MAX} bytes")
+
+
+class Store:
+    def __init__(self, spool_dir: str, busy_timeout_s: float = knobs.DEFAULT_BUSY_TIMEOUT_S):
+        self.spool_dir = os.path.abspath(spool_dir)
+        self.output_dir = os.path.join(self.spool_dir, OUTPUT_DIR)
+        os.makedirs(self.output_dir, exist_ok=True)
+        self.path = os.path.join(self.spool_dir, DB_NAME)
+        self.conn = apsw.Connection(self.path)
+        self.conn.setbusytimeout(int(busy_timeout_s * 1000))
+        self._init()
+
+    def close(self) -> None:
+        self.conn.close()
+
+    # --- plumbing ---------------------------------------------------------
+    def _init(self) -> None:
+        c = self.conn
+        if c.execute("PRAGMA journal_mode").fetchall()[0][0] != "wal":
+            c.execute("PRAGMA journal_mode=WAL").fetchall()
+        c.execute("PRAGMA synchronous=FULL").fetchall()   # fsync the WAL on every commit
+        if c.execute("PRAGMA user_version").fetchall()[0][0] == SCHEMA_VERSION:
+            return
+        with self.immediate():
+            for stmt in SCHEMA:
+                c.execute(stmt)
+            c.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    @contextmanager
+    def immediate(self) -> Iterator[apsw.Connection]:
+        """One write transaction. BusyError from BEGIN means nothing happened."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.conn
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        try:
+            self.conn.execute("COMMIT")
+        except BaseException:
+            if not self.conn.getautocommit():
+                self.conn.execute("ROLLBACK")
+            raise
+
+    def _one(self, sql: str, params=()) -> Optional[tuple]:
+        for row in self.conn.execute(sql, params):
+            return row
+        return None
+
+    def _out_paths(self, job_id: str, n: int) -> tuple:
+        d = os.path.join(self.output_dir, job_id)
+        return os.path.join(d, f"{n}.stdout"), os.path.join(d, f"{n}.stderr")
+
+    # --- submit -----------------------------------------------------------
+    def submit(self, command: list, priority: int = knobs.DEFAULT_PRIORITY,
+               max_retries: int = knobs.DEFAULT_MAX_RETRIES, max_crashes: Optional[int] = None,
+               timeout_s: Optional[float] = None, key: Optional[str] = None, cwd: Optional[str] = None,
+               now: Optional[float] = None) -> tuple:
+        """Queue a job. Returns (job_id, duplicate). A repeated ``key`` returns the first id."""
+        command = validate_command(command)
+        validate_job_options(priority, max_retries, max_crashes, timeout_s, key)
+        now = time.time() if now is None else now
+        with self.immediate() as c:
+            if key is not None:
+                row = self._one("SELECT id FROM jobs WHERE idem_key=?", (key,))
+                if row:
+                    return row[0], True
+            job_id = new_job_id()
+            c.execute(
+                "INSERT INTO jobs(id, idem_key, command, cwd, priority, state, max_retries, max_crashes,"
+                " timeout_s, created_at, updated_at, run_after) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                (job_id, key, json.dumps(command), cwd, priority, states.QUEUED, max_retries, max_crashes,
+                 timeout_s, now, now, now))
+        return job_id, False
+
+    # --- claim ------------------------------------------------------------
+    def claim_next(self, worker: WorkerIdentity, now: Optional[float] = None) -> Optional[Claim]:
+        """Atomically take the highest-priority eligible job (then the oldest).
+
+        Raises apsw.BusyError if the write lock was not had within the busy
+        timeout; the job then stays queued for the next pass.
+        """
+        now = time.time() if now is None else now
+        with self.immediate() as c:
+            row = self._one(
+                "SELECT id, state, attempt_count, command, cwd, timeout_s FROM jobs"
+                " WHERE backend='local' AND state='queued' AND run_after <= ?"
+                " ORDER BY priority DESC, seq LIMIT 1", (now,))
+            if row is None:
+                return None
+            job_id, state, count, command, cwd, timeout_s = row
+            states.transition(state, "claim")
+            n = count + 1
+            out, err = self._out_paths(job_id, n)
+            c.execute(
+                "UPDATE jobs SET state='running', attempt_count=?, worker_id=?, worker_pid=?, worker_host=?,"
+                " heartbeat_at=?, heartbeat_interval_s=?, updated_at=? WHERE id=? AND state='queued'",
+                (n, worker.worker_id, worker.pid, worker.host, now, worker.heartbeat_interval_s, now, job_id))
+            assert c.changes() == 1, "claimed row changed under BEGIN IMMEDIATE"
+            c.execute(
+                "INSERT INTO attempts(job_id, n, worker_id, worker_pid, worker_host, started_at, stdout, stderr)"
+                " VALUES (?,?,?,?,?,?,?,?)",
+                (job_id, n, worker.worker_id, worker.pid, worker.host, now, out, err))
+        return Claim(job_id, n, json.loads(command), cwd, timeout_s, out, err, worker.worker_id)
+
+    def record_pid(self, claim: Claim, pid: int) -> None:
+        with self.immediate() as c:
+            c.execute("UPDATE attempts SET pid=? WHERE job_id=? AND n=? AND worker_id=?",
+                      (pid, claim.job_id, claim.n, claim.worker_id))
+
+    # --- heartbeat --------------------------------------------------------
+    def heartbeat(self, worker: WorkerIdentity, owned: dict, now: Optional[float] = None) -> set:
+        """Touch every running job of this worker. ``owned`` maps job_id -> attempt n.
+        Returns the job ids this worker no longer owns (canceled or reaped)."""
+        now = time.time() if now is None else now
+        lost = set()
+        with self.immediate() as c:
+            c.execute("UPDATE jobs SET heartbeat_at=? WHERE state='running' AND worker_id=?",
+                      (now, worker.worker_id))
+            for job_id, n in owned.items():
+                row = self._one("SELECT state, worker_id, attempt_count FROM jobs WHERE id=?", (job_id,))
+                if row is None or row != ("running", worker.worker_id, n):
+                    lost.add(job_id)
+        return lost
+
+    # --- finish -----------------------------------------------------------
+    def finish_attempt(self, claim: Claim, reason: Optional[str], exit_code: Optional[int],
+                       detail: str = "", now: Optional[float] = None) -> str:
+        """Record an attempt's end and move its job. Returns the job's state afterwards.
+
+        The job only moves if this worker still owns this attempt (it may have
+        been canceled, or reaped if this worker looked dead).
+        """
+        now = time.time() if now is None else now
+        with self.immediate() as c:
+            row = self._one(
+                "SELECT state, worker_id, attempt_count, failure_count, crash_count, max_retries"
+                " FROM jobs WHERE id=?", (claim.job_id,))
+            if row is None:
+                raise NotFound(f"job {claim.job_id} vanished")
+            state, owner, count, failures, crashes, max_retries = row
+            owned = state == states.RUNNING and owner == claim.worker_id and count == claim.n
+            if not owned:
+                # canceled or reaped meanwhile: keep whatever reason closed the attempt first
+                c.execute(
+                    "UPDATE attempts SET exit_code=COALESCE(exit_code, ?), finished_at=COALESCE(finished_at, ?),"
+                    " failure_reason=COALESCE(failure_reason, ?) WHERE job_id=? AND n=?",
+                    (exit_code, now, states.CANCELED_REASON if state == states.CANCELED else reason,
+                     claim.job_id, claim.n))
+                return state
+            d = states.after_attempt(reason, failures, crashes, max_retries, now)
+            to = states.transition(state, d.event)
+            c.execute("UPDATE attempts SET exit_code=?, finished_at=?, failure_reason=?, detail=?"
+                      " WHERE job_id=? AND n=?", (exit_code, now, reason, detail or None, claim.job_id, claim.n))
+            self._move(claim.job_id, to, d, now)
+            return to
+
+    def _move(self, job_id: str, to: str, d: states.Decision, now: float) -> None:
+        self.conn.execute(
+            "UPDATE jobs SET state=?, failure_count=?, crash_count=?, failure_reason=?,"
+            " run_after=COALESCE(?, run_after), updated_at=?,"
+            " worker_id=NULL, worker_pid=NULL, worker_host=NULL, heartbeat_at=NULL WHERE id=?",
+            (to, d.failure_count, d.crash_count, d.failure_reason, d.run_after, now, job_id))
+
+    # --- reap -------------------------------------------------------------
+    _STALE = ("state='running' AND backend='local' AND heartbeat_at <"
+              " ? - COALESCE(?, MAX(4 * COALESCE(heartbeat_interval_s, 5.0), 30.0))")
+
+    def reap_candidates(self, now: Optional[float] = None, threshold_override_s: Optional[float] = None,
+                        limit: int = 100) -> list:
+        now = time.time() if now is None else now
+        rows = self.conn.execute(
+            f"SELECT j.id, j.attempt_count, j.worker_id, j.worker_pid, j.worker_host, j.heartbeat_at, a.pid"
+            f" FROM jobs j LEFT JOIN attempts a ON a.job_id=j.id AND a.n=j.attempt_count"
+            f" WHERE {self._STALE} ORDER BY j.heartbeat_at LIMIT ?", (now, threshold_override_s, limit))
+        return [Candidate(*r) for r in rows]
+
+    def reap(self, cand: Candidate, detail: str, now: Optional[float] = None,
+             threshold_override_s: Optional[float] = None) -> Optional[str]:
+        """Requeue (or bury) a candidate whose worker was confirmed dead.
+
+        Re-checks inside the transaction that the job is still stale and still
+        owned by the same worker and attempt: a worker that heartbeated since
+        the scan is left alone. Returns the new state, or None if untouched.
+        """
+        now = time.time() if now is None else now
+        with self.immediate() as c:
+            row = self._one(
+                f"SELECT state, failure_count, crash_count, max_crashes FROM jobs"
+                f" WHERE id=? AND worker_id=? AND attempt_count=? AND {self._STALE}",
+                (cand.job_id, cand.worker_id, cand.n, now, threshold_override_s))
+            if row is None:
+                return None
+            state, failures, crashes, max_crashes = row
+            d = states.after_crash(failures, crashes, max_crashes, now)
+            to = states.transition(state, d.event)
+            c.execute("UPDATE attempts SET finished_at=?, failure_reason=?, detail=?"
+                      " WHERE job_id=? AND n=? AND finished_at IS NULL",
+                      (now, states.WORKER_CRASHED, detail, cand.job_id, cand.n))
+            self._move(cand.job_id, to, d, now)
+            return to
+
+    # --- operator commands ------------------------------------------------
+    def cancel(self, job_id: str, now: Optional[float] = None) -> tuple:
+        """Returns (previous state, pid of the running attempt's process group or None, its host)."""
+        now = time.time() if now is None else now
+        with self.immediate() as c:
+            row = self._one("SELECT state, attempt_count, worker_host FROM jobs WHERE id=?", (job_id,))
+            if row is None:
+                raise NotFound(f"no job {job_id}")
+            state, n, host = row
+            to = states.transition(state, "cancel")
+            pid = None
+            if state == states.RUNNING:
+                r = self._one("SELECT pid FROM attempts WHERE job_id=? AND n=?", (job_id, n))
+                pid = r[0] if r else None
+            if state != to:
+                c.execute("UPDATE jobs SET state=?, failure_reason=?, updated_at=?, worker_id=NULL,"
+                          " worker_pid=NULL, heartbeat_at=NULL WHERE id=?",
+                          (to, states.CANCELED_REASON, now, job_id))
+        return state, pid, host
+
+    def close_canceled_attempt(self, job_id: str, now: Optional[float] = None) -> None:
+        """After cancel killed a running attempt: close it if its worker has not (e.g. it is gone)."""
+        now = time.time() if now is None else now
+        with self.immediate() as c:
+            c.execute("UPDATE attempts SET finished_at=?, failure_reason=COALESCE(failure_reason, ?)"
+                      " WHERE job_id=? AND n=(SELECT attempt_count FROM jobs WHERE id=?)"
+                      " AND finished_at IS NULL", (now, states.CANCELED_REASON, job_id, job_id))
+
+    def retry(self, job_id: str, force: bool = False, now: Optional[float] = None) -> str:
+        """Requeue now. A forced retry also starts fresh failure and crash budgets."""
+        now = time.time() if now is None else now
+        with self.immediate() as c:
+            row = self._one("SELECT state, backend FROM jobs WHERE id=?", (job_id,))
+            if row is None:
+                raise NotFound(f"no job {job_id}")
+            state, backend = row
+            if backend != "local":
+                raise states.JobStateConflict(
+                    f"job {job_id} belongs to a Spooler queue; redrive its failure queue instead")
+            to = states.transition(state, "retry_force" if force else "retry")
+            if force:
+                c.execute("UPDATE jobs SET state=?, run_after=?, updated_at=?, failure_count=0, crash_count=0"
+                          " WHERE id=?", (to, now, now, job_id))
+            else:
+                c.execute("UPDATE jobs SET state=?, run_after=?, updated_at=? WHERE id=?",
+                          (to, now, now, job_id))
+            return to
+
+    # --- cluster back-end history ----------------------------------------
+    def begin_remote(self, worker: WorkerIdentity, job_id: str, source: str, command: list,
+                     cwd: Optional[str], priority: int, max_retries: int, timeout_s: Optional[float],
+                     now: Optional[float] = None) -> Claim:
+        """Record (on this machine) an attempt of a job leased from a Spooler queue."""
+        now = time.time() if now is None else now
+        with self.immediate() as c:
+            row = self._one("SELECT attempt_count FROM jobs WHERE id=?", (job_id,))
+            if row is None:
+                c.execute(
+                    "INSERT INTO jobs(id, backend, source, command, cwd, priority, state, max_retries,"
+                    " timeout_s, created_at, updated_at, run_after) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (job_id, "spooler", source, json.dumps(command), cwd, priority, states.QUEUED,
+                     max_retries, timeout_s, now, now, now))
+                count = 0
+            else:
+                count = row[0]
+            n = count + 1
+            out, err = self._out_paths(job_id, n)
+            c.execute(
+                "UPDATE jobs SET state='running', attempt_count=?, worker_id=?, worker_pid=?, worker_host=?,"
+                " heartbeat_at=?, heartbeat_interval_s=?, updated_at=? WHERE id=?",
+                (n, worker.worker_id, worker.pid, worker.host, now, worker.heartbeat_interval_s, now, job_id))
+            c.execute(
+                "INSERT INTO attempts(job_id, n, worker_id, worker_pid, worker_host, started_at, stdout, stderr)"
+                " VALUES (?,?,?,?,?,?,?,?)", (job_id, n, worker.worker_id, worker.pid, worker.host, now, out, err))
+        return Claim(job_id, n, command, cwd, timeout_s, out, err, worker.worker_id)
+
+    def finish_remote(self, claim: Claim, reason: Optional[str], exit_code: Optional[int], state: str,
+                      retry_count: int, detail: str = "", now: Optional[float] = None) -> None:
+        """The queue decided (ack / nack / failure queue); mirror it locally."""
+        now = time.time() if now is None else now
+        with self.immediate() as c:
+            c.execute("UPDATE attempts SET exit_code=?, finished_at=?, failure_reason=?, detail=?"
+                      " WHERE job_id=? AND n=?", (exit_code, now, reason, detail or None, claim.job_id, claim.n))
+            c.execute("UPDATE jobs SET state=?, failure_reason=?, failure_count=?, updated_at=?, worker_id=NULL,"
+                      " worker_pid=NULL, worker_host=NULL, heartbeat_at=NULL WHERE id=?",
+                      (state, reason, retry_count + (1 if reason else 0), now, claim.job_id))
+
+    # --- reads ------------------------------------------------------------
+    _JOB_COLS = ("seq, id, idem_key, backend, source, command, cwd, priority, state, max_retries, max_crashes,"
+                 " timeout_s, failure_count, crash_count, attempt_count, failure_reason, created_at,"
+                 " updated_at, run_after, worker_id, worker_pid, worker_host, heartbeat_at, heartbeat_interval_s")
+    _ATT_COLS = ("job_id, n, worker_id, worker_pid, worker_host, pid, started_at, finished_at, exit_code,"
+                 " failure_reason, detail, stdout, stderr")
+
+    def _job_dict(self, row: tuple, attempts: list) -> dict:
+        names = [s.strip() for s in self._JOB_COLS.split(",")]
+        r = dict(zip(names, row))
+        d = {
+            "id": r["id"], "state": r["state"], "priority": r["priority"],
+            "command": json.loads(r["command"]), "cwd": r["cwd"], "key": r["idem_key"],
+            "backend": r["backend"], "source": r["source"],
+            "max_retries": r["max_retries"], "max_crashes": r["max_crashes"], "timeout_s": r["timeout_s"],
+            "failure_count": r["failure_count"], "crash_count": r["crash_count"],
+            "failure_reason": r["failure_reason"],
+            "created_at": r["created_at"], "updated_at": r["updated_at"],
+            "run_after": r["run_after"] if r["state"] == states.QUEUED else None,
+            "worker": ({"id": r["worker_id"], "pid": r["worker_pid"], "host": r["worker_host"],
+                        "heartbeat_at": r["heartbeat_at"], "heartbeat_interval_s": r["heartbeat_interval_s"]}
+                       if r["worker_id"] else None),
+            "attempts": attempts,
+        }
+        return d
+
+    @staticmethod
+    def _att_dict(row: tuple) -> dict:
+        (job_id, n, wid, wpid, whost, pid, started, finished, code, reason, detail, out, err) = row
+        return {"n": n, "worker_id": wid, "worker_pid": wpid, "host": whost, "pid": pid,
+                "started_at": started, "finished_at": finished, "exit_code": code,
+                "failure_reason": reason, "detail": detail, "stdout": out, "stderr": err}
+
+    def get(self, job_id: str) -> dict:
+        row = self._one(f"SELECT {self._JOB_COLS} FROM jobs WHERE id=?", (job_id,))
+        if row is None:
+            raise NotFound(f"no job {job_id}")
+        atts = [self._att_dict(r) for r in self.conn.execute(
+            f"SELECT {self._ATT_COLS} FROM attempts WHERE job_id=? ORDER BY n", (job_id,))]
+        return self._job_dict(row, atts)
+
+    def list(self, state: Optional[str] = None, limit: int = knobs.LIST_LIMIT_DEFAULT) -> list:
+        with self.read():
+            where, params = ("WHERE state=?", (state,)) if state else ("", ())
+            rows = list(self.conn.execute(
+                f"SELECT {self._JOB_COLS} FROM jobs {where} ORDER BY seq LIMIT ?", params + (limit,)))
+            ids = {r[1] for r in rows}
+            by_job: dict = {}
+            att_sql = f"SELECT {self._ATT_COLS} FROM attempts ORDER BY job_id, n"
+            if state:
+                att_sql = (f"SELECT {self._ATT_COLS} FROM attempts WHERE job_id IN"
+                           f" (SELECT id FROM jobs WHERE state=?) ORDER BY job_id, n")
+            for a in self.conn.execute(att_sql, (state,) if state else ()):
+                if a[0] in ids:
+                    by_job.setdefault(a[0], []).append(self._att_dict(a))
+        return [self._job_dict(r, by_job.get(r[1], [])) for r in rows]
+
+    @contextmanager
+    def read(self):
+        """A consistent snapshot for multi-statement reads."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        finally:
+            self.conn.execute("COMMIT")
+
+    def counts(self, backend: Optional[str] = "local") -> dict:
+        out = {s: 0 for s in states.STATES}
+        sql = "SELECT state, COUNT(*) FROM jobs" + (" WHERE backend=?" if backend else "") + " GROUP BY state"
+        for s, n in self.conn.execute(sql, (backend,) if backend else ()):
+            out[s] = n
+        return out
+
+    def next_eligible_at(self) -> Optional[float]:
+        row = self._one("SELECT MIN(run_after) FROM jobs WHERE backend='local' AND state='queued'")
+        return row[0] if row else None
+
+    def attempt(self, job_id: str, n: Optional[int] = None) -> dict:
+        job = self.get(job_id)
+        if not job["attempts"]:
+            raise NotFound(f"job {job_id} has no attempts yet")
+        if n is None:
+            return job["attempts"][-1]
+        for a in job["attempts"]:
+            if a["n"] == n:
+                return a
+        raise NotFound(f"job {job_id} has no attempt {n} (it has {len(job['attempts'])})")

@@ -1,0 +1,273 @@
+"""The local worker: N slot threads claiming from the spool, one heartbeat thread.
+
+Each slot has its own apsw connection. A slot reaps (rate-limited, one slot
+at a time) before it claims, so crash recovery needs no daemon: any worker
+that is looking for work also looks for jobs orphaned by dead workers.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Optional, TextIO
+
+import apsw
+
+from spooler.jobs import executor, knobs, reaper, states
+from spooler.jobs.store import Claim, Store, WorkerIdentity
+
+CLAIM_LATENCY_SAMPLES_MAX = 100_000
+
+
+def percentile(samples: list, q: float) -> Optional[float]:
+    if not samples:
+        return None
+    s = sorted(samples)
+    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+
+
+class Progress:
+    """One self-overwriting line on a terminal: jobs done / failed / left."""
+
+    def __init__(self, stream: Optional[TextIO]):
+        self.stream = stream
+        self.last = ""
+
+    def show(self, done: int, failed: int, left: int) -> None:
+        if self.stream is None:
+            return
+        line = f"spoolctl worker: {done} done, {failed} failed, {left} left"
+        if line != self.last:
+            self.stream.write("\r\033[K" + line)
+            self.stream.flush()
+            self.last = line
+
+    def end(self) -> None:
+        if self.stream is not None and self.last:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class Worker:
+    def __init__(self, spool_dir: str, settings: knobs.Settings, concurrency: int = 1, drain: bool = False,
+                 progress: Optional[TextIO] = None):
+        if not 1 <= concurrency <= knobs.CONCURRENCY_MAX:
+            from spooler.errors import InvalidArgument
+            raise InvalidArgument(f"--concurrency must be in [1, {knobs.CONCURRENCY_MAX}]")
+        self.spool_dir = spool_dir
+        self.settings = settings
+        self.concurrency = concurrency
+        self.drain = drain
+        self.progress = Progress(progress)
+        self.identity = WorkerIdentity.current(settings.heartbeat_interval_s)
+        self.stop_event = threading.Event()
+        self._lock = threading.Lock()
+        self._owned: dict = {}    # job_id -> attempt n
+        self._lost: set = set()
+        self._reap_lock = threading.Lock()
+        self._last_reap = 0.0
+        self.reap_every_s = max(0.05, min(1.0, settings.heartbeat_interval_s / 2))
+        self.stats = {"claimed": 0, "succeeded": 0, "failed": 0, "stopped": 0, "reaped": 0,
+                      "busy_timeouts": 0}
+        self.claim_latencies_s: list = []
+        self.errors: list = []
+
+    # --- public -----------------------------------------------------------
+    def run(self) -> dict:
+        Store(self.spool_dir, self.settings.busy_timeout_s).close()   # create the spool once, up front
+        restore = self._install_signals()
+        hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        hb.start()
+        slots = [threading.Thread(target=self._slot_main, name=f"slot-{i}", daemon=True)
+                 for i in range(self.concurrency)]
+        for t in slots:
+            t.start()
+        view = Store(self.spool_dir, self.settings.busy_timeout_s) if self.progress.stream else None
+        try:
+            while True:
+                alive = [t for t in slots if t.is_alive()]
+                if not alive:
+                    break
+                alive[0].join(timeout=0.25)
+                if view is not None:
+                    self._show_progress(view)
+        finally:
+            self.stop_event.set()
+            for t in slots:
+                t.join()
+            if view is not None:
+                self._show_progress(view)
+                view.close()
+            self.progress.end()
+            restore()
+        hb.join(timeout=5.0)
+        return self.summary()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def summary(self) -> dict:
+        lat = self.claim_latencies_s
+        ms = (lambda v: None if v is None else round(v * 1000, 3))
+        return {"worker_id": self.identity.worker_id, "pid": self.identity.pid, "backend": "local",
+                **self.stats,
+                "claim_latency_ms": {"count": len(lat), "p50": ms(percentile(lat, 0.50)),
+                                     "p99": ms(percentile(lat, 0.99)), "max": ms(max(lat) if lat else None)},
+                "errors": self.errors[:10]}
+
+    # --- internals --------------------------------------------------------
+    def _install_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+        def handler(signum, frame):
+            self.stop_event.set()
+
+        for s in old:
+            signal.signal(s, handler)
+
+        def restore():
+            for s, h in old.items():
+                signal.signal(s, h)
+        return restore
+
+    def _show_progress(self, view: Store) -> None:
+        try:
+            c = view.counts()
+        except apsw.BusyError:
+            return
+        self.progress.show(self.stats["succeeded"], self.stats["failed"], c[states.QUEUED] + c[states.RUNNING])
+
+    def _bump(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.stats[key] += n
+
+    def _heartbeat_loop(self) -> None:
+        store = Store(self.spool_dir, self.settings.busy_timeout_s)
+        try:
+            while not self.stop_event.wait(self.settings.heartbeat_interval_s):
+                with self._lock:
+                    owned = dict(self._owned)
+                if not owned:
+                    continue
+                try:
+                    lost = store.heartbeat(self.identity, owned)
+                except apsw.BusyError:
+                    continue   # next beat; the reap threshold is several beats long
+                if lost:
+                    with self._lock:
+                        self._lost |= lost
+        finally:
+            store.close()
+
+    def _maybe_reap(self, store: Store) -> None:
+        now = time.monotonic()
+        if now - self._last_reap < self.reap_every_s or not self._reap_lock.acquire(blocking=False):
+            return
+        try:
+            self._last_reap = now
+            for r in reaper.reap_pass(store, self.settings.reap_threshold_override_s):
+                if r.new_state is not None:
+                    self._bump("reaped")
+        except apsw.BusyError:
+            pass
+        finally:
+            self._reap_lock.release()
+
+    def _slot_main(self) -> None:
+        try:
+            self._slot()
+        except Exception as e:   # a broken slot must not hang --drain
+            self.errors.append(f"{type(e).__name__}: {e}")
+            self.stop_event.set()
+            print(f"spoolctl worker: slot failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+    def _slot(self) -> None:
+        store = Store(self.spool_dir, self.settings.busy_timeout_s)
+        try:
+            while not self.stop_event.is_set():
+                self._maybe_reap(store)
+                t0 = time.perf_counter()
+                try:
+                    claim = store.claim_next(self.identity)
+                except apsw.BusyError:
+                    self._bump("busy_timeouts")   # the job stays queued; next pass
+                    continue
+                if claim is not None:
+                    with self._lock:
+                        if len(self.claim_latencies_s) < CLAIM_LATENCY_SAMPLES_MAX:
+                            self.claim_latencies_s.append(time.perf_counter() - t0)
+                    self._execute(store, claim)
+                    continue
+                if self.drain:
+                    c = store.counts()
+                    if c[states.QUEUED] == 0 and c[states.RUNNING] == 0:
+                        return
+                wait_s = knobs.IDLE_POLL_S
+                nxt = store.next_eligible_at()
+                if nxt is not None:
+                    wait_s = min(wait_s, max(0.005, nxt - time.time()))
+                self.stop_event.wait(wait_s)
+        finally:
+            store.close()
+
+    def _should_stop(self, job_id: str) -> Optional[str]:
+        if self.stop_event.is_set():
+            return states.WORKER_STOPPED
+        with self._lock:
+            if job_id in self._lost:
+                return states.CANCELED_REASON
+        return None
+
+    def _execute(self, store: Store, claim: Claim) -> None:
+        self._bump("claimed")
+        with self._lock:
+            self._owned[claim.job_id] = claim.n
+        try:
+            env = dict(os.environ, SPOOLCTL_JOB_ID=claim.job_id, SPOOLCTL_ATTEMPT=str(claim.n))
+            env[executor.ATTEMPT_ENV] = f"{claim.job_id}:{claim.n}"
+            res = executor.run(claim.command, claim.stdout, claim.stderr, claim.timeout_s, cwd=claim.cwd,
+                               env=env, on_spawn=lambda pid: self._record_pid(store, claim, pid),
+                               should_stop=lambda: self._should_stop(claim.job_id))
+            self._finish(store, claim, res)
+        finally:
+            with self._lock:
+                self._owned.pop(claim.job_id, None)
+                self._lost.discard(claim.job_id)
+
+    def _record_pid(self, store: Store, claim: Claim, pid: int) -> None:
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                store.record_pid(claim, pid)
+                return
+            except apsw.BusyError:
+                if time.monotonic() > deadline:
+                    raise
+
+    def _finish(self, store: Store, claim: Claim, res: executor.Result) -> None:
+        reason = res.reason
+        if reason == states.CANCELED_REASON:
+            reason = states.WORKER_STOPPED if self.stop_event.is_set() else reason
+        # the result must land: keep retrying a busy lock (bounded) rather than drop it
+        deadline = time.monotonic() + 120.0
+        while True:
+            try:
+                if reason in (states.CANCELED_REASON, states.LEASE_LOST):
+                    store.finish_attempt(claim, states.CANCELED_REASON, res.exit_code, res.detail)
+                    new_state = None
+                else:
+                    new_state = store.finish_attempt(claim, reason, res.exit_code, res.detail)
+                break
+            except apsw.BusyError:
+                if time.monotonic() > deadline:
+                    raise
+        if reason is None and new_state == states.SUCCEEDED:
+            self._bump("succeeded")
+        elif reason in states.JOB_OWNED:
+            self._bump("failed")
+        elif reason == states.WORKER_STOPPED:
+            self._bump("stopped")

@@ -1,0 +1,212 @@
+"""The gRPC client service and the SDK, against a real node."""
+import asyncio
+import threading
+
+import grpc
+import pytest
+
+from nodeproc import wait_until
+from spooler import AsyncClient, Client, errors
+from spooler.pb import api_pb2, api_pb2_grpc
+
+
+@pytest.fixture
+def client(node):
+    with Client(node.grpc_target, node.admin_key, timeout_s=10) as c:
+        yield c
+
+
+def test_queue_lifecycle(client):
+    q = client.put_queue("g1", leaseTimeoutSeconds=5, maxRetries=2)
+    assert q["created"] is True
+    assert q["settings"]["leaseTimeoutSeconds"] == 5 and q["settings"]["failureQueue"] == "g1.failed"
+    assert client.put_queue("g1", maxRetries=3)["created"] is False
+    assert client.get_queue("g1")["settings"]["maxRetries"] == 3
+    assert [q["name"] for q in client.list_queues()] == ["g1"]
+    client.delete_queue("g1")
+    with pytest.raises(errors.QueueNotFound):
+        client.get_queue("g1")
+
+
+def test_send_receive_ack_nack_renew(client):
+    client.put_queue("g2", leaseTimeoutSeconds=30)
+    sent = client.send("g2", b"hello")
+    [m] = client.receive("g2", wait_s=1)
+    assert (m.id, m.body, m.retry_count, m.queue) == (sent.id, b"hello", 0, "g2")
+    before = m.expires_at_dt
+    assert client.renew(m.token) >= m.expires_at  # RFC 3339 strings compare in time order
+    client.nack(m.token)
+    [m2] = client.receive("g2", wait_s=1)
+    assert (m2.id, m2.retry_count) == (sent.id, 1)
+    assert m2.expires_at_dt >= before
+    client.ack(m2.token)
+    with pytest.raises(errors.StaleLease) as e:
+        client.ack(m2.token)
+    assert e.value.reason == "settled"
+    assert client.receive("g2") == []
+
+
+def test_error_kinds_travel_in_trailers(node, client):
+    client.put_queue("g3")
+    ch = grpc.insecure_channel(node.grpc_target)
+    stub = api_pb2_grpc.SpoolerStub(ch)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.GetQueue(api_pb2.QueueRequest(name="nope"), metadata=(("authorization", f"Bearer {node.admin_key}"),))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    md = dict(e.value.trailing_metadata())
+    assert md["spooler-error-kind"] == "queue_not_found"
+    status = api_pb2.Status.FromString(md["grpc-status-details-bin"])
+    detail = api_pb2.ErrorDetail()
+    assert status.details[0].Unpack(detail) and detail.kind == "queue_not_found"
+    with pytest.raises(grpc.RpcError) as e:
+        stub.GetQueue(api_pb2.QueueRequest(name="g3"))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    ch.close()
+    with pytest.raises(errors.InvalidArgument):
+        client.put_queue("bad name")
+    with pytest.raises(errors.MessageTooLarge):
+        client.send("g3", b"x" * (256 * 1024 + 1))
+    with pytest.raises(errors.InvalidArgument):
+        client.ack("not-a-token")
+
+
+def test_scoped_keys(node, client):
+    client.put_queue("a")
+    client.put_queue("b")
+    k = client.create_key(queue="a", scopes=["send"])
+    assert k.key.startswith("spk_") and list(k.scopes) == ["send"]
+    with Client(node.grpc_target, k.key) as limited:
+        limited.send("a", b"x")
+        with pytest.raises(errors.Forbidden):
+            limited.receive("a")
+        with pytest.raises(errors.Forbidden):
+            limited.send("b", b"x")
+    with Client(node.grpc_target, "wrong") as bad:
+        with pytest.raises(errors.Unauthenticated):
+            bad.send("a", b"x")
+
+
+def test_batch_send_receive_settle(client):
+    client.put_queue("g4")
+    res = client.send_batch("g4", [f"m{i}".encode() for i in range(50)])
+    assert len({r.id for r in res}) == 50
+    msgs = client.receive("g4", max_messages=100)
+    assert [m.body for m in msgs] == [f"m{i}".encode() for i in range(50)]  # oldest first
+    items = [(m.token, "ack", 0) for m in msgs[:40]] + [(m.token, "nack", 0) for m in msgs[40:45]]
+    items += [(msgs[45].token, "renew", 0), ("garbage-token", "ack", 0), (msgs[0].token, "ack", 0)]
+    out = client.settle_batch(items)
+    assert out[:45] == [None] * 45
+    assert isinstance(out[45], str) and out[45].endswith("Z")
+    assert isinstance(out[46], errors.InvalidArgument)
+    assert isinstance(out[47], errors.StaleLease) and out[47].reason == "settled"
+    st = client.get_queue("g4")["stats"]
+    assert (st["ackedTotal"], st["visible"], st["leased"]) == (40, 5, 5)
+
+
+def test_batch_send_is_all_or_nothing(client):
+    client.put_queue("g5")
+    with pytest.raises(errors.MessageTooLarge):
+        client.send_batch("g5", [b"ok", b"x" * (256 * 1024 + 1)])
+    assert client.get_queue("g5")["stats"]["sentTotal"] == 0
+
+
+def test_sync_auto_batching_coalesces_concurrent_sends(node, client):
+    client.put_queue("g6")
+    n = 400
+    barrier = threading.Barrier(16)
+
+    def worker(k):
+        barrier.wait()
+        return [client.send("g6", f"{k}-{i}".encode()).id for i in range(n // 16)]
+
+    threads, out = [], []
+    for k in range(16):
+        t = threading.Thread(target=lambda k=k: out.extend(worker(k)))
+        threads.append(t)
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(set(out)) == n
+    assert client.get_queue("g6")["stats"]["sentTotal"] == n
+    assert client.send_rpcs < n  # concurrent sends shared RPCs
+
+
+def test_async_client_auto_batching_and_one_bad_entry(node):
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("g7")
+            res = await asyncio.gather(*[c.send("g7", f"m{i}".encode()) for i in range(300)])
+            assert len({r.id for r in res}) == 300
+            assert c.send_rpcs < 300
+            # a bad entry inside a coalesced batch fails alone
+            rs = await asyncio.gather(c.send("g7", b"fine"), c.send("g7", b"x" * (256 * 1024 + 1)),
+                                      c.send("nope", b"y"), return_exceptions=True)
+            assert not isinstance(rs[0], Exception)
+            assert isinstance(rs[1], errors.MessageTooLarge)
+            assert isinstance(rs[2], errors.QueueNotFound)
+            return (await c.get_queue("g7"))["stats"]["sentTotal"]
+
+    assert asyncio.run(main()) == 301
+
+
+def test_dedup_keyed_send(client):
+    client.put_queue("g8", dedupWindowSeconds=60)
+    a = client.send("g8", b"1", dedup_key="order-1")
+    b = client.send("g8", b"2", dedup_key="order-1")
+    assert (b.id, b.duplicate, a.duplicate) == (a.id, True, False)
+
+
+def test_consumer_renews_then_acks_or_nacks(node, client):
+    client.put_queue("g9", leaseTimeoutSeconds=0.5, maxRetries=5)
+    client.send("g9", b"slow")
+    client.send("g9", b"boom")
+    seen = []
+
+    def handler(m):
+        seen.append((m.body, m.retry_count))
+        if m.body == b"slow":
+            # outlive the 0.5 s lease several times: the helper must renew
+            ev = threading.Event()
+            ev.wait(1.6)
+        else:
+            raise RuntimeError("handler failed")
+
+    stop = threading.Event()
+    t = threading.Thread(target=lambda: client.consume("g9", handler, wait_s=0.2, stop=stop))
+    t.start()
+    try:
+        wait_until(lambda: client.get_queue("g9")["stats"]["ackedTotal"] == 1
+                   and (b"boom", 1) in seen, timeout_s=15, what="slow acked, boom redelivered")
+    finally:
+        stop.set()
+        t.join(10)
+    st = client.get_queue("g9")["stats"]
+    assert st["leaseExpiredTotal"] == 0  # renewed, never expired
+    assert st["nackedTotal"] >= 1
+    assert seen.count((b"slow", 0)) == 1  # delivered once
+
+
+def test_epoch_in_trailers_and_restart_is_primary_change(node):
+    with Client(node.grpc_target, node.admin_key) as c:
+        c.put_queue("ge", leaseTimeoutSeconds=60)
+        c.send("ge", b"x")
+        [m] = c.receive("ge")
+        info = c.cluster()
+        assert info.role == "primary" and info.node_id == "n1"
+        epoch = info.epoch
+    node.restart()
+    with Client(node.grpc_target, node.admin_key) as c:
+        assert c.cluster().epoch == epoch + 1
+        with pytest.raises(errors.StaleLease) as e:
+            c.ack(m.token)
+        assert e.value.reason == "primary_changed"
+        [m2] = c.receive("ge")
+        assert (m2.id, m2.retry_count) == (m.id, 0)
+
+
+def test_health_service(node):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    ch = grpc.insecure_channel(node.grpc_target)
+    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert r.status == health_pb2.HealthCheckResponse.SERVING
+    ch.close()

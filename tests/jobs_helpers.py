@@ -1,0 +1,134 @@
+"""Helpers for the job-runner tests: run spoolctl as a real subprocess, poll
+with deadlines, and end every process a test started by its pid.
+
+Workers run as ``python -m spooler`` (``python -m spooler.jobs`` while the
+spool CLI module is absent), whose argv carries the liveness marker
+``-m spooler``; the reaper treats that, or an argv naming ``spoolctl``, as a
+live worker.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# fast reap cycle for tests: heartbeat 0.1 s, reap after 1 s of silence
+FAST_KNOBS = {"SPOOLCTL_TEST_HEARTBEAT_INTERVAL": "0.1", "SPOOLCTL_TEST_REAP_THRESHOLD": "1.0"}
+
+
+def spoolctl_argv() -> list:
+    if os.path.exists(os.path.join(REPO, "spooler", "cli", "spool.py")):
+        return [sys.executable, "-m", "spooler"]
+    return [sys.executable, "-m", "spooler.jobs"]
+
+
+def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.02, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def pid_gone(pid: int) -> bool:
+    """Not running: no such process, or a zombie nobody reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rfind(b")") + 2:].split()[0] == b"Z"
+
+
+class Spool:
+    def __init__(self, path: str, env: Optional[dict] = None):
+        self.path = path
+        self.cwd = os.path.dirname(path)
+        self.env = {**os.environ, "PYTHONPATH": REPO, **FAST_KNOBS, **(env or {})}
+        self.env.pop("SPOOLCTL_DIR", None)
+        self.procs: list = []
+        self.extra_pids: list = []
+
+    def run(self, *args, env: Optional[dict] = None, check: bool = True, timeout_s: float = 60.0,
+            global_args=()):
+        cmd = [*spoolctl_argv(), "--spool", self.path, *global_args, *args]
+        r = subprocess.run(cmd, capture_output=True, cwd=self.cwd, env={**self.env, **(env or {})},
+                           timeout=timeout_s)
+        if check and r.returncode != 0:
+            raise AssertionError(f"{cmd} -> {r.returncode}\nstdout: {r.stdout!r}\nstderr: {r.stderr!r}")
+        return r
+
+    def json(self, *args, **kw):
+        r = self.run(*args, "--json", **kw)
+        return json.loads(r.stdout)
+
+    def submit(self, *cmd, opts=()) -> str:
+        return self.run("submit", *opts, "--", *cmd).stdout.decode().strip()
+
+    def job(self, job_id: str) -> dict:
+        return self.json("status", job_id)
+
+    def start_worker(self, *args, env: Optional[dict] = None, global_args=(), **popen_kw) -> subprocess.Popen:
+        cmd = [*spoolctl_argv(), "--spool", self.path, *global_args, "worker", *args]
+        popen_kw.setdefault("stdout", subprocess.PIPE)
+        popen_kw.setdefault("stderr", subprocess.PIPE)
+        p = subprocess.Popen(cmd, cwd=self.cwd, env={**self.env, **(env or {})}, **popen_kw)
+        self.procs.append(p)
+        return p
+
+    def attempt_pgids(self) -> list:
+        try:
+            import apsw
+            c = apsw.Connection(os.path.join(self.path, "spool.db"), flags=apsw.SQLITE_OPEN_READONLY)
+            try:
+                return [r[0] for r in c.execute("SELECT pid FROM attempts WHERE pid IS NOT NULL")]
+            finally:
+                c.close()
+        except Exception:
+            return []
+
+    def cleanup(self) -> None:
+        """End every worker we started and every job process group it spawned, by pid."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            for s in (p.stdout, p.stderr):
+                if s:
+                    s.close()
+        for pgid in self.attempt_pgids() + self.extra_pids:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+@pytest.fixture
+def spool(tmp_path):
+    s = Spool(str(tmp_path / "spool"))
+    try:
+        yield s
+    finally:
+        s.cleanup()
+
+
+def stop_worker(p: subprocess.Popen, timeout_s: float = 15.0) -> tuple:
+    """SIGTERM and wait (the worker kills its jobs' groups within the 5 s grace)."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=timeout_s)
+    return p.returncode, out, err

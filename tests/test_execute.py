@@ -1,0 +1,223 @@
+"""Execution: success, failure, timeout with grandchildren killed, spawn failure,
+backoff delays, dead and retry --force, cancel (queued and running)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jobs_helpers import pid_gone, spool, stop_worker, wait_until  # noqa: F401
+from spooler.jobs import executor, states
+from spooler.jobs.store import Store, WorkerIdentity
+
+T0 = 1_800_000_000.0
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(str(tmp_path / "spool"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def ident(hb=5.0):
+    return WorkerIdentity.current(hb)
+
+
+def run_claim(store, claim, **kw):
+    res = executor.run(claim.command, claim.stdout, claim.stderr, claim.timeout_s, cwd=claim.cwd, **kw)
+    return res, store.finish_attempt(claim, res.reason, res.exit_code, res.detail)
+
+
+# --- success and failure ------------------------------------------------------
+
+def test_success_records_exit_code_and_output(store, tmp_path):
+    job_id, _ = store.submit(["sh", "-c", "echo out; echo err >&2"], cwd=str(tmp_path))
+    claim = store.claim_next(ident())
+    res, state = run_claim(store, claim)
+    assert (res.reason, res.exit_code, state) == (None, 0, states.SUCCEEDED)
+    job = store.get(job_id)
+    assert job["state"] == "succeeded" and job["failure_reason"] is None
+    [a] = job["attempts"]
+    assert a["exit_code"] == 0 and a["failure_reason"] is None
+    assert open(a["stdout"]).read() == "out\n" and open(a["stderr"]).read() == "err\n"
+
+
+def test_nonzero_exit_is_a_failure_and_requeued_with_backoff(store):
+    job_id, _ = store.submit(["sh", "-c", "exit 7"], max_retries=3)
+    claim = store.claim_next(ident(), now=T0)
+    res = executor.run(claim.command, claim.stdout, claim.stderr)
+    assert (res.reason, res.exit_code) == (states.NONZERO_EXIT, 7)
+    assert store.finish_attempt(claim, res.reason, res.exit_code, now=T0 + 1) == states.QUEUED
+    job = store.get(job_id)
+    assert job["failure_count"] == 1 and job["failure_reason"] == "nonzero_exit"
+    assert job["run_after"] == pytest.approx(T0 + 1 + 2.0)
+    assert job["attempts"][0]["exit_code"] == 7
+
+
+# --- backoff and dead ---------------------------------------------------------
+
+def test_backoff_delays_double_then_cap_at_60():
+    assert [states.backoff_s(n) for n in range(1, 10)] == [2, 4, 8, 16, 32, 60, 60, 60, 60]
+    assert states.backoff_s(10_000) == 60
+
+
+def test_backoff_delays_gate_claims_then_dead_after_max_retries(store):
+    job_id, _ = store.submit(["false"], max_retries=3)
+    now = T0
+    expected_delays = [2.0, 4.0, 8.0]
+    for i, delay in enumerate(expected_delays, start=1):
+        claim = store.claim_next(ident(), now=now)
+        assert claim is not None and claim.n == i
+        assert store.finish_attempt(claim, states.NONZERO_EXIT, 1, now=now) == states.QUEUED
+        assert store.get(job_id)["run_after"] == pytest.approx(now + delay)
+        assert store.claim_next(ident(), now=now + delay - 0.01) is None, "claimed before its backoff"
+        now += delay
+    claim = store.claim_next(ident(), now=now)
+    assert store.finish_attempt(claim, states.NONZERO_EXIT, 1, now=now) == states.DEAD
+    job = store.get(job_id)
+    assert job["state"] == "dead" and len(job["attempts"]) == 4 and job["failure_count"] == 4
+    assert store.claim_next(ident(), now=now + 3600) is None, "a dead job must not be retried"
+
+
+def test_dead_job_needs_retry_force(spool):
+    job_id = spool.submit("sh", "-c", "exit 3", opts=("--max-retries", "0"))
+    spool.run("worker", "--drain", timeout_s=60)
+    assert spool.job(job_id)["state"] == "dead"
+    r = spool.run("retry", job_id, check=False)
+    assert r.returncode != 0 and b"--force" in r.stderr
+    assert spool.job(job_id)["state"] == "dead"
+    job = spool.json("retry", job_id, "--force")
+    assert job["state"] == "queued" and job["failure_count"] == 0
+    spool.run("worker", "--drain", timeout_s=60)
+    job = spool.job(job_id)
+    assert job["state"] == "dead" and len(job["attempts"]) == 2
+
+
+def test_failure_then_success_end_to_end(spool, tmp_path):
+    marker = tmp_path / "ran-once"
+    job_id = spool.submit("sh", "-c", f"if [ -e {marker} ]; then echo ok; else touch {marker}; exit 1; fi")
+    spool.run("worker", "--drain", timeout_s=60)
+    job = spool.job(job_id)
+    assert job["state"] == "succeeded"
+    a1, a2 = job["attempts"]
+    assert (a1["exit_code"], a1["failure_reason"]) == (1, "nonzero_exit")
+    assert (a2["exit_code"], a2["failure_reason"]) == (0, None)
+    assert a2["started_at"] - a1["finished_at"] >= 2.0 - 0.05, "the 2 s backoff was not respected"
+
+
+# --- timeout and process groups -------------------------------------------------
+
+def test_timeout_kills_the_whole_group_including_grandchildren(tmp_path):
+    gc = tmp_path / "grandchild.pid"
+    script = f"sleep 300 & echo $! > {gc}; sleep 300"
+    out, err = str(tmp_path / "o"), str(tmp_path / "e")
+    t0 = time.monotonic()
+    res = executor.run(["sh", "-c", script], out, err, timeout_s=0.5)
+    assert res.reason == states.TIMEOUT and res.exit_code == -signal.SIGTERM
+    assert time.monotonic() - t0 < 4.0
+    gpid = int(gc.read_text())
+    try:
+        wait_until(lambda: pid_gone(gpid), 5.0, what="grandchild killed")
+    finally:
+        try:
+            os.kill(gpid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_timeout_escalates_to_sigkill_when_term_is_ignored(tmp_path):
+    gc = tmp_path / "gc.pid"
+    script = f"trap '' TERM; sh -c 'trap \"\" TERM; sleep 300' & echo $! > {gc}; sleep 300"
+    res = executor.run(["sh", "-c", script], str(tmp_path / "o"), str(tmp_path / "e"), timeout_s=0.3,
+                       grace_s=0.5)
+    assert res.reason == states.TIMEOUT
+    assert res.exit_code == -signal.SIGKILL
+    gpid = int(gc.read_text())
+    wait_until(lambda: pid_gone(gpid), 5.0, what="TERM-ignoring grandchild killed")
+
+
+def test_timeout_through_the_worker_counts_against_retries(spool):
+    job_id = spool.submit("sleep", "30", opts=("--timeout", "0.3", "--max-retries", "0"))
+    spool.run("worker", "--drain", timeout_s=60)
+    job = spool.job(job_id)
+    assert job["state"] == "dead" and job["failure_reason"] == "timeout"
+    assert job["attempts"][0]["failure_reason"] == "timeout"
+
+
+# --- spawn failure --------------------------------------------------------------
+
+def test_spawn_failure_counts_against_retries(store):
+    job_id, _ = store.submit(["/nonexistent/definitely-not-here"], max_retries=1)
+    claim = store.claim_next(ident(), now=T0)
+    res, state = run_claim(store, claim)
+    assert res.reason == states.SPAWN_FAILED and res.exit_code is None and "FileNotFoundError" in res.detail
+    assert state == states.QUEUED and store.get(job_id)["failure_count"] == 1
+    assert "cannot start" in open(claim.stderr).read()
+    claim = store.claim_next(ident(), now=time.time() + 10)
+    _, state = run_claim(store, claim)
+    assert state == states.DEAD
+    assert store.get(job_id)["failure_reason"] == "spawn_failed"
+
+
+# --- cancel ---------------------------------------------------------------------
+
+def test_cancel_queued_job_never_runs(spool, tmp_path):
+    flag = tmp_path / "ran"
+    job_id = spool.submit("touch", str(flag))
+    job = spool.json("cancel", job_id)
+    assert job["state"] == "canceled"
+    spool.run("worker", "--drain", timeout_s=30)
+    job = spool.job(job_id)
+    assert job["state"] == "canceled" and job["attempts"] == [] and not flag.exists()
+
+
+def test_cancel_running_job_kills_its_process_group(spool, tmp_path):
+    gc = tmp_path / "gc.pid"
+    job_id = spool.submit("sh", "-c", f"sleep 300 & echo $! > {gc}; sleep 300")
+    w = spool.start_worker()
+    try:
+        wait_until(lambda: gc.exists() and gc.read_text().strip(), 15, what="job running")
+        wait_until(lambda: spool.job(job_id)["attempts"][0]["pid"], 10, what="pid recorded")
+        gpid = int(gc.read_text())
+        job = spool.json("cancel", job_id)
+        assert job["state"] == "canceled"
+        wait_until(lambda: pid_gone(gpid), 10, what="grandchild killed by cancel")
+        wait_until(lambda: spool.job(job_id)["attempts"][0]["exit_code"] is not None, 10,
+                   what="worker recorded the attempt")
+        job = spool.job(job_id)
+        assert job["state"] == "canceled"
+        assert job["attempts"][0]["failure_reason"] == "canceled"
+        assert w.poll() is None, "the worker survives a cancel"
+    finally:
+        stop_worker(w)
+
+
+def test_cancel_of_a_finished_job_is_refused(spool):
+    job_id = spool.submit("true")
+    spool.run("worker", "--drain", timeout_s=30)
+    r = spool.run("cancel", job_id, check=False)
+    assert r.returncode != 0
+    assert spool.job(job_id)["state"] == "succeeded"
+
+
+def test_worker_sigterm_stops_running_job_and_requeues_it(spool, tmp_path):
+    started = tmp_path / "started"
+    job_id = spool.submit("sh", "-c", f"touch {started}; sleep 300")
+    w = spool.start_worker()
+    try:
+        wait_until(started.exists, 15, what="job started")
+        rc, _, _ = stop_worker(w)
+        assert rc == 0
+        job = spool.job(job_id)
+        assert job["state"] == "queued" and job["failure_count"] == 0 and job["crash_count"] == 0
+        assert job["attempts"][0]["failure_reason"] == "worker_stopped"
+    finally:
+        if w.poll() is None:
+            w.kill()

@@ -1,0 +1,251 @@
+"""Crash recovery: stale heartbeat, PID liveness (dead / alive / recycled /
+permission denied), the in-transaction re-check, crash count and failure_reason,
+and the whole cycle with a SIGKILLed worker process."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from jobs_helpers import pid_gone, spool, wait_until  # noqa: F401
+from spooler.jobs import reaper, states
+from spooler.jobs.store import Store, WorkerIdentity
+
+T0 = 1_800_000_000.0
+HOST = socket.gethostname()
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(str(tmp_path / "spool"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def procs():
+    started = []
+
+    def start(argv):
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        started.append(p)
+        return p
+    try:
+        yield start
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+
+
+def dead_pid(procs) -> int:
+    p = procs(["true"])
+    p.wait(timeout=10)
+    return p.pid
+
+
+def claim_as(store, pid: int, now: float = T0, hb: float = 5.0):
+    w = WorkerIdentity(f"{HOST}:{pid}:test", pid, HOST, hb)
+    return w, store.claim_next(w, now=now)
+
+
+# --- staleness ------------------------------------------------------------------
+
+def test_stale_heartbeat_becomes_a_candidate_only_past_the_threshold(store):
+    store.submit(["true"])
+    store.submit(["true"])
+    _, c1 = claim_as(store, 999_999, hb=5.0)     # threshold max(20, 30) = 30
+    _, c2 = claim_as(store, 999_998, hb=10.0)    # threshold max(40, 30) = 40
+    assert store.reap_candidates(now=T0 + 29.9) == []
+    assert [c.job_id for c in store.reap_candidates(now=T0 + 30.1)] == [c1.job_id]
+    assert {c.job_id for c in store.reap_candidates(now=T0 + 40.1)} == {c1.job_id, c2.job_id}
+    # the test knob overrides the threshold
+    assert len(store.reap_candidates(now=T0 + 1.1, threshold_override_s=1.0)) == 2
+
+
+def test_heartbeat_keeps_a_job_off_the_candidate_list(store):
+    store.submit(["true"])
+    w, c = claim_as(store, os.getpid())
+    assert store.heartbeat(w, {c.job_id: c.n}, now=T0 + 25) == set()
+    assert store.reap_candidates(now=T0 + 31) == []
+    assert len(store.reap_candidates(now=T0 + 56)) == 1
+
+
+# --- liveness -------------------------------------------------------------------
+
+def test_liveness_dead_pid(procs):
+    assert reaper.liveness(dead_pid(procs), HOST) == reaper.DEAD
+
+
+def test_liveness_alive_with_marker(procs):
+    p = procs([sys.executable, "-c", "import time; time.sleep(60)", "-m", "spooler", "worker"])
+    wait_until(lambda: reaper.read_cmdline(p.pid) and "spooler" in reaper.read_cmdline(p.pid), 5)
+    assert reaper.liveness(p.pid, HOST) == reaper.ALIVE
+
+
+def test_liveness_recycled_pid_without_marker(procs):
+    p = procs(["sleep", "60"])
+    wait_until(lambda: reaper.read_cmdline(p.pid) == ["sleep", "60"], 5)
+    assert reaper.liveness(p.pid, HOST) == reaper.RECYCLED
+
+
+def test_liveness_permission_denied_is_inconclusive():
+    def kill(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+    assert reaper.liveness(12345, HOST, kill=kill) == reaper.INCONCLUSIVE
+
+
+def test_marker_matches_console_script_and_module_forms():
+    assert reaper.is_spoolctl_argv(["/venv/bin/python", "/venv/bin/spoolctl", "worker"])
+    assert reaper.is_spoolctl_argv(["python3", "-m", "spooler", "worker"])
+    assert reaper.is_spoolctl_argv(["python3", "-m", "spooler.jobs", "worker"])
+    assert not reaper.is_spoolctl_argv(["python3", "-m", "spoolerx"])
+    assert not reaper.is_spoolctl_argv(["sleep", "60"])
+    assert not reaper.is_spoolctl_argv(["spooler-node", "--id", "n1"])
+
+
+# --- the reap ---------------------------------------------------------------------
+
+def test_dead_worker_job_is_requeued_with_crash_count_and_reason(store, procs):
+    job_id, _ = store.submit(["true"])
+    _, c = claim_as(store, dead_pid(procs))
+    results = reaper.reap_pass(store, now=T0 + 31)
+    assert [(r.job_id, r.verdict, r.new_state) for r in results] == [(job_id, reaper.DEAD, states.QUEUED)]
+    job = store.get(job_id)
+    assert job["state"] == "queued" and job["crash_count"] == 1 and job["failure_count"] == 0
+    assert job["failure_reason"] == "worker_crashed" and job["worker"] is None
+    a = job["attempts"][0]
+    assert a["failure_reason"] == "worker_crashed" and a["finished_at"] == T0 + 31
+    assert "dead" in a["detail"]
+    # requeued at once: claimable again, as attempt 2
+    assert store.claim_next(WorkerIdentity.current(5.0), now=T0 + 31).n == 2
+
+
+def test_recycled_pid_job_is_reaped(store, procs):
+    job_id, _ = store.submit(["true"])
+    p = procs(["sleep", "60"])
+    claim_as(store, p.pid)
+    wait_until(lambda: reaper.read_cmdline(p.pid) == ["sleep", "60"], 5)
+    [r] = reaper.reap_pass(store, now=T0 + 31)
+    assert (r.verdict, r.new_state) == (reaper.RECYCLED, states.QUEUED)
+    assert store.get(job_id)["crash_count"] == 1
+
+
+def test_alive_worker_job_is_left_alone(store, procs):
+    job_id, _ = store.submit(["true"])
+    p = procs([sys.executable, "-c", "import time; time.sleep(60)", "spoolctl", "worker"])
+    claim_as(store, p.pid)
+    wait_until(lambda: "spoolctl" in (reaper.read_cmdline(p.pid) or []), 5)
+    [r] = reaper.reap_pass(store, now=T0 + 3600)
+    assert (r.verdict, r.new_state) == (reaper.ALIVE, None)
+    assert store.get(job_id)["state"] == "running" and store.get(job_id)["crash_count"] == 0
+
+
+def test_permission_denied_worker_job_is_left_alone(store):
+    job_id, _ = store.submit(["true"])
+    claim_as(store, 4242)
+
+    def kill(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+    [r] = reaper.reap_pass(store, now=T0 + 3600, kill=kill)
+    assert (r.verdict, r.new_state) == (reaper.INCONCLUSIVE, None)
+    assert store.get(job_id)["state"] == "running"
+
+
+def test_other_host_worker_is_never_judged(store, procs):
+    job_id, _ = store.submit(["true"])
+    w = WorkerIdentity("elsewhere:1:x", dead_pid(procs), "elsewhere", 5.0)
+    store.claim_next(w, now=T0)
+    [r] = reaper.reap_pass(store, now=T0 + 3600)
+    assert r.new_state is None and store.get(job_id)["state"] == "running"
+
+
+def test_reap_rechecks_staleness_inside_the_transaction(store, procs):
+    """The worker heartbeats between the candidate scan and the reap: untouched."""
+    job_id, _ = store.submit(["true"])
+    w, c = claim_as(store, dead_pid(procs))
+    other = Store(store.spool_dir)
+    try:
+        def kill(pid, sig):   # the liveness probe runs between scan and reap
+            other.heartbeat(w, {c.job_id: c.n}, now=T0 + 31)
+            raise ProcessLookupError
+        [r] = reaper.reap_pass(store, now=T0 + 31, kill=kill)
+    finally:
+        other.close()
+    assert (r.verdict, r.new_state) == (reaper.DEAD, None)
+    job = store.get(job_id)
+    assert job["state"] == "running" and job["crash_count"] == 0 and job["attempts"][0]["finished_at"] is None
+
+
+def test_reap_rechecks_ownership_inside_the_transaction(store, procs):
+    """Another reaper requeued it and a worker reclaimed it (attempt 2): a late reap of
+    the attempt-1 candidate must not touch attempt 2, even though it is stale too."""
+    job_id, _ = store.submit(["true"])
+    claim_as(store, dead_pid(procs))
+    [cand] = store.reap_candidates(now=T0 + 31)
+    assert store.reap(cand, "first reaper", now=T0 + 31) == states.QUEUED
+    claim_as(store, dead_pid(procs), now=T0 + 31)
+    assert store.reap(cand, "late reaper", now=T0 + 100) is None
+    job = store.get(job_id)
+    assert job["state"] == "running" and job["crash_count"] == 1 and len(job["attempts"]) == 2
+
+
+def test_max_crashes_exhausted_goes_dead(store, procs):
+    job_id, _ = store.submit(["true"], max_crashes=1)
+    now = T0
+    for expected in (states.QUEUED, states.DEAD):
+        claim_as(store, dead_pid(procs), now=now)
+        [r] = reaper.reap_pass(store, now=now + 31)
+        assert r.new_state == expected
+        now += 31
+    job = store.get(job_id)
+    assert job["state"] == "dead" and job["crash_count"] == 2 and job["failure_reason"] == "worker_crashed"
+    assert job["failure_count"] == 0, "crashes must not spend the job's own retry budget"
+
+
+# --- the whole cycle with real processes ---------------------------------------------
+
+def test_sigkilled_worker_job_is_reaped_and_rerun(spool, tmp_path):
+    first = tmp_path / "first.pid"
+    script = (f'if [ "$SPOOLCTL_ATTEMPT" = 1 ]; then echo $$ > {first}; sleep 300; fi; echo attempt $SPOOLCTL_ATTEMPT')
+    job_id = spool.submit("sh", "-c", script)
+    w1 = spool.start_worker()
+    wait_until(lambda: first.exists() and first.read_text().strip(), 15, what="attempt 1 running")
+    orphan = int(first.read_text())
+    w1.send_signal(signal.SIGKILL)
+    w1.wait(timeout=10)
+    assert not pid_gone(orphan), "the job's own session outlives its worker"
+    # a second worker reaps (heartbeat 1 s stale, PID dead), kills the orphan, reruns
+    r = spool.run("worker", "--drain", "--json", timeout_s=60)
+    job = spool.job(job_id)
+    assert job["state"] == "succeeded" and job["crash_count"] == 1
+    a1, a2 = job["attempts"]
+    assert a1["failure_reason"] == "worker_crashed" and a1["exit_code"] is None
+    assert a2["exit_code"] == 0
+    assert spool.run("output", job_id).stdout == b"attempt 2\n"
+    assert spool.run("output", job_id, "--attempt", "1").stdout == b""
+    wait_until(lambda: pid_gone(orphan), 5, what="orphaned attempt killed by the reaper")
+
+
+def test_live_worker_is_not_reaped_while_running(spool, tmp_path):
+    """Heartbeats (every 0.1 s here) keep a long job alive well past the 1 s threshold."""
+    job_id = spool.submit("sleep", "2.5")
+    w1 = spool.start_worker()
+    wait_until(lambda: spool.job(job_id)["state"] == "running", 15)
+    w2 = spool.start_worker("--drain")
+    try:
+        assert w2.wait(timeout=30) == 0
+        job = spool.job(job_id)
+        assert job["state"] == "succeeded" and job["crash_count"] == 0 and len(job["attempts"]) == 1
+    finally:
+        for w in (w1, w2):
+            if w.poll() is None:
+                w.send_signal(signal.SIGTERM)
+                w.wait(timeout=15)

@@ -1,0 +1,285 @@
+"""The pure core, transition by transition, with an injected clock.
+
+Records are built the way the primary builds them; ``Log.commit`` stamps
+epoch, lsn and time and applies them, like the engine does after fsync.
+"""
+import pytest
+
+from node.core.spool import US, Core, StaleLeaseError
+from spooler.pb import log_pb2
+
+S = US  # one second in core units
+
+
+class Log:
+    def __init__(self, core=None):
+        self.core = core or Core(rand=lambda n: b"\x01" * n)
+        self.epoch = 0
+        self.records = []
+        self.ids = 0
+
+    def commit(self, rec, at):
+        rec.epoch = self.epoch
+        rec.lsn = self.core.lsn + 1
+        rec.ts_us = at
+        self.records.append(rec.SerializeToString())
+        return self.core.apply(rec)
+
+    def new_epoch(self, at):
+        self.epoch += 1
+        return self.commit(log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id="n1")), at)
+
+    def queue(self, name, at=0, **settings):
+        return self.commit(log_pb2.Record(queue_put=log_pb2.QueuePut(name=name, settings=log_pb2.QueueSettings(**settings))), at)
+
+    def send(self, queue, body=b"m", at=0, delay=0, key=""):
+        self.ids += 1
+        rec = log_pb2.Record()
+        rec.send.entries.add(queue=queue, id=f"m{self.ids}", body=body, delay_us=delay, dedup_key=key)
+        return self.commit(rec, at)[0]
+
+    def settle(self, kind, queue, mid, at, delay=0):
+        rec = log_pb2.Record()
+        rec.settle.entries.add(kind=kind, queue=queue, id=mid, delay_us=delay)
+        return self.commit(rec, at)[0]
+
+    def expire_due(self, now):
+        due = self.core.due_expiries(now)
+        for queue, mid in due:
+            self.settle(log_pb2.EXPIRE, queue, mid, now)
+        return due
+
+
+@pytest.fixture
+def log():
+    lg = Log()
+    lg.new_epoch(0)
+    return lg
+
+
+def recv(log, queue, now, n=1):
+    return log.core.receive(queue, now, n)
+
+
+def test_send_then_receive_oldest_first(log):
+    log.queue("q")
+    a, _ = log.send("q", b"a", at=1)
+    b, _ = log.send("q", b"b", at=2)
+    [(m, lease)] = recv(log, "q", 3)
+    assert (m.id, m.body, m.retry) == (a, b"a", 0)
+    assert lease.expires_at == 3 + 30 * S  # default lease timeout
+    [(m2, _)] = recv(log, "q", 3)
+    assert m2.id == b
+    assert recv(log, "q", 3) == []
+    assert log.core.stats("q", 3)["leased"] == 2
+
+
+def test_send_to_missing_queue_is_a_noop_result(log):
+    assert log.send("nope") == (None, "queue_not_found")
+
+
+def test_delay_hides_message_until_visible(log):
+    log.queue("q")
+    log.send("q", at=0, delay=5 * S)
+    assert recv(log, "q", 5 * S - 1) == []
+    st = log.core.stats("q", 5 * S - 1)
+    assert (st["visible"], st["delayed"]) == (0, 1)
+    [(m, _)] = recv(log, "q", 5 * S)
+    assert m.retry == 0
+
+
+def test_ack_removes_for_good(log):
+    log.queue("q")
+    mid, _ = log.send("q")
+    [(m, lease)] = recv(log, "q", 1)
+    log.core.begin_settle(lease)
+    assert log.settle(log_pb2.ACK, "q", mid, 2) is True
+    assert recv(log, "q", 10**12) == []
+    assert log.core.stats("q", 3)["ackedTotal"] == 1
+    with pytest.raises(StaleLeaseError) as e:
+        log.core.check_lease(lease.epoch, lease.id, lease.nonce, 3)
+    assert e.value.reason == "settled"
+
+
+def test_settling_lease_is_fenced_from_expiry_and_second_settle(log):
+    log.queue("q", lease_timeout_us=1 * S)
+    log.send("q")
+    [(m, lease)] = recv(log, "q", 0)
+    log.core.begin_settle(lease)
+    assert log.core.due_expiries(10 * S) == []  # no expiry while the ack is committing
+    with pytest.raises(StaleLeaseError) as e:
+        log.core.check_lease(lease.epoch, lease.id, lease.nonce, 0)
+    assert e.value.reason == "settled"
+
+
+def test_nack_increments_retry_and_honours_delay(log):
+    log.queue("q")
+    mid, _ = log.send("q")
+    [(m, lease)] = recv(log, "q", 0)
+    log.settle(log_pb2.NACK, "q", mid, 10, delay=3 * S)
+    assert recv(log, "q", 10 + 3 * S - 1) == []
+    [(m, _)] = recv(log, "q", 10 + 3 * S)
+    assert m.retry == 1
+    assert log.core.stats("q", 10 + 3 * S)["nackedTotal"] == 1
+
+
+def test_lease_expiry_is_a_server_nack(log):
+    log.queue("q", lease_timeout_us=2 * S)
+    log.send("q")
+    [(m, lease)] = recv(log, "q", 0)
+    assert log.expire_due(2 * S - 1) == []
+    with pytest.raises(StaleLeaseError) as e:  # the gate says expired even before the timer ran
+        log.core.check_lease(lease.epoch, lease.id, lease.nonce, 2 * S)
+    assert e.value.reason == "expired"
+    assert log.expire_due(2 * S) == [("q", m.id)]
+    [(m2, _)] = recv(log, "q", 2 * S)
+    assert (m2.id, m2.retry) == (m.id, 1)
+    assert log.core.stats("q", 2 * S)["leaseExpiredTotal"] == 1
+
+
+def test_max_retries_moves_to_failure_queue_then_redrive(log):
+    log.queue("q", max_retries=2, lease_timeout_us=1 * S)
+    mid, _ = log.send("q")
+    now = 0
+    for expected_retry in (0, 1, 2):
+        [(m, _)] = recv(log, "q", now)
+        assert m.retry == expected_retry
+        now += 1 * S
+        log.expire_due(now)
+    # third expiry would raise the count above maxRetries: moved instead
+    assert recv(log, "q", now) == []
+    assert log.core.stats("q", now)["failedTotal"] == 1
+    [(f, flease)] = recv(log, "q.failed", now)
+    assert (f.id, f.retry) == (mid, 0)
+    log.core.begin_settle(flease)
+    log.settle(log_pb2.NACK, "q.failed", mid, now)
+    moved = log.commit(log_pb2.Record(redrive=log_pb2.Redrive(queue="q")), now + 1)
+    assert moved == 1
+    [(m, _)] = recv(log, "q", now + 1)
+    assert (m.id, m.retry) == (mid, 0)
+    assert log.core.stats("q.failed", now + 1)["visible"] == 0
+
+
+def test_max_retries_zero_fails_on_first_nack(log):
+    log.queue("q", max_retries=0, failure_queue="dlq")
+    mid, _ = log.send("q")
+    recv(log, "q", 0)
+    log.settle(log_pb2.NACK, "q", mid, 1)
+    assert "dlq" in log.core.queues
+    assert [m.id for m, _ in recv(log, "dlq", 1)] == [mid]
+
+
+def test_renew_uses_the_current_lease_timeout(log):
+    log.queue("q", lease_timeout_us=10 * S)
+    log.send("q")
+    [(m, lease)] = recv(log, "q", 0)
+    assert lease.expires_at == 10 * S
+    log.queue("q", at=1, lease_timeout_us=60 * S)  # settings change while leased
+    assert log.core.renew(lease, 5 * S) == 65 * S
+    assert log.core.due_expiries(10 * S) == []  # the old expiry no longer applies
+    assert log.core.due_expiries(65 * S) == [("q", m.id)]
+
+
+def test_retention_counts_from_visibility_not_send(log):
+    log.queue("q", retention_us=10 * S)
+    mid, _ = log.send("q", at=0, delay=100 * S)
+    assert log.core.due_drops(50 * S) == []  # a delay never eats retention
+    assert log.core.due_drops(110 * S) == [("q", [mid])]
+    n = log.commit(log_pb2.Record(drop=log_pb2.Drop(queue="q", ids=[mid])), 110 * S)
+    assert n == 1
+    assert log.core.stats("q", 110 * S)["expiredTotal"] == 1
+    assert recv(log, "q", 110 * S) == []
+
+
+def test_expired_message_is_not_handed_out(log):
+    log.queue("q", retention_us=10 * S)
+    log.send("q", at=0)
+    assert recv(log, "q", 10 * S) == []
+
+
+def test_leased_message_past_retention_drops_when_lease_ends(log):
+    log.queue("q", retention_us=10 * S, lease_timeout_us=20 * S)
+    mid, _ = log.send("q", at=0)
+    recv(log, "q", 1)
+    assert log.core.due_drops(15 * S) == []  # leased: not dropped under the consumer
+    log.expire_due(21 * S)
+    assert log.core.stats("q", 21 * S)["expiredTotal"] == 1
+    assert mid not in log.core.queues["q"].msgs
+
+
+def test_dedup_window(log):
+    log.queue("q", dedup_window_us=10 * S)
+    a = log.send("q", at=0, key="k")
+    assert a[1] is False
+    assert log.send("q", at=9 * S, key="k") == (a[0], True)
+    assert log.core.stats("q", 9 * S)["sentTotal"] == 1
+    b = log.send("q", at=10 * S, key="k")  # window over: a new message
+    assert b[1] is False and b[0] != a[0]
+
+
+def test_dedup_off_when_window_zero(log):
+    log.queue("q")
+    a = log.send("q", key="k")
+    b = log.send("q", key="k")
+    assert a[0] != b[0] and not b[1]
+
+
+def test_new_epoch_makes_leases_stale_and_messages_visible_with_count_kept(log):
+    log.queue("q", lease_timeout_us=100 * S)
+    mid, _ = log.send("q")
+    [(m, lease)] = recv(log, "q", 0)
+    log.settle(log_pb2.NACK, "q", mid, 1)  # a committed nack keeps its increment
+    [(m, lease)] = recv(log, "q", 2)
+    assert m.retry == 1
+    log.new_epoch(3)  # primary change (a node restart is one)
+    with pytest.raises(StaleLeaseError) as e:
+        log.core.check_lease(lease.epoch, lease.id, lease.nonce, 3)
+    assert e.value.reason == "primary_changed"
+    [(m2, lease2)] = recv(log, "q", 3)  # visible at once
+    assert (m2.id, m2.retry) == (mid, 1)  # no increment for an infrastructure event
+    assert lease2.epoch == 2
+
+
+def test_leases_per_queue_limit(log):
+    log.queue("q")
+    for _ in range(5):
+        log.send("q")
+    assert len(log.core.receive("q", 0, 10, leases_max=3)) == 3
+    assert log.core.receive("q", 0, 10, leases_max=3) == []
+
+
+def test_queue_delete_ends_leases(log):
+    log.queue("q")
+    log.send("q")
+    [(m, lease)] = recv(log, "q", 0)
+    assert log.commit(log_pb2.Record(queue_delete=log_pb2.QueueDelete(name="q")), 1) is True
+    assert "q" not in log.core.queues
+    with pytest.raises(StaleLeaseError):
+        log.core.check_lease(lease.epoch, lease.id, lease.nonce, 1)
+
+
+def test_apply_is_deterministic_across_nodes(log):
+    """A replica applying the same records ends in the same state (leases aside)."""
+    log.queue("q", max_retries=1, dedup_window_us=5 * S)
+    for i in range(20):
+        log.send("q", at=i, key=f"k{i % 7}", delay=(i % 3) * S)
+    for m, lease in recv(log, "q", 10 * S, 8):
+        log.settle(log_pb2.NACK if m.seq % 2 else log_pb2.ACK, "q", m.id, 10 * S + 1)
+    log.expire_due(10**9)
+    replica = Core(rand=lambda n: b"\x02" * n)
+    for data in log.records:
+        replica.apply(log_pb2.Record.FromString(data))
+
+    def snapshot(core):
+        return {name: (q.settings, q.counters, sorted((m.id, m.retry, m.visible_at, m.expires_at, m.seq)
+                                                      for m in q.msgs.values()), dict(q.dedup))
+                for name, q in core.queues.items()}
+
+    assert snapshot(replica) == snapshot(log.core)
+    assert replica.lsn == log.core.lsn
+
+
+def test_log_gap_is_refused(log):
+    rec = log_pb2.Record(epoch=1, lsn=log.core.lsn + 2, ts_us=0, queue_delete=log_pb2.QueueDelete(name="x"))
+    with pytest.raises(AssertionError):
+        log.core.apply(rec)
