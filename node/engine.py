@@ -69,11 +69,12 @@ class Limits:
 class Engine:
     def __init__(self, data_dir: str, node_id: str = "n1", limits: Optional[Limits] = None,
                  clock_us: Callable[[], int] = wall_us, vfs: Optional[str] = None,
-                 checkpoint_interval_s: float = 1.0, checkpoint_dirty_max: int = 50_000):
+                 checkpoint_interval_s: float = 1.0, checkpoint_dirty_max: int = 50_000,
+                 synchronous: str = "FULL"):
         self.node_id = node_id
         self.limits = limits or Limits()
         self.clock_us = clock_us
-        self.store = Store(os.path.join(data_dir, "spool.db"), vfs=vfs)
+        self.store = Store(os.path.join(data_dir, "spool.db"), vfs=vfs, synchronous=synchronous)
         self.core = Core(rand=os.urandom)
         self.checkpoint_interval_s = checkpoint_interval_s
         self.checkpoint_dirty_max = checkpoint_dirty_max
@@ -138,6 +139,8 @@ class Engine:
                        asyncio.create_task(self._lease_timer(), name="lease-timer"),
                        asyncio.create_task(self._retention_timer(), name="retention"),
                        asyncio.create_task(self._checkpoint_loop(), name="checkpoint")]
+        for t in self._tasks:
+            t.add_done_callback(self._task_ended)
         self.write_epoch = self.core.epoch + 1
         await self.propose(log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id=self.node_id)))
         self.ready = True
@@ -224,10 +227,10 @@ class Engine:
         self.failed = e
         self.ready = False
         err = errors.OperationUnconfirmed(f"storage failure: {e}")
-        for _, fut in batch:
+        for _, fut, _ in batch:
             if not fut.done():
                 fut.set_exception(err)
-        for _, fut, _ in self._pending:
+        for _, fut in self._pending:
             if not fut.done():
                 fut.set_exception(errors.Unavailable("node stopped after a storage failure"))
         self._pending.clear()
@@ -235,6 +238,15 @@ class Engine:
             self.on_fatal(e)
 
     on_fatal = None
+
+    def _task_ended(self, t: asyncio.Task) -> None:
+        """A background task that dies stops the node: never hang on a broken invariant."""
+        if t.cancelled() or self.failed is not None:
+            return
+        e = t.exception()
+        if e is not None:
+            log.critical("task %s died: %r", t.get_name(), e, exc_info=e)
+            self._fail(e, [])
 
     # ---------------------------------------------------------- receivers
     def _wake_receivers(self) -> None:

@@ -12,9 +12,21 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-import grpc
 
-_CODE = grpc.StatusCode
+class _Code:
+    """gRPC status codes by name; grpc itself is imported only when a code is used
+    (spoolctl's job commands never load grpc)."""
+
+    def __getattr__(self, name):
+        return name
+
+
+_CODE = _Code()
+
+
+def grpc_status_code(err: "SpoolerError"):
+    import grpc
+    return getattr(grpc.StatusCode, err.grpc_code)
 
 
 class SpoolerError(Exception):
@@ -120,7 +132,7 @@ def make(kind: str, message: str = "", reason: str = "", retry_after_s: float = 
 # --- HTTP ---------------------------------------------------------------
 
 def http_body(err: SpoolerError) -> bytes:
-    return json.dumps(err.to_dict()).encode()
+    return json.dumps(err.to_dict()).encode() + b"\n"
 
 
 def http_headers(err: SpoolerError) -> dict:
@@ -159,7 +171,7 @@ def grpc_trailers(err: SpoolerError) -> tuple:
 
     detail = api_pb2.ErrorDetail(kind=err.kind, message=err.message, reason=err.reason,
                                  retry_after_seconds=err.retry_after_s)
-    status = api_pb2.Status(code=err.grpc_code.value[0], message=err.message)
+    status = api_pb2.Status(code=grpc_status_code(err).value[0], message=err.message)
     status.details.add().Pack(detail)
     return ((KIND_TRAILER, err.kind), (DETAILS_TRAILER, status.SerializeToString()))
 
@@ -176,9 +188,12 @@ def from_grpc_trailers(code, details: str, trailers) -> SpoolerError:
                     return make(d.kind, d.message, d.reason, d.retry_after_seconds)
     # No detail: a transport failure. UNAVAILABLE before the call reached a
     # node is retry-safe; DEADLINE_EXCEEDED after it left is outcome-unknown.
-    if code == _CODE.DEADLINE_EXCEEDED:
+    name = getattr(code, "name", str(code))
+    if name == "DEADLINE_EXCEEDED":
         return OperationUnconfirmed(details or "deadline exceeded: outcome unknown")
-    cls = _BY_GRPC_CODE.get(code, Internal)
+    if name == "UNKNOWN":  # e.g. a request the server could not decode
+        return Internal(details or "unknown gRPC error")
+    cls = _BY_GRPC_CODE.get(name, Internal)
     return cls(details or str(code))
 
 

@@ -69,12 +69,21 @@ class Spool:
             raise AssertionError(f"{cmd} -> {r.returncode}\nstdout: {r.stdout!r}\nstderr: {r.stderr!r}")
         return r
 
-    def json(self, *args, **kw):
-        r = self.run(*args, "--json", **kw)
+    def json(self, command, *args, **kw):
+        r = self.run(command, "--json", *args, **kw)
         return json.loads(r.stdout)
 
     def submit(self, *cmd, opts=()) -> str:
         return self.run("submit", *opts, "--", *cmd).stdout.decode().strip()
+
+    def submit_direct(self, *cmd, **opts) -> str:
+        """Submit through the store API (no process start): for tests of other things."""
+        from spooler.jobs.store import Store
+        st = Store(self.path)
+        try:
+            return st.submit(list(cmd), cwd=self.cwd, **opts)[0]
+        finally:
+            st.close()
 
     def job(self, job_id: str) -> dict:
         return self.json("status", job_id)
@@ -132,3 +141,23 @@ def stop_worker(p: subprocess.Popen, timeout_s: float = 15.0) -> tuple:
         p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=timeout_s)
     return p.returncode, out, err
+
+
+def cli_inprocess(argv: list, env: Optional[dict] = None) -> tuple:
+    """Run spoolctl's main() in this process (argument validation tests): (rc, stdout, stderr)."""
+    import contextlib
+    import io
+    from spooler.cli import main
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(argv)
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return rc, out.getvalue(), err.getvalue()

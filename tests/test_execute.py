@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -24,6 +22,16 @@ def store(tmp_path):
         yield s
     finally:
         s.close()
+
+
+def kill_group_of(pgid, *pids):
+    """Test cleanup by pid: the attempt's group and any pid it reported."""
+    for fn, target in [(os.killpg, pgid)] + [(os.kill, p) for p in pids]:
+        try:
+            if target:
+                fn(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def ident(hb=5.0):
@@ -126,10 +134,7 @@ def test_timeout_kills_the_whole_group_including_grandchildren(tmp_path):
     try:
         wait_until(lambda: pid_gone(gpid), 5.0, what="grandchild killed")
     finally:
-        try:
-            os.kill(gpid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group_of(res.pid, gpid)
 
 
 def test_timeout_escalates_to_sigkill_when_term_is_ignored(tmp_path):
@@ -137,10 +142,13 @@ def test_timeout_escalates_to_sigkill_when_term_is_ignored(tmp_path):
     script = f"trap '' TERM; sh -c 'trap \"\" TERM; sleep 300' & echo $! > {gc}; sleep 300"
     res = executor.run(["sh", "-c", script], str(tmp_path / "o"), str(tmp_path / "e"), timeout_s=0.3,
                        grace_s=0.5)
-    assert res.reason == states.TIMEOUT
-    assert res.exit_code == -signal.SIGKILL
     gpid = int(gc.read_text())
-    wait_until(lambda: pid_gone(gpid), 5.0, what="TERM-ignoring grandchild killed")
+    try:
+        assert res.reason == states.TIMEOUT
+        assert res.exit_code == -signal.SIGKILL
+        wait_until(lambda: pid_gone(gpid), 5.0, what="TERM-ignoring grandchild killed")
+    finally:
+        kill_group_of(res.pid, gpid)
 
 
 def test_timeout_through_the_worker_counts_against_retries(spool):

@@ -219,6 +219,7 @@ def test_sigkilled_worker_job_is_reaped_and_rerun(spool, tmp_path):
     w1 = spool.start_worker()
     wait_until(lambda: first.exists() and first.read_text().strip(), 15, what="attempt 1 running")
     orphan = int(first.read_text())
+    wait_until(lambda: spool.job(job_id)["attempts"][0]["pid"], 10, what="attempt pid recorded")
     w1.send_signal(signal.SIGKILL)
     w1.wait(timeout=10)
     assert not pid_gone(orphan), "the job's own session outlives its worker"
@@ -236,7 +237,7 @@ def test_sigkilled_worker_job_is_reaped_and_rerun(spool, tmp_path):
 
 def test_live_worker_is_not_reaped_while_running(spool, tmp_path):
     """Heartbeats (every 0.1 s here) keep a long job alive well past the 1 s threshold."""
-    job_id = spool.submit("sleep", "2.5")
+    job_id = spool.submit("sleep", "1.6")
     w1 = spool.start_worker()
     wait_until(lambda: spool.job(job_id)["state"] == "running", 15)
     w2 = spool.start_worker("--drain")

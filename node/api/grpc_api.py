@@ -67,13 +67,13 @@ def rpc(method):
             return resp
         except errors.SpoolerError as e:
             self.metrics.http_errors.labels(e.kind).inc()
-            await context.abort(e.grpc_code, e.message, trailing_metadata=errors.grpc_trailers(e) + (epoch_md,))
+            await context.abort(errors.grpc_status_code(e), e.message, trailing_metadata=errors.grpc_trailers(e) + (epoch_md,))
         except Exception as e:
             if isinstance(e, grpc.aio.AbortError) or type(e).__name__ == "AbortError":
                 raise
             log.exception("unexpected error in %s", method.__name__)
             err = errors.Internal("internal error")
-            await context.abort(err.grpc_code, err.message, trailing_metadata=errors.grpc_trailers(err) + (epoch_md,))
+            await context.abort(errors.grpc_status_code(err), err.message, trailing_metadata=errors.grpc_trailers(err) + (epoch_md,))
 
     return wrapper
 

@@ -19,7 +19,7 @@ JSON = "application/json"
 
 
 def _json(obj, status=200) -> web.Response:
-    return web.Response(status=status, body=json.dumps(obj).encode(), content_type=JSON)
+    return web.Response(status=status, body=json.dumps(obj).encode() + b"\n", content_type=JSON)
 
 
 def _error(e: errors.SpoolerError) -> web.Response:
@@ -34,7 +34,7 @@ async def _read_json(request: web.Request):
         return {}
     try:
         return json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise errors.InvalidArgument("body is not valid JSON") from None
 
 
@@ -187,8 +187,10 @@ def _errors_mw(metrics):
             return _error(e)
         except web.HTTPRequestEntityTooLarge as e:
             return _error(errors.MessageTooLarge(f"body over the limit ({e.text})"))
-        except web.HTTPMethodNotAllowed:
-            return _error(errors.MethodNotAllowed(f"{request.method} is not allowed on {request.path}"))
+        except web.HTTPMethodNotAllowed as e:
+            r = _error(errors.MethodNotAllowed(f"{request.method} is not allowed on {request.path}"))
+            r.headers["Allow"] = ", ".join(sorted(e.allowed_methods))
+            return r
         except web.HTTPNotFound:
             return _error(errors.NotFound(f"no route {request.path}"))
         except web.HTTPException as e:

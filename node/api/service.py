@@ -124,8 +124,14 @@ class Service:
         return q
 
     def _seconds(self, v, what: str, lo: float, hi: float, lo_open: bool = False) -> float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise errors.InvalidArgument(f"{what} must be a number")
+        try:
+            v = float(v)
+        except OverflowError:
+            raise errors.InvalidArgument(f"{what} is out of range") from None
+        if not math.isfinite(v):
+            raise errors.InvalidArgument(f"{what} must be a finite number")
         if v < lo or (lo_open and v <= lo) or v > hi:
             raise errors.InvalidArgument(f"{what} must be {'>' if lo_open else '>='} {lo:g} and <= {hi:g}")
         return float(v)
@@ -321,11 +327,14 @@ class Service:
         if not self.engine.ready:
             raise errors.Unavailable("node is not serving", retry_after_s=1.0)
         try:
-            return self.core.check_lease(epoch, lease_id, nonce, self.engine.now_us())
+            lease = self.core.check_lease(epoch, lease_id, nonce, self.engine.now_us())
         except StaleLeaseError as e:
             raise errors.StaleLease(f"lease is no longer valid: {e.reason}", reason=e.reason) from None
         except BadToken as e:
             raise errors.InvalidArgument(str(e)) from None
+        if lease.queue != queue:  # the scope was checked against the token's queue: it must be the lease's
+            raise errors.InvalidArgument("lease token does not match")
+        return lease
 
     async def ack(self, p: Principal, token: str) -> None:
         await self.settle(p, [(token, "ack", 0.0)])
@@ -374,6 +383,8 @@ class Service:
     # ---------------------------------------------------------------- keys
     async def create_key(self, p: Principal, queue: str, scopes: list) -> dict:
         self._global_admin(p)
+        if not isinstance(queue, str):
+            raise errors.InvalidArgument('queue must be a queue name or "*"')
         queue = queue or "*"
         if queue != "*":
             self.check_name(queue)

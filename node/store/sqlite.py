@@ -70,10 +70,14 @@ class CheckpointData:
 
 
 class Store:
-    def __init__(self, path: str, vfs: Optional[str] = None, log_keep_records: int = 100_000):
+    def __init__(self, path: str, vfs: Optional[str] = None, log_keep_records: int = 100_000,
+                 synchronous: str = "FULL"):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         self.vfs = vfs
+        # FULL is the product. Anything else exists only so that the power-loss
+        # tests can show their harness sees the loss FULL prevents.
+        self.synchronous = synchronous
         self.log_keep_records = log_keep_records
         self.db = self._connect()
         self._reader: Optional[apsw.Connection] = None
@@ -93,7 +97,7 @@ class Store:
         db.execute("PRAGMA journal_mode=WAL")
         # FULL: a commit returns only after the WAL is fsync'd. This is the
         # "fsync" in "fsync, then quorum, then answer".
-        db.execute("PRAGMA synchronous=FULL")
+        db.execute(f"PRAGMA synchronous={self.synchronous}")
         return db
 
     def close(self) -> None:

@@ -143,6 +143,8 @@ def cmd_status(args) -> int:
 
 
 def cmd_list(args) -> int:
+    if not 1 <= args.limit <= knobs.LIST_LIMIT_MAX:
+        raise InvalidArgument(f"--limit must be in [1, {knobs.LIST_LIMIT_MAX}]")
     store = _store(args)
     try:
         jobs = store.list(args.state, args.limit)

@@ -8,6 +8,7 @@ descendant calls setsid() itself.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import time
@@ -17,6 +18,7 @@ from typing import Callable, Optional
 from spooler.jobs import knobs, states
 
 POLL_S = 0.1   # how often a running attempt checks for timeout / stop requests
+PID_RECORD_AFTER_S = 0.05   # on_spawn (record the pid for cancel / the reaper) once it runs this long
 
 
 @dataclass(frozen=True)
@@ -140,27 +142,56 @@ def run(argv: list, stdout_path: str, stderr_path: str, timeout_s: Optional[floa
             pass
         return Result(states.SPAWN_FAILED, None, f"{type(e).__name__}: {e}")
     pid = proc.pid
-    try:
-        on_spawn(pid)
-    except BaseException:
-        kill_group(pid, proc, grace_s)
-        raise
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        wait_s = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
-        try:
-            code = proc.wait(timeout=wait_s)
-            break
-        except subprocess.TimeoutExpired:
-            pass
-        stop = should_stop()
-        if stop:
-            kill_group(pid, proc, grace_s)
-            return Result(stop, proc.returncode, f"stopped: {stop}", pid)
-        if deadline is not None and time.monotonic() >= deadline:
-            kill_group(pid, proc, grace_s)
-            return Result(states.TIMEOUT, proc.returncode, f"exceeded --timeout {timeout_s:g}s", pid)
+    pidfd = _pidfd(pid)
+    announced = False
+    try:
+        # most short commands are done before this: their pid is never written,
+        # which saves one fsync'd transaction per job
+        first_wait_s = PID_RECORD_AFTER_S
+        while True:
+            limit_s = first_wait_s if not announced else POLL_S
+            wait_s = limit_s if deadline is None else max(0.0, min(limit_s, deadline - time.monotonic()))
+            code = _wait(proc, pidfd, wait_s)
+            if code is not None:
+                break
+            if not announced:
+                announced = True
+                try:
+                    on_spawn(pid)
+                except BaseException:
+                    kill_group(pid, proc, grace_s)
+                    raise
+            stop = should_stop()
+            if stop:
+                kill_group(pid, proc, grace_s)
+                return Result(stop, proc.returncode, f"stopped: {stop}", pid)
+            if deadline is not None and time.monotonic() >= deadline:
+                kill_group(pid, proc, grace_s)
+                return Result(states.TIMEOUT, proc.returncode, f"exceeded --timeout {timeout_s:g}s", pid)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
     if code == 0:
         return Result(None, 0, "", pid)
     detail = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
     return Result(states.NONZERO_EXIT, code, detail, pid)
+
+
+def _pidfd(pid: int) -> Optional[int]:
+    """A pidfd becomes readable when the process exits: wake on exit, not on a poll tick."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _wait(proc: subprocess.Popen, pidfd: Optional[int], wait_s: float) -> Optional[int]:
+    if pidfd is not None:
+        ready, _, _ = select.select([pidfd], [], [], wait_s)
+        return proc.wait() if ready else proc.poll()
+    try:
+        return proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        return None
+

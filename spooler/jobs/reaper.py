@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from spooler.jobs import executor
-from spooler.jobs.store import Candidate, Store
+from spooler.jobs.store import Store
 
 DEAD, ALIVE, RECYCLED, INCONCLUSIVE = "dead", "alive", "recycled", "inconclusive"
 

@@ -198,7 +198,12 @@ class RemoteWorker:
                     if self.drain and self._drained(client):
                         return
                     continue
-                self._handle(client, store, d)
+                try:
+                    self._handle(client, store, d)
+                except errors.SpoolerError as e:
+                    # the message is not settled: its lease expires and it comes back
+                    self._bump("errors")
+                    print(f"spoolctl worker: message {d.id}: {e.kind}: {e.message}", file=sys.stderr)
         finally:
             store.close()
 
@@ -224,7 +229,9 @@ class RemoteWorker:
         try:
             env = dict(os.environ, SPOOLCTL_JOB_ID=d.id, SPOOLCTL_ATTEMPT=str(claim.n),
                        SPOOLCTL_RETRY_COUNT=str(d.retry_count))
+            env[executor.ATTEMPT_ENV] = f"{d.id}:{claim.n}"
             res = executor.run(claim.command, claim.stdout, claim.stderr, claim.timeout_s, cwd=claim.cwd, env=env,
+                               on_spawn=lambda pid: store.record_pid(claim, pid),
                                should_stop=lambda: self._should_stop(d.token))
         finally:
             with self._lock:
@@ -280,6 +287,11 @@ class RemoteWorker:
     def _bury(self, client, d, body: dict) -> None:
         """Move to the failure queue: send there first, then ack (a crash between the
         two leaves a duplicate in the failure queue, never a lost job)."""
-        client.send(self.failure_queue, json.dumps(body).encode(), dedup_key=f"dead:{d.id}:{d.retry_count}")
+        data, key = json.dumps(body).encode(), f"dead:{d.id}:{d.retry_count}"
+        try:
+            client.send(self.failure_queue, data, dedup_key=key)
+        except errors.QueueNotFound:   # the server makes it on demand only for its own moves
+            ensure_queue(client, self.failure_queue)
+            client.send(self.failure_queue, data, dedup_key=key)
         client.ack(d.token)
         self._bump("dead")

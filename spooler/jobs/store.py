@@ -59,6 +59,7 @@ SCHEMA = [
     )""",
     "CREATE INDEX IF NOT EXISTS jobs_claim ON jobs(backend, state, priority DESC, seq)",
     "CREATE INDEX IF NOT EXISTS jobs_running ON jobs(state, heartbeat_at)",
+    "CREATE INDEX IF NOT EXISTS jobs_worker ON jobs(worker_id)",
     """CREATE TABLE IF NOT EXISTS attempts (
         job_id TEXT NOT NULL,
         n INTEGER NOT NULL,               -- 1-based
@@ -151,13 +152,27 @@ class Store:
         os.makedirs(self.output_dir, exist_ok=True)
         self.path = os.path.join(self.spool_dir, DB_NAME)
         self.conn = apsw.Connection(self.path)
-        self.conn.setbusytimeout(int(busy_timeout_s * 1000))
+        self.busy_timeout_s = busy_timeout_s
+        self._busy_since = 0.0
+        # SQLite's own busy timeout sleeps up to 100 ms between tries; under
+        # contention the lock is free again within a millisecond or two, so poll
+        # it faster (same deadline, same outcome: BusyError when it passes)
+        self.conn.setbusyhandler(self._on_busy)
         self._init()
 
     def close(self) -> None:
         self.conn.close()
 
     # --- plumbing ---------------------------------------------------------
+    def _on_busy(self, count: int) -> bool:
+        now = time.monotonic()
+        if count == 0:
+            self._busy_since = now
+        if now - self._busy_since >= self.busy_timeout_s:
+            return False
+        time.sleep(0.0005 * min(count + 1, 8))   # 0.5 ms .. 4 ms
+        return True
+
     def _init(self) -> None:
         c = self.conn
         if c.execute("PRAGMA journal_mode").fetchall()[0][0] != "wal":
@@ -349,10 +364,13 @@ class Store:
         """Returns (previous state, pid of the running attempt's process group or None, its host)."""
         now = time.time() if now is None else now
         with self.immediate() as c:
-            row = self._one("SELECT state, attempt_count, worker_host FROM jobs WHERE id=?", (job_id,))
+            row = self._one("SELECT state, attempt_count, worker_host, backend FROM jobs WHERE id=?", (job_id,))
             if row is None:
                 raise NotFound(f"no job {job_id}")
-            state, n, host = row
+            state, n, host, backend = row
+            if backend != "local":
+                raise states.JobStateConflict(
+                    f"job {job_id} belongs to a Spooler queue; it cannot be canceled from a spool")
             to = states.transition(state, "cancel")
             pid = None
             if state == states.RUNNING:
@@ -398,6 +416,7 @@ class Store:
                      now: Optional[float] = None) -> Claim:
         """Record (on this machine) an attempt of a job leased from a Spooler queue."""
         now = time.time() if now is None else now
+        orphans: list = []
         with self.immediate() as c:
             row = self._one("SELECT attempt_count FROM jobs WHERE id=?", (job_id,))
             if row is None:
@@ -409,6 +428,14 @@ class Store:
                 count = 0
             else:
                 count = row[0]
+                # an attempt of ours left open: its worker died and the lease expired
+                for (pn, ppid) in list(c.execute(
+                        "SELECT n, pid FROM attempts WHERE job_id=? AND finished_at IS NULL", (job_id,))):
+                    orphans.append((ppid, f"{job_id}:{pn}"))
+                c.execute("UPDATE attempts SET finished_at=?, failure_reason=?, detail=? WHERE job_id=?"
+                          " AND finished_at IS NULL", (now, states.WORKER_CRASHED,
+                                                       "no result recorded here; the lease expired and the"
+                                                       " queue redelivered the job", job_id))
             n = count + 1
             out, err = self._out_paths(job_id, n)
             c.execute(
@@ -418,6 +445,11 @@ class Store:
             c.execute(
                 "INSERT INTO attempts(job_id, n, worker_id, worker_pid, worker_host, started_at, stdout, stderr)"
                 " VALUES (?,?,?,?,?,?,?,?)", (job_id, n, worker.worker_id, worker.pid, worker.host, now, out, err))
+        if orphans:
+            from spooler.jobs import executor
+            for pgid, token in orphans:
+                if pgid:
+                    executor.kill_orphans(pgid, token)
         return Claim(job_id, n, command, cwd, timeout_s, out, err, worker.worker_id)
 
     def finish_remote(self, claim: Claim, reason: Optional[str], exit_code: Optional[int], state: str,
@@ -491,7 +523,7 @@ class Store:
     @contextmanager
     def read(self):
         """A consistent snapshot for multi-statement reads."""
-        self.conn.execute("BEGIN IMMEDIATE")
+        self.conn.execute("BEGIN")
         try:
             yield
         finally:

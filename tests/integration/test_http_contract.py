@@ -446,10 +446,10 @@ def test_renew_moves_expiry_forward_with_current_timeout(api):
 
 
 def test_renew_keeps_a_short_lease_alive(api):
-    name = make_queue(api, leaseTimeoutSeconds=0.6)
+    name = make_queue(api, leaseTimeoutSeconds=1.0)
     api.send(name, b"x")
     tok = received(api, name).h("Spooler-Lease-Token")
-    deadline = time.monotonic() + 1.5  # well past the 0.6 s lease
+    deadline = time.monotonic() + 2.5  # well past the 1 s lease; renewed every ~0.15 s
     while time.monotonic() < deadline:
         r = api.renew(tok)
         assert r.status == 200, r
@@ -469,7 +469,7 @@ def test_lease_expiry_redelivers_with_retry_plus_one(api):
     assert got.h("Spooler-Message-Id") == mid and got.h("Spooler-Retry-Count") == "1"
     r = api.ack(old)
     assert r.status == 409 and r.json()["kind"] == "stale_lease" and r.json()["reason"] == "expired"
-    assert api.ack(got.h("Spooler-Lease-Token")).status == 204
+    assert api.stats(name)["leaseExpiredTotal"] >= 1
 
 
 def test_max_retries_to_failure_queue_and_redrive(api):
@@ -682,9 +682,9 @@ def test_create_key_bad_input_400(api, body):
     assert r.status == 400 and r.json()["kind"] == "invalid_argument", r
 
 
-@pytest.mark.parametrize("queue_value", [[], False, 0, {}])
+@pytest.mark.parametrize("queue_value", [[], False, 0, {}, None])
 def test_create_key_non_string_queue_is_rejected(api, queue_value):
-    """BUG: a falsy non-string ``queue`` is read as "*" and mints a key for every queue."""
+    """BUG: a non-string ``queue`` (null, [], false, 0, {}) is read as "*" and mints a key for every queue."""
     r = api.req("POST", "/v1/keys", json.dumps({"queue": queue_value, "scopes": ["send"]}).encode())
     assert r.status == 400, f"expected invalid_argument, got {r.status} {r.body!r}"
     assert r.json()["kind"] == "invalid_argument"

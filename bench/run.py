@@ -1,0 +1,222 @@
+"""`make bench`: Spooler's single-node benchmark beside its peers, measured in one run.
+
+    .venv/bin/python -m bench.run                       # what `make bench` runs
+    .venv/bin/python -m bench.run --peers none --no-jobs
+    SPOOLER_BENCH_INSTALL_PEERS=1 .venv/bin/python -m bench.run   # apt-get/pip the peers if missing
+
+Prints one JSON object on stdout (progress goes to stderr) and writes the same JSON to
+bench/results/latest.json. Sections: machine, spooler (bench/spool.py), peers
+(bench/peers.py: NATS JetStream and RabbitMQ quorum queues, each a 3-node cluster made by the
+peer's own cluster.sh), ratios (spooler / peer per figure both report), targets (pass/fail of
+the issue's targets against Spooler's medians), jobs (bench/jobs.py, the job runner's own
+benchmark, when it imports). See docs/benchmarks.md.
+
+Today Spooler runs as ONE node (replication is a later issue) while each peer runs 3 nodes
+that replicate every message, so the ratios are indicative only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results" / "latest.json"
+
+# figure -> (comparison, bound); the issue's targets for a 2-core machine with fsync on
+TARGETS = {
+    "send_64_in_flight_per_s": (">=", 20_000),
+    "send_batch_100_per_s": (">=", 100_000),
+    "send_sequential_p50_ms": ("<=", 0.7),
+}
+CAVEAT = ("Spooler is measured as ONE node (replication is a later issue); each peer runs a 3-node cluster "
+          "that replicates every message (JetStream R3, RabbitMQ quorum queue with 3 replicas). Ratios are "
+          "indicative only. JetStream acks a publish before fsync (it fsyncs on a timer); Spooler and "
+          "RabbitMQ quorum queues answer only after fsync.")
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def machine() -> dict:
+    cpu_model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    cpu_model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem_gb = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem_gb = round(int(line.split()[1]) / 1024 / 1024, 1)
+    except (OSError, ValueError):
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    commit = None
+    try:  # read-only
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        pass
+    return {"nproc": os.cpu_count(), "usable_cpus": usable, "cpu_model": cpu_model, "mem_gb": mem_gb,
+            "python": platform.python_version(), "kernel": platform.release(),
+            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()], "git_commit": commit,
+            "fdatasync_256b_ms": fsync_probe()}
+
+
+def fsync_probe(n: int = 300) -> dict:
+    """Append 256 bytes + fdatasync, n times, in the temp dir (where the node's and the peers'
+    data live during the run): the floor under every durable write on this disk."""
+    d = tempfile.mkdtemp(prefix="spooler-bench-fsync-")
+    lat = []
+    try:
+        fd = os.open(os.path.join(d, "probe"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            for _ in range(n):
+                t = time.perf_counter()
+                os.write(fd, b"x" * 256)
+                os.fdatasync(fd)
+                lat.append(time.perf_counter() - t)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        return {"error": str(e)}
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    lat.sort()
+    return {"n": n, "p50": round(statistics.median(lat) * 1e3, 3), "p99": round(lat[int(0.99 * n)] * 1e3, 3)}
+
+
+def ratios(spooler: dict, peers: dict) -> dict:
+    """spooler / peer for each figure both have (medians). For *_per_s above 1 means Spooler is
+    faster; for *_ms below 1 means Spooler's latency is lower."""
+    out = {}
+    mine = spooler.get("median", {})
+    for name, p in peers.items():
+        theirs = p.get("median") or {}
+        r = {}
+        for fig, v in mine.items():
+            if fig in theirs and theirs[fig]:
+                r[fig] = round(v / theirs[fig], 3)
+        if r:
+            out[name] = r
+    return out
+
+
+def targets(spooler: dict, nproc) -> dict:
+    out = {}
+    med = spooler.get("median", {})
+    for fig, (op, bound) in TARGETS.items():
+        v = med.get(fig)
+        t = {"target": f"{op} {bound}"}
+        if v is None:
+            t.update(value=None, passed=None, note="not measured")
+        else:
+            passed = v >= bound if op == ">=" else v <= bound
+            # factor: how many times better the figure must get to meet the target (<= 1: met)
+            factor = bound / v if op == ">=" else v / bound
+            t.update(value=v, passed=passed, factor_to_target=round(factor, 2))
+            if not passed:
+                t["missed_by_pct"] = round(abs(v - bound) / bound * 100, 1)
+        out[fig] = t
+    if nproc != 2:
+        out["note"] = f"targets are stated for a 2-core machine; this one has {nproc}"
+    return out
+
+
+def run_jobs() -> dict:
+    try:
+        from bench import jobs  # another engineer's module: bench/jobs.py, run() -> dict
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"}
+    try:
+        return jobs.run()
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"run() raised {type(e).__name__}: {e}"}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=int(os.environ.get("SPOOLER_BENCH_N", "5000")),
+                    help="messages for 64-in-flight and receive+ack (also passed to the peers' bench.py)")
+    ap.add_argument("--n-seq", type=int, default=1000, help="sequential sends")
+    ap.add_argument("--batches", type=int, default=200, help="send_batch calls of 100 messages")
+    ap.add_argument("--repeats", type=int, default=int(os.environ.get("SPOOLER_BENCH_REPEATS", "3")))
+    ap.add_argument("--peers", default=os.environ.get("SPOOLER_BENCH_PEERS", "all"),
+                    help="all | none | comma list of nats-jetstream,rabbitmq-quorum")
+    ap.add_argument("--no-jobs", action="store_true", help="skip bench/jobs.py")
+    ap.add_argument("--out", default=str(RESULTS), help="where to write the JSON as well")
+    a = ap.parse_args(argv)
+
+    from bench import peers as peers_mod
+    from bench import spool
+
+    t0 = time.perf_counter()
+    result = {"benchmark": "spooler single-node vs peers",
+              "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+              "caveat": CAVEAT, "machine": machine()}
+
+    log(f"spooler: 1 node, N={a.n}, sequential {a.n_seq}, {a.batches} batches of 100, x{a.repeats}")
+    result["spooler"] = spool.run(n=a.n, n_seq=a.n_seq, n_batches=a.batches, repeats=a.repeats, log=log)
+    if "error" in result["spooler"]:
+        log(f"spooler: ERROR {result['spooler']['error']}")
+
+    if a.no_jobs:
+        result["jobs"] = {"skipped": "--no-jobs"}
+    else:
+        log("jobs: bench/jobs.py run()")
+        result["jobs"] = run_jobs()
+
+    if a.peers == "none":
+        result["peers"] = {name: {"skipped": "--peers none"} for name in peers_mod.PEERS}
+    else:
+        only = None if a.peers == "all" else {x.strip() for x in a.peers.split(",") if x.strip()}
+        result["peers"] = {}
+        for name in peers_mod.PEERS:
+            if only is not None and name not in only:
+                result["peers"][name] = {"skipped": "not selected (--peers)"}
+                continue
+            result["peers"][name] = peers_mod.run_peer(name, n=a.n, repeats=a.repeats, log=log)
+            p = result["peers"][name]
+            if "skipped" in p or "error" in p:
+                log(f"peers: {name}: {p.get('skipped') or p.get('error')}")
+
+    result["ratios"] = ratios(result["spooler"], result["peers"])
+    result["ratios_note"] = ("spooler median / peer median; *_per_s > 1: Spooler faster; *_ms < 1: Spooler's "
+                             "latency lower. " + CAVEAT.split(";")[0] + ".")
+    result["targets"] = targets(result["spooler"], result["machine"]["nproc"])
+    result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    result["elapsed_s"] = round(time.perf_counter() - t0, 1)
+
+    text = json.dumps(result, indent=2)
+    try:
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        log(f"wrote {out.relative_to(REPO) if out.is_relative_to(REPO) else out}")
+    except OSError as e:
+        log(f"could not write {a.out}: {e}")
+    print(text)
+    return 1 if "error" in result["spooler"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Power loss: every write not fsync'd is gone. Confirmed sends and acks survive.
+
+The node's engine runs in-process on the lossy VFS (tests/faults/lossy_vfs.py).
+We confirm sends and acks, cut the power (an image of what the disk held),
+and start a fresh engine on that image. The control run with
+synchronous=NORMAL must lose confirmed sends: it shows the harness can see
+the loss that synchronous=FULL prevents.
+"""
+import asyncio
+import itertools
+
+import apsw
+import pytest
+
+from faults.lossy_vfs import LossyVFS
+from node.api.service import Principal, Service
+from node.engine import Engine
+from spooler import errors
+
+ADMIN = Principal(admin=True)
+_names = itertools.count()
+
+
+async def _confirm_then_cut_power(tmp_path, synchronous):
+    vfs = LossyVFS(f"lossy{next(_names)}")
+    eng = Engine(str(tmp_path / "live"), vfs=vfs.name, synchronous=synchronous, checkpoint_interval_s=0.05)
+    await eng.start()
+    svc = Service(eng, ["k"])
+    await svc.put_queue(ADMIN, "q", {"leaseTimeoutSeconds": 60})
+    sent = []
+    for i in range(40):  # concurrent bursts: several group commits of several records
+        res = await asyncio.gather(*[svc.send(ADMIN, [("q", f"{i}-{j}".encode(), 0.0, "")]) for j in range(5)])
+        sent += [r[0][0] for r in res]
+    acked = set()
+    for d in await svc.receive(ADMIN, "q", 0, 50):
+        await svc.ack(ADMIN, d.token)
+        acked.add(d.id)
+    await asyncio.sleep(0.12)  # let checkpoints run too: they must not lose anything either
+    for i in range(10):
+        sent += [x[0] for x in await svc.send(ADMIN, [("q", f"late-{i}".encode(), 0.0, "")])]
+    vfs.crash_image(str(tmp_path / "after"))  # the power goes out here
+    abandon(eng)
+    vfs.unregister()
+    return sent, acked
+
+
+async def _read_back(path):
+    eng = Engine(path)
+    await eng.start()
+    svc = Service(eng, ["k"])
+    seen = [d.id for d in await svc.receive(ADMIN, "q", 0, 1000)]
+    integrity = eng.store.integrity_check()
+    abandon(eng)
+    return seen, integrity
+
+
+def abandon(eng):
+    """The process is gone: no graceful stop, no final checkpoint."""
+    for t in eng._tasks:
+        t.cancel()
+    eng._io.shutdown(wait=True)
+
+
+def test_power_loss_keeps_every_confirmed_write(tmp_path):
+    sent, acked = asyncio.run(_confirm_then_cut_power(tmp_path, "FULL"))
+    seen, integrity = asyncio.run(_read_back(str(tmp_path / "after")))
+    assert integrity == "ok"
+    assert len(acked) == 50
+    assert sorted(seen) == sorted(set(sent) - acked)  # nothing lost, no ack undone, no duplicate
+
+
+def test_control_synchronous_normal_loses_confirmed_writes(tmp_path):
+    sent, acked = asyncio.run(_confirm_then_cut_power(tmp_path, "NORMAL"))
+    try:
+        seen, _ = asyncio.run(_read_back(str(tmp_path / "after")))
+    except (errors.QueueNotFound, apsw.Error, KeyError):
+        seen = []  # lost so much that the queue itself is gone
+    assert set(sent) - acked - set(seen), "the harness did not see the loss synchronous=NORMAL causes"
+
+
+def test_fsync_error_stops_the_node_and_confirms_nothing(tmp_path):
+    async def main():
+        vfs = LossyVFS(f"lossy{next(_names)}")
+        eng = Engine(str(tmp_path / "n"), vfs=vfs.name)
+        stopped = []
+        eng.on_fatal = stopped.append
+        await eng.start()
+        svc = Service(eng, ["k"])
+        await svc.put_queue(ADMIN, "q", {})
+        ok = (await svc.send(ADMIN, [("q", b"before", 0.0, "")]))[0][0]
+        vfs.fail_sync = True
+        with pytest.raises(errors.OperationUnconfirmed):
+            await svc.send(ADMIN, [("q", b"during", 0.0, "")])
+        assert stopped and not eng.ready
+        with pytest.raises(errors.Unavailable):  # never confirms anything after
+            await svc.send(ADMIN, [("q", b"after", 0.0, "")])
+        abandon(eng)
+        vfs.fail_sync = False
+        vfs.crash_image(str(tmp_path / "img"))
+        vfs.unregister()
+        return ok
+
+    ok = asyncio.run(main())
+    seen, integrity = asyncio.run(_read_back(str(tmp_path / "img")))
+    assert integrity == "ok"
+    assert ok in seen  # it rejoins with what it had confirmed

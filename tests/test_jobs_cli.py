@@ -1,0 +1,199 @@
+"""The CLI contract (API.md section 4): submit output, JSON schema, output,
+priority, idempotency keys, list/status, capabilities and the test knobs,
+the drain progress line."""
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+
+import pytest
+
+from jobs_helpers import cli_inprocess, spool, spoolctl_argv  # noqa: F401
+from spooler.jobs import knobs
+
+JOB_KEYS = {"id", "state", "priority", "attempts", "crash_count", "failure_reason"}
+ATTEMPT_KEYS = {"exit_code", "stdout", "stderr", "failure_reason"}
+
+
+def test_plain_submit_prints_only_the_job_id(spool):
+    r = spool.run("submit", "--", "echo", "hi")
+    out = r.stdout.decode()
+    assert out.endswith("\n") and len(out.split()) == 1
+    assert spool.job(out.strip())["state"] == "queued"
+
+
+def test_job_json_has_the_contract_fields(spool):
+    job = spool.json("submit", "--priority", "3", "--max-retries", "1", "--",
+                     "sh", "-c", "echo o; echo e >&2; exit 2")
+    assert JOB_KEYS <= set(job) and job["state"] == "queued" and job["priority"] == 3
+    assert job["attempts"] == [] and job["crash_count"] == 0 and job["failure_reason"] is None
+    spool.run("submit", "--max-retries", "1", "--", "true")
+    r = spool.run("retry", job["id"], "--json")   # queued: retry just clears backoff
+    assert json.loads(r.stdout)["state"] == "queued"
+    spool.run("worker", "--drain", timeout_s=60)
+    [done] = [j for j in spool.json("list")["jobs"] if j["id"] == job["id"]]
+    assert done["state"] == "dead" and done["failure_reason"] == "nonzero_exit"
+    assert len(done["attempts"]) == 2
+    for a in done["attempts"]:
+        assert ATTEMPT_KEYS <= set(a)
+        assert a["exit_code"] == 2 and a["failure_reason"] == "nonzero_exit"
+        assert os.path.isabs(a["stdout"]) and os.path.isabs(a["stderr"])
+    assert [a["n"] for a in done["attempts"]] == [1, 2], "attempts oldest first"
+    assert done["attempts"][0]["finished_at"] <= done["attempts"][1]["started_at"]
+
+
+def test_submit_options_after_double_dash_belong_to_the_command(spool):
+    job = spool.json("submit", "--", "echo", "--json", "--priority", "9")
+    assert job["command"] == ["echo", "--json", "--priority", "9"] and job["priority"] == 0
+
+
+def test_output_latest_given_attempt_and_stderr(spool, tmp_path):
+    marker = tmp_path / "m"
+    job_id = spool.submit("sh", "-c", f'echo "out $SPOOLCTL_ATTEMPT"; echo "err $SPOOLCTL_ATTEMPT" >&2;'
+                                      f' [ -e {marker} ] || {{ touch {marker}; exit 1; }}')
+    spool.run("worker", "--drain", timeout_s=60)
+    assert spool.run("output", job_id).stdout == b"out 2\n"
+    assert spool.run("output", job_id, "--attempt", "1").stdout == b"out 1\n"
+    assert spool.run("output", job_id, "--stderr").stdout == b"err 2\n"
+    assert spool.run("output", job_id, "--attempt", "1", "--stderr").stdout == b"err 1\n"
+    j = spool.json("output", job_id, "--attempt", "1")
+    assert j["content"] == "out 1\n" and j["attempt"] == 1 and j["stream"] == "stdout"
+    assert spool.run("output", job_id, "--attempt", "7", check=False).returncode != 0
+
+
+def test_priority_orders_claims(spool, tmp_path):
+    log = tmp_path / "order"
+    ids = {}
+    for name, prio in [("low", -5), ("first-default", 0), ("high", 10), ("second-default", 0), ("mid", 5)]:
+        ids[name] = spool.submit_direct("sh", "-c", f"echo {name} >> {log}", priority=prio)
+    spool.submit("sh", "-c", f"echo cli-high >> {log}", opts=("--priority", "11"))
+    spool.run("worker", "--drain", timeout_s=60)
+    assert log.read_text().split() == ["cli-high", "high", "mid", "first-default", "second-default", "low"]
+
+
+def test_idempotency_key_returns_the_first_id(spool, tmp_path):
+    first = spool.submit("echo", "one", opts=("--key", "nightly-2026-11-30"))
+    again = spool.json("submit", "--key", "nightly-2026-11-30", "--", "echo", "two")
+    assert again["id"] == first and again["duplicate"] is True
+    other = spool.submit("echo", "one", opts=("--key", "other"))
+    assert other != first
+    assert len(spool.json("list")["jobs"]) == 2
+    spool.run("worker", "--drain", timeout_s=60)
+    # still deduplicated after the first one ran: the key is about submission
+    assert spool.submit("echo", "three", opts=("--key", "nightly-2026-11-30")) == first
+    assert spool.run("output", first).stdout == b"one\n"
+
+
+def test_list_filters_by_state_and_status_counts(spool):
+    a = spool.submit("true")
+    b = spool.submit("true")
+    spool.run("cancel", b)
+    assert [j["id"] for j in spool.json("list", "--state", "canceled")["jobs"]] == [b]
+    assert [j["id"] for j in spool.json("list", "--state", "queued")["jobs"]] == [a]
+    st = spool.json("status")
+    assert st["counts"]["queued"] == 1 and st["counts"]["canceled"] == 1 and st["total"] == 2
+
+
+def test_unknown_job_is_an_error_with_json_error_body(spool):
+    r = spool.run("status", "nope", "--json", check=False)
+    assert r.returncode == 1
+    assert json.loads(r.stdout)["error"]["kind"] == "not_found"
+
+
+def test_every_command_takes_json(spool):
+    job_id = spool.json("submit", "--", "true")["id"]
+    assert spool.json("worker", "--drain")["succeeded"] == 1
+    assert spool.json("status", job_id)["state"] == "succeeded"
+    assert "counts" in spool.json("status")
+    assert spool.json("list")["jobs"][0]["id"] == job_id
+    assert spool.json("output", job_id)["content"] == ""
+    assert spool.json("retry", job_id, "--force")["state"] == "queued"
+    assert spool.json("cancel", job_id)["state"] == "canceled"
+    assert spool.json("capabilities")["name"] == "spoolctl"
+
+
+def test_capabilities_publishes_defaults_limits_and_knob_bounds(spool):
+    caps = spool.json("capabilities", env={"SPOOLCTL_TEST_HEARTBEAT_INTERVAL": "",
+                                           "SPOOLCTL_TEST_REAP_THRESHOLD": ""})
+    assert caps["version"]
+    d = caps["defaults"]
+    assert d["heartbeat_interval_s"] == 5.0 and d["reap_threshold_s"] == 30.0 and d["busy_timeout_s"] == 5.0
+    assert d["max_retries"] == 3 and d["max_crashes"] is None
+    assert caps["limits"]["concurrency_max"] == knobs.CONCURRENCY_MAX
+    k = caps["test_knobs"]
+    assert set(k) == {"SPOOLCTL_TEST_HEARTBEAT_INTERVAL", "SPOOLCTL_TEST_REAP_THRESHOLD"}
+    for name, spec in k.items():
+        assert (spec["min"], spec["max"]) == knobs.TEST_KNOB_BOUNDS[name] and spec["value"] is None
+    assert spool.json("capabilities")["test_knobs"]["SPOOLCTL_TEST_REAP_THRESHOLD"]["value"] == 1.0
+
+
+@pytest.mark.parametrize("name,value", [("SPOOLCTL_TEST_HEARTBEAT_INTERVAL", "0.001"),
+                                        ("SPOOLCTL_TEST_HEARTBEAT_INTERVAL", "soon"),
+                                        ("SPOOLCTL_TEST_REAP_THRESHOLD", "99999"),
+                                        ("SPOOLCTL_TEST_REAP_THRESHOLD", "-1")])
+def test_test_knob_outside_its_bounds_is_a_clear_error(spool, name, value):
+    for args in (["capabilities", "--json"], ["worker", "--drain"], ["list"], ["submit", "--", "true"]):
+        rc, out, err = cli_inprocess(["--spool", spool.path, *args], env={name: value})
+        assert rc != 0
+        assert name in err and "invalid_argument" in err
+        assert "bounds" in err or "not a number" in err
+
+
+def test_test_knob_error_from_the_real_command(spool):
+    r = spool.run("worker", "--drain", env={"SPOOLCTL_TEST_REAP_THRESHOLD": "0.01"}, check=False)
+    assert r.returncode == 1
+    assert b"SPOOLCTL_TEST_REAP_THRESHOLD" in r.stderr and b"[0.1, 3600]" in r.stderr
+
+
+@pytest.mark.parametrize("argv", [["submit", "--priority", "10000000", "--", "true"],
+                                  ["submit", "--timeout", "0", "--", "true"],
+                                  ["submit", "--max-retries", "-1", "--", "true"],
+                                  ["submit", "--max-crashes", "x", "--", "true"],
+                                  ["submit", "--"],
+                                  ["worker", "--concurrency", "0"],
+                                  ["worker", "--concurrency", "65"],
+                                  ["list", "--state", "bogus"]])
+def test_bad_option_values_are_refused(spool, argv):
+    rc, out, err = cli_inprocess(["--spool", spool.path, *argv])
+    assert rc != 0 and err
+    rc, out, err = cli_inprocess(["--spool", spool.path, "list", "--json"])
+    assert rc == 0 and json.loads(out)["jobs"] == []
+
+
+def test_spool_dir_from_env(spool, tmp_path):
+    d = tmp_path / "envspool"
+    r = subprocess.run([*spoolctl_argv(), "submit", "--", "true"], env={**spool.env, "SPOOLCTL_DIR": str(d)},
+                       capture_output=True, cwd=str(tmp_path), timeout=60)
+    assert r.returncode == 0 and (d / "spool.db").exists()
+
+
+def test_drain_progress_line_only_on_a_tty(spool):
+    for _ in range(3):
+        spool.submit_direct("true")
+    w = spool.start_worker("--drain")            # stderr is a pipe: no progress line
+    out, err = w.communicate(timeout=60)
+    assert w.returncode == 0 and b"left" not in err
+    for _ in range(2):
+        spool.submit_direct("true")
+    master, slave = pty.openpty()
+    try:
+        w = spool.start_worker("--drain", stderr=slave)
+        os.close(slave)
+        slave = None
+        assert w.wait(timeout=60) == 0
+        buf = b""
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            buf += chunk
+        assert b"2 done, 0 failed, 0 left" in buf
+    finally:
+        if slave is not None:
+            os.close(slave)
+        os.close(master)

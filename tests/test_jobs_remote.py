@@ -1,0 +1,96 @@
+"""The cluster back-end: submit --queue / worker --queue against a real spooler-node.
+
+Uses the ``node`` fixture of tests/conftest.py (a running single node)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from jobs_helpers import REPO, pid_gone, spool, wait_until  # noqa: F401
+
+if not os.path.exists(os.path.join(REPO, "node", "main.py")):
+    pytest.skip("spooler-node (node/main.py) is not there yet", allow_module_level=True)
+
+from spooler.http import HttpClient  # noqa: E402
+from spooler.jobs import remote  # noqa: E402
+
+
+def g(node):
+    return ("--server", node.http_url, "--key", node.admin_key)
+
+
+def test_submit_and_run_through_a_queue(spool, node):
+    r = spool.run("submit", "--queue", "jobs", "--", "sh", "-c", "echo hello from $SPOOLCTL_JOB_ID",
+                  global_args=g(node))
+    msg_id = r.stdout.decode().strip()
+    assert msg_id and len(r.stdout.split()) == 1
+    summary = spool.json("worker", "--queue", "jobs", "--drain", global_args=g(node))
+    assert summary["succeeded"] == 1 and summary["backend"] == "spooler"
+    job = spool.job(msg_id)      # the worker's machine keeps the record and the output
+    assert job["state"] == "succeeded" and job["backend"] == "spooler" and job["source"].endswith("/jobs")
+    assert job["attempts"][0]["host"] and os.path.exists(job["attempts"][0]["stdout"])
+    assert spool.run("output", msg_id).stdout == f"hello from {msg_id}\n".encode()
+    stats = HttpClient(node.http_url, node.admin_key).get_queue("jobs")["stats"]
+    assert stats["ackedTotal"] == 1 and stats["visible"] == 0 and stats["leased"] == 0
+
+
+def test_key_dedups_submission_on_the_queue(spool, node):
+    first = spool.json("submit", "--queue", "q1", "--key", "k-1", "--", "true", global_args=g(node))
+    again = spool.json("submit", "--queue", "q1", "--key", "k-1", "--", "true", global_args=g(node))
+    assert again["id"] == first["id"] and again["duplicate"] is True and first["duplicate"] is False
+    assert HttpClient(node.http_url, node.admin_key).get_queue("q1")["stats"]["visible"] == 1
+
+
+def test_failure_nacks_with_backoff_then_failure_queue_plays_dead(spool, node):
+    msg_id = spool.run("submit", "--queue", "q2", "--max-retries", "1", "--", "sh", "-c", "echo bad >&2; exit 4",
+                       global_args=g(node)).stdout.decode().strip()
+    summary = spool.json("worker", "--queue", "q2", "--drain", global_args=g(node), timeout_s=60)
+    assert summary["failed"] == 2 and summary["dead"] == 1
+    job = spool.job(msg_id)
+    assert job["state"] == "dead" and [a["exit_code"] for a in job["attempts"]] == [4, 4]
+    a1, a2 = job["attempts"]
+    assert a2["started_at"] - a1["finished_at"] >= 2.0 - 0.1, "nack delay = backoff 2 s"
+    c = HttpClient(node.http_url, node.admin_key)
+    d = c.receive("q2.failed")
+    assert d is not None
+    body = json.loads(d.body)
+    assert body["command"] == ["sh", "-c", "echo bad >&2; exit 4"]
+    res = body["spoolctl_result"]
+    assert res["failure_reason"] == "nonzero_exit" and res["exit_code"] == 4
+    assert res["host"] and res["stderr"] == a2["stderr"], "the dead message says where the output is"
+    assert c.get_queue("q2")["stats"]["visible"] == 0
+
+
+def test_worker_crash_is_a_lease_expiry_that_counts_as_a_retry(spool, node, tmp_path):
+    c = HttpClient(node.http_url, node.admin_key)
+    c.put_queue("q3", leaseTimeoutSeconds=1.0, maxRetries=3)
+    first = tmp_path / "first.pid"
+    script = (f'if [ "$SPOOLCTL_RETRY_COUNT" = 0 ]; then echo $$ > {first}; sleep 300; fi;'
+              f' echo retry $SPOOLCTL_RETRY_COUNT')
+    msg_id = spool.run("submit", "--queue", "q3", "--", "sh", "-c", script, global_args=g(node)).stdout.decode().strip()
+    w1 = spool.start_worker("--queue", "q3", global_args=g(node))
+    wait_until(lambda: first.exists() and first.read_text().strip(), 20, what="first attempt running")
+    orphan = int(first.read_text())
+    wait_until(lambda: spool.job(msg_id)["attempts"][0]["pid"], 10, what="attempt pid recorded")
+    w1.send_signal(signal.SIGKILL)
+    w1.wait(timeout=10)
+    summary = spool.json("worker", "--queue", "q3", "--drain", global_args=g(node), timeout_s=60)
+    assert summary["succeeded"] == 1
+    job = spool.job(msg_id)
+    assert job["state"] == "succeeded"
+    assert job["attempts"][0]["failure_reason"] == "worker_crashed"
+    assert spool.run("output", msg_id).stdout == b"retry 1\n", "the expiry raised the retry count"
+    wait_until(lambda: pid_gone(orphan), 5, what="orphaned first attempt killed")
+
+
+def test_invalid_message_is_moved_to_the_failure_queue(spool, node):
+    c = HttpClient(node.http_url, node.admin_key)
+    remote.ensure_queue(c, "q4")
+    c.send("q4", b"not a job")
+    summary = spool.json("worker", "--queue", "q4", "--drain", global_args=g(node))
+    assert summary["dead"] == 1
+    body = json.loads(c.receive("q4.failed").body)
+    assert body["spoolctl_result"]["failure_reason"] == "invalid_job" and body["raw"] == "not a job"
