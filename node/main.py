@@ -129,6 +129,8 @@ async def serve(args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if os.environ.get("SPOOLER_SWITCH_INTERVAL"):
+        sys.setswitchinterval(float(os.environ["SPOOLER_SWITCH_INTERVAL"]))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s",
                         stream=sys.stderr)
     try:

@@ -87,6 +87,14 @@ def _has_detail(e: grpc.RpcError) -> bool:
     return any(k == errors.KIND_TRAILER for k, _ in (e.trailing_metadata() or ()))
 
 
+def retryable(exc: BaseException, *, send_with_key: bool = False, settle: bool = False) -> bool:
+    if isinstance(exc, errors.Unavailable):
+        return True
+    if isinstance(exc, errors.OperationUnconfirmed):
+        return send_with_key or settle
+    return False
+
+
 def retry_policy(attempts: int, *, send_with_key: bool = False, settle: bool = False):
     """When a call may be retried (never silently for an unkeyed unconfirmed send).
 
@@ -96,29 +104,48 @@ def retry_policy(attempts: int, *, send_with_key: bool = False, settle: bool = F
     * ack/nack/renew: also a transport failure (a repeat of a settle that did
       land answers ``stale_lease``/``settled``, which the client reports as done).
     """
-    def retryable(exc: BaseException) -> bool:
-        if isinstance(exc, errors.Unavailable):
-            return True
-        if isinstance(exc, errors.OperationUnconfirmed):
-            return send_with_key or settle
-        return False
+    def check(exc: BaseException) -> bool:
+        return retryable(exc, send_with_key=send_with_key, settle=settle)
 
     return tenacity.Retrying(
         stop=tenacity.stop_after_attempt(attempts),
         wait=tenacity.wait_exponential(multiplier=0.05, max=2.0),
-        retry=tenacity.retry_if_exception(retryable),
+        retry=tenacity.retry_if_exception(check),
         reraise=True,
-    ), retryable
+    ), check
 
 
 def async_retry_policy(attempts: int, **kw):
-    _, retryable = retry_policy(attempts, **kw)
+    _, check = retry_policy(attempts, **kw)
     return tenacity.AsyncRetrying(
         stop=tenacity.stop_after_attempt(attempts),
         wait=tenacity.wait_exponential(multiplier=0.05, max=2.0),
-        retry=tenacity.retry_if_exception(retryable),
+        retry=tenacity.retry_if_exception(check),
         reraise=True,
     )
+
+
+async def call_with_retries(fn, attempts: int, **kw):
+    """First attempt without any retry machinery (the hot path); tenacity only
+    once a retry-safe failure happened."""
+    try:
+        return await fn()
+    except errors.SpoolerError as e:
+        if attempts <= 1 or not retryable(e, **kw):
+            raise
+    async for attempt in async_retry_policy(attempts - 1, **kw):
+        with attempt:
+            return await fn()
+
+
+def call_with_retries_sync(fn, attempts: int, **kw):
+    try:
+        return fn()
+    except errors.SpoolerError as e:
+        if attempts <= 1 or not retryable(e, **kw):
+            raise
+    retrying, _ = retry_policy(attempts - 1, **kw)
+    return retrying(fn)
 
 
 def auth_metadata(key: str) -> tuple:

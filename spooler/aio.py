@@ -20,7 +20,7 @@ from typing import Awaitable, Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (GRPC_OPTIONS, Message, SendResult, async_retry_policy, auth_metadata,
+from spooler._common import (GRPC_OPTIONS, Message, SendResult, auth_metadata, call_with_retries,
                              is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s,
                              settings_pb)
 from spooler.pb import api_pb2, api_pb2_grpc
@@ -81,14 +81,16 @@ class AsyncClient:
     async def send(self, queue: str, body: bytes, *, delay_s: float = 0.0, dedup_key: str = "") -> SendResult:
         """Auto-batched send. Retried only where a retry is safe (see _common.retry_policy)."""
         req = api_pb2.SendRequest(queue=queue, body=body, delay_seconds=delay_s, dedup_key=dedup_key)
-        async for attempt in async_retry_policy(self.retry_attempts, send_with_key=bool(dedup_key)):
-            with attempt:
-                fut = asyncio.get_running_loop().create_future()
-                self._pending.append((req, fut))
-                if self._in_flight < self.batches_in_flight_max:
-                    self._in_flight += 1
-                    asyncio.ensure_future(self._flush())
-                return await fut
+
+        def enqueue():
+            fut = asyncio.get_running_loop().create_future()
+            self._pending.append((req, fut))
+            if self._in_flight < self.batches_in_flight_max:
+                self._in_flight += 1
+                asyncio.ensure_future(self._flush())
+            return fut
+
+        return await call_with_retries(enqueue, self.retry_attempts, send_with_key=bool(dedup_key))
 
     async def _flush(self) -> None:
         try:
@@ -134,16 +136,19 @@ class AsyncClient:
 
     async def _settle(self, rpc, req) -> object:
         first = True
-        async for attempt in async_retry_policy(self.retry_attempts, settle=True):
-            with attempt:
-                try:
-                    return await self._call(rpc, req, write=True)
-                except errors.StaleLease as e:
-                    if not first and e.reason == errors.StaleLease.SETTLED:
-                        return None  # our earlier attempt landed
-                    raise
-                finally:
-                    first = False
+
+        async def once():
+            nonlocal first
+            try:
+                return await self._call(rpc, req, write=True)
+            except errors.StaleLease as e:
+                if not first and e.reason == errors.StaleLease.SETTLED:
+                    return None  # our earlier attempt landed
+                raise
+            finally:
+                first = False
+
+        return await call_with_retries(once, self.retry_attempts, settle=True)
 
     async def ack(self, token: str) -> None:
         await self._settle(self.stub.Ack, api_pb2.LeaseRequest(token=token))
@@ -152,9 +157,10 @@ class AsyncClient:
         await self._settle(self.stub.Nack, api_pb2.LeaseRequest(token=token, delay_seconds=delay_s))
 
     async def renew(self, token: str) -> str:
-        async for attempt in async_retry_policy(self.retry_attempts, settle=True):
-            with attempt:
-                return (await self._call(self.stub.Renew, api_pb2.LeaseRequest(token=token), write=True)).expires_at
+        async def once():
+            return (await self._call(self.stub.Renew, api_pb2.LeaseRequest(token=token), write=True)).expires_at
+
+        return await call_with_retries(once, self.retry_attempts, settle=True)
 
     async def settle_batch(self, items: list) -> list:
         """items: [(token, "ack"|"nack"|"renew", delay_s)] -> per item None / expiresAt / SpoolerError."""

@@ -19,8 +19,8 @@ from typing import Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (GRPC_OPTIONS, Message, SendResult, auth_metadata, is_batch_entry_error,
-                             map_rpc_error, message_of, queue_dict, renew_delay_s, retry_policy, settings_pb)
+from spooler._common import (GRPC_OPTIONS, Message, SendResult, auth_metadata, call_with_retries_sync,
+                             is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, settings_pb)
 from spooler.pb import api_pb2, api_pb2_grpc
 
 log = logging.getLogger("spooler.client")
@@ -82,8 +82,8 @@ class Client:
     def send(self, queue: str, body: bytes, *, delay_s: float = 0.0, dedup_key: str = "") -> SendResult:
         """Auto-batched send; blocks until durable. Retried only where safe."""
         req = api_pb2.SendRequest(queue=queue, body=body, delay_seconds=delay_s, dedup_key=dedup_key)
-        retrying, _ = retry_policy(self.retry_attempts, send_with_key=bool(dedup_key))
-        return retrying(lambda: self.send_async(req).result())
+        return call_with_retries_sync(lambda: self.send_async(req).result(), self.retry_attempts,
+                                      send_with_key=bool(dedup_key))
 
     def send_async(self, req: api_pb2.SendRequest) -> Future:
         fut: Future = Future()
@@ -152,8 +152,7 @@ class Client:
             finally:
                 state["first"] = False
 
-        retrying, _ = retry_policy(self.retry_attempts, settle=True)
-        return retrying(once)
+        return call_with_retries_sync(once, self.retry_attempts, settle=True)
 
     def ack(self, token: str) -> None:
         self._settle(self.stub.Ack, api_pb2.LeaseRequest(token=token))
@@ -162,8 +161,9 @@ class Client:
         self._settle(self.stub.Nack, api_pb2.LeaseRequest(token=token, delay_seconds=delay_s))
 
     def renew(self, token: str) -> str:
-        retrying, _ = retry_policy(self.retry_attempts, settle=True)
-        return retrying(lambda: self._call(self.stub.Renew, api_pb2.LeaseRequest(token=token), write=True).expires_at)
+        return call_with_retries_sync(
+            lambda: self._call(self.stub.Renew, api_pb2.LeaseRequest(token=token), write=True).expires_at,
+            self.retry_attempts, settle=True)
 
     def settle_batch(self, items: list) -> list:
         """items: [(token, "ack"|"nack"|"renew", delay_s)] -> per item None / expiresAt / SpoolerError."""

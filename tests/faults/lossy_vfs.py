@@ -20,6 +20,9 @@ class LossyVFS(apsw.VFS):
         self.name = name
         self.files: dict[str, "_FileState"] = {}  # per path, shared by every handle on it
         self.fail_sync = False
+        # while cleared, every xSync waits: a write that is in flight, not yet durable
+        self.sync_gate = threading.Event()
+        self.sync_gate.set()
         # power loss is instantaneous: no write or sync may run while the image is taken
         self.lock = threading.Lock()
         super().__init__(name, "")
@@ -93,6 +96,7 @@ class LossyFile(apsw.VFSFile):
         super().xTruncate(newsize)
 
     def xSync(self, flags):
+        self.vfs.sync_gate.wait(30)
         if self.vfs.fail_sync:
             raise apsw.IOError("injected fsync failure")
         with self.vfs.lock:

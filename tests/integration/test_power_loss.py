@@ -104,3 +104,28 @@ def test_fsync_error_stops_the_node_and_confirms_nothing(tmp_path):
     seen, integrity = asyncio.run(_read_back(str(tmp_path / "img")))
     assert integrity == "ok"
     assert ok in seen  # it rejoins with what it had confirmed
+
+
+def test_a_send_is_invisible_until_it_is_durable(tmp_path):
+    """Apply happens after fsync: while a send's fsync is pending, no consumer can
+    receive it (so a consumer never sees a message that power loss could erase)."""
+    async def main():
+        vfs = LossyVFS(f"lossy{next(_names)}")
+        eng = Engine(str(tmp_path / "n"), vfs=vfs.name)
+        await eng.start()
+        svc = Service(eng, ["k"])
+        await svc.put_queue(ADMIN, "q", {})
+        vfs.sync_gate.clear()  # the next fsync hangs
+        pending = asyncio.ensure_future(svc.send(ADMIN, [("q", b"in-flight", 0.0, "")]))
+        await asyncio.sleep(0.2)
+        assert not pending.done()  # no 201 before fsync
+        assert await svc.receive(ADMIN, "q", 0) == []  # and nothing to receive
+        assert eng.core.stats("q", eng.now_us())["sentTotal"] == 0
+        vfs.sync_gate.set()
+        [(mid, dup)] = await pending
+        [d] = await svc.receive(ADMIN, "q", 0)
+        assert d.id == mid and d.body == b"in-flight"
+        abandon(eng)
+        vfs.unregister()
+
+    asyncio.run(main())
