@@ -1,0 +1,530 @@
+"""Replication and election: a pure state machine (raft-shaped, epochs as terms).
+
+No IO, no clock: inputs are ``tick(now)``, ``receive(msg, now)``,
+``appended(...)`` (the local log grew and is fsync'd) and a few commands; each
+returns a list of effects for the IO shell to carry out **in order**:
+
+    Persist(epoch, voted_for)   -- fsync before any message that depends on it
+    Truncate(after_lsn)         -- drop unapplied log records after this lsn
+    Store(req)                  -- write the records of this AppendReq and fsync
+    Send(to, msg)               -- after the effects before it are durable
+    Commit(lsn)                 -- records up to lsn are committed: apply them
+    Role(role, epoch, primary)  -- the node's role changed
+
+The ordering rules are the safety argument: a vote is persisted before it is
+sent; an append is acknowledged only after its records are fsync'd; a primary
+counts itself in a quorum only for records its own store has fsync'd.
+
+Leases: a primary serves (confirms writes, hands out leases) only while a
+majority has acknowledged one of its appends sent within the last
+``failover_timeout``; a new primary hands out leases only once the old
+primary's such window has surely closed (``lease_ok_at``, from the voters'
+"time since I last heard a primary"). Together: at most one node leases at any
+time (see docs/DESIGN.md, "Elections and fencing").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+REPLICA, CANDIDATE, PRIMARY = "replica", "candidate", "primary"
+
+
+# ----------------------------------------------------------------- messages
+@dataclass
+class AppendReq:
+    epoch: int
+    primary: str
+    prev_lsn: int
+    prev_epoch: int
+    prev_crc: int
+    entries: list          # [(lsn, epoch, crc)] consecutive, from prev_lsn + 1
+    commit_lsn: int
+    sent_us: int           # echoed back: the primary's contact clock
+
+
+@dataclass
+class AppendResp:
+    epoch: int
+    sender: str
+    ok: bool
+    match_lsn: int         # ok: last lsn now known to match; not ok: a hint to back off to
+    sent_us: int
+
+
+@dataclass
+class VoteReq:
+    epoch: int
+    candidate: str
+    last_epoch: int
+    last_lsn: int
+    pre: bool = False
+    transfer: bool = False  # planned switchover: granted despite a live primary
+
+
+@dataclass
+class VoteResp:
+    epoch: int
+    sender: str
+    granted: bool
+    pre: bool
+    since_contact_us: int  # how long since this voter last heard a primary
+    since_vote_us: int     # how long since it voted for some other candidate (who may have won)
+
+
+@dataclass
+class TimeoutNow:
+    epoch: int
+    primary: str
+
+
+# ------------------------------------------------------------------ effects
+@dataclass
+class Persist:
+    epoch: int
+    voted_for: str
+
+
+@dataclass
+class Truncate:
+    after_lsn: int
+
+
+@dataclass
+class Store:
+    req: AppendReq          # write req.entries (the IO shell holds their bytes)
+
+
+@dataclass
+class Send:
+    to: str
+    msg: object
+
+
+@dataclass
+class Commit:
+    lsn: int
+
+
+@dataclass
+class Role:
+    role: str
+    epoch: int
+    primary: Optional[str]
+
+
+@dataclass
+class LogView:
+    """What the core knows of the local log: (epoch, crc) per lsn after ``base``."""
+
+    base_lsn: int = 0
+    base_epoch: int = 0
+    base_crc: int = 0
+    entries: list = field(default_factory=list)  # index i -> lsn base_lsn + 1 + i: (epoch, crc)
+
+    @property
+    def last_lsn(self) -> int:
+        return self.base_lsn + len(self.entries)
+
+    @property
+    def last_epoch(self) -> int:
+        return self.entries[-1][0] if self.entries else self.base_epoch
+
+    def at(self, lsn: int) -> Optional[tuple]:
+        """(epoch, crc) at lsn, or None if unknown (compacted away or beyond the end)."""
+        if lsn == self.base_lsn:
+            return (self.base_epoch, self.base_crc)
+        i = lsn - self.base_lsn - 1
+        if 0 <= i < len(self.entries):
+            return self.entries[i]
+        return None
+
+    def truncate(self, after_lsn: int) -> None:
+        del self.entries[max(0, after_lsn - self.base_lsn):]
+
+    def compact(self, upto_lsn: int) -> None:
+        """Forget (epoch, crc) before ``upto_lsn`` (the store compacted its log)."""
+        if upto_lsn <= self.base_lsn or upto_lsn > self.last_lsn:
+            return
+        e = self.at(upto_lsn)
+        del self.entries[:upto_lsn - self.base_lsn]
+        self.base_lsn, self.base_epoch, self.base_crc = upto_lsn, e[0], e[1]
+
+
+class Replication:
+    def __init__(self, node_id: str, members: list, failover_timeout_us: int, rand: Callable[[], float],
+                 heartbeat_us: Optional[int] = None, frame_entries_max: int = 512, frames_in_flight_max: int = 8):
+        assert node_id in members
+        self.id = node_id
+        self.members = sorted(members)
+        self.peers = [m for m in self.members if m != node_id]
+        self.quorum = len(self.members) // 2 + 1
+        self.timeout = failover_timeout_us
+        self.heartbeat = heartbeat_us or max(10_000, failover_timeout_us // 10)
+        self.rand = rand
+        self.frame_entries_max = frame_entries_max
+        self.frames_in_flight_max = frames_in_flight_max
+        # persistent (loaded by the shell before use)
+        self.epoch = 0
+        self.voted_for = ""
+        self.log = LogView()
+        self.durable_lsn = 0       # local records fsync'd (== log.last_lsn except while a Store is pending)
+        self.commit_lsn = 0
+        # volatile
+        self.role = REPLICA
+        self.primary: Optional[str] = None
+        self.last_contact = None   # when we last heard a primary (None: never)
+        self.primary_gone = False  # our stream from the primary broke: it may be dead
+        self.election_at = None
+        self.votes: dict = {}
+        self.pre_votes: dict = {}
+        self.next: dict = {}
+        self.match: dict = {}
+        self.inflight: dict = {}
+        self.last_sent: dict = {}
+        self.acked_sent: dict = {}  # peer -> sent_us of the latest append it acknowledged in our epoch
+        self.lease_ok_at = 0
+        self.transfer_to: Optional[str] = None
+        self.campaign_at = 0
+        self.vote_granted_to = ""
+        self.vote_granted_at = None
+        self.transfer_campaign = False
+        self.transfer_started = 0
+        self.transfer_sent = False
+        self.started = False
+
+    # ------------------------------------------------------------- helpers
+    def _reset_election_timer(self, now: int, fast: bool = False) -> None:
+        if fast:
+            self.election_at = now + int(self.rand() * self.timeout * 0.05)
+        else:
+            self.election_at = now + self.timeout + int(self.rand() * self.timeout * 0.5)
+
+    def _since_contact(self, now: int) -> int:
+        return (now - self.last_contact) if self.last_contact is not None else 10 * self.timeout
+
+    def _since_vote(self, now: int, candidate: str) -> int:
+        """Since we last granted a vote to another candidate: it may have become a
+        primary and may still be leasing for a failover timeout after that."""
+        if self.vote_granted_at is None or self.vote_granted_to == candidate:
+            return 10 * self.timeout
+        return now - self.vote_granted_at
+
+    def _up_to_date(self, last_epoch: int, last_lsn: int) -> bool:
+        return (last_epoch, last_lsn) >= (self.log.last_epoch, self.log.last_lsn)
+
+    def _become_replica(self, epoch: int, primary: Optional[str], now: int, out: list) -> None:
+        changed = epoch != self.epoch
+        was = (self.role, self.primary)
+        if changed:
+            self.epoch = epoch
+            self.voted_for = ""
+            out.append(Persist(self.epoch, self.voted_for))
+        self.role = REPLICA
+        self.primary = primary
+        self.transfer_to = None
+        if primary is not None:
+            self.primary_gone = False
+        self._reset_election_timer(now)
+        if changed or was != (self.role, self.primary):
+            out.append(Role(REPLICA, self.epoch, primary))
+
+    def serving(self, now: int) -> bool:
+        """A primary may confirm writes only while a majority has heard it recently."""
+        return self.role == PRIMARY and self.transfer_to is None and now < self.lease_until(now)
+
+    def may_lease(self, now: int) -> bool:
+        """... and hand out message leases only once no older primary can still be leasing."""
+        return self.serving(now) and now >= self.lease_ok_at
+
+    def lease_until(self, now: int) -> int:
+        times = sorted([now] + [self.acked_sent.get(p, -1 << 62) for p in self.peers], reverse=True)
+        return times[self.quorum - 1] + self.timeout
+
+    # ------------------------------------------------------------- inputs
+    def start(self, now: int) -> list:
+        """After loading epoch, vote and log: wait as a replica for a primary."""
+        self.started = True
+        self.durable_lsn = self.log.last_lsn
+        out: list = []
+        if not self.peers:  # a single node elects itself at once
+            return self._campaign(now, pre=False)
+        self._reset_election_timer(now)
+        out.append(Role(REPLICA, self.epoch, None))
+        return out
+
+    def tick(self, now: int) -> list:
+        out: list = []
+        if self.role == PRIMARY:
+            if self.transfer_to is not None and now - self.transfer_started >= self.timeout:
+                if self.transfer_sent:
+                    # TimeoutNow is out: the target may win with an immediate lease, so
+                    # never serve again in this epoch; step down and let an election decide
+                    self._become_replica(self.epoch, None, now, out)
+                    return out
+                self.transfer_to = None  # the target never caught up: serve again
+            if now >= self.lease_until(now):
+                # no majority contact within the failover timeout: stop serving
+                self._become_replica(self.epoch, None, now, out)
+                return out
+            for p in self.peers:
+                if now - self.last_sent.get(p, -1 << 62) >= self.heartbeat:
+                    self._send_append(p, now, out, heartbeat=True)
+            return out
+        if self.election_at is not None and now >= self.election_at:
+            out += self._campaign(now, pre=True)
+        return out
+
+    def primary_stream_broken(self, now: int) -> list:
+        """The IO shell lost its stream from the primary (process gone?): campaign soon."""
+        if self.role == REPLICA and self.primary is not None:
+            self.primary_gone = True
+            self._reset_election_timer(now, fast=True)
+        return []
+
+    def appended(self, records: list, now: int) -> list:
+        """Primary only: new local records [(lsn, epoch, crc)], already fsync'd by the shell."""
+        for lsn, epoch, crc in records:
+            assert epoch == self.epoch and lsn == self.log.last_lsn + 1, (lsn, epoch, self.log.last_lsn)
+            self.log.entries.append((epoch, crc))
+            self.durable_lsn = lsn
+        out: list = []
+        if self.role != PRIMARY:
+            return out
+        for p in self.peers:
+            self._send_append(p, now, out)
+        self._advance_commit(out)
+        return out
+
+    def stored(self, req: AppendReq, now: int) -> list:
+        """Replica: the records of ``req`` are fsync'd; acknowledge them."""
+        out: list = []
+        if req.entries:
+            self.durable_lsn = max(self.durable_lsn, req.entries[-1][0])
+        match = req.entries[-1][0] if req.entries else req.prev_lsn
+        if req.epoch == self.epoch:
+            out.append(Send(req.primary, AppendResp(self.epoch, self.id, True, match, req.sent_us)))
+            c = min(req.commit_lsn, match)
+            if c > self.commit_lsn:
+                self.commit_lsn = c
+                out.append(Commit(c))
+        return out
+
+    def transfer(self, target: str, now: int) -> list:
+        """Planned switchover: stop taking writes; hand over once target has caught up."""
+        out: list = []
+        if self.role != PRIMARY or target not in self.peers:
+            return out
+        self.transfer_to = target
+        self.transfer_started = now
+        self.transfer_sent = False
+        self._maybe_finish_transfer(now, out)
+        return out
+
+    def receive(self, msg, now: int) -> list:
+        out: list = []
+        if isinstance(msg, VoteReq) and not msg.pre and not msg.transfer and msg.epoch > self.epoch \
+                and self._heard_recently(now):
+            # leader stickiness: a live primary is not deposed by a node that lost
+            # touch with it (a pre-vote would have failed; ignore, do not bump)
+            return out
+        # The one epoch gate: lower epoch -> reject; higher epoch -> step down first.
+        if msg.epoch > self.epoch:
+            if getattr(msg, "pre", False):
+                pass  # pre-votes never change an epoch
+            else:
+                leader = msg.primary if isinstance(msg, (AppendReq, TimeoutNow)) else None
+                self._become_replica(msg.epoch, leader, now, out)
+        if isinstance(msg, AppendReq):
+            self._on_append(msg, now, out)
+        elif isinstance(msg, AppendResp):
+            self._on_append_resp(msg, now, out)
+        elif isinstance(msg, VoteReq):
+            self._on_vote(msg, now, out)
+        elif isinstance(msg, VoteResp):
+            self._on_vote_resp(msg, now, out)
+        elif isinstance(msg, TimeoutNow):
+            if msg.epoch == self.epoch and self.role == REPLICA:
+                out += self._campaign(now, pre=False, transfer=True)
+        return out
+
+    # ------------------------------------------------------------ primary
+    def _send_append(self, p: str, now: int, out: list, heartbeat: bool = False) -> None:
+        nxt = self.next.get(p, self.log.last_lsn + 1)
+        if self.inflight.get(p, 0) >= self.frames_in_flight_max and not heartbeat:
+            return
+        prev = nxt - 1
+        pe = self.log.at(prev)
+        if pe is None:
+            # the records this peer needs were compacted away: it needs a snapshot
+            # (the shell sees prev_epoch == -1 and streams one instead)
+            pe = (-1, 0)
+        upto = min(self.log.last_lsn, prev + self.frame_entries_max) if pe[0] >= 0 else prev
+        if upto <= prev and not heartbeat and now - self.last_sent.get(p, -1 << 62) < self.heartbeat:
+            return
+        entries = [(lsn,) + self.log.at(lsn) for lsn in range(prev + 1, upto + 1)]
+        out.append(Send(p, AppendReq(self.epoch, self.id, prev, pe[0], pe[1], entries,
+                                     min(self.commit_lsn, upto if entries else prev), now)))
+        self.last_sent[p] = now
+        if entries:
+            self.next[p] = upto + 1  # pipelined: assume it lands; a refusal rewinds
+            self.inflight[p] = self.inflight.get(p, 0) + 1
+
+    def _on_append_resp(self, m: AppendResp, now: int, out: list) -> None:
+        if self.role != PRIMARY or m.epoch != self.epoch:
+            return
+        p = m.sender
+        self.acked_sent[p] = max(self.acked_sent.get(p, -1 << 62), m.sent_us)
+        self.inflight[p] = max(0, self.inflight.get(p, 0) - 1)
+        if m.ok:
+            if m.match_lsn > self.match.get(p, 0):
+                self.match[p] = m.match_lsn
+            self._advance_commit(out)
+            self._maybe_finish_transfer(now, out)
+        else:
+            # log mismatch: rewind to the hint and resend from there
+            self.next[p] = max(1, min(self.next.get(p, 1) - 1, m.match_lsn + 1))
+            self.inflight[p] = 0
+        if self.next.get(p, 0) <= self.log.last_lsn:
+            self._send_append(p, now, out)
+
+    def _advance_commit(self, out: list) -> None:
+        lsns = sorted([self.durable_lsn] + [self.match.get(p, 0) for p in self.peers], reverse=True)
+        n = lsns[self.quorum - 1]
+        if n > self.commit_lsn:
+            e = self.log.at(n)
+            # only a record of our own epoch commits by counting (raft's rule);
+            # earlier ones commit with it
+            if e is not None and e[0] == self.epoch:
+                self.commit_lsn = n
+                out.append(Commit(n))
+
+    def _maybe_finish_transfer(self, now: int, out: list) -> None:
+        t = self.transfer_to
+        if t is not None and self.match.get(t, 0) >= self.log.last_lsn and self.commit_lsn >= self.log.last_lsn:
+            self.transfer_sent = True
+            out.append(Send(t, TimeoutNow(self.epoch, self.id)))
+
+    # ------------------------------------------------------------ replica
+    def _on_append(self, m: AppendReq, now: int, out: list) -> None:
+        if m.epoch < self.epoch:
+            out.append(Send(m.primary, AppendResp(self.epoch, self.id, False, self.log.last_lsn, m.sent_us)))
+            return
+        if self.role != REPLICA or self.primary != m.primary:
+            self._become_replica(m.epoch, m.primary, now, out)
+        self.last_contact = now
+        self.primary_gone = False
+        self._reset_election_timer(now)
+        mine = self.log.at(m.prev_lsn)
+        if m.prev_lsn > self.log.last_lsn or (mine is not None and mine != (m.prev_epoch, m.prev_crc)) \
+                or (mine is None and m.prev_lsn > self.commit_lsn):
+            # we do not hold the primary's record at prev: tell it where to back off to
+            hint = max(min(self.log.last_lsn, m.prev_lsn - 1), self.commit_lsn)
+            out.append(Send(m.primary, AppendResp(self.epoch, self.id, False, hint, m.sent_us)))
+            return
+        new = []
+        for lsn, ep, crc in m.entries:
+            have = self.log.at(lsn)
+            if have is None and lsn <= self.log.base_lsn:
+                continue  # compacted here: committed, so it matches
+            if have is not None:
+                if have == (ep, crc):
+                    continue
+                # a conflicting record: it was never committed (raft's log matching)
+                assert lsn > self.commit_lsn, f"{self.id}: conflict at committed lsn {lsn}"
+                out.append(Truncate(lsn - 1))
+                self.log.truncate(lsn - 1)
+                self.durable_lsn = min(self.durable_lsn, lsn - 1)
+            new.append((lsn, ep, crc))
+            self.log.entries.append((ep, crc))
+        if new:
+            out.append(Store(AppendReq(m.epoch, m.primary, new[0][0] - 1, 0, 0, new, m.commit_lsn, m.sent_us)))
+            # the acknowledgement follows from stored(), after the fsync
+            return
+        out += self.stored(m, now)
+
+    # ----------------------------------------------------------- elections
+    def _campaign(self, now: int, pre: bool, transfer: bool = False) -> list:
+        out: list = []
+        self._reset_election_timer(now)
+        if not self.peers:
+            pre = False
+        if pre:
+            self.pre_votes = {self.id: self._since_contact(now)}
+            for p in self.peers:
+                out.append(Send(p, VoteReq(self.epoch + 1, self.id, self.log.last_epoch, self.log.last_lsn, pre=True)))
+            return out
+        self.epoch += 1
+        self.voted_for = self.id
+        self.role = CANDIDATE
+        self.primary = None
+        self.campaign_at = now
+        self.transfer_campaign = transfer
+        own = self._since_vote(now, self.id)
+        self.votes = {self.id: own if transfer else min(own, self._since_contact(now))}
+        out.append(Persist(self.epoch, self.voted_for))
+        out.append(Role(CANDIDATE, self.epoch, None))
+        for p in self.peers:
+            out.append(Send(p, VoteReq(self.epoch, self.id, self.log.last_epoch, self.log.last_lsn,
+                                       transfer=transfer)))
+        self._check_won(now, out)
+        return out
+
+    def _heard_recently(self, now: int) -> bool:
+        return (self.role == PRIMARY) or (
+            self.primary is not None and not self.primary_gone and self._since_contact(now) < self.timeout)
+
+    def _on_vote(self, m: VoteReq, now: int, out: list) -> None:
+        up_to_date = self._up_to_date(m.last_epoch, m.last_lsn)
+        heard_recently = self._heard_recently(now)
+        if m.pre:
+            granted = m.epoch > self.epoch and up_to_date and not heard_recently
+            out.append(Send(m.candidate, VoteResp(m.epoch, self.id, granted, True, self._since_contact(now),
+                                                  self._since_vote(now, m.candidate))))
+            return
+        granted = (m.epoch == self.epoch and self.voted_for in ("", m.candidate) and up_to_date
+                   and self.role != PRIMARY)
+        since_vote = self._since_vote(now, m.candidate)
+        if granted:
+            self.voted_for = m.candidate
+            self.vote_granted_to, self.vote_granted_at = m.candidate, now
+            out.append(Persist(self.epoch, self.voted_for))  # fsync'd before the answer leaves
+            self._reset_election_timer(now)
+        out.append(Send(m.candidate, VoteResp(self.epoch, self.id, granted, False, self._since_contact(now),
+                                              since_vote)))
+
+    def _on_vote_resp(self, m: VoteResp, now: int, out: list) -> None:
+        if m.pre:
+            if self.role != PRIMARY and m.granted and m.epoch == self.epoch + 1:
+                self.pre_votes[m.sender] = m.since_contact_us
+                if len(self.pre_votes) >= self.quorum:
+                    self.pre_votes = {}
+                    out += self._campaign(now, pre=False)
+            return
+        if self.role != CANDIDATE or m.epoch != self.epoch or not m.granted:
+            return
+        # a planned switchover's old primary stopped leasing before it sent
+        # TimeoutNow, so only other candidates' possible leases count then
+        self.votes[m.sender] = m.since_vote_us if self.transfer_campaign else min(m.since_contact_us,
+                                                                                   m.since_vote_us)
+        self._check_won(now, out)
+
+    def _check_won(self, now: int, out: list) -> None:
+        if self.role != CANDIDATE or len(self.votes) < self.quorum:
+            return
+        self.role = PRIMARY
+        self.primary = self.id
+        self.transfer_to = None
+        # No older primary can still be leasing once the freshest contact any
+        # voter had with one is a failover timeout old.
+        self.lease_ok_at = now + max(0, self.timeout - min(self.votes.values()))
+        for p in self.peers:
+            self.next[p] = self.log.last_lsn + 1
+            self.match[p] = 0
+            self.inflight[p] = 0
+            # a vote for our epoch is contact: that voter no longer follows anyone older
+            self.acked_sent[p] = self.campaign_at if p in self.votes else -1 << 62
+            self.last_sent[p] = -1 << 62
+        out.append(Role(PRIMARY, self.epoch, self.id))
+        for p in self.peers:
+            self._send_append(p, now, out, heartbeat=True)

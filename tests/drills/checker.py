@@ -1,0 +1,483 @@
+"""Reads a whole drill history (see ``history.py``) and counts anomalies, Jepsen-style.
+
+``check(events)`` returns a report dict; ``format_table(report)`` renders it;
+``python -m tests.drills.checker history.jsonl [--json] [--slack S]`` prints the table and
+exits 1 when a required zero is not zero (or node states disagree / integrity failed).
+
+Every judgement is made so that an indeterminate outcome can only hide an anomaly,
+never invent one: a call whose outcome is unknown is assumed to have taken effect when
+that excuses what followed (an unknown nack excuses a retry increment and ends the
+lease), and lease-overlap needs a second receive that *completed* before the first
+lease's expiry. Cost: O(n log n) in the number of events (sorting and bisects).
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import math
+import sys
+from collections import defaultdict
+from typing import Any, Iterable
+
+try:  # run as ``python -m tests.drills.checker`` or imported as ``drills.checker``
+    from .history import History
+except ImportError:  # pragma: no cover - executed as a plain script
+    from history import History  # type: ignore
+
+# Error kinds that prove a call had no effect. Any other kind on a ``fail``
+# (operation_unconfirmed, internal, a transport error, none) leaves the outcome unknown.
+DEFINITE_FAILURE_KINDS = frozenset({
+    "unavailable", "invalid_argument", "unauthenticated", "forbidden", "queue_not_found",
+    "not_found", "method_not_allowed", "stale_lease", "message_too_large",
+})
+# Nemeses after which clients may be unable to write until the cluster recovers.
+DISRUPTIVE_NEMESES = frozenset({"kill", "stop", "partition", "power_loss"})
+DUPLICATE_CAUSES = ("nack", "lease_expired", "primary_changed", "unknown_ack", "other")
+REQUIRED_ZEROS = ("lost", "unexpected", "acked_then_redelivered", "overlapping_leases",
+                  "failover_retry_increments", "double_primaries")
+# Expiry stamps come from the server's wall clock converted to the monotonic clock; the
+# two clock reads of the conversion differ by microseconds. Overlap must exceed this.
+DEFAULT_SLACK_S = 0.001
+DETAILS_MAX = 50  # examples kept per anomaly list (counts are always exact)
+
+INF = float("inf")
+
+
+class _Op:
+    __slots__ = ("f", "process", "inv_t", "inv", "type", "done_t", "res")
+
+    def __init__(self, f: str, process: Any, inv_t: float, inv: dict):
+        self.f, self.process, self.inv_t, self.inv = f, process, inv_t, inv
+        self.type: str | None = None  # None: never completed
+        self.done_t = INF
+        self.res: dict = {}
+
+    @property
+    def outcome(self) -> str:
+        """"ok", "fail" (definitely no effect) or "unknown"."""
+        if self.type == "ok":
+            return "ok"
+        if self.type == "fail" and self.res.get("error") in DEFINITE_FAILURE_KINDS:
+            return "fail"
+        return "unknown"
+
+
+class _Delivery:
+    __slots__ = ("id", "token", "epoch", "retry", "expires_at", "inv_t", "ok_t", "queue",
+                 "body", "drain", "process")
+
+    def __init__(self, op: _Op):
+        r = op.res
+        self.id = r.get("id")
+        self.token = r.get("token")
+        self.epoch = r.get("epoch")
+        self.retry = r.get("retry")
+        self.expires_at = r.get("expires_at")
+        self.queue = r.get("queue", op.inv.get("queue"))
+        self.body = r.get("body")
+        self.drain = bool(r.get("drain") or op.inv.get("drain"))
+        self.inv_t, self.ok_t, self.process = op.inv_t, op.done_t, op.process
+
+    def brief(self) -> dict:
+        return {"id": self.id, "epoch": self.epoch, "retry": self.retry, "received_at": self.ok_t,
+                "expires_at": self.expires_at, "queue": self.queue, "process": self.process}
+
+
+class _Intervals:
+    """Count intervals [start, end] that intersect (lo, hi): start < hi and end > lo.
+
+    Every interval with end <= lo also has start < hi (start <= end <= lo < hi), so the
+    count is #(start < hi) - #(end <= lo): two bisects."""
+
+    def __init__(self, pairs: Iterable[tuple[float, float]]):
+        pairs = list(pairs)
+        self.starts = sorted(p[0] for p in pairs)
+        self.ends = sorted(p[1] for p in pairs)
+
+    def count(self, lo: float, hi: float) -> int:
+        if hi <= lo:
+            return 0
+        return bisect.bisect_left(self.starts, hi) - bisect.bisect_right(self.ends, lo)
+
+
+def _percentile(sorted_values: list[float], p: float) -> float | None:
+    """Nearest-rank percentile (p in percent) of an ascending list."""
+    if not sorted_values:
+        return None
+    k = math.ceil(p / 100.0 * len(sorted_values)) - 1
+    return sorted_values[max(0, min(len(sorted_values) - 1, k))]
+
+
+def _keep(lst: list, item: Any) -> None:
+    if len(lst) < DETAILS_MAX:
+        lst.append(item)
+
+
+def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
+    """Analyse a whole history (a ``History`` or an iterable of event dicts)."""
+    events = getattr(events, "events", events)  # a History (whichever import path) or a list
+    timed, finals = [], []
+    for ev in events:
+        if ev.get("type") == "final":
+            finals.append(ev)
+        elif "t" in ev:
+            timed.append(ev)
+    timed.sort(key=lambda e: e["t"])  # stable; already sorted when recorded by History
+
+    # -- pass 1: pair invokes with completions -------------------------------------------
+    ops: dict[tuple, _Op] = {}
+    order: list[_Op] = []
+    nemeses: list[dict] = []
+    roles: list[dict] = []
+    orphan_completions = 0
+    for ev in timed:
+        typ = ev.get("type")
+        if typ == "invoke":
+            op = _Op(ev.get("f"), ev.get("process"), ev["t"], ev)
+            ops[(ev.get("process"), ev.get("op"))] = op
+            order.append(op)
+        elif typ in ("ok", "fail", "unknown"):
+            op = ops.get((ev.get("process"), ev.get("op")))
+            if op is None or op.type is not None:
+                orphan_completions += 1
+                continue
+            op.type, op.done_t, op.res = typ, ev["t"], ev
+        elif typ == "nemesis":
+            nemeses.append(ev)
+        elif typ == "role":
+            roles.append(ev)
+
+    # -- pass 2: index by function ----------------------------------------------------------
+    sends: list[_Op] = []
+    deliveries: list[_Delivery] = []
+    unknown_receives: dict[Any, list[tuple[float, float]]] = defaultdict(list)
+    settles: dict[Any, list[_Op]] = defaultdict(list)  # lease token -> ack/nack/renew ops
+    empty_receives = 0
+    for op in order:
+        if op.f == "send":
+            sends.append(op)
+        elif op.f == "receive":
+            oc = op.outcome
+            if oc == "ok":
+                if op.res.get("empty") or op.res.get("id") is None:
+                    empty_receives += 1
+                else:
+                    deliveries.append(_Delivery(op))
+            elif oc == "unknown":  # may have created a lease nobody saw
+                unknown_receives[op.inv.get("queue")].append((op.inv_t, op.done_t))
+        elif op.f in ("ack", "nack", "renew"):
+            settles[op.inv.get("token")].append(op)
+    deliveries.sort(key=lambda d: d.ok_t)
+    by_token = {d.token: d for d in deliveries if d.token is not None}
+    hidden_index = {q: _Intervals(v) for q, v in unknown_receives.items()}
+
+    def hidden_leases(queues: set, lo: float, hi: float) -> int:
+        """Receives of unknown outcome that may have leased the message in (lo, hi)."""
+        qs = set(queues) | {None}
+        return sum(hidden_index[q].count(lo, hi) for q in qs if q in hidden_index)
+
+    # -- sends ---------------------------------------------------------------------------------
+    final: dict = {}
+    for fe in finals:
+        for k, v in fe.items():
+            if isinstance(v, dict) and isinstance(final.get(k), dict):
+                final[k] = {**final[k], **v}
+            elif isinstance(v, list) and isinstance(final.get(k), list):
+                final[k] = final[k] + v
+            else:
+                final[k] = v
+    expired_ids = set(final.get("expired_ids") or ())
+    failed_queue_ids = set(final.get("failed_queue_ids") or ())
+
+    delivered_ids = {d.id for d in deliveries}
+    delivered_bodies = {d.body for d in deliveries if d.body is not None}
+    body_outcomes: dict[Any, set] = defaultdict(set)
+    body_first_send: dict[Any, float] = {}
+    body_send_queue: dict[Any, Any] = {}
+    body_of_id: dict[Any, Any] = {}
+    confirmed = 0
+    lost_ids: list = []
+    unknown_sends = unknown_sends_appeared = 0
+    send_oks: list[tuple[float, float]] = []  # (invoke t, ok t)
+    for op in sends:
+        body = op.inv.get("body")
+        oc = op.outcome
+        body_outcomes[body].add(oc)
+        body_first_send.setdefault(body, op.inv_t)
+        body_send_queue.setdefault(body, op.inv.get("queue"))
+        if oc == "ok":
+            send_oks.append((op.inv_t, op.done_t))
+            if not op.res.get("duplicate"):
+                confirmed += 1
+                mid = op.res.get("id")
+                body_of_id[mid] = body
+                if mid not in delivered_ids and mid not in failed_queue_ids and mid not in expired_ids:
+                    lost_ids.append(mid)
+        elif oc == "unknown":
+            unknown_sends += 1
+            if body in delivered_bodies:
+                unknown_sends_appeared += 1
+
+    unexpected = 0
+    unexpected_details: list = []
+    body_mismatches = 0
+    body_mismatch_details: list = []
+    for d in deliveries:
+        if d.body is None:
+            continue
+        outcomes = body_outcomes.get(d.body)
+        if not outcomes:
+            unexpected += 1
+            _keep(unexpected_details, {**d.brief(), "body": d.body, "why": "never_sent"})
+        elif outcomes == {"fail"}:
+            unexpected += 1
+            _keep(unexpected_details, {**d.brief(), "body": d.body, "why": "send_failed"})
+        if d.id in body_of_id and body_of_id[d.id] != d.body:
+            body_mismatches += 1
+            _keep(body_mismatch_details, {**d.brief(), "body": d.body, "sent_body": body_of_id[d.id]})
+
+    # -- acks: acked then redelivered -----------------------------------------------------------
+    first_ack_ok: dict[Any, float] = {}
+    for token, lst in settles.items():
+        for op in lst:
+            if op.f == "ack" and op.outcome == "ok":
+                mid = op.inv.get("id")
+                if mid is None and token in by_token:
+                    mid = by_token[token].id
+                if op.done_t < first_ack_ok.get(mid, INF):
+                    first_ack_ok[mid] = op.done_t
+    acked_then_redelivered = 0
+    atr_details: list = []
+    for d in deliveries:
+        t_ack = first_ack_ok.get(d.id)
+        if t_ack is not None and d.inv_t > t_ack:
+            acked_then_redelivered += 1
+            _keep(atr_details, {**d.brief(), "acked_at": t_ack})
+
+    # -- per-id delivery chains -------------------------------------------------------------------
+    chains: dict[Any, list[_Delivery]] = defaultdict(list)
+    for d in deliveries:
+        chains[d.id].append(d)
+    causes = {c: 0 for c in DUPLICATE_CAUSES}
+    dup_details: list = []
+    overlapping = 0
+    overlap_details: list = []
+    retry_incr = 0
+    retry_details: list = []
+    ids_delivered_more_than_once = 0
+    for mid, chain in chains.items():
+        first = chain[0]
+        # First delivery: retry count starts at 0; only a lease nobody saw may have raised it.
+        body = first.body if first.body is not None else body_of_id.get(mid)
+        sent_t = body_first_send.get(body)
+        if sent_t is not None and isinstance(first.retry, int):
+            allowed = hidden_leases({first.queue, body_send_queue.get(body)}, sent_t, first.ok_t)
+            if first.retry > allowed:
+                retry_incr += 1
+                _keep(retry_details, {**first.brief(), "previous": None, "allowed": allowed})
+        if len(chain) > 1:
+            ids_delivered_more_than_once += 1
+        for prev, d in zip(chain, chain[1:]):
+            nack_possible = ack_possible = ack_ok = ack_unknown = False
+            expiry = prev.expires_at
+            for op in settles.get(prev.token, ()):
+                oc = op.outcome
+                if op.f == "nack":
+                    if oc != "fail" and op.inv_t < d.ok_t:
+                        nack_possible = True
+                elif op.f == "ack":
+                    if oc == "ok":
+                        ack_ok = True
+                    elif oc == "unknown":
+                        ack_unknown = True
+                    if oc != "fail" and op.inv_t < d.ok_t:
+                        ack_possible = True
+                elif op.f == "renew" and oc == "ok" and op.inv_t < d.ok_t:
+                    new = op.res.get("expires_at")
+                    if new is not None and (expiry is None or new > expiry):
+                        expiry = new
+            expired = expiry is not None and expiry < d.ok_t  # may have expired before the grant
+            higher_epoch = (d.epoch is not None and prev.epoch is not None and d.epoch > prev.epoch)
+
+            if nack_possible:
+                cause = "nack"
+            elif expired and not ack_ok:
+                cause = "lease_expired"
+            elif higher_epoch:
+                cause = "primary_changed"
+            elif ack_unknown:
+                cause = "unknown_ack"
+            else:
+                cause = "other"
+            causes[cause] += 1
+            _keep(dup_details, {**d.brief(), "cause": cause, "previous": prev.brief()})
+
+            # Overlap: same epoch, granted (received) before the previous lease's expiry, and
+            # no ack/nack of the previous lease that could have settled it first.
+            if (d.epoch is not None and d.epoch == prev.epoch and expiry is not None
+                    and d.ok_t < expiry - slack_s and not nack_possible and not ack_possible):
+                overlapping += 1
+                _keep(overlap_details, {**d.brief(), "previous": prev.brief(),
+                                        "overlap_s": expiry - d.ok_t})
+
+            # Retry count: +1 at most per lease settled by its consumer (nack) or expiring;
+            # a primary change adds nothing. Leases of unknown receives may add one each.
+            if isinstance(d.retry, int) and isinstance(prev.retry, int):
+                allowed = (1 if (nack_possible or expired) else 0) + hidden_leases(
+                    {prev.queue, d.queue}, prev.inv_t, d.ok_t)
+                if d.retry > prev.retry + allowed:
+                    retry_incr += 1
+                    _keep(retry_details, {**d.brief(), "previous": prev.brief(), "allowed": allowed})
+
+    # -- roles ----------------------------------------------------------------------------------
+    primaries: dict[Any, set] = defaultdict(set)
+    for r in roles:
+        if r.get("role") == "primary":
+            primaries[r.get("epoch")].add(r.get("node"))
+    double = [{"epoch": e, "nodes": sorted(map(str, n))}
+              for e, n in sorted(primaries.items(), key=lambda kv: str(kv[0])) if len(n) > 1]
+
+    # -- failover unavailability ----------------------------------------------------------------
+    send_oks.sort()
+    inv_ts = [p[0] for p in send_oks]
+    suffix_min = [INF] * (len(send_oks) + 1)
+    for i in range(len(send_oks) - 1, -1, -1):
+        suffix_min[i] = min(send_oks[i][1], suffix_min[i + 1])
+    windows = []
+    for nm in nemeses:
+        if nm.get("f") not in DISRUPTIVE_NEMESES:
+            continue
+        # first send ok among sends invoked after the nemesis: a send already accepted
+        # before it and answered after says nothing about the cluster's availability.
+        nxt = suffix_min[bisect.bisect_left(inv_ts, nm["t"])]
+        windows.append({"t": nm["t"], "f": nm.get("f"), "node": nm.get("node"),
+                        "unavailable_s": None if nxt == INF else nxt - nm["t"]})
+    durations = sorted(w["unavailable_s"] for w in windows if w["unavailable_s"] is not None)
+
+    # -- final facts ------------------------------------------------------------------------------
+    node_states = final.get("node_states") or {}
+    integrity = final.get("integrity") or {}
+    nodes_agree = (len(set(map(json.dumps, node_states.values()))) <= 1) if node_states else None
+    integrity_ok = all(v == "ok" for v in integrity.values()) if integrity else None
+
+    report: dict = {
+        "events": len(timed) + len(finals),
+        "sends": len(sends),
+        "confirmed_sends": confirmed,
+        "deliveries": len(deliveries),
+        "drain_deliveries": sum(1 for d in deliveries if d.drain),
+        "empty_receives": empty_receives,
+        "unknown_receives": sum(len(v) for v in unknown_receives.values()),
+        "lost": len(lost_ids),
+        "lost_ids": lost_ids,
+        "unexpected": unexpected,
+        "unexpected_details": unexpected_details,
+        "unknown_sends": unknown_sends,
+        "unknown_sends_appeared": unknown_sends_appeared,
+        "ids_delivered_more_than_once": ids_delivered_more_than_once,
+        "duplicate_deliveries": causes,
+        "duplicate_details": dup_details,
+        "acked_then_redelivered": acked_then_redelivered,
+        "acked_then_redelivered_details": atr_details,
+        "overlapping_leases": overlapping,
+        "overlapping_leases_details": overlap_details,
+        "failover_retry_increments": retry_incr,
+        "failover_retry_increments_details": retry_details,
+        "double_primaries": len(double),
+        "double_primaries_details": double,
+        "body_mismatches": body_mismatches,
+        "body_mismatch_details": body_mismatch_details,
+        "failover_unavailability": {
+            "count": len(windows),
+            "never_recovered": sum(1 for w in windows if w["unavailable_s"] is None),
+            "p50_s": _percentile(durations, 50),
+            "p99_s": _percentile(durations, 99),
+            "max_s": durations[-1] if durations else None,
+            "windows": windows,
+        },
+        "nodes_agree": nodes_agree,
+        "node_states": node_states,
+        "integrity_ok": integrity_ok,
+        "integrity": integrity,
+        "orphan_completions": orphan_completions,
+    }
+    report["required_zeros_ok"] = (all(report[k] == 0 for k in REQUIRED_ZEROS)
+                                    and integrity_ok is not False)
+    return report
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return str(v)
+
+
+def format_table(report: dict) -> str:
+    rows: list[tuple[str, str, str]] = []
+
+    def row(name: str, value: Any, required: bool = False) -> None:
+        status = ""
+        if required:
+            status = "OK" if value in (0, True, None) else "FAIL"
+        rows.append((name, _fmt(value), status))
+
+    for k in ("events", "sends", "confirmed_sends", "deliveries", "drain_deliveries",
+              "empty_receives", "unknown_receives", "unknown_sends", "unknown_sends_appeared",
+              "ids_delivered_more_than_once"):
+        row(k, report[k])
+    for cause, n in report["duplicate_deliveries"].items():
+        row(f"duplicate_deliveries.{cause}", n)
+    for k in REQUIRED_ZEROS:
+        row(k, report[k], required=True)
+    row("nodes_agree", report["nodes_agree"], required=True)
+    row("integrity_ok", report["integrity_ok"], required=True)
+    row("body_mismatches", report["body_mismatches"])
+    fu = report["failover_unavailability"]
+    row("failover_unavailability.count", fu["count"])
+    row("failover_unavailability.never_recovered", fu["never_recovered"])
+    for k in ("p50_s", "p99_s", "max_s"):
+        row(f"failover_unavailability.{k}", fu[k])
+    row("orphan_completions", report["orphan_completions"])
+
+    w1 = max(len(r[0]) for r in rows)
+    w2 = max(len(r[1]) for r in rows)
+    lines = [f"{'metric'.ljust(w1)}  {'value'.rjust(w2)}  status", "-" * (w1 + w2 + 10)]
+    lines += [f"{a.ljust(w1)}  {b.rjust(w2)}  {c}".rstrip() for a, b, c in rows]
+    lines.append("")
+    lines.append("required zeros: " + ("OK" if report["required_zeros_ok"] else "FAIL"))
+    examples = [("lost", report["lost_ids"]),
+                ("unexpected", report["unexpected_details"]),
+                ("acked_then_redelivered", report["acked_then_redelivered_details"]),
+                ("overlapping_leases", report["overlapping_leases_details"]),
+                ("failover_retry_increments", report["failover_retry_increments_details"]),
+                ("double_primaries", report["double_primaries_details"]),
+                ("body_mismatches", report["body_mismatch_details"])]
+    for name, items in examples:
+        if items:
+            lines.append(f"{name} (first {min(len(items), 5)}):")
+            lines += [f"  {json.dumps(it, default=str)}" for it in items[:5]]
+    if report["nodes_agree"] is False:
+        lines.append(f"node_states: {json.dumps(report['node_states'], default=str)}")
+    if report["integrity_ok"] is False:
+        lines.append(f"integrity: {json.dumps(report['integrity'], default=str)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.drills.checker",
+                                 description="Check a Spooler drill history (JSON lines).")
+    ap.add_argument("history", help="history.jsonl written by History.to_jsonl")
+    ap.add_argument("--json", action="store_true", help="print the full report as JSON")
+    ap.add_argument("--slack", type=float, default=DEFAULT_SLACK_S,
+                    help="seconds a lease overlap must exceed to count (default %(default)s)")
+    args = ap.parse_args(argv)
+    report = check(History.from_jsonl(args.history), slack_s=args.slack)
+    print(json.dumps(report, indent=2, default=str) if args.json else format_table(report))
+    return 0 if report["required_zeros_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,439 @@
+"""The drill checker on small synthetic histories: every anomaly alone, counted exactly."""
+import json
+import time
+
+import pytest
+
+from drills.checker import check, format_table, main
+from drills.history import History, expires_at_monotonic
+
+LEASE_S = 10.0
+
+
+class Sim:
+    """Builds a history with explicit times: every call takes (invoke t, completion t)."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.h = History(clock=lambda: self.now)
+
+    def _call(self, f, t0, t1, outcome, inv, res, process="c1"):
+        self.now = t0
+        op = self.h.invoke(process, f, **inv)
+        if outcome is None:  # the process died: no completion
+            return op
+        self.now = t1
+        getattr(op, outcome)(**res)
+        return op
+
+    def send(self, t0, t1, body, mid=None, outcome="ok", duplicate=False, error=None, queue="q"):
+        res = {"id": mid, "duplicate": duplicate} if outcome == "ok" else {"error": error or "timeout"}
+        return self._call("send", t0, t1, outcome, {"queue": queue, "body": body}, res, "p1")
+
+    def recv(self, t0, t1, mid, body, token, retry=0, epoch=1, lease_s=LEASE_S, queue="q",
+             outcome="ok", **extra):
+        res = {"id": mid, "body": body, "token": token, "retry": retry, "epoch": epoch,
+               "expires_at": t1 + lease_s, "queue": queue, **extra} if outcome == "ok" else {"error": "timeout"}
+        return self._call("receive", t0, t1, outcome, {"queue": queue}, res)
+
+    def empty(self, t0, t1, queue="q"):
+        return self._call("receive", t0, t1, "ok", {"queue": queue}, {"empty": True})
+
+    def settle(self, f, t0, t1, mid, token, epoch=1, outcome="ok", **res):
+        return self._call(f, t0, t1, outcome, {"id": mid, "token": token, "epoch": epoch}, res)
+
+    def nemesis(self, t, f, node):
+        self.now = t
+        self.h.nemesis(f, node)
+
+    def role(self, t, node, epoch, role="primary"):
+        self.now = t
+        self.h.role(node, role, epoch)
+
+    def final(self, **facts):
+        facts.setdefault("node_states", {"n1": "d1", "n2": "d1", "n3": "d1"})
+        facts.setdefault("integrity", {"n1": "ok", "n2": "ok", "n3": "ok"})
+        facts.setdefault("expired_ids", [])
+        facts.setdefault("failed_queue_ids", [])
+        self.h.final(**facts)
+
+    def check(self):
+        return check(self.h)
+
+
+def delivered_once(s, t, mid, body, token, epoch=1):
+    """send -> receive -> ack, starting at t."""
+    s.send(t, t + 0.01, body, mid)
+    s.recv(t + 0.1, t + 0.11, mid, body, token, epoch=epoch)
+    s.settle("ack", t + 0.2, t + 0.21, mid, token, epoch=epoch)
+
+
+REQUIRED = ("lost", "unexpected", "acked_then_redelivered", "overlapping_leases",
+            "failover_retry_increments", "double_primaries")
+
+
+def assert_only(report, **expected):
+    """Every required zero is 0 except those named, which have exactly the given value."""
+    for k in REQUIRED:
+        assert report[k] == expected.get(k, 0), (k, report[k])
+
+
+def clean_sim():
+    s = Sim()
+    s.role(0.0, "n1", 1)
+    delivered_once(s, 1.0, "m1", "b1", "t1")
+    # m2: nacked, redelivered with retry 1, acked
+    s.send(2.0, 2.01, "b2", "m2")
+    s.recv(2.1, 2.11, "m2", "b2", "t2a")
+    s.settle("nack", 2.2, 2.21, "m2", "t2a")
+    s.recv(2.3, 2.31, "m2", "b2", "t2b", retry=1)
+    s.settle("ack", 2.4, 2.41, "m2", "t2b")
+    s.empty(2.5, 2.51)
+    # m3: leased in epoch 1, primary killed, redelivered in epoch 2 with the same retry count
+    s.send(3.0, 3.01, "b3", "m3")
+    s.recv(3.1, 3.11, "m3", "b3", "t3a")
+    s.nemesis(3.5, "kill", "n1")
+    s.send(3.6, 3.7, "b4", outcome="fail", error="unavailable")
+    s.role(5.0, "n2", 2)
+    s.recv(5.1, 5.11, "m3", "b3", "t3b", epoch=2)
+    s.settle("ack", 5.2, 5.21, "m3", "t3b", epoch=2)
+    s.settle("ack", 5.3, 5.31, "m3", "t3a", outcome="fail", error="stale_lease", reason="primary_changed")
+    delivered_once(s, 6.0, "m5", "b5", "t5", epoch=2)
+    s.nemesis(6.5, "restart", "n1")
+    s.final()
+    return s
+
+
+def test_clean_history_reports_all_zeros():
+    r = clean_sim().check()
+    assert_only(r)
+    assert r["required_zeros_ok"] is True
+    assert r["confirmed_sends"] == 4
+    assert r["deliveries"] == 6
+    assert r["empty_receives"] == 1
+    assert r["unknown_sends"] == 0
+    assert r["ids_delivered_more_than_once"] == 2
+    assert r["duplicate_deliveries"] == {"nack": 1, "lease_expired": 0, "primary_changed": 1,
+                                         "unknown_ack": 0, "other": 0}
+    assert r["nodes_agree"] is True and r["integrity_ok"] is True
+    fu = r["failover_unavailability"]
+    assert fu["count"] == 1 and fu["never_recovered"] == 0
+    assert fu["max_s"] == pytest.approx(6.01 - 3.5)
+    assert "required zeros: OK" in format_table(r)
+
+
+def test_lost_send_is_listed():
+    s = clean_sim()
+    s.send(7.0, 7.01, "b6", "m6")
+    r = s.check()
+    assert_only(r, lost=1)
+    assert r["lost_ids"] == ["m6"]
+    assert r["required_zeros_ok"] is False
+
+
+def test_expired_or_failure_queue_ids_are_not_lost():
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.send(1.1, 1.11, "b2", "m2")
+    s.send(1.2, 1.21, "b3", "m3")
+    # m3 exhausted its retries and was delivered from the failure queue
+    s.recv(2.0, 2.01, "m3", "b3", "t3", queue="q.failed", drain=True)
+    s.final(expired_ids=["m1"], failed_queue_ids=["m2"])
+    r = s.check()
+    assert_only(r)
+    assert r["confirmed_sends"] == 3 and r["drain_deliveries"] == 1
+
+
+def test_unexpected_body_never_sent():
+    s = clean_sim()
+    s.recv(7.0, 7.01, "mx", "never-sent", "tx", epoch=2)
+    r = s.check()
+    assert_only(r, unexpected=1)
+    assert r["unexpected_details"][0]["why"] == "never_sent"
+
+
+def test_send_failed_unavailable_but_delivered_is_unexpected():
+    s = clean_sim()  # b4 failed with "unavailable" in clean_sim
+    s.recv(7.0, 7.01, "m4", "b4", "t4", epoch=2)
+    r = s.check()
+    assert_only(r, unexpected=1)
+    assert r["unexpected_details"][0]["why"] == "send_failed"
+    assert r["unknown_sends"] == 0
+
+
+def test_unknown_send_that_appeared():
+    s = clean_sim()
+    s.send(7.0, 9.0, "b7", outcome="unknown", error="timeout")
+    s.send(7.1, 9.1, "b8", outcome="fail", error="operation_unconfirmed")  # failed-with-unknown
+    s.send(7.2, 9.2, "b9", outcome=None)  # the producer died: no completion
+    s.recv(10.0, 10.01, "m8", "b8", "t8", epoch=2)
+    s.settle("ack", 10.1, 10.11, "m8", "t8", epoch=2)
+    r = s.check()
+    assert_only(r)
+    assert r["unknown_sends"] == 3
+    assert r["unknown_sends_appeared"] == 1
+
+
+def test_acked_then_redelivered():
+    s = clean_sim()
+    s.recv(7.0, 7.01, "m1", "b1", "t1b")  # m1 was acked at 1.21
+    r = s.check()
+    assert_only(r, acked_then_redelivered=1)
+    assert r["acked_then_redelivered_details"][0]["id"] == "m1"
+
+
+def test_receive_concurrent_with_ack_is_not_acked_then_redelivered():
+    # Only the definite order counts: a receive invoked before the ack ok completed may
+    # have been granted before the ack took effect.
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.1, 1.11, "m1", "b1", "t1", epoch=1)
+    s.recv(2.0, 2.2, "m1", "b1", "t1b", epoch=2)
+    s.settle("ack", 2.05, 2.1, "m1", "t1", epoch=1)
+    r = s.check()
+    assert_only(r)
+    assert r["duplicate_deliveries"]["primary_changed"] == 1
+    s.recv(2.15, 2.3, "m1", "b1", "t1c", epoch=3)  # invoked after the ack completed
+    assert_only(s.check(), acked_then_redelivered=1)
+
+
+def test_overlapping_leases_in_one_epoch():
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.1, 1.11, "m1", "b1", "t1")  # lease until 11.11
+    s.recv(2.0, 2.01, "m1", "b1", "t1b")  # granted while t1 still valid
+    s.settle("ack", 2.1, 2.11, "m1", "t1b")
+    r = s.check()
+    assert_only(r, overlapping_leases=1)
+    assert r["duplicate_deliveries"]["other"] == 1
+    assert r["overlapping_leases_details"][0]["overlap_s"] == pytest.approx(9.1)
+
+
+def test_redelivery_after_lease_expiry_is_not_overlapping():
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.1, 1.11, "m1", "b1", "t1", lease_s=1.0)  # expires 2.11
+    s.recv(2.0, 2.2, "m1", "b1", "t1b", retry=1)  # long poll answered after the expiry
+    s.settle("ack", 2.3, 2.31, "m1", "t1b")
+    r = s.check()
+    assert_only(r)
+    assert r["duplicate_deliveries"]["lease_expired"] == 1
+
+
+def test_renewed_lease_overlap_is_detected():
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.1, 1.11, "m1", "b1", "t1", lease_s=1.0)  # expires 2.11
+    s.settle("renew", 1.5, 1.51, "m1", "t1", expires_at=2.51)
+    s.recv(2.2, 2.3, "m1", "b1", "t1b", retry=1)  # after the original expiry, before the renewed one
+    r = s.check()
+    assert r["overlapping_leases"] == 1
+    assert r["failover_retry_increments"] == 1  # the renewed lease had not expired: no +1 due
+
+
+def test_redelivery_in_higher_epoch_is_not_overlapping():
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.1, 1.11, "m1", "b1", "t1", epoch=1)
+    s.recv(2.0, 2.01, "m1", "b1", "t1b", epoch=2)
+    s.settle("ack", 2.1, 2.11, "m1", "t1b", epoch=2)
+    r = s.check()
+    assert_only(r)
+    assert r["duplicate_deliveries"]["primary_changed"] == 1
+
+
+def test_redelivery_after_concurrent_nack_is_not_overlapping():
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.1, 1.11, "m1", "b1", "t1")
+    s.recv(1.5, 2.05, "m1", "b1", "t1b", retry=1)  # long poll, answered right after the nack
+    s.settle("nack", 2.0, 2.1, "m1", "t1")  # completed after the second receive
+    r = s.check()
+    assert_only(r)
+    assert r["duplicate_deliveries"]["nack"] == 1
+
+
+def test_failover_retry_increment():
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.1, 1.11, "m1", "b1", "t1", epoch=1)
+    s.recv(2.0, 2.01, "m1", "b1", "t1b", retry=1, epoch=2)  # primary change must not add 1
+    r = s.check()
+    assert_only(r, failover_retry_increments=1)
+    assert r["failover_retry_increments_details"][0]["allowed"] == 0
+
+
+@pytest.mark.parametrize("nack_outcome", ["ok", "unknown"])
+def test_retry_increments_after_nack_and_expiry_are_legitimate(nack_outcome):
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.1, 1.11, "m1", "b1", "t1")
+    s.settle("nack", 1.2, 1.21, "m1", "t1", outcome=nack_outcome)
+    s.recv(1.3, 1.31, "m1", "b1", "t2", retry=1, lease_s=0.5)  # expires 1.81
+    s.recv(2.0, 2.01, "m1", "b1", "t3", retry=2, epoch=1)
+    s.recv(2.1, 2.11, "m1", "b1", "t4", retry=2, epoch=2)  # failover: same count
+    s.settle("ack", 2.2, 2.21, "m1", "t4", epoch=2)
+    r = s.check()
+    assert_only(r)
+    assert r["duplicate_deliveries"] == {"nack": 1, "lease_expired": 1, "primary_changed": 1,
+                                         "unknown_ack": 0, "other": 0}
+
+
+def test_two_increments_after_one_nack_is_counted():
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.1, 1.11, "m1", "b1", "t1")
+    s.settle("nack", 1.2, 1.21, "m1", "t1")
+    s.recv(1.3, 1.31, "m1", "b1", "t2", retry=2)
+    r = s.check()
+    assert_only(r, failover_retry_increments=1)
+
+
+def test_receive_of_unknown_outcome_excuses_one_increment():
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.1, 1.11, "m1", "b1", "t1")
+    s.settle("nack", 1.2, 1.21, "m1", "t1")
+    s.recv(1.3, 3.3, None, None, None, outcome="unknown")  # may have leased m1; that lease expired
+    s.recv(4.0, 4.01, "m1", "b1", "t2", retry=2)
+    assert_only(s.check())
+    s.recv(5.0, 5.01, "m1", "b1", "t3", retry=4, epoch=2)  # nothing excuses +2 here
+    r = s.check()
+    assert_only(r, failover_retry_increments=1)
+    assert r["unknown_receives"] == 1
+
+
+def test_first_delivery_with_nonzero_retry_is_counted():
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.1, 1.11, "m1", "b1", "t1", retry=1, epoch=2)
+    assert_only(s.check(), failover_retry_increments=1)
+
+
+def test_unknown_ack_cause():
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.1, 1.11, "m1", "b1", "t1", epoch=1)
+    s.settle("ack", 1.2, 3.2, "m1", "t1", outcome="unknown", error="timeout")
+    s.recv(2.0, 2.01, "m1", "b1", "t2", epoch=1)
+    r = s.check()
+    assert_only(r)  # the ack may have settled t1 before the second grant
+    assert r["duplicate_deliveries"]["unknown_ack"] == 1
+
+
+def test_double_primary():
+    s = clean_sim()
+    s.role(3.6, "n3", 1)  # n1 claimed epoch 1 at t=0
+    s.role(5.5, "n2", 2)  # the same node again is fine
+    r = s.check()
+    assert_only(r, double_primaries=1)
+    assert r["double_primaries_details"] == [{"epoch": 1, "nodes": ["n1", "n3"]}]
+
+
+def test_nodes_disagree_and_integrity():
+    s = Sim()
+    delivered_once(s, 1.0, "m1", "b1", "t1")
+    s.final(node_states={"n1": "a", "n2": "a", "n3": "b"})
+    r = s.check()
+    assert_only(r)
+    assert r["nodes_agree"] is False and r["integrity_ok"] is True
+    assert r["required_zeros_ok"] is False
+
+    s2 = Sim()
+    delivered_once(s2, 1.0, "m1", "b1", "t1")
+    s2.final(integrity={"n1": "ok", "n2": "corrupt"})
+    r2 = s2.check()
+    assert r2["nodes_agree"] is True and r2["integrity_ok"] is False
+    assert r2["required_zeros_ok"] is False
+
+
+def test_missing_final_facts_do_not_fail():
+    s = Sim()
+    delivered_once(s, 1.0, "m1", "b1", "t1")
+    r = s.check()
+    assert r["nodes_agree"] is None and r["integrity_ok"] is None
+    assert r["required_zeros_ok"] is True
+
+
+def test_failover_unavailability_percentiles():
+    s = Sim()
+    t = 0.0
+    for i, gap in enumerate([0.5, 1.0, 2.0, 4.0]):
+        t += 10.0
+        s.nemesis(t, ["kill", "stop", "partition", "power_loss"][i], "n1")
+        s.send(t - 0.1, t + 0.5, f"in-flight-{i}", f"x{i}")  # invoked before the nemesis: ignored
+        s.send(t + 0.1, t + gap, f"b{i}", f"m{i}")
+        s.recv(t + 5, t + 5.01, f"m{i}", f"b{i}", f"t{i}")
+        s.recv(t + 5.1, t + 5.11, f"x{i}", f"in-flight-{i}", f"tx{i}")
+    s.nemesis(t + 6.0, "heal", None)
+    s.nemesis(t + 7.0, "kill", "n2")  # nothing written after it
+    fu = s.check()["failover_unavailability"]
+    assert fu["count"] == 5 and fu["never_recovered"] == 1
+    assert fu["p50_s"] == pytest.approx(1.0)
+    assert fu["p99_s"] == pytest.approx(4.0)
+    assert fu["max_s"] == pytest.approx(4.0)
+
+
+def test_jsonl_round_trip(tmp_path):
+    s = clean_sim()
+    path = tmp_path / "h.jsonl"
+    s.h.to_jsonl(str(path))
+    back = History.from_jsonl(str(path))
+    assert back.events == s.h.events
+    assert check(back) == s.check()
+    # op ids keep increasing after a reload
+    op = back.invoke("c9", "send", queue="q", body="new")
+    assert op.op > max(e.get("op", 0) for e in s.h.events)
+
+
+def test_main_exit_codes(tmp_path, capsys):
+    good = tmp_path / "good.jsonl"
+    clean_sim().h.to_jsonl(str(good))
+    assert main([str(good)]) == 0
+    assert "required zeros: OK" in capsys.readouterr().out
+
+    s = clean_sim()
+    s.send(7.0, 7.01, "b6", "m6")
+    bad = tmp_path / "bad.jsonl"
+    s.h.to_jsonl(str(bad))
+    assert main([str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "required zeros: FAIL" in out and "m6" in out
+    assert main(["--json", str(bad)]) == 1
+    assert json.loads(capsys.readouterr().out)["lost_ids"] == ["m6"]
+
+
+def test_op_handle_completes_once_and_records_unknown_on_exception():
+    h = History()
+    op = h.invoke("c1", "send", queue="q", body="b")
+    op.ok(id="m", duplicate=False)
+    with pytest.raises(RuntimeError):
+        op.fail(error="unavailable")
+    with pytest.raises(ValueError):
+        with h.invoke("c1", "ack", id="m", token="t", epoch=1):
+            raise ValueError("boom")
+    types = [e["type"] for e in h.events]
+    assert types == ["invoke", "ok", "invoke", "unknown"]
+    assert all(a["t"] <= b["t"] for a, b in zip(h.events, h.events[1:]))
+
+
+def test_expires_at_conversion():
+    now_wall = time.time()
+    iso = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now_wall + 30)) + ".000000Z"
+    got = expires_at_monotonic(iso)
+    assert abs(got - (time.monotonic() + 30)) < 1.5
+
+
+def test_large_history_is_fast():
+    s = Sim()
+    n = 5000
+    for i in range(n):
+        t = float(i)
+        s.send(t, t + 0.01, f"b{i}", f"m{i}")
+        s.recv(t + 0.1, t + 0.11, f"m{i}", f"b{i}", f"t{i}")
+        s.settle("ack", t + 0.2, t + 0.21, f"m{i}", f"t{i}")
+    start = time.perf_counter()
+    r = s.check()
+    elapsed = time.perf_counter() - start
+    assert r["confirmed_sends"] == n and r["required_zeros_ok"]
+    assert elapsed < 1.0, elapsed

@@ -1,0 +1,328 @@
+"""Deterministic simulation of the replication/election core.
+
+One seed fixes everything: message delays, drops, duplicates, reordering,
+partitions (one-way too), crashes and restarts, client writes. Time is
+simulated. Each node is the real ``node.core.replication.Replication`` plus a
+simulated disk that holds exactly what the effects made durable; a crash drops
+the volatile state and any effects not yet carried out.
+
+Invariants checked after every step:
+  * one primary per epoch;
+  * no two nodes may lease at the same instant;
+  * every commit agrees with every earlier commit at the same lsn (committed
+    records are never lost or changed), and a node that becomes primary holds
+    every record committed before;
+and at the end (network healed, everyone up): the logs of caught-up nodes are
+identical and every acknowledged write is in them.
+
+Replay a failure: ``python -m tests.sim.sim SEED [nodes]`` prints the trace.
+"""
+from __future__ import annotations
+
+import heapq
+import random
+import sys
+import zlib
+from dataclasses import dataclass, field
+
+from node.core import replication as R
+
+MS = 1000
+
+
+@dataclass
+class Disk:
+    epoch: int = 0
+    voted_for: str = ""
+    log: list = field(default_factory=list)  # [(epoch, crc, payload)], lsn = index + 1
+
+
+class SimNode:
+    def __init__(self, sim, nid):
+        self.sim = sim
+        self.id = nid
+        self.disk = Disk()
+        self.up = True
+        self.core = None
+        self.pending = []  # (lsn, epoch, crc) written as primary, not yet known committed
+
+    def boot(self):
+        sim = self.sim
+        c = R.Replication(self.id, sim.members, failover_timeout_us=sim.timeout, rand=sim.rng.random,
+                          frame_entries_max=sim.rng.choice([1, 3, 64]), frames_in_flight_max=sim.rng.choice([1, 4]))
+        c.epoch, c.voted_for = self.disk.epoch, self.disk.voted_for
+        c.log.entries = [(e, crc) for e, crc, _ in self.disk.log]
+        self.core = c
+        self.run(c.start(sim.now))
+
+    def crc_at(self, lsn):
+        return self.disk.log[lsn - 1][1] if lsn >= 1 else 0
+
+    def run(self, effects):
+        """Carry out effects in order; a crash mid-way drops the rest."""
+        sim = self.sim
+        for i, eff in enumerate(effects):
+            if not self.up:
+                return
+            if sim.rng.random() < sim.p_crash_mid_effects:
+                sim.trace(f"{self.id} crashes before effect {i}/{len(effects)}")
+                sim.crash(self.id)
+                return
+            if isinstance(eff, R.Persist):
+                self.disk.epoch, self.disk.voted_for = eff.epoch, eff.voted_for
+            elif isinstance(eff, R.Truncate):
+                assert eff.after_lsn >= self.committed_here(), (self.id, "truncating committed records")
+                del self.disk.log[eff.after_lsn:]
+            elif isinstance(eff, R.Store):
+                for lsn, ep, crc in eff.req.entries:
+                    assert lsn == len(self.disk.log) + 1, (self.id, lsn, len(self.disk.log))
+                    self.disk.log.append((ep, crc, sim.payloads[(lsn, ep, crc)]))
+                self.run(self.core.stored(eff.req, sim.now))
+            elif isinstance(eff, R.Send):
+                sim.send(self.id, eff.to, eff.msg)
+            elif isinstance(eff, R.Commit):
+                sim.on_commit(self, eff.lsn)
+            elif isinstance(eff, R.Role):
+                sim.on_role(self, eff)
+
+    def committed_here(self):
+        return self.core.commit_lsn if self.core else 0
+
+
+class Sim:
+    def __init__(self, seed: int, nodes: int = 3, steps: int = 400, verbose: bool = False):
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.members = [f"n{i + 1}" for i in range(nodes)]
+        self.timeout = 200 * MS
+        self.now = 0
+        self.steps = steps
+        self.verbose = verbose
+        self.log_lines: list = []
+        self.queue: list = []  # (deliver_at, seq, to, msg, frm)
+        self.seq = 0
+        self.blocked: set = set()  # (frm, to)
+        self.p_drop = self.rng.choice([0.0, 0.01, 0.05])
+        self.p_dup = self.rng.choice([0.0, 0.02])
+        self.p_crash_mid_effects = self.rng.choice([0.0, 0.002])
+        self.delay_ms = self.rng.choice([(1, 3), (1, 20), (5, 60)])
+        self.payloads: dict = {}
+        self.committed: dict = {}      # lsn -> (epoch, crc): the one committed history
+        self.acked: list = []          # (lsn, epoch, crc) of writes a primary answered
+        self.primaries: dict = {}      # epoch -> node id
+        self.writes = 0
+        self.pending_noops: list = []
+        self.nodes = {nid: None for nid in self.members}
+        for nid in self.members:
+            self.nodes[nid] = SimNode(self, nid)
+        for n in list(self.nodes.values()):
+            n.boot()
+
+    def trace(self, s):
+        line = f"[{self.now / 1000:9.1f}ms] {s}"
+        self.log_lines.append(line)
+        if self.verbose:
+            print(line)
+
+    # ---------------------------------------------------------- network
+    def send(self, frm, to, msg):
+        if (frm, to) in self.blocked or self.rng.random() < self.p_drop:
+            return
+        copies = 2 if self.rng.random() < self.p_dup else 1
+        for _ in range(copies):
+            lo, hi = self.delay_ms
+            at = self.now + self.rng.randint(lo, hi) * MS
+            self.seq += 1
+            heapq.heappush(self.queue, (at, self.seq, to, msg, frm))
+
+    # ------------------------------------------------------------ events
+    def on_role(self, node, eff):
+        self.trace(f"{node.id} -> {eff.role} epoch {eff.epoch}")
+        if eff.role != R.PRIMARY:
+            node.pending = []  # the engine answers these operation_unconfirmed: outcome unknown
+        if eff.role == R.PRIMARY:
+            prev = self.primaries.get(eff.epoch)
+            assert prev in (None, node.id), f"two primaries in epoch {eff.epoch}: {prev} and {node.id}"
+            self.primaries[eff.epoch] = node.id
+            self.pending_noops.append(node.id)  # like the engine: EpochBegin first
+            # leader completeness: the new primary holds every committed record
+            for lsn, (ep, crc) in self.committed.items():
+                have = node.disk.log[lsn - 1][:2] if lsn <= len(node.disk.log) else None
+                assert have == (ep, crc), f"new primary {node.id} lacks committed lsn {lsn}"
+
+    def on_commit(self, node, lsn):
+        for i in range(1, lsn + 1):
+            have = node.disk.log[i - 1][:2] if i <= len(node.disk.log) else None
+            assert have is not None, f"{node.id} commits lsn {i} it does not hold"
+            prior = self.committed.get(i)
+            assert prior is None or prior == have, f"lsn {i} committed as {prior} and as {have} on {node.id}"
+            self.committed[i] = have
+        if node.core.role == R.PRIMARY:
+            for (lsn_, ep, crc) in list(node.pending):
+                if lsn_ <= lsn:
+                    self.acked.append((lsn_, ep, crc))
+                    node.pending.remove((lsn_, ep, crc))
+
+    def crash(self, nid):
+        n = self.nodes[nid]
+        if not n.up:
+            return
+        n.up = False
+        n.core = None
+        n.pending = []
+        self.trace(f"{nid} CRASH")
+
+    def restart(self, nid):
+        n = self.nodes[nid]
+        if n.up:
+            return
+        n.up = True
+        self.trace(f"{nid} RESTART (epoch {n.disk.epoch}, log {len(n.disk.log)})")
+        n.boot()
+
+    def flush_noops(self):
+        while self.pending_noops:
+            n = self.nodes[self.pending_noops.pop(0)]
+            if n.up and n.core.role == R.PRIMARY:
+                self.write(n)
+
+    def client_write(self):
+        for n in self.nodes.values():
+            if n.up and n.core.serving(self.now):
+                self.write(n)
+                return
+
+    def write(self, n):
+        if True:
+            if True:
+                c = n.core
+                lsn, ep = c.log.last_lsn + 1, c.epoch
+                self.writes += 1
+                payload = f"w{self.writes}".encode()
+                crc = zlib.crc32(payload, n.crc_at(lsn - 1))
+                self.payloads[(lsn, ep, crc)] = payload
+                n.disk.log.append((ep, crc, payload))  # the group commit's fsync
+                n.pending.append((lsn, ep, crc))
+                n.run(c.appended([(lsn, ep, crc)], self.now))
+
+    def check_leases(self):
+        holders = [n.id for n in self.nodes.values() if n.up and n.core.may_lease(self.now)]
+        assert len(holders) <= 1, f"two nodes may lease at once: {holders}"
+
+    def nemesis(self):
+        r = self.rng.random()
+        ids = self.members
+        if r < 0.02:
+            self.crash(self.rng.choice(ids))
+        elif r < 0.06:
+            down = [i for i in ids if not self.nodes[i].up]
+            if down:
+                self.restart(self.rng.choice(down))
+        elif r < 0.08:
+            a, b = self.rng.sample(ids, 2)
+            self.blocked.add((a, b))
+            if self.rng.random() < 0.5:
+                self.blocked.add((b, a))
+            self.trace(f"partition {a}->{b}")
+        elif r < 0.11:
+            self.blocked.clear()
+            self.trace("heal")
+        elif r < 0.12:
+            # a primary's process dies: its peers' streams break at once
+            prim = [n for n in self.nodes.values() if n.up and n.core.role == R.PRIMARY]
+            if prim:
+                p = prim[0].id
+                self.crash(p)
+                for n in self.nodes.values():
+                    if n.up and n.core.primary == p:
+                        n.run(n.core.primary_stream_broken(self.now))
+        elif r < 0.13:
+            prim = [n for n in self.nodes.values() if n.up and n.core.role == R.PRIMARY]
+            if prim:
+                tgt = self.rng.choice([i for i in ids if i != prim[0].id])
+                self.trace(f"transfer {prim[0].id} -> {tgt}")
+                prim[0].run(prim[0].core.transfer(tgt, self.now))
+
+    def step(self):
+        # advance to the next message or tick
+        tick_at = self.now + self.rng.randint(1, 15) * MS
+        if self.queue and self.queue[0][0] <= tick_at:
+            at, _, to, msg, frm = heapq.heappop(self.queue)
+            self.now = max(self.now, at)
+            n = self.nodes[to]
+            if n.up:
+                n.run(n.core.receive(msg, self.now))
+            self.flush_noops()
+        else:
+            self.now = tick_at
+            for n in self.nodes.values():
+                if n.up:
+                    n.run(n.core.tick(self.now))
+            self.flush_noops()
+            if self.rng.random() < 0.5:
+                self.client_write()
+            self.nemesis()
+        self.check_leases()
+
+    def run(self):
+        for _ in range(self.steps):
+            self.step()
+        # heal, restart everyone, let it settle
+        self.blocked.clear()
+        self.p_drop = 0.0
+        self.p_crash_mid_effects = 0.0
+        for nid in self.members:
+            self.restart(nid)
+        for writes in (True, False):  # settle with writes, then let the last ones propagate
+            end = self.now + 20 * self.timeout
+            while self.now < end:
+                self.step_quiet(writes)
+        self.final_checks()
+
+    def step_quiet(self, writes: bool):
+        tick_at = self.now + 5 * MS
+        if self.queue and self.queue[0][0] <= tick_at:
+            at, _, to, msg, frm = heapq.heappop(self.queue)
+            self.now = max(self.now, at)
+            n = self.nodes[to]
+            n.run(n.core.receive(msg, self.now))
+            self.flush_noops()
+        else:
+            self.now = tick_at
+            for n in self.nodes.values():
+                n.run(n.core.tick(self.now))
+            self.flush_noops()
+            if writes and self.rng.random() < 0.05:
+                self.client_write()
+        self.check_leases()
+
+    def final_checks(self):
+        prim = [n for n in self.nodes.values() if n.core.role == R.PRIMARY]
+        assert len(prim) == 1, f"no single primary after healing: {[n.id for n in prim]}"
+        p = prim[0]
+        logs = {n.id: [x[:2] for x in n.disk.log] for n in self.nodes.values()}
+        commits = {n.id: n.core.commit_lsn for n in self.nodes.values()}
+        top = p.core.commit_lsn
+        for nid, lg in logs.items():
+            assert commits[nid] == top, f"{nid} commit {commits[nid]} != primary's {top}"
+            assert lg[:top] == logs[p.id][:top], f"{nid}'s log differs from the primary's"
+        for lsn, ep, crc in self.acked:
+            assert lsn <= top and logs[p.id][lsn - 1] == (ep, crc), f"acknowledged write lsn {lsn} lost"
+
+
+def run_seed(seed: int, nodes: int = 3, steps: int = 400, verbose: bool = False) -> Sim:
+    sim = Sim(seed, nodes, steps, verbose)
+    try:
+        sim.run()
+    except AssertionError as e:
+        tail = "\n".join(sim.log_lines[-40:])
+        raise AssertionError(f"seed {seed} ({nodes} nodes) failed: {e}\n"
+                             f"replay: python -m tests.sim.sim {seed} {nodes}\nlast events:\n{tail}") from None
+    return sim
+
+
+if __name__ == "__main__":
+    seed = int(sys.argv[1])
+    nodes = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    s = run_seed(seed, nodes, verbose=True)
+    print(f"ok: {len(s.committed)} committed, {len(s.acked)} acknowledged, epochs {sorted(s.primaries)}")
