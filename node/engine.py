@@ -165,12 +165,14 @@ class Engine:
         return self.core.epoch
 
     # ------------------------------------------------------------- writes
-    def propose(self, rec) -> asyncio.Future:
+    def propose(self, rec, internal: bool = False) -> asyncio.Future:
         """Queue a record for the next group commit; the future resolves to the
-        core's apply result once the record is durable (and applied)."""
+        core's apply result once the record is durable (and applied).
+        ``internal``: the node's own records (expiries, drops) are never refused
+        for back-pressure (they are bounded by the leases and messages that exist)."""
         if self.failed is not None:
             raise errors.Unavailable("node stopped after a storage failure", retry_after_s=1.0)
-        if len(self._pending) >= self.limits.pending_records_max:
+        if not internal and len(self._pending) >= self.limits.pending_records_max:
             raise errors.Unavailable("write queue full", retry_after_s=0.5)
         fut = asyncio.get_running_loop().create_future()
         self._pending.append((rec, fut))
@@ -276,9 +278,9 @@ class Engine:
                 for queue, mid in due:
                     rec.settle.entries.add(kind=log_pb2.EXPIRE, queue=queue, id=mid)
                 try:
-                    self.propose(rec)
+                    self.propose(rec, internal=True)
                 except errors.SpoolerError:
-                    pass  # the node is stopping; leases die with it
+                    self.core.abort_expiries(due)  # not serving now; try again on a later tick
             # delayed messages whose time came: wake long polls on their queue
             now = self.clock_us()
             for name, ev in list(self._events.items()):
@@ -292,9 +294,9 @@ class Engine:
             await asyncio.sleep(tick_s)
             for queue, ids in self.core.due_drops(self.clock_us()):
                 try:
-                    self.propose(log_pb2.Record(drop=log_pb2.Drop(queue=queue, ids=ids)))
+                    self.propose(log_pb2.Record(drop=log_pb2.Drop(queue=queue, ids=ids)), internal=True)
                 except errors.SpoolerError:
-                    return
+                    self.core.requeue_drops(queue, ids)  # not serving now; try again later
 
     async def _checkpoint_loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -28,6 +28,12 @@ from spooler.pb import api_pb2, api_pb2_grpc
 log = logging.getLogger("spooler.aio")
 
 
+def _fail_all(batch: list, e: BaseException) -> None:
+    for _, fut in batch:
+        if not fut.done():
+            fut.set_exception(e)
+
+
 class AsyncClient:
     def __init__(self, target: str = "127.0.0.1:50051", key: str = "", *, timeout_s: float = 30.0,
                  batch_max: int = 100, batches_in_flight_max: int = 4, retry_attempts: int = 5):
@@ -90,7 +96,22 @@ class AsyncClient:
                 asyncio.ensure_future(self._flush())
             return fut
 
-        return await call_with_retries(enqueue, self.retry_attempts, send_with_key=bool(dedup_key))
+        try:
+            return await enqueue()
+        except errors.OperationUnconfirmed:
+            # a resend is harmless only with a key on a queue that deduplicates
+            if not dedup_key or self.retry_attempts <= 1 or not await self._dedups(queue):
+                raise
+        except errors.Unavailable:
+            if self.retry_attempts <= 1:
+                raise
+        return await call_with_retries(enqueue, self.retry_attempts - 1, send_with_key=True)
+
+    async def _dedups(self, queue: str) -> bool:
+        try:
+            return (await self.get_queue(queue))["settings"]["dedupWindowSeconds"] > 0
+        except errors.SpoolerError:
+            return False
 
     async def _flush(self) -> None:
         try:
@@ -108,16 +129,22 @@ class AsyncClient:
                                  write=True)
         except errors.SpoolerError as e:
             if len(batch) > 1 and is_batch_entry_error(e):
-                # one bad entry fails the whole batch: send each alone so only it fails
+                # refused before anything was stored: one bad entry fails the whole
+                # batch, so send each alone and only it fails
                 for one in batch:
                     await self._send_batch_now([one])
                 return
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(e)
+            _fail_all(batch, e)
             return
+        except BaseException as e:  # never leave a caller waiting (closed channel, cancellation)
+            _fail_all(batch, e if isinstance(e, Exception) else errors.Unavailable("send was cancelled"))
+            raise
         for (_, fut), res in zip(batch, r.results):
-            if not fut.done():
+            if fut.done():
+                continue
+            if res.HasField("error"):
+                fut.set_exception(errors.from_detail(res.error))
+            else:
                 fut.set_result(SendResult(res.id, res.duplicate))
 
     async def send_batch(self, queue: str, bodies: list, *, delay_s: float = 0.0) -> list:
@@ -135,18 +162,19 @@ class AsyncClient:
         return [message_of(d) for d in r.messages]
 
     async def _settle(self, rpc, req) -> object:
-        first = True
+        maybe_landed = False  # an earlier attempt's outcome is unknown
 
         async def once():
-            nonlocal first
+            nonlocal maybe_landed
             try:
                 return await self._call(rpc, req, write=True)
             except errors.StaleLease as e:
-                if not first and e.reason == errors.StaleLease.SETTLED:
+                if maybe_landed and e.reason == errors.StaleLease.SETTLED:
                     return None  # our earlier attempt landed
                 raise
-            finally:
-                first = False
+            except errors.OperationUnconfirmed:
+                maybe_landed = True
+                raise
 
         return await call_with_retries(once, self.retry_attempts, settle=True)
 

@@ -26,6 +26,16 @@ from spooler.pb import api_pb2, api_pb2_grpc
 log = logging.getLogger("spooler.client")
 
 
+def _settle_futures(batch: list, result=None, error: Optional[BaseException] = None) -> None:
+    for _, fut in batch:
+        if fut.done() or not fut.set_running_or_notify_cancel():
+            continue  # the caller cancelled it
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+
 class Client:
     def __init__(self, target: str = "127.0.0.1:50051", key: str = "", *, timeout_s: float = 30.0,
                  batch_max: int = 100, batches_in_flight_max: int = 4, retry_attempts: int = 5):
@@ -82,8 +92,23 @@ class Client:
     def send(self, queue: str, body: bytes, *, delay_s: float = 0.0, dedup_key: str = "") -> SendResult:
         """Auto-batched send; blocks until durable. Retried only where safe."""
         req = api_pb2.SendRequest(queue=queue, body=body, delay_seconds=delay_s, dedup_key=dedup_key)
-        return call_with_retries_sync(lambda: self.send_async(req).result(), self.retry_attempts,
-                                      send_with_key=bool(dedup_key))
+        try:
+            return self.send_async(req).result()
+        except errors.OperationUnconfirmed:
+            # a resend is harmless only with a key on a queue that deduplicates
+            if not dedup_key or self.retry_attempts <= 1 or not self._dedups(queue):
+                raise
+        except errors.Unavailable:
+            if self.retry_attempts <= 1:
+                raise
+        return call_with_retries_sync(lambda: self.send_async(req).result(), self.retry_attempts - 1,
+                                      send_with_key=True)
+
+    def _dedups(self, queue: str) -> bool:
+        try:
+            return self.get_queue(queue)["settings"]["dedupWindowSeconds"] > 0
+        except errors.SpoolerError:
+            return False
 
     def send_async(self, req: api_pb2.SendRequest) -> Future:
         fut: Future = Future()
@@ -97,14 +122,22 @@ class Client:
         return fut
 
     def _flush(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._lock:
+                    if not self._pending:
+                        return
+                    batch = self._pending[:self.batch_max]
+                    del self._pending[:self.batch_max]
+                self._send_batch_now(batch)
+        finally:
             with self._lock:
-                if not self._pending:
-                    self._in_flight -= 1
-                    return
-                batch = self._pending[:self.batch_max]
-                del self._pending[:self.batch_max]
-            self._send_batch_now(batch)
+                self._in_flight -= 1
+                restart = bool(self._pending) and self._in_flight < self.batches_in_flight_max
+                if restart:
+                    self._in_flight += 1
+            if restart:  # sends that arrived while we were leaving
+                self._pool.submit(self._flush)
 
     def _send_batch_now(self, batch: list) -> None:
         self.send_rpcs += 1
@@ -112,20 +145,20 @@ class Client:
             r = self._call(self.stub.SendBatch, api_pb2.SendBatchRequest(entries=[b[0] for b in batch]), write=True)
         except errors.SpoolerError as e:
             if len(batch) > 1 and is_batch_entry_error(e):
+                # refused before anything was stored: send each alone so only the bad one fails
                 for one in batch:
                     self._send_batch_now([one])
                 return
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(e)
+            _settle_futures(batch, error=e)
             return
         except BaseException as e:  # never leave a caller waiting
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(e)
+            _settle_futures(batch, error=e)
             raise
         for (_, fut), res in zip(batch, r.results):
-            fut.set_result(SendResult(res.id, res.duplicate))
+            if res.HasField("error"):
+                _settle_futures([(None, fut)], error=errors.from_detail(res.error))
+            else:
+                _settle_futures([(None, fut)], result=SendResult(res.id, res.duplicate))
 
     def send_batch(self, queue: str, bodies: list, *, delay_s: float = 0.0) -> list:
         """One RPC, one log record: all stored or none."""
@@ -140,17 +173,18 @@ class Client:
         return [message_of(d) for d in self._call(rpc, req, write=False, timeout_s=self.timeout_s + wait_s).messages]
 
     def _settle(self, rpc, req):
-        state = {"first": True}
+        state = {"maybe_landed": False}  # an earlier attempt's outcome is unknown
 
         def once():
             try:
                 return self._call(rpc, req, write=True)
             except errors.StaleLease as e:
-                if not state["first"] and e.reason == errors.StaleLease.SETTLED:
+                if state["maybe_landed"] and e.reason == errors.StaleLease.SETTLED:
                     return None  # our earlier attempt landed
                 raise
-            finally:
-                state["first"] = False
+            except errors.OperationUnconfirmed:
+                state["maybe_landed"] = True
+                raise
 
         return call_with_retries_sync(once, self.retry_attempts, settle=True)
 

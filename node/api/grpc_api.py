@@ -110,13 +110,20 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
 
     @rpc
     async def Send(self, p, req, ctx):
-        [(mid, dup)] = await self.svc.send(p, [(req.queue, req.body, req.delay_seconds, req.dedup_key)])
+        [(mid, dup, err)] = await self.svc.send(p, [(req.queue, req.body, req.delay_seconds, req.dedup_key)])
+        if err is not None:
+            raise err
         return api_pb2.SendResponse(id=mid, duplicate=dup)
 
     @rpc
     async def SendBatch(self, p, req, ctx):
         res = await self.svc.send(p, [(e.queue, e.body, e.delay_seconds, e.dedup_key) for e in req.entries])
-        return api_pb2.SendBatchResponse(results=[api_pb2.SendResponse(id=i, duplicate=d) for i, d in res])
+        out = api_pb2.SendBatchResponse()
+        for mid, dup, err in res:
+            r = out.results.add(id=mid, duplicate=dup)
+            if err is not None:
+                r.error.CopyFrom(errors.to_detail(err))
+        return out
 
     @rpc
     async def Receive(self, p, req, ctx):

@@ -86,7 +86,9 @@ def build_app(svc: Service, metrics) -> web.Application:
         if key is not None and (not key or len(key) > lim.dedup_key_chars_max):
             raise errors.InvalidArgument(f"Spooler-Dedup-Key: 1..{lim.dedup_key_chars_max} characters")
         body = await request.read()
-        [(mid, dup)] = await svc.send(p, [(queue, body, delay, key or "")])
+        [(mid, dup, err)] = await svc.send(p, [(queue, body, delay, key or "")])
+        if err is not None:
+            raise err
         return _json({"id": mid, "duplicate": dup}, 200 if dup else 201)
 
     async def receive(request):

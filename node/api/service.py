@@ -187,6 +187,9 @@ class Service:
         self.check_name(name)
         self.authorize(p, "admin", name)
         st = self.settings_to_internal(name, settings)
+        if st.HasField("failure_queue"):
+            # exhausted messages will be written there, and redrive reads it back
+            self.authorize(p, "admin", st.failure_queue)
         if name not in self.core.queues and len(self.core.queues) >= self.limits.queues_max:
             raise errors.InvalidArgument(f"at most {self.limits.queues_max} queues")
         created = await self.engine.propose(log_pb2.Record(queue_put=log_pb2.QueuePut(name=name, settings=st)))
@@ -215,14 +218,17 @@ class Service:
     async def redrive(self, p: Principal, name: str) -> int:
         self.check_name_any(name)
         self.authorize(p, "admin", name)
-        self._queue(name)
+        q = self._queue(name)
+        self.authorize(p, "admin", q.failure_queue)  # redrive empties the failure queue
         return await self.engine.propose(log_pb2.Record(redrive=log_pb2.Redrive(queue=name)))
 
     # ------------------------------------------------------------ messages
     async def send(self, p: Principal, entries: list) -> list:
-        """entries: [(queue, body bytes, delay_s float, dedup_key str)] -> [(id, duplicate)].
+        """entries: [(queue, body bytes, delay_s float, dedup_key str)] -> [(id, duplicate, error)].
 
-        All entries are one log record: stored together or not at all.
+        All entries are one log record, validated before it is made. ``error`` is
+        None, or the SpoolerError of an entry that apply refused (its queue was
+        deleted in the same group commit); the other entries are stored.
         """
         lim = self.limits
         if not entries:
@@ -258,8 +264,9 @@ class Service:
         out = []
         for mid, dup_or_error in results:
             if mid is None:
-                raise errors.make(dup_or_error, "queue was deleted while the send was committed")
-            out.append((mid, dup_or_error))
+                out.append(("", False, errors.make(dup_or_error, "queue was deleted while the send was committed")))
+            else:
+                out.append((mid, dup_or_error, None))
         return out
 
     def _next_id(self) -> str:
@@ -356,7 +363,8 @@ class Service:
             raise errors.InvalidArgument(f"at most {self.limits.batch_entries_max} items in a batch")
         out: list = [None] * len(items)
         rec = log_pb2.Record()
-        fenced = []
+        fenced = []  # (item index, lease), in the record's entry order
+        first_error = None
         for i, (token, action, delay_s) in enumerate(items):
             try:
                 if action not in ("ack", "nack", "renew"):
@@ -367,17 +375,32 @@ class Service:
                     out[i] = rfc3339(self.core.renew(lease, self.engine.now_us()))
                     continue
                 self.core.begin_settle(lease)  # fenced: no expiry, no second settle
-                fenced.append(lease)
+                fenced.append((i, lease))
                 rec.settle.entries.add(kind=log_pb2.ACK if action == "ack" else log_pb2.NACK,
                                        queue=lease.queue, id=lease.msg_id, delay_us=delay_us if action == "nack" else 0)
             except errors.SpoolerError as e:
-                if not per_item_errors:
-                    if fenced:  # commit what was already fenced, then report
-                        await self.engine.propose(rec)
-                    raise
                 out[i] = e
-        if rec.settle.entries:
-            await self.engine.propose(rec)
+                if not per_item_errors:
+                    first_error = e
+                    break  # what was fenced so far is still committed below
+        if fenced:
+            try:
+                fut = self.engine.propose(rec)
+            except errors.SpoolerError:
+                # known not accepted (503): the leases are the consumer's again
+                for _, lease in fenced:
+                    self.core.end_settle(lease)
+                raise
+            changed = await fut
+            for (i, _), ok in zip(fenced, changed):
+                if not ok:  # the message was moved or deleted meanwhile (redrive, queue delete)
+                    out[i] = errors.StaleLease("lease is no longer valid: settled", reason="settled")
+        if not per_item_errors:
+            if first_error is not None:
+                raise first_error
+            for r in out:
+                if isinstance(r, errors.SpoolerError):
+                    raise r
         return out
 
     # ---------------------------------------------------------------- keys

@@ -149,6 +149,8 @@ class Core:
                 self._detach(q, m, "primary_changed")
                 m.visible_at = min(m.visible_at, ts)
                 self._make_available(q, m, ts)
+                # due_drops skipped it while leased: give retention another look
+                heapq.heappush(q.retention, (m.expires_at, m.seq, m.id))
             self._end_lease(lease, "primary_changed")
         self.lease_heap.clear()
         return None
@@ -446,11 +448,27 @@ class Core:
         """Fence a lease while its ack/nack is being committed: no expiry, no second settle."""
         lease.state = SETTLING
 
+    def end_settle(self, lease: Lease) -> None:
+        """Undo begin_settle when the settle was known not to be accepted."""
+        if lease.state == SETTLING and self.leases.get(lease.id) is lease:
+            lease.state = ACTIVE
+            heapq.heappush(self.lease_heap, (lease.expires_at, lease.id))
+
     def renew(self, lease: Lease, now: int) -> int:
         q = self.queues[lease.queue]
         lease.expires_at = now + q.settings["lease_timeout_us"]
         heapq.heappush(self.lease_heap, (lease.expires_at, lease.id))
         return lease.expires_at
+
+    def abort_expiries(self, due: list) -> None:
+        """The Settle(EXPIRE) for these could not be proposed: expire them on a later tick."""
+        for queue, mid in due:
+            q = self.queues.get(queue)
+            m = q.msgs.get(mid) if q else None
+            lease = self.leases.get(m.lease) if m is not None and m.state == LEASED else None
+            if lease is not None and lease.state == EXPIRING:
+                lease.state = ACTIVE
+                heapq.heappush(self.lease_heap, (lease.expires_at, lease.id))
 
     def due_expiries(self, now: int) -> list:
         """Leases whose time ran out: [(queue, message id)] for a Settle(EXPIRE) record."""
@@ -482,6 +500,13 @@ class Core:
             if ids:
                 out.append((q.name, ids))
         return out
+
+    def requeue_drops(self, queue: str, ids: list) -> None:
+        q = self.queues.get(queue)
+        for mid in ids:
+            m = q.msgs.get(mid) if q else None
+            if m is not None:
+                heapq.heappush(q.retention, (m.expires_at, m.seq, m.id))
 
     # ------------------------------------------------------------- reading
     def stats(self, queue: str, now: int) -> dict:

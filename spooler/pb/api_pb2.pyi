@@ -142,12 +142,14 @@ class SendRequest(_message.Message):
     def __init__(self, queue: _Optional[str] = ..., body: _Optional[bytes] = ..., delay_seconds: _Optional[float] = ..., dedup_key: _Optional[str] = ...) -> None: ...
 
 class SendResponse(_message.Message):
-    __slots__ = ("id", "duplicate")
+    __slots__ = ("id", "duplicate", "error")
     ID_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     id: str
     duplicate: bool
-    def __init__(self, id: _Optional[str] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+    error: ErrorDetail
+    def __init__(self, id: _Optional[str] = ..., duplicate: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class SendBatchRequest(_message.Message):
     __slots__ = ("entries",)

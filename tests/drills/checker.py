@@ -403,7 +403,7 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         "orphan_completions": orphan_completions,
     }
     report["required_zeros_ok"] = (all(report[k] == 0 for k in REQUIRED_ZEROS)
-                                    and integrity_ok is not False)
+                                   and nodes_agree is not False and integrity_ok is not False)
     return report
 
 

@@ -122,7 +122,8 @@ def test_a_send_is_invisible_until_it_is_durable(tmp_path):
         assert await svc.receive(ADMIN, "q", 0) == []  # and nothing to receive
         assert eng.core.stats("q", eng.now_us())["sentTotal"] == 0
         vfs.sync_gate.set()
-        [(mid, dup)] = await pending
+        [(mid, dup, err)] = await pending
+        assert err is None
         [d] = await svc.receive(ADMIN, "q", 0)
         assert d.id == mid and d.body == b"in-flight"
         abandon(eng)

@@ -1,0 +1,111 @@
+"""Races and back-pressure at the edges of the service (in-process engine)."""
+import asyncio
+
+import pytest
+
+from node.api.service import Principal, Service
+from node.engine import Engine, Limits
+from spooler import errors
+from spooler.http import HttpClient
+
+ADMIN = Principal(admin=True)
+
+
+def run(coro_fn, tmp_path, **limits):
+    async def main():
+        eng = Engine(str(tmp_path / "n"), limits=Limits(**limits) if limits else None)
+        await eng.start()
+        try:
+            return await coro_fn(eng, Service(eng, ["k"]))
+        finally:
+            await eng.stop()
+    return asyncio.run(main())
+
+
+def test_ack_that_loses_a_race_with_redrive_is_not_a_204(tmp_path):
+    async def body(eng, svc):
+        await svc.put_queue(ADMIN, "q", {"maxRetries": 0})
+        await svc.send(ADMIN, [("q", b"m", 0.0, "")])
+        [d] = await svc.receive(ADMIN, "q", 0)
+        await svc.nack(ADMIN, d.token)  # -> q.failed
+        [f] = await svc.receive(ADMIN, "q.failed", 0)
+        # the redrive is committed first in the same group commit: the ack finds nothing
+        moved, ack = await asyncio.gather(svc.redrive(ADMIN, "q"), svc.ack(ADMIN, f.token), return_exceptions=True)
+        assert moved == 1
+        assert isinstance(ack, errors.StaleLease) and ack.reason == "settled"
+        [again] = await svc.receive(ADMIN, "q", 0)  # the message is back, as the 409 says
+        assert again.id == d.id
+    run(body, tmp_path)
+
+
+def test_settle_refused_for_back_pressure_leaves_the_lease_usable(tmp_path):
+    async def body(eng, svc):
+        await svc.put_queue(ADMIN, "q", {})
+        await svc.send(ADMIN, [("q", b"m", 0.0, "")])
+        [d] = await svc.receive(ADMIN, "q", 0)
+        eng.limits.pending_records_max = 0
+        with pytest.raises(errors.Unavailable):
+            await svc.ack(ADMIN, d.token)
+        eng.limits.pending_records_max = 100
+        await svc.ack(ADMIN, d.token)  # still ours: the 503 was "not accepted"
+        assert eng.core.stats("q", eng.now_us())["ackedTotal"] == 1
+    run(body, tmp_path)
+
+
+def test_lease_expiry_and_retention_do_not_stop_under_back_pressure(tmp_path):
+    async def body(eng, svc):
+        await svc.put_queue(ADMIN, "q", {"leaseTimeoutSeconds": 0.1, "retentionSeconds": 0.5})
+        await svc.send(ADMIN, [("q", b"a", 0.0, "")])
+        await svc.send(ADMIN, [("q", b"b", 0.0, "")])
+        await svc.receive(ADMIN, "q", 0, 1)
+        eng.limits.pending_records_max = 0  # clients are refused; the node's own records are not
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while loop.time() < deadline:
+            st = eng.core.stats("q", eng.now_us())
+            if st["leaseExpiredTotal"] == 1 and st["expiredTotal"] == 2:
+                break
+            await asyncio.sleep(0.05)
+        st = eng.core.stats("q", eng.now_us())
+        assert (st["leaseExpiredTotal"], st["expiredTotal"], st["leased"]) == (1, 2, 0)
+    run(body, tmp_path)
+
+
+def test_batch_entry_whose_queue_vanished_fails_alone(tmp_path):
+    async def body(eng, svc):
+        await svc.put_queue(ADMIN, "a", {})
+        await svc.put_queue(ADMIN, "b", {})
+        deleted, res = await asyncio.gather(svc.delete_queue(ADMIN, "b"),
+                                            svc.send(ADMIN, [("a", b"1", 0.0, ""), ("b", b"2", 0.0, "")]))
+        (ida, _, erra), (_, _, errb) = res
+        assert erra is None and ida
+        assert isinstance(errb, errors.QueueNotFound)
+        assert eng.core.stats("a", eng.now_us())["sentTotal"] == 1
+    run(body, tmp_path)
+
+
+def test_queue_admin_cannot_reach_another_queue_through_failure_queue(node):
+    admin = HttpClient(node.http_url, node.admin_key)
+    admin.put_queue("victim")
+    admin.send("victim", b"secret")
+    admin.put_queue("attacker")
+    k = admin.create_key("attacker", ["admin", "receive"])["key"]
+    atk = HttpClient(node.http_url, k)
+    with pytest.raises(errors.Forbidden):
+        atk.put_queue("attacker", failureQueue="victim")
+    admin.put_queue("attacker", failureQueue="victim")  # set by the real admin
+    with pytest.raises(errors.Forbidden):
+        atk.redrive("attacker")  # would empty victim into attacker
+    assert admin.get_queue("victim")["stats"]["visible"] == 1
+
+
+def test_sync_client_survives_a_cancelled_send(node):
+    from spooler import Client
+    from spooler.pb import api_pb2
+    with Client(node.grpc_target, node.admin_key, batches_in_flight_max=1) as c:
+        c.put_queue("cx")
+        futs = [c.send_async(api_pb2.SendRequest(queue="cx", body=f"{i}".encode())) for i in range(20)]
+        futs[5].cancel()
+        done = [f.result(timeout=10) for i, f in enumerate(futs) if i != 5 and not f.cancelled()]
+        assert len(done) >= 19
+        assert c.send("cx", b"after").id  # the client is not wedged
