@@ -34,7 +34,7 @@ bench: $(STAMP)
 # Regenerate the protobuf/gRPC code from proto/ (reproducible: grpcio-tools is pinned).
 proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. \
-		proto/spooler/pb/log.proto proto/spooler/pb/api.proto
+		proto/spooler/pb/log.proto proto/spooler/pb/api.proto proto/spooler/pb/replication.proto
 
 clean:
 	rm -rf $(VENV) var

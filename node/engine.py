@@ -12,10 +12,14 @@ The write path, in the order it is enforced here (``_commit_loop``):
 
 The core therefore only ever holds committed state: a receive can never hand
 out a message whose send is not yet durable.
+
+A single node is a cluster of one: the same replication core elects it (a
+restart is a new epoch) and commits a record as soon as its own fsync is done.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -33,6 +37,10 @@ log = logging.getLogger("spooler.engine")
 
 def wall_us() -> int:
     return time.time_ns() // 1000
+
+
+def mono_us() -> int:
+    return time.monotonic_ns() // 1000
 
 
 class Limits:
@@ -70,7 +78,9 @@ class Engine:
     def __init__(self, data_dir: str, node_id: str = "n1", limits: Optional[Limits] = None,
                  clock_us: Callable[[], int] = wall_us, vfs: Optional[str] = None,
                  checkpoint_interval_s: float = 1.0, checkpoint_dirty_max: int = 50_000,
-                 synchronous: str = "FULL"):
+                 synchronous: str = "FULL", peers: Optional[dict] = None, failover_timeout_s: float = 2.0,
+                 grpc_options=()):
+        """peers: member id -> gRPC address, this node included (None: a cluster of one)."""
         self.node_id = node_id
         self.limits = limits or Limits()
         self.clock_us = clock_us
@@ -79,7 +89,15 @@ class Engine:
         self.checkpoint_interval_s = checkpoint_interval_s
         self.checkpoint_dirty_max = checkpoint_dirty_max
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer")
-        self._pending: list = []          # (Record, Future)
+        self._pending: list = []          # (Record, Future) waiting for the writer
+        # appended (fsync'd locally) but not applied: lsn -> (Record, crc, Future or None)
+        self.unapplied: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
+        self.recent: "collections.OrderedDict[int, bytes]" = collections.OrderedDict()  # lsn -> bytes
+        self.recent_max = 200_000
+        from node.replication.driver import Driver
+        peers = peers or {node_id: ""}
+        self.cluster = len(peers) > 1
+        self.repl = Driver(self, node_id, peers, failover_timeout_s, grpc_options)
         self._wake: Optional[asyncio.Event] = None
         self._events: dict[str, asyncio.Event] = {}
         self._tasks: list = []
@@ -88,7 +106,10 @@ class Engine:
         self.write_epoch = 0              # epoch stamped on new records
         self.appended_lsn = 0
         self.last_ts = 0
-        self.ready = False
+        self.ready = False                # serving: primary, its EpochBegin applied, lease valid
+        self.role = "replica"
+        self.primary_id: Optional[str] = None
+        self._epoch_begin_lsn = 0
         self.failed: Optional[BaseException] = None
         self.on_apply = []                # callables(record, result) for metrics
         self.metrics = None
@@ -112,8 +133,10 @@ class Engine:
         self.crc = applied.crc
         self.applied_crc = self.crc
         replayed = 0
+        self.appended_lsn = core.lsn
+        after = core.lsn
         while True:
-            rows = st.records_after(core.lsn)
+            rows = st.records_after(after)
             if not rows:
                 break
             for lsn, epoch, crc, data in rows:
@@ -122,13 +145,20 @@ class Engine:
                 if expect != crc:
                     raise RuntimeError(f"log checksum mismatch at lsn {lsn}: store is corrupt")
                 self.crc = crc
-                core.apply(rec)
+                self.appended_lsn = lsn
+                self._remember(lsn, data)
+                if self.cluster:
+                    # maybe not committed: applied once the cluster's commit covers it
+                    self.unapplied[lsn] = (rec, crc, None)
+                else:
+                    core.apply(rec)  # a cluster of one: every durable record is committed
+                    self.applied_crc = crc
+                    replayed += 1
                 self.last_ts = max(self.last_ts, rec.ts_us)
-                replayed += 1
+                after = lsn
         core.woken.clear()
-        self.appended_lsn = core.lsn
-        self.applied_crc = self.crc
-        log.info("loaded: lsn %d epoch %d, %d records replayed", core.lsn, core.epoch, replayed)
+        log.info("loaded: applied lsn %d epoch %d (%d replayed), log to lsn %d", core.lsn, core.epoch, replayed,
+                 self.appended_lsn)
 
     async def start(self) -> None:
         """Load, then open a new epoch: a node restart is a primary change."""
@@ -141,13 +171,18 @@ class Engine:
                        asyncio.create_task(self._checkpoint_loop(), name="checkpoint")]
         for t in self._tasks:
             t.add_done_callback(self._task_ended)
-        self.write_epoch = self.core.epoch + 1
-        await self.propose(log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id=self.node_id)))
-        self.ready = True
-        log.info("node %s serving as primary in epoch %d", self.node_id, self.core.epoch)
+        await self.repl.start()
+        if not self.cluster:  # a cluster of one elects itself at once: serve before returning
+            deadline = loop.time() + 10
+            while not self.ready and self.failed is None and loop.time() < deadline:
+                await asyncio.sleep(0.001)
+            if not self.ready:
+                raise RuntimeError(f"node did not open its epoch: {self.failed!r}")
 
     async def stop(self) -> None:
         self.ready = False
+        if self.repl is not None:
+            await self.repl.stop()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -172,6 +207,8 @@ class Engine:
         for back-pressure (they are bounded by the leases and messages that exist)."""
         if self.failed is not None:
             raise errors.Unavailable("node stopped after a storage failure", retry_after_s=1.0)
+        if self.role != "primary" or (not internal and not self.serving()):
+            raise errors.Unavailable("not the primary, or no quorum", retry_after_s=0.5)
         if not internal and len(self._pending) >= self.limits.pending_records_max:
             raise errors.Unavailable("write queue full", retry_after_s=0.5)
         fut = asyncio.get_running_loop().create_future()
@@ -189,7 +226,12 @@ class Engine:
                 n = min(len(self._pending), lim.commit_records_max)
                 taken = self._pending[:n]
                 del self._pending[:n]
-                batch, rows = [], []
+                if self.role != "primary":
+                    for _, fut in taken:
+                        if not fut.done():
+                            fut.set_exception(errors.Unavailable("no longer the primary", retry_after_s=0.5))
+                    continue
+                rows = []
                 for rec, fut in taken:
                     rec.epoch = self.write_epoch
                     self.appended_lsn += 1
@@ -199,38 +241,127 @@ class Engine:
                     data = rec.SerializeToString()
                     self.crc = chain(self.crc, data)
                     rows.append((rec.lsn, rec.epoch, self.crc, data))
-                    batch.append((rec, fut, self.crc))
+                    self.unapplied[rec.lsn] = (rec, self.crc, fut)
+                    self._remember(rec.lsn, data)
                 t = time.perf_counter()
                 try:
                     # 1. fsync (one transaction, one fsync for the whole batch)
                     await loop.run_in_executor(self._io, self.store.append, rows)
                 except Exception as e:  # fsync/IO failure: never confirm, stop serving
-                    self._fail(e, batch)
+                    self._fail(e, [])
                     return
                 if self.metrics:
                     self.metrics.observe_commit(len(rows), time.perf_counter() - t)
-                # 2. (cluster) quorum confirmation goes here, before any answer.
-                # 3. Durable: only now apply and answer.
-                for rec, fut, crc in batch:
-                    try:
-                        result = self.core.apply(rec)
-                    except Exception as e:  # a broken invariant stops the node
-                        self._fail(e, [])
-                        raise
-                    self.applied_crc = crc
-                    if not fut.done():
-                        fut.set_result(result)
-                    for cb in self.on_apply:
-                        cb(rec, result)
-                self._wake_receivers()
+                # 2. ship to the replicas; the replication core emits Commit once a
+                #    quorum (this node counted only after its own fsync) holds them.
+                # 3. apply_upto() then applies and answers: never before.
+                await self.repl.appended([(r[0], r[1], r[2]) for r in rows])
+
+    def _remember(self, lsn: int, data: bytes) -> None:
+        self.recent[lsn] = data
+        while len(self.recent) > self.recent_max:
+            self.recent.popitem(last=False)
+
+    def record_bytes(self, lsns: list) -> list:
+        """Encoded records for shipping: from memory, else from the store's log."""
+        out = []
+        missing = [lsn for lsn in lsns if lsn not in self.recent]
+        got = {}
+        if missing:
+            for lsn, _, _, data in self.store.records_after(missing[0] - 1, len(lsns) + 1):
+                got[lsn] = bytes(data)
+        for lsn in lsns:
+            out.append(self.recent.get(lsn) or got.get(lsn))
+        return out
+
+    def apply_upto(self, lsn: int) -> None:
+        """Records up to ``lsn`` are committed: apply them in order and answer."""
+        u = self.unapplied
+        while u:
+            first = next(iter(u))
+            if first > lsn:
+                break
+            rec, crc, fut = u.pop(first)
+            try:
+                result = self.core.apply(rec)
+            except Exception as e:  # a broken invariant stops the node
+                self._fail(e, [])
+                raise
+            self.applied_crc = crc
+            if rec.WhichOneof("op") == "epoch_begin" and first == self._epoch_begin_lsn:
+                self._opened_epoch()
+            if fut is not None and not fut.done():
+                fut.set_result(result)
+            for cb in self.on_apply:
+                cb(rec, result)
+        self._wake_receivers()
+
+    def stored_from_primary(self, rows: list) -> None:
+        """Replica: records fsync'd from the primary's stream (rows as in the log table)."""
+        for lsn, epoch, crc, data in rows:
+            assert lsn == self.appended_lsn + 1, f"replica log gap at {lsn} after {self.appended_lsn}"
+            if chain(self.crc, data) != crc:
+                raise RuntimeError(f"checksum mismatch in the primary's record {lsn}")
+            self.crc = crc
+            self.appended_lsn = lsn
+            rec = log_pb2.Record.FromString(data)
+            self.unapplied[lsn] = (rec, crc, None)
+            self._remember(lsn, data)
+            self.last_ts = max(self.last_ts, rec.ts_us)
+
+    def truncated(self, after_lsn: int, crc: int) -> None:
+        """The log lost its unapplied records after ``after_lsn`` (they were never committed)."""
+        assert after_lsn >= self.core.lsn, "truncating applied records"
+        for lsn in [x for x in self.unapplied if x > after_lsn]:
+            _, _, fut = self.unapplied.pop(lsn)
+            if fut is not None and not fut.done():
+                fut.set_exception(errors.OperationUnconfirmed("write was not confirmed by a quorum"))
+            self.recent.pop(lsn, None)
+        self.appended_lsn = after_lsn
+        self.crc = crc
+
+    # ------------------------------------------------------------- roles
+    def on_role(self, role: str, epoch: int, primary: Optional[str]) -> None:
+        was = self.role
+        self.role = role
+        self.primary_id = primary
+        if role == "primary" and was != "primary":
+            # open the epoch: EpochBegin is the first record; once it applies the
+            # log is caught up and every older lease is gone
+            self.write_epoch = epoch
+            self._epoch_begin_lsn = self.appended_lsn + 1
+            self.propose(log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id=self.node_id)), internal=True)
+            log.info("node %s elected primary in epoch %d", self.node_id, epoch)
+        elif role != "primary" and was == "primary":
+            self.ready = False
+            # writes not yet committed: their outcome is unknown now
+            for _, (_, _, fut) in self.unapplied.items():
+                if fut is not None and not fut.done():
+                    fut.set_exception(errors.OperationUnconfirmed("primary stepped down before a quorum confirmed"))
+            for _, fut in self._pending:
+                if not fut.done():
+                    fut.set_exception(errors.Unavailable("no longer the primary", retry_after_s=0.5))
+            self._pending.clear()
+            log.info("node %s is no longer primary (epoch %d)", self.node_id, epoch)
+
+    def _opened_epoch(self) -> None:
+        self.ready = True
+        log.info("node %s serving as primary in epoch %d", self.node_id, self.core.epoch)
+
+    def serving(self) -> bool:
+        """Primary, its epoch open, and a majority heard from within the failover timeout."""
+        return self.ready and self.role == "primary" and self.repl.serving()
+
+    def may_lease(self) -> bool:
+        return self.serving() and self.repl.may_lease()
 
     def _fail(self, e: BaseException, batch) -> None:
         log.critical("storage failure, the node stops serving: %r", e)
         self.failed = e
         self.ready = False
         err = errors.OperationUnconfirmed(f"storage failure: {e}")
-        for _, fut, _ in batch:
-            if not fut.done():
+        for _, (_, _, fut) in self.unapplied.items():
+            if fut is not None and not fut.done():
                 fut.set_exception(err)
         for _, fut in self._pending:
             if not fut.done():
@@ -272,6 +403,8 @@ class Engine:
         """Lease expiry is the server's nack: a Settle(EXPIRE) record."""
         while True:
             await asyncio.sleep(tick_s)
+            if not self.serving():
+                continue
             due = self.core.due_expiries(self.clock_us())
             if due:
                 rec = log_pb2.Record()
@@ -292,6 +425,8 @@ class Engine:
     async def _retention_timer(self, tick_s: float = 1.0) -> None:
         while True:
             await asyncio.sleep(tick_s)
+            if not self.serving():
+                continue
             for queue, ids in self.core.due_drops(self.clock_us()):
                 try:
                     self.propose(log_pb2.Record(drop=log_pb2.Drop(queue=queue, ids=ids)), internal=True)

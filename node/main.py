@@ -61,6 +61,25 @@ def _hostport(s: str) -> tuple:
     return host.strip("[]"), int(port)
 
 
+def _parse_peers(spec: str, me: str):
+    """ID=HOST:PORT,... -> {id: address}; None for a single node."""
+    items = [x.strip() for x in spec.split(",") if x.strip()]
+    if not items:
+        return None
+    peers = {}
+    for it in items:
+        nid, sep, addr = it.partition("=")
+        if not sep or not nid or not addr:
+            raise SystemExit(f"spooler-node: --peers entries are ID=HOST:PORT, got {it!r}")
+        _hostport(addr)
+        if nid in peers:
+            raise SystemExit(f"spooler-node: --peers names {nid} twice")
+        peers[nid] = addr
+    if me not in peers:
+        raise SystemExit(f"spooler-node: --peers must include this node ({me})")
+    return peers if len(peers) > 1 else None
+
+
 def _admin_keys(args) -> list:
     if args.admin_key:
         return args.admin_key
@@ -81,11 +100,10 @@ def _admin_keys(args) -> list:
 
 
 async def serve(args) -> int:
-    peers = [x for x in args.peers.split(",") if x.strip()]
-    if len(peers) > 1:
-        raise SystemExit("spooler-node: --peers with more than one member: replication is not in this build yet")
+    peers = _parse_peers(args.peers, args.id)
     os.makedirs(args.data, exist_ok=True)
-    engine = Engine(args.data, node_id=args.id, limits=Limits(body_bytes_max=args.max_body_bytes))
+    engine = Engine(args.data, node_id=args.id, limits=Limits(body_bytes_max=args.max_body_bytes),
+                    peers=peers, failover_timeout_s=args.failover_timeout, grpc_options=grpc_api.GRPC_OPTIONS)
     stop = asyncio.Event()
     exit_code = 0
 
@@ -101,8 +119,8 @@ async def serve(args) -> int:
     ghost, gport = _hostport(args.grpc)
     server, health_servicer, gport = await grpc_api.build_server(svc, metrics, f"{ghost}:{gport}")
     engine.grpc_address = f"{ghost}:{gport}"
+    await server.start()  # first: peers must reach us for votes while we start
     await engine.start()
-    await server.start()
     await grpc_api.set_serving(health_servicer, True)
 
     app = build_app(svc, metrics)

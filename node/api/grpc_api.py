@@ -201,6 +201,9 @@ GRPC_OPTIONS = [
 async def build_server(svc: Service, metrics, address: str) -> tuple:
     server = grpc.aio.server(options=GRPC_OPTIONS, maximum_concurrent_rpcs=10_000)
     api_pb2_grpc.add_SpoolerServicer_to_server(SpoolerServicer(svc, metrics), server)
+    from node.replication.driver import ReplicationServicer
+    from spooler.pb import replication_pb2_grpc
+    replication_pb2_grpc.add_ReplicationServicer_to_server(ReplicationServicer(svc.engine.repl), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(address)

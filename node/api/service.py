@@ -291,10 +291,10 @@ class Service:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
-            if not self.engine.ready:
+            if not self.engine.serving():
                 raise errors.Unavailable("node is not serving", retry_after_s=1.0)
             ev = self.engine.queue_event(queue)
-            out = self._lease_out(queue, max_n)
+            out = self._lease_out(queue, max_n) if self.engine.may_lease() else []
             if out:
                 return out
             left = deadline - loop.time()
@@ -303,6 +303,8 @@ class Service:
             vis = self.core.next_visible_at(queue)
             if vis is not None:
                 left = min(left, max(0.001, (vis - self.engine.now_us()) / US))
+            if not self.engine.may_lease():
+                left = min(left, 0.05)  # a new primary waits out the old one's leases
             try:
                 await asyncio.wait_for(ev.wait(), left)
             except asyncio.TimeoutError:
@@ -331,7 +333,7 @@ class Service:
     def _live_lease(self, p: Principal, token: str):
         epoch, lease_id, nonce, queue = self.decode_token(token)
         self.authorize(p, "receive", queue)
-        if not self.engine.ready:
+        if not self.engine.serving():
             raise errors.Unavailable("node is not serving", retry_after_s=1.0)
         try:
             lease = self.core.check_lease(epoch, lease_id, nonce, self.engine.now_us())
@@ -436,14 +438,27 @@ class Service:
     # ------------------------------------------------------------- cluster
     def cluster(self, p: Principal) -> dict:
         e = self.engine
-        return {"nodeId": e.node_id, "role": "primary", "epoch": e.epoch, "primary": e.node_id,
-                "nodes": [{"id": e.node_id, "role": "primary", "address": getattr(e, "grpc_address", ""),
-                           "lsn": e.core.lsn}]}
+        st = e.repl.status()
+        nodes = st["nodes"]
+        if not e.cluster:
+            nodes[0]["address"] = getattr(e, "grpc_address", "")
+        return {"nodeId": e.node_id, "role": st["role"], "epoch": st["epoch"], "primary": st["primary"],
+                "commitLsn": st["commitLsn"], "appliedLsn": e.core.lsn, "nodes": nodes}
 
     async def promote(self, p: Principal, node: str) -> dict:
         self._global_admin(p)
         if not isinstance(node, str) or not node:
             raise errors.InvalidArgument("body must be {\"node\": \"<id>\"}")
-        if node != self.engine.node_id:
+        e = self.engine
+        if node not in e.repl.addresses:
             raise errors.InvalidArgument(f"unknown node {node}")
-        return self.cluster(p)  # a single node is already the primary
+        if node == e.node_id and e.role == "primary":
+            return self.cluster(p)  # already the primary
+        if e.role != "primary":
+            raise errors.Unavailable("promote must be sent to the primary", retry_after_s=0.5)
+        await e.repl.transfer(node)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2 * e.repl.core.timeout / 1e6
+        while loop.time() < deadline and e.repl.core.role == "primary":
+            await asyncio.sleep(0.01)
+        return self.cluster(p)

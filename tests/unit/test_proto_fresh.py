@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PROTOS = ["spooler/pb/log.proto", "spooler/pb/api.proto"]
+PROTOS = ["spooler/pb/log.proto", "spooler/pb/api.proto", "spooler/pb/replication.proto"]
 
 
 def test_generated_code_is_fresh(tmp_path):

@@ -1,0 +1,290 @@
+"""The IO shell around the replication core: gRPC streams, votes, the ticker.
+
+Every input to the core (a tick, a frame, a vote, a local append) runs under
+one asyncio lock together with the effects it returns, carried out in order:
+Persist and Store are fsync'd (in the store's writer thread) before any Send
+that follows them leaves. That is what makes a vote binding and an
+acknowledgement mean "on disk".
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Optional
+
+import grpc
+
+from node.core import replication as R
+from node.engine import mono_us
+from spooler.pb import replication_pb2 as pb
+from spooler.pb import replication_pb2_grpc as pb_grpc
+
+log = logging.getLogger("spooler.replication")
+
+
+class Driver:
+    def __init__(self, engine, node_id: str, peers: dict, failover_timeout_s: float, grpc_options=()):
+        """peers: id -> gRPC address, this node included."""
+        self.engine = engine
+        self.id = node_id
+        self.addresses = dict(peers)
+        self.core = R.Replication(node_id, list(peers), failover_timeout_us=int(failover_timeout_s * 1e6),
+                                  rand=random.random)
+        self.grpc_options = list(grpc_options)
+        self.lock = asyncio.Lock()
+        self._channels: dict = {}
+        self._stubs: dict = {}
+        self._outbox: dict = {}       # peer -> asyncio.Queue of AppendFrame (primary side)
+        self._stream_tasks: dict = {}
+        self._tasks: list = []
+        self._frame_bytes: dict = {}  # lsn -> bytes of the frame being handled (replica side)
+        self._replies: Optional[list] = None  # AppendAcks produced while handling one frame
+        self._vote_reply = None
+        self.stopped = False
+
+    # ------------------------------------------------------------ lifecycle
+    def load(self) -> None:
+        """Persistent state into the core (called after the engine loaded its store)."""
+        st = self.engine.store
+        c = self.core
+        c.epoch = int(st.get_meta("repl_epoch") or 0)
+        c.voted_for = st.get_meta("voted_for") or ""
+        rows = list(st.db.execute("SELECT lsn, epoch, crc FROM log ORDER BY lsn"))
+        if rows:
+            first = rows[0]
+            c.log = R.LogView(first[0], first[1], first[2], [(e, crc) for _, e, crc in rows[1:]])
+        else:
+            a = st.applied_position()
+            c.log = R.LogView(a.lsn, a.epoch, a.crc, [])
+        c.epoch = max(c.epoch, c.log.last_epoch)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.engine._io, self.load)
+        for p in self.core.peers:
+            self._channels[p] = grpc.aio.insecure_channel(self.addresses[p], options=self.grpc_options)
+            self._stubs[p] = pb_grpc.ReplicationStub(self._channels[p])
+        async with self.lock:
+            await self._run(self.core.start(mono_us()))
+        self._tasks.append(asyncio.create_task(self._ticker(), name="repl-ticker"))
+        for t in self._tasks:
+            t.add_done_callback(self.engine._task_ended)
+
+    async def stop(self) -> None:
+        self.stopped = True
+        for t in list(self._tasks) + list(self._stream_tasks.values()):
+            t.cancel()
+        for ch in self._channels.values():
+            await ch.close()
+
+    async def _ticker(self) -> None:
+        step = min(0.01, self.core.heartbeat / 1e6 / 4)
+        while True:
+            await asyncio.sleep(step)
+            async with self.lock:
+                await self._run(self.core.tick(mono_us()))
+            # the engine's view of serving follows the core's lease
+            e = self.engine
+            if e.ready and e.role == "primary" and not self.core.serving(mono_us()):
+                pass  # serving() is read live; nothing to cache
+
+    # ------------------------------------------------------------- queries
+    def serving(self) -> bool:
+        return self.core.serving(mono_us())
+
+    def may_lease(self) -> bool:
+        return self.core.may_lease(mono_us())
+
+    def status(self) -> dict:
+        c = self.core
+        nodes = []
+        for m in c.members:
+            role = c.role if m == self.id else ("primary" if m == c.primary else "replica")
+            d = {"id": m, "role": role, "address": self.addresses[m]}
+            if c.role == R.PRIMARY and m != self.id:
+                d["matchLsn"] = c.match.get(m, 0)
+            elif m == self.id:
+                d["lsn"] = c.log.last_lsn
+            nodes.append(d)
+        return {"role": "primary" if c.role == R.PRIMARY else "replica", "epoch": c.epoch, "primary": c.primary,
+                "commitLsn": c.commit_lsn, "nodes": nodes}
+
+    # ------------------------------------------------------------- inputs
+    async def appended(self, rows: list) -> None:
+        async with self.lock:
+            await self._run(self.core.appended(rows, mono_us()))
+
+    async def transfer(self, target: str) -> None:
+        async with self.lock:
+            await self._run(self.core.transfer(target, mono_us()))
+
+    # -------------------------------------------------------------- effects
+    async def _run(self, effects: list) -> None:
+        loop = asyncio.get_running_loop()
+        e = self.engine
+        for eff in effects:
+            if isinstance(eff, R.Send):
+                self._send(eff.to, eff.msg)
+            elif isinstance(eff, R.Commit):
+                e.apply_upto(eff.lsn)
+            elif isinstance(eff, R.Persist):
+                await loop.run_in_executor(e._io, self._persist, eff.epoch, eff.voted_for)
+            elif isinstance(eff, R.Store):
+                lsns = [x[0] for x in eff.req.entries]
+                rows = [(lsn, ep, crc, self._frame_bytes[lsn]) for lsn, ep, crc in eff.req.entries]
+                await loop.run_in_executor(e._io, e.store.append, rows)
+                e.stored_from_primary(rows)
+                for lsn in lsns:
+                    self._frame_bytes.pop(lsn, None)
+                await self._run(self.core.stored(eff.req, mono_us()))
+            elif isinstance(eff, R.Truncate):
+                crc = await loop.run_in_executor(e._io, self._truncate, eff.after_lsn)
+                e.truncated(eff.after_lsn, crc)
+            elif isinstance(eff, R.Role):
+                self._on_role(eff)
+                e.on_role(eff.role, eff.epoch, eff.primary)
+
+    def _persist(self, epoch: int, voted_for: str) -> None:
+        st = self.engine.store
+        with st.db:  # one transaction: fsync'd at commit (synchronous=FULL)
+            st.set_meta("repl_epoch", epoch)
+            st.set_meta("voted_for", voted_for)
+
+    def _truncate(self, after_lsn: int) -> int:
+        st = self.engine.store
+        with st.db:
+            st.db.execute("DELETE FROM log WHERE lsn > ?", (after_lsn,))
+        for (crc,) in st.db.execute("SELECT crc FROM log WHERE lsn = ?", (after_lsn,)):
+            return crc
+        a = st.applied_position()
+        assert a.lsn == after_lsn, f"truncating to {after_lsn}, which is neither in the log nor the checkpoint"
+        return a.crc
+
+    def _on_role(self, eff: R.Role) -> None:
+        if eff.role != R.PRIMARY:
+            for p, t in list(self._stream_tasks.items()):
+                t.cancel()
+            self._stream_tasks.clear()
+            self._outbox.clear()
+
+    # ---------------------------------------------------------------- sends
+    def _send(self, to: str, msg) -> None:
+        if isinstance(msg, R.AppendReq):
+            q = self._outbox.get(to)
+            if q is None or to not in self._stream_tasks or self._stream_tasks[to].done():
+                q = self._outbox[to] = asyncio.Queue()
+                self._stream_tasks[to] = asyncio.create_task(self._stream_to(to, q), name=f"stream-{to}")
+            lsns = [x[0] for x in msg.entries]
+            data = self.engine.record_bytes(lsns) if lsns else []
+            q.put_nowait(pb.AppendFrame(
+                epoch=msg.epoch, primary=msg.primary, prev_lsn=msg.prev_lsn, prev_epoch=msg.prev_epoch,
+                prev_crc=msg.prev_crc, commit_lsn=msg.commit_lsn, sent_us=msg.sent_us,
+                entries=[pb.Entry(lsn=lsn, epoch=ep, crc=crc, rec=b) for (lsn, ep, crc), b in zip(msg.entries, data)]))
+        elif isinstance(msg, R.AppendResp):
+            if self._replies is not None:
+                self._replies.append(pb.AppendAck(epoch=msg.epoch, sender=msg.sender, ok=msg.ok,
+                                                  match_lsn=msg.match_lsn, sent_us=msg.sent_us))
+        elif isinstance(msg, R.VoteReq):
+            asyncio.ensure_future(self._ask_vote(to, msg))
+        elif isinstance(msg, R.VoteResp):
+            self._vote_reply = msg
+        elif isinstance(msg, R.TimeoutNow):
+            asyncio.ensure_future(self._timeout_now(to, msg))
+
+    async def _stream_to(self, peer: str, q: asyncio.Queue) -> None:
+        """One bidi stream to a replica: frames out, acks in. A broken stream is
+        simply reopened; the core resends what was not acknowledged."""
+        async def frames():
+            while True:
+                yield await q.get()
+
+        while not self.stopped:
+            try:
+                call = self._stubs[peer].Stream(frames())
+                async for ack in call:
+                    async with self.lock:
+                        await self._run(self.core.receive(R.AppendResp(
+                            ack.epoch, ack.sender, ack.ok, ack.match_lsn, ack.sent_us), mono_us()))
+            except asyncio.CancelledError:
+                raise
+            except grpc.RpcError as e:
+                log.debug("stream to %s broke: %s", peer, e.code())
+            await asyncio.sleep(0.05)
+
+    async def _ask_vote(self, peer: str, m: R.VoteReq) -> None:
+        try:
+            r = await self._stubs[peer].Vote(pb.VoteRequest(
+                epoch=m.epoch, candidate=m.candidate, last_epoch=m.last_epoch, last_lsn=m.last_lsn,
+                pre=m.pre, transfer=m.transfer), timeout=self.core.timeout / 1e6)
+        except grpc.RpcError:
+            return
+        async with self.lock:
+            await self._run(self.core.receive(R.VoteResp(r.epoch, r.sender, r.granted, r.pre, r.since_contact_us,
+                                                         r.since_vote_us), mono_us()))
+
+    async def _timeout_now(self, peer: str, m: R.TimeoutNow) -> None:
+        try:
+            await self._stubs[peer].TimeoutNow(pb.TimeoutNowRequest(epoch=m.epoch, primary=m.primary),
+                                               timeout=self.core.timeout / 1e6)
+        except grpc.RpcError:
+            pass
+
+    # ------------------------------------------------------------ servicer
+    async def serve_stream(self, request_iterator, context):
+        """Replica side of a primary's stream."""
+        sender = None
+        try:
+            async for f in request_iterator:
+                sender = f.primary
+                async with self.lock:
+                    for e in f.entries:
+                        self._frame_bytes[e.lsn] = e.rec
+                    self._replies = []
+                    try:
+                        await self._run(self.core.receive(R.AppendReq(
+                            f.epoch, f.primary, f.prev_lsn, f.prev_epoch, f.prev_crc,
+                            [(e.lsn, e.epoch, e.crc) for e in f.entries], f.commit_lsn, f.sent_us), mono_us()))
+                        replies = self._replies
+                    finally:
+                        self._replies = None
+                        self._frame_bytes.clear()
+                for r in replies:
+                    yield r
+        finally:
+            # the primary's end of the stream is gone: it may have died
+            if sender is not None and sender == self.core.primary and not self.stopped:
+                async with self.lock:
+                    await self._run(self.core.primary_stream_broken(mono_us()))
+
+    async def serve_vote(self, req, context):
+        async with self.lock:
+            self._vote_reply = None
+            await self._run(self.core.receive(R.VoteReq(req.epoch, req.candidate, req.last_epoch, req.last_lsn,
+                                                        req.pre, req.transfer), mono_us()))
+            r, self._vote_reply = self._vote_reply, None
+        if r is None:  # ignored (leader stickiness): answer as a refusal
+            return pb.VoteResponse(epoch=self.core.epoch, sender=self.id, granted=False, pre=req.pre,
+                                   since_contact_us=0, since_vote_us=0)
+        return pb.VoteResponse(epoch=r.epoch, sender=r.sender, granted=r.granted, pre=r.pre,
+                               since_contact_us=r.since_contact_us, since_vote_us=r.since_vote_us)
+
+    async def serve_timeout_now(self, req, context):
+        async with self.lock:
+            await self._run(self.core.receive(R.TimeoutNow(req.epoch, req.primary), mono_us()))
+        return pb.ReplEmpty()
+
+
+class ReplicationServicer(pb_grpc.ReplicationServicer):
+    def __init__(self, driver: Driver):
+        self.d = driver
+
+    async def Stream(self, request_iterator, context):
+        async for ack in self.d.serve_stream(request_iterator, context):
+            yield ack
+
+    async def Vote(self, request, context):
+        return await self.d.serve_vote(request, context)
+
+    async def TimeoutNow(self, request, context):
+        return await self.d.serve_timeout_now(request, context)

@@ -1,0 +1,97 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Entry(_message.Message):
+    __slots__ = ("lsn", "epoch", "crc", "rec")
+    LSN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CRC_FIELD_NUMBER: _ClassVar[int]
+    REC_FIELD_NUMBER: _ClassVar[int]
+    lsn: int
+    epoch: int
+    crc: int
+    rec: bytes
+    def __init__(self, lsn: _Optional[int] = ..., epoch: _Optional[int] = ..., crc: _Optional[int] = ..., rec: _Optional[bytes] = ...) -> None: ...
+
+class AppendFrame(_message.Message):
+    __slots__ = ("epoch", "primary", "prev_lsn", "prev_epoch", "prev_crc", "entries", "commit_lsn", "sent_us")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    PREV_LSN_FIELD_NUMBER: _ClassVar[int]
+    PREV_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PREV_CRC_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_LSN_FIELD_NUMBER: _ClassVar[int]
+    SENT_US_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    primary: str
+    prev_lsn: int
+    prev_epoch: int
+    prev_crc: int
+    entries: _containers.RepeatedCompositeFieldContainer[Entry]
+    commit_lsn: int
+    sent_us: int
+    def __init__(self, epoch: _Optional[int] = ..., primary: _Optional[str] = ..., prev_lsn: _Optional[int] = ..., prev_epoch: _Optional[int] = ..., prev_crc: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., commit_lsn: _Optional[int] = ..., sent_us: _Optional[int] = ...) -> None: ...
+
+class AppendAck(_message.Message):
+    __slots__ = ("epoch", "sender", "ok", "match_lsn", "sent_us")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    MATCH_LSN_FIELD_NUMBER: _ClassVar[int]
+    SENT_US_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    sender: str
+    ok: bool
+    match_lsn: int
+    sent_us: int
+    def __init__(self, epoch: _Optional[int] = ..., sender: _Optional[str] = ..., ok: _Optional[bool] = ..., match_lsn: _Optional[int] = ..., sent_us: _Optional[int] = ...) -> None: ...
+
+class VoteRequest(_message.Message):
+    __slots__ = ("epoch", "candidate", "last_epoch", "last_lsn", "pre", "transfer")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAST_LSN_FIELD_NUMBER: _ClassVar[int]
+    PRE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    candidate: str
+    last_epoch: int
+    last_lsn: int
+    pre: bool
+    transfer: bool
+    def __init__(self, epoch: _Optional[int] = ..., candidate: _Optional[str] = ..., last_epoch: _Optional[int] = ..., last_lsn: _Optional[int] = ..., pre: _Optional[bool] = ..., transfer: _Optional[bool] = ...) -> None: ...
+
+class VoteResponse(_message.Message):
+    __slots__ = ("epoch", "sender", "granted", "pre", "since_contact_us", "since_vote_us")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    PRE_FIELD_NUMBER: _ClassVar[int]
+    SINCE_CONTACT_US_FIELD_NUMBER: _ClassVar[int]
+    SINCE_VOTE_US_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    sender: str
+    granted: bool
+    pre: bool
+    since_contact_us: int
+    since_vote_us: int
+    def __init__(self, epoch: _Optional[int] = ..., sender: _Optional[str] = ..., granted: _Optional[bool] = ..., pre: _Optional[bool] = ..., since_contact_us: _Optional[int] = ..., since_vote_us: _Optional[int] = ...) -> None: ...
+
+class TimeoutNowRequest(_message.Message):
+    __slots__ = ("epoch", "primary")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    primary: str
+    def __init__(self, epoch: _Optional[int] = ..., primary: _Optional[str] = ...) -> None: ...
+
+class ReplEmpty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
