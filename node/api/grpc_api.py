@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from spooler import errors
 from spooler.pb import api_pb2, api_pb2_grpc
+from node.api.forward import FORWARDED
 from node.api.service import SETTINGS, Service
 
 log = logging.getLogger("spooler.grpc")
@@ -22,6 +23,7 @@ _SETTINGS_PB = {"leaseTimeoutSeconds": "lease_timeout_seconds", "maxRetries": "m
                 "retentionSeconds": "retention_seconds", "dedupWindowSeconds": "dedup_window_seconds",
                 "failureQueue": "failure_queue"}
 _PB_SETTINGS = {v: k for k, v in _SETTINGS_PB.items()}
+SETTINGS_TO_PB = _SETTINGS_PB
 assert set(_SETTINGS_PB) == set(SETTINGS)
 
 _ACTIONS = {api_pb2.SETTLE_ACK: "ack", api_pb2.SETTLE_NACK: "nack", api_pb2.SETTLE_RENEW: "renew"}
@@ -56,12 +58,13 @@ def rpc(method):
     async def wrapper(self, request, context):
         epoch_md = ("spooler-epoch", str(self.svc.engine.epoch))
         try:
-            auth = None
+            auth, forwarded = None, False
             for k, v in context.invocation_metadata() or ():
                 if k == "authorization":
                     auth = v
-                    break
-            p = self.svc.authenticate(auth)
+                elif k == FORWARDED:
+                    forwarded = True
+            p = self.svc.authenticate(auth, forwarded)
             resp = await method(self, p, request, context)
             context.set_trailing_metadata((epoch_md,))
             return resp
@@ -93,11 +96,11 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
 
     @rpc
     async def GetQueue(self, p, req, ctx):
-        return _queue_pb(self.svc.get_queue(p, req.name))
+        return _queue_pb(await self.svc.get_queue(p, req.name))
 
     @rpc
     async def ListQueues(self, p, req, ctx):
-        return api_pb2.ListQueuesResponse(queues=[_queue_pb(d) for d in self.svc.list_queues(p)])
+        return api_pb2.ListQueuesResponse(queues=[_queue_pb(d) for d in await self.svc.list_queues(p)])
 
     @rpc
     async def DeleteQueue(self, p, req, ctx):
@@ -147,7 +150,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
 
     @rpc
     async def Renew(self, p, req, ctx):
-        return api_pb2.RenewResponse(expires_at=self.svc.renew(p, req.token))
+        return api_pb2.RenewResponse(expires_at=await self.svc.renew(p, req.token))
 
     @rpc
     async def SettleBatch(self, p, req, ctx):
@@ -171,7 +174,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
     @rpc
     async def ListKeys(self, p, req, ctx):
         return api_pb2.ListKeysResponse(keys=[api_pb2.KeyInfo(id=k["id"], queue=k["queue"], scopes=k["scopes"])
-                                              for k in self.svc.list_keys(p)])
+                                              for k in await self.svc.list_keys(p)])
 
     @rpc
     async def DeleteKey(self, p, req, ctx):

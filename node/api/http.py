@@ -61,10 +61,10 @@ def build_app(svc: Service, metrics) -> web.Application:
         return _json(doc, 201 if created else 200)
 
     async def get_queue(request):
-        return _json(svc.get_queue(principal(request), request.match_info["queue"]))
+        return _json(await svc.get_queue(principal(request), request.match_info["queue"]))
 
     async def list_queues(request):
-        return _json({"queues": svc.list_queues(principal(request))})
+        return _json({"queues": await svc.list_queues(principal(request))})
 
     async def delete_queue(request):
         await svc.delete_queue(principal(request), request.match_info["queue"])
@@ -116,7 +116,7 @@ def build_app(svc: Service, metrics) -> web.Application:
         return web.Response(status=204)
 
     async def renew(request):
-        return _json({"expiresAt": svc.renew(principal(request), request.match_info["token"])})
+        return _json({"expiresAt": await svc.renew(principal(request), request.match_info["token"])})
 
     # -------------------------------------------------------------- keys
     async def create_key(request):
@@ -127,7 +127,7 @@ def build_app(svc: Service, metrics) -> web.Application:
         return _json(await svc.create_key(p, body.get("queue", "*"), body.get("scopes")), 201)
 
     async def list_keys(request):
-        return _json({"keys": svc.list_keys(principal(request))})
+        return _json({"keys": await svc.list_keys(principal(request))})
 
     async def delete_key(request):
         await svc.delete_key(principal(request), request.match_info["id"])

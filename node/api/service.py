@@ -48,6 +48,8 @@ class Principal:
     queue: str = "*"     # a scoped key's queue, "*" = every queue
     scopes: frozenset = frozenset()
     key_id: str = ""
+    auth: str = ""       # the Authorization value, for forwarding to the primary
+    forwarded: bool = False  # this call was forwarded to us: never forward it again
 
     def allows(self, scope: str, queue: Optional[str]) -> bool:
         if self.admin:
@@ -76,11 +78,36 @@ class Service:
         self.core = engine.core
         self.limits = engine.limits
         self._admin = [hashlib.sha256(k.encode()).digest() for k in admin_keys if k]
+        from node.api.forward import Forwarder
+        self.fwd = Forwarder()
         self._id_prefix = os.urandom(8).hex()
         self._id_counter = 0
 
     # -------------------------------------------------------------- auth
-    def authenticate(self, authorization: Optional[str]) -> Principal:
+    def authenticate(self, authorization: Optional[str], forwarded: bool = False) -> Principal:
+        try:
+            p = self._authenticate(authorization)
+        except errors.Unauthenticated:
+            e = self.engine
+            if authorization and not forwarded and e.cluster and e.role != "primary" and e.primary_id:
+                # keys are replicated, but a new one may not have reached us yet:
+                # the primary decides (every call from here is forwarded)
+                return Principal(admin=False, auth=authorization)
+            raise
+        return Principal(p.admin, p.queue, p.scopes, p.key_id, authorization or "", forwarded)
+
+    def _remote(self, p: Principal) -> Optional[str]:
+        """The primary's address when this call must be forwarded, else None."""
+        e = self.engine
+        if not e.cluster or e.role == "primary":
+            return None
+        if p.forwarded:
+            raise errors.Unavailable("not the primary (a forwarded call is not forwarded again)", retry_after_s=0.5)
+        if not e.primary_id:
+            raise errors.Unavailable("no primary is known right now", retry_after_s=0.5)
+        return e.repl.addresses[e.primary_id]
+
+    def _authenticate(self, authorization: Optional[str]) -> Principal:
         if not authorization:
             raise errors.Unauthenticated("missing Authorization: Bearer <key>")
         scheme, _, key = authorization.strip().partition(" ")
@@ -185,8 +212,10 @@ class Service:
 
     async def put_queue(self, p: Principal, name: str, settings: dict) -> tuple:
         self.check_name(name)
+        st = self.settings_to_internal(name, settings)  # validated here, also before forwarding
+        if (a := self._remote(p)):
+            return await self.fwd.put_queue(a, p.auth, name, settings)
         self.authorize(p, "admin", name)
-        st = self.settings_to_internal(name, settings)
         if st.HasField("failure_queue"):
             # exhausted messages will be written there, and redrive reads it back
             self.authorize(p, "admin", st.failure_queue)
@@ -195,7 +224,9 @@ class Service:
         created = await self.engine.propose(log_pb2.Record(queue_put=log_pb2.QueuePut(name=name, settings=st)))
         return created, self.queue_doc(name)
 
-    def get_queue(self, p: Principal, name: str) -> dict:
+    async def get_queue(self, p: Principal, name: str) -> dict:
+        if (a := self._remote(p)):
+            return await self.fwd.get_queue(a, p.auth, name)
         self.check_name_any(name)
         if not p.any_scope(name):
             raise errors.Forbidden(f"key has no scope on queue {name}")
@@ -206,16 +237,22 @@ class Service:
             raise errors.InvalidArgument("queue name must match [A-Za-z0-9._-]{1,80}")
         return name
 
-    def list_queues(self, p: Principal) -> list:
+    async def list_queues(self, p: Principal) -> list:
+        if (a := self._remote(p)):
+            return await self.fwd.list_queues(a, p.auth)
         return [self.queue_doc(n) for n in sorted(self.core.queues) if p.any_scope(n)]
 
     async def delete_queue(self, p: Principal, name: str) -> None:
+        if (a := self._remote(p)):
+            return await self.fwd.delete_queue(a, p.auth, name)
         self.check_name_any(name)
         self.authorize(p, "admin", name)
         self._queue(name)
         await self.engine.propose(log_pb2.Record(queue_delete=log_pb2.QueueDelete(name=name)))
 
     async def redrive(self, p: Principal, name: str) -> int:
+        if (a := self._remote(p)):
+            return await self.fwd.redrive(a, p.auth, name)
         self.check_name_any(name)
         self.authorize(p, "admin", name)
         q = self._queue(name)
@@ -230,6 +267,8 @@ class Service:
         None, or the SpoolerError of an entry that apply refused (its queue was
         deleted in the same group commit); the other entries are stored.
         """
+        if (a := self._remote(p)):
+            return await self.fwd.send(a, p.auth, entries)
         lim = self.limits
         if not entries:
             raise errors.InvalidArgument("nothing to send")
@@ -282,6 +321,8 @@ class Service:
                          rfc3339(lease.expires_at), queue) for m, lease in got]
 
     async def receive(self, p: Principal, queue: str, wait_s: float, max_n: int = 1) -> list:
+        if (a := self._remote(p)):
+            return await self.fwd.receive(a, p.auth, queue, wait_s, max_n)
         self.check_name_any(queue)
         self.authorize(p, "receive", queue)
         self._queue(queue)
@@ -351,7 +392,9 @@ class Service:
     async def nack(self, p: Principal, token: str, delay_s: float = 0.0) -> None:
         await self.settle(p, [(token, "nack", delay_s)])
 
-    def renew(self, p: Principal, token: str) -> str:
+    async def renew(self, p: Principal, token: str) -> str:
+        if (a := self._remote(p)):
+            return (await self.fwd.settle(a, p.auth, [(token, "renew", 0.0)], False))[0]
         lease = self._live_lease(p, token)
         return rfc3339(self.core.renew(lease, self.engine.now_us()))
 
@@ -359,6 +402,8 @@ class Service:
         """items: [(token, "ack"|"nack"|"renew", delay_s)]. Acks and nacks share one
         log record. Returns per item None, an expiresAt string (renew) or, with
         ``per_item_errors``, the SpoolerError of that item."""
+        if (a := self._remote(p)):
+            return await self.fwd.settle(a, p.auth, items, per_item_errors)
         if not items:
             raise errors.InvalidArgument("nothing to settle")
         if len(items) > self.limits.batch_entries_max:
@@ -407,6 +452,8 @@ class Service:
 
     # ---------------------------------------------------------------- keys
     async def create_key(self, p: Principal, queue: str, scopes: list) -> dict:
+        if (a := self._remote(p)):
+            return await self.fwd.create_key(a, p.auth, queue, scopes)
         self._global_admin(p)
         if not isinstance(queue, str):
             raise errors.InvalidArgument('queue must be a queue name or "*"')
@@ -425,11 +472,15 @@ class Service:
                                                                          scopes=scopes)))
         return {"id": kid, "key": f"spk_{kid}_{secret}", "queue": queue, "scopes": scopes}
 
-    def list_keys(self, p: Principal) -> list:
+    async def list_keys(self, p: Principal) -> list:
+        if (a := self._remote(p)):
+            return await self.fwd.list_keys(a, p.auth)
         self._global_admin(p)
         return [{"id": k, "queue": v[1], "scopes": list(v[2])} for k, v in sorted(self.core.keys.items())]
 
     async def delete_key(self, p: Principal, kid: str) -> None:
+        if (a := self._remote(p)):
+            return await self.fwd.delete_key(a, p.auth, kid)
         self._global_admin(p)
         if not isinstance(kid, str) or not KEY_ID_RE.match(kid) or kid not in self.core.keys:
             raise errors.NotFound(f"no key {kid}")
@@ -446,6 +497,8 @@ class Service:
                 "commitLsn": st["commitLsn"], "appliedLsn": e.core.lsn, "nodes": nodes}
 
     async def promote(self, p: Principal, node: str) -> dict:
+        if (a := self._remote(p)):
+            return await self.fwd.promote(a, p.auth, node)
         self._global_admin(p)
         if not isinstance(node, str) or not node:
             raise errors.InvalidArgument("body must be {\"node\": \"<id>\"}")

@@ -1,0 +1,98 @@
+"""A node that is not the primary forwards client calls to the primary.
+
+Over the primary's gRPC client service, with the caller's own Authorization
+(the primary checks it again), so HTTP and gRPC callers can use any node. A
+forwarded call carries ``spooler-forwarded``; a node never forwards it again
+(two replicas with stale views must not bounce a call between them).
+"""
+from __future__ import annotations
+
+import grpc
+
+from spooler import errors
+from spooler._common import GRPC_OPTIONS, map_rpc_error, queue_dict, settings_pb
+from spooler.pb import api_pb2, api_pb2_grpc
+
+FORWARDED = "spooler-forwarded"
+_ACTIONS = {"ack": api_pb2.SETTLE_ACK, "nack": api_pb2.SETTLE_NACK, "renew": api_pb2.SETTLE_RENEW}
+
+
+class Forwarder:
+    def __init__(self, timeout_s: float = 10.0):
+        self.timeout_s = timeout_s
+        self._stubs: dict = {}
+
+    def stub(self, address: str):
+        s = self._stubs.get(address)
+        if s is None:
+            ch = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            s = self._stubs[address] = api_pb2_grpc.SpoolerStub(ch)
+        return s
+
+    async def call(self, address: str, method: str, req, auth: str, write: bool, extra_s: float = 0.0):
+        md = ((FORWARDED, "1"),) + ((("authorization", auth),) if auth else ())
+        try:
+            return await getattr(self.stub(address), method)(req, metadata=md, timeout=self.timeout_s + extra_s)
+        except grpc.RpcError as e:
+            raise map_rpc_error(e, write=write) from None
+
+    # the shapes Service returns -------------------------------------------------
+    async def put_queue(self, a, auth, name, settings):
+        from node.api.grpc_api import SETTINGS_TO_PB
+        r = await self.call(a, "PutQueue", api_pb2.PutQueueRequest(
+            name=name, settings=settings_pb({SETTINGS_TO_PB.get(k, k): v for k, v in settings.items()})), auth, True)
+        return r.created, queue_dict(r.queue)
+
+    async def get_queue(self, a, auth, name):
+        return queue_dict(await self.call(a, "GetQueue", api_pb2.QueueRequest(name=name), auth, False))
+
+    async def list_queues(self, a, auth):
+        r = await self.call(a, "ListQueues", api_pb2.ListQueuesRequest(), auth, False)
+        return [queue_dict(q) for q in r.queues]
+
+    async def delete_queue(self, a, auth, name):
+        await self.call(a, "DeleteQueue", api_pb2.QueueRequest(name=name), auth, True)
+
+    async def redrive(self, a, auth, name):
+        return (await self.call(a, "Redrive", api_pb2.QueueRequest(name=name), auth, True)).moved
+
+    async def send(self, a, auth, entries):
+        req = api_pb2.SendBatchRequest(entries=[api_pb2.SendRequest(queue=q, body=b, delay_seconds=d or 0.0,
+                                                                     dedup_key=k or "") for q, b, d, k in entries])
+        r = await self.call(a, "SendBatch", req, auth, True)
+        return [(x.id, x.duplicate, errors.from_detail(x.error) if x.HasField("error") else None) for x in r.results]
+
+    async def receive(self, a, auth, queue, wait_s, max_n):
+        from node.api.service import Delivery
+        r = await self.call(a, "ReceiveBatch", api_pb2.ReceiveRequest(queue=queue, wait_seconds=wait_s,
+                                                                     max_messages=max_n), auth, False, extra_s=wait_s)
+        return [Delivery(d.id, d.body, d.lease_token, d.retry_count, d.lease_expires_at, d.queue) for d in r.messages]
+
+    async def settle(self, a, auth, items, per_item_errors):
+        req = api_pb2.SettleBatchRequest(items=[api_pb2.SettleBatchRequest.Item(
+            token=t if isinstance(t, str) else "", action=_ACTIONS.get(act, 0), delay_seconds=d or 0.0)
+            for t, act, d in items])
+        r = await self.call(a, "SettleBatch", req, auth, True)
+        out = [errors.from_detail(x.error) if x.HasField("error") else (x.expires_at or None) for x in r.results]
+        if not per_item_errors:
+            for x in out:
+                if isinstance(x, errors.SpoolerError):
+                    raise x
+        return out
+
+    async def create_key(self, a, auth, queue, scopes):
+        r = await self.call(a, "CreateKey", api_pb2.CreateKeyRequest(queue=queue if isinstance(queue, str) else "",
+                                                                     scopes=scopes), auth, True)
+        return {"id": r.id, "key": r.key, "queue": r.queue, "scopes": list(r.scopes)}
+
+    async def list_keys(self, a, auth):
+        r = await self.call(a, "ListKeys", api_pb2.Empty(), auth, False)
+        return [{"id": k.id, "queue": k.queue, "scopes": list(k.scopes)} for k in r.keys]
+
+    async def delete_key(self, a, auth, kid):
+        await self.call(a, "DeleteKey", api_pb2.DeleteKeyRequest(id=kid), auth, True)
+
+    async def promote(self, a, auth, node):
+        r = await self.call(a, "Promote", api_pb2.PromoteRequest(node=node), auth, True, extra_s=5)
+        return {"nodeId": r.node_id, "role": r.role, "epoch": r.epoch, "primary": r.primary or None,
+                "nodes": [{"id": n.id, "role": n.role, "address": n.address} for n in r.nodes]}
