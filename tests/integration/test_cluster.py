@@ -1,0 +1,171 @@
+"""A real 3-node cluster on 127.0.0.1: election, replication, failover, rejoin."""
+import os
+import signal
+import socket
+import threading
+
+import pytest
+
+from nodeproc import NodeProc, wait_until
+from spooler import errors
+from spooler.http import HttpClient
+
+FAILOVER_S = 1.0
+
+
+def free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    ids = ["n1", "n2", "n3"]
+    ports = dict(zip(ids, free_ports(3)))
+    peers = ",".join(f"{i}=127.0.0.1:{p}" for i, p in ports.items())
+    nodes = {i: NodeProc(str(tmp_path / i), node_id=i, grpc_port=ports[i],
+                         extra_args=["--peers", peers, "--failover-timeout", str(FAILOVER_S)]) for i in ids}
+    stopped = set()
+    try:
+        threads = [threading.Thread(target=n.start) for n in nodes.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(n.alive() for n in nodes.values()), "a node did not start"
+        yield nodes, stopped
+    finally:
+        for i, n in nodes.items():
+            if i in stopped and n.alive():
+                os.kill(n.pid, signal.SIGCONT)
+            n.kill()
+
+
+def view(n):
+    try:
+        return n.get("/v1/cluster")[1]
+    except Exception:
+        return None
+
+
+def primary_of(nodes, exclude=()):
+    for i, n in nodes.items():
+        if i in exclude or not n.alive():
+            continue
+        v = view(n)
+        if v and v["role"] == "primary":
+            return i, v["epoch"]
+    return None
+
+
+def client(n):
+    return HttpClient(n.http_url, n.admin_key, timeout_s=10)
+
+
+def send_until_ok(c, queue, body, timeout_s=15):
+    def attempt():
+        try:
+            return c.send(queue, body)
+        except (errors.Unavailable, errors.OperationUnconfirmed):
+            return None
+    return wait_until(attempt, timeout_s, interval_s=0.02, what="a 201")
+
+
+def all_applied(nodes, lsn_at_least):
+    vs = [view(n) for n in nodes.values() if n.alive()]
+    return all(v and v["appliedLsn"] >= lsn_at_least for v in vs)
+
+
+def test_elects_one_primary_and_replicates(cluster):
+    nodes, _ = cluster
+    p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    replica = next(i for i in nodes if i != p)
+    c = client(nodes[replica])  # any node serves: this one forwards to the primary
+    wait_until(lambda: c.put_queue("q", leaseTimeoutSeconds=30) if primary_of(nodes) else None, 10)
+    ids = [send_until_ok(c, "q", f"m{i}".encode())["id"] for i in range(20)]
+    top = view(nodes[p])["appliedLsn"]
+    wait_until(lambda: all_applied(nodes, top), 10, what="every node applied the writes")
+    views = [view(n) for n in nodes.values()]
+    assert sum(1 for v in views if v["role"] == "primary") == 1
+    assert {v["epoch"] for v in views} == {epoch}
+    assert client(nodes[p]).get_queue("q")["stats"]["sentTotal"] == 20
+    d = c.receive("q", wait_s=5)
+    assert d.id == ids[0]
+
+
+def test_sigkill_primary_fails_over_without_loss(cluster):
+    nodes, _ = cluster
+    p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    c = client(nodes[p])
+    wait_until(lambda: c.put_queue("q", leaseTimeoutSeconds=60), 10)
+    sent = [send_until_ok(c, "q", f"m{i}".encode())["id"] for i in range(30)]
+    leased = wait_until(lambda: c.receive("q", wait_s=1), 10, what="a lease")
+    nodes[p].kill()
+    q, epoch2 = wait_until(lambda: primary_of(nodes, exclude=(p,)), 15, what="a new primary")
+    assert q != p and epoch2 > epoch
+    c2 = client(nodes[q])
+    send_until_ok(c2, "q", b"after")
+    st = c2.get_queue("q")["stats"]
+    assert st["sentTotal"] == 31  # every 201 survived the primary
+    with pytest.raises(errors.StaleLease) as e:
+        c2.ack(leased.token)
+    assert e.value.reason == "primary_changed"
+    # the leased message is visible again with its retry count (after the lease fence)
+    again = wait_until(lambda: c2.receive("q", wait_s=1), 10, what="the redelivery")
+    assert (again.id, again.retry_count) == (leased.id, 0)
+    # the old primary comes back as a replica and catches up
+    nodes[p].start()
+    top = view(nodes[q])["appliedLsn"]
+    wait_until(lambda: (view(nodes[p]) or {}).get("appliedLsn", -1) >= top, 15, what="the old primary catching up")
+    assert view(nodes[p])["role"] == "replica"
+    assert primary_of(nodes)[0] == q
+    got = set()
+    while True:
+        d = c2.receive("q")
+        if d is None:
+            break
+        got.add(d.id)
+        c2.ack(d.token)
+    assert set(sent) - {again.id} <= got
+
+
+def test_sigstop_primary_is_replaced_and_steps_down(cluster):
+    nodes, stopped = cluster
+    p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    c = client(nodes[p])
+    wait_until(lambda: c.put_queue("q"), 10)
+    send_until_ok(c, "q", b"before")
+    os.kill(nodes[p].pid, signal.SIGSTOP)
+    stopped.add(p)
+    q, epoch2 = wait_until(lambda: primary_of(nodes, exclude=(p,)), 15, what="a new primary")
+    assert epoch2 > epoch
+    send_until_ok(client(nodes[q]), "q", b"during")
+    os.kill(nodes[p].pid, signal.SIGCONT)
+    stopped.discard(p)
+    # the paused primary learns of the new epoch and steps down
+    wait_until(lambda: (view(nodes[p]) or {}).get("role") == "replica", 15, what="the old primary stepping down")
+    assert primary_of(nodes)[0] == q
+    send_until_ok(client(nodes[p]), "q", b"via the old primary")  # now forwarded
+    assert client(nodes[q]).get_queue("q")["stats"]["sentTotal"] == 3
+
+
+def test_planned_switchover(cluster):
+    nodes, _ = cluster
+    p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    c = client(nodes[p])
+    wait_until(lambda: c.put_queue("q"), 10)
+    for i in range(10):
+        send_until_ok(c, "q", f"{i}".encode())
+    target = next(i for i in nodes if i != p)
+    d = c.promote(target)
+    assert d["epoch"] >= epoch
+    new, epoch2 = wait_until(lambda: primary_of(nodes), 10, what="the new primary")
+    assert new == target and epoch2 > epoch
+    c2 = client(nodes[target])
+    send_until_ok(c2, "q", b"after")
+    assert c2.get_queue("q")["stats"]["sentTotal"] == 11
