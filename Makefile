@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-all bench proto install clean
+.PHONY: run cluster test test-all bench drill proto install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,12 +21,22 @@ run: $(STAMP)
 	SPOOLER_ADMIN_KEY=$(SPOOLER_ADMIN_KEY) $(BIN)/spooler-node --id n1 --data ./var \
 		--http 127.0.0.1:8080 --grpc 127.0.0.1:50051
 
+# Three nodes on 127.0.0.1 (HTTP 8081-8083, gRPC 50061-50063), data under ./var/cluster.
+cluster: $(STAMP)
+	$(BIN)/python -m node.devcluster
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 # Everything, the slow drills included.
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''
+
+# Long failover drills: make drill SEEDS=1-100 DURATION=30
+SEEDS ?= 1-5
+DURATION ?= 30
+drill: $(STAMP)
+	$(BIN)/python -m tests.drills.run --seeds $(SEEDS) --duration $(DURATION)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run

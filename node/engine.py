@@ -445,6 +445,8 @@ class Engine:
             except Exception as e:
                 self._fail(e, [])
                 return
+            # the replication core's view of the log forgets what the store compacted
+            self.repl.core.log.compact(c.lsn - self.store.log_keep_records)
             # Bodies now live in the store: drop them from memory.
             for mid, m in c.persisted_msgs:
                 if not m.removed:

@@ -169,3 +169,29 @@ def test_planned_switchover(cluster):
     c2 = client(nodes[target])
     send_until_ok(c2, "q", b"after")
     assert c2.get_queue("q")["stats"]["sentTotal"] == 11
+
+
+def test_a_minority_confirms_nothing(cluster):
+    """Two of three nodes gone: the survivor answers unavailable (or, for a write
+    already in flight, operation_unconfirmed) and never 201."""
+    nodes, _ = cluster
+    p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    c = client(nodes[p])
+    wait_until(lambda: c.put_queue("q"), 10)
+    send_until_ok(c, "q", b"before")
+    for i, n in nodes.items():
+        if i != p:
+            n.kill()
+
+    def refused():
+        try:
+            c.send("q", b"during")
+        except (errors.Unavailable, errors.OperationUnconfirmed):
+            return True
+        return False
+    wait_until(refused, 10, what="the lone primary to stop confirming")
+    for _ in range(5):
+        with pytest.raises((errors.Unavailable, errors.OperationUnconfirmed)):
+            c.send("q", b"during")
+    with pytest.raises(errors.Unavailable):
+        c.receive("q")  # and it hands out no leases

@@ -1,0 +1,287 @@
+"""A local N-node Spooler cluster of real ``spooler-node`` processes, for failover drills.
+
+    with Cluster(workdir, nodes=3) as c:
+        p = c.primary()            # polls GET /v1/cluster on the live nodes
+        c.kill(p); c.restart(p)    # SIGKILL by pid, start again on the same ports and data
+        c.stop_proc(p); c.cont(p)  # SIGSTOP / SIGCONT by pid
+
+Every process this helper started is ended by its pid in ``close()`` (stopped ones get
+SIGCONT first), also when the block raises; on an exception the nodes' logs are dumped
+to stderr. Nothing is ever signalled by name.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Optional
+
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+from nodeproc import ADMIN_KEY, NodeProc  # noqa: E402
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1 (all bound at once, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class Cluster:
+    def __init__(self, workdir: str, nodes: int = 3, failover_timeout_s: float = 1.0,
+                 admin_key: str = ADMIN_KEY, extra_args=()):
+        self.workdir = os.path.abspath(workdir)
+        self.ids = [f"n{i + 1}" for i in range(nodes)]
+        self.failover_timeout_s = failover_timeout_s
+        self.admin_key = admin_key
+        self.extra_args = list(extra_args)
+        self.procs: dict[str, NodeProc] = {}
+        self.stopped: set[str] = set()   # SIGSTOPped, not yet SIGCONTed
+        self.lock = threading.RLock()
+        self._pids: set[int] = set()      # every pid this cluster ever started
+        self._started_pids: dict[str, int] = {}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> "Cluster":
+        os.makedirs(self.workdir, exist_ok=True)
+        grpc_ports = free_ports(len(self.ids))
+        http_ports = free_ports(len(self.ids))
+        peers = ",".join(f"{nid}=127.0.0.1:{p}" for nid, p in zip(self.ids, grpc_ports))
+        for nid, gp, hp in zip(self.ids, grpc_ports, http_ports):
+            args = ["--peers", peers, "--failover-timeout", repr(float(self.failover_timeout_s)),
+                    *self.extra_args]
+            self.procs[nid] = NodeProc(os.path.join(self.workdir, nid), node_id=nid, admin_key=self.admin_key,
+                                       grpc_port=gp, http_port=hp, extra_args=args)
+        errs: list = []
+
+        def go(nid):
+            try:
+                self._start(nid)
+            except Exception as e:  # noqa: BLE001
+                errs.append(e)
+
+        ts = [threading.Thread(target=go, args=(nid,)) for nid in self.ids]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        if errs:
+            raise errs[0]
+        return self
+
+    def _start(self, nid: str) -> None:
+        p = self.procs[nid]
+        try:
+            p.start()
+        finally:
+            if p.proc is not None:
+                with self.lock:
+                    self._pids.add(p.proc.pid)
+
+    def close(self) -> None:
+        """SIGCONT the stopped nodes, then SIGKILL every process this cluster started."""
+        with self.lock:
+            for nid in list(self.stopped):
+                self._signal(nid, signal.SIGCONT)
+            self.stopped.clear()
+            for p in self.procs.values():
+                try:
+                    p.kill()
+                except Exception:  # noqa: BLE001
+                    pass
+            for pid in list(self._pids):  # belt and braces: pids of earlier incarnations
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+    def __enter__(self) -> "Cluster":
+        try:
+            return self.start()
+        except BaseException:
+            sys.stderr.write(self.logs())
+            self.close()
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None:
+            sys.stderr.write(f"\n=== cluster in {self.workdir} failed with {exc_type.__name__}: {exc}\n")
+            sys.stderr.write(self.logs())
+        self.close()
+        return False
+
+    # -- nemesis primitives --------------------------------------------------------------------
+    def _signal(self, nid: str, sig: int) -> None:
+        p = self.procs[nid]
+        if p.alive():
+            os.kill(p.pid, sig)
+
+    def kill(self, nid: str) -> None:
+        """SIGKILL by pid (a stopped process dies too)."""
+        with self.lock:
+            self.procs[nid].kill()
+            self.stopped.discard(nid)
+
+    def stop_proc(self, nid: str) -> None:
+        """SIGSTOP: the process freezes with its sockets open (a hung node, not a dead one)."""
+        with self.lock:
+            self._signal(nid, signal.SIGSTOP)
+            self.stopped.add(nid)
+
+    def cont(self, nid: str) -> None:
+        with self.lock:
+            self._signal(nid, signal.SIGCONT)
+            self.stopped.discard(nid)
+
+    def restart(self, nid: str) -> None:
+        """Kill (if running) and start again with the same data dir and ports."""
+        with self.lock:
+            if nid in self.stopped:
+                self.cont(nid)
+            self.procs[nid].kill()
+        self._start(nid)
+
+    def graceful_stop(self, nid: str) -> int:
+        with self.lock:
+            if nid in self.stopped:
+                self.cont(nid)
+        return self.procs[nid].stop()
+
+    # -- queries ----------------------------------------------------------------------------------
+    def alive(self, nid: str) -> bool:
+        return self.procs[nid].alive()
+
+    def live(self) -> list[str]:
+        """Running and not SIGSTOPped."""
+        with self.lock:
+            return [n for n in self.ids if self.procs[n].alive() and n not in self.stopped]
+
+    def url(self, nid: str) -> str:
+        return self.procs[nid].http_url
+
+    def info(self, nid: str, timeout_s: float = 1.0) -> Optional[dict]:
+        """GET /v1/cluster on one node, or None if it does not answer."""
+        p = self.procs[nid]
+        if not p.alive() or not p.http_url:
+            return None
+        req = urllib.request.Request(p.http_url + "/v1/cluster",
+                                     headers={"Authorization": f"Bearer {self.admin_key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return json.loads(r.read())
+        except (OSError, ValueError, urllib.error.URLError):
+            return None
+
+    def infos(self, timeout_s: float = 1.0) -> dict[str, dict]:
+        out = {}
+        for nid in self.live():
+            d = self.info(nid, timeout_s)
+            if d is not None:
+                out[nid] = d
+        return out
+
+    def current_primary(self, timeout_s: float = 1.0) -> Optional[tuple[str, int]]:
+        """(node, epoch) of the live node that reports itself primary under the highest epoch
+        and that every other answering live node names as primary; else None."""
+        infos = self.infos(timeout_s)
+        prim = [(d["epoch"], nid) for nid, d in infos.items() if d.get("role") == "primary"]
+        if not prim:
+            return None
+        epoch, nid = max(prim)
+        if all(d.get("primary") == nid for d in infos.values()):
+            return nid, epoch
+        return None
+
+    def primary(self, timeout_s: float = 20.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            cp = self.current_primary()
+            if cp is not None:
+                return cp[0]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no agreed primary within {timeout_s}s; views: {self.infos()}")
+            time.sleep(0.05)
+
+    def wait_converged(self, timeout_s: float = 30.0) -> dict[str, int]:
+        """Every node runs, agrees on the primary and epoch, and has applied the same LSN
+        (== the primary's commitLsn), twice in a row. Returns {node: appliedLsn}."""
+        deadline = time.monotonic() + timeout_s
+        prev = None
+        while True:
+            infos = self.infos()
+            ok = len(infos) == len(self.ids)
+            if ok:
+                prims = {d.get("primary") for d in infos.values()}
+                epochs = {d.get("epoch") for d in infos.values()}
+                lsns = {nid: d.get("appliedLsn") for nid, d in infos.items()}
+                commit = max(d.get("commitLsn", 0) or 0 for d in infos.values())
+                ok = (len(prims) == 1 and None not in prims and len(epochs) == 1
+                      and len(set(lsns.values())) == 1 and next(iter(lsns.values())) == commit)
+                if ok and prev == lsns:
+                    return lsns
+                prev = lsns if ok else None
+            if time.monotonic() > deadline:
+                raise AssertionError(f"cluster did not converge within {timeout_s}s; views: {infos}")
+            time.sleep(0.1)
+
+    # -- evidence -----------------------------------------------------------------------------------
+    def logs(self, tail_chars: int = 6000) -> str:
+        out = []
+        for nid, p in self.procs.items():
+            try:
+                with open(p.log_path, errors="replace") as f:
+                    text = f.read()
+            except OSError:
+                text = ""
+            out.append(f"\n----- {nid} log ({p.log_path}), last {tail_chars} chars -----\n{text[-tail_chars:]}")
+        return "".join(out) + "\n"
+
+
+def db_digest(data_dir: str) -> dict:
+    """Integrity check and a digest of the replicated state of a *stopped* node's store.
+
+    The digest covers the queues (settings and counters), the messages and the keys; the
+    log and meta tables are per node (truncation, checkpoints) and left out."""
+    import apsw
+
+    path = os.path.join(data_dir, "spool.db")
+    db = apsw.Connection(path, flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        rows = db.execute("PRAGMA integrity_check").fetchall()
+        integrity = "ok" if rows == [("ok",)] else "; ".join(str(r[0]) for r in rows)[:500]
+        h = hashlib.sha256()
+        counts = {}
+        for table, sql in (("queues", "SELECT name, settings, counters FROM queues ORDER BY name"),
+                           ("messages", "SELECT id, queue, seq, retry, visible_at, expires_at, body "
+                                        "FROM messages ORDER BY id"),
+                           ("keys", "SELECT id, sha256, queue, scopes FROM keys ORDER BY id")):
+            n = 0
+            for row in db.execute(sql):
+                h.update(repr((table, row)).encode())
+                n += 1
+            counts[table] = n
+        queues = {name: json.loads(counters) for name, _, counters in
+                  db.execute("SELECT name, settings, counters FROM queues ORDER BY name")}
+    finally:
+        db.close()
+    return {"integrity": integrity, "digest": h.hexdigest(), "counts": counts, "counters": queues}

@@ -1,0 +1,407 @@
+"""One seeded process-failover drill against a real local cluster.
+
+``run_drill(seed, duration_s, nodes=3, workdir=...)`` starts ``nodes`` spooler-node
+processes (``cluster.Cluster``), creates a queue, and for ``duration_s`` seconds runs
+
+- producers (3 threads): send unique bodies ``s<seed>-p<i>-<n>``;
+- consumers (2 threads): receive (wait 0.5 s), then ~5 % nack, ~5 % renew-then-ack,
+  ~1 % abandon the lease (it expires), otherwise ack;
+- a role observer: ``GET /v1/cluster`` on every live node every ~100 ms, recording a
+  ``role`` event whenever a node's (role, epoch) changes;
+- a nemesis on a seeded schedule, one node down at a time: SIGKILL the primary and restart
+  it later, SIGSTOP the primary past the failover timeout then SIGCONT, SIGKILL+restart a
+  replica.
+
+Every client call talks to a random running node (a new one after an error) and is
+recorded in a :class:`History` (invoke, then ok / fail / unknown as the module docstring
+of ``history.py`` prescribes). Then it heals everything, drains the queue and its failure
+queue (receives recorded with ``drain: true``), waits for every node to apply the same LSN,
+stops the nodes gracefully, runs ``PRAGMA integrity_check`` and digests each node's store,
+records the ``final`` event, writes ``history.jsonl`` into the workdir and returns
+``checker.check``'s report (plus ``seed``, ``wall_s``, ``workdir``, ``drain_complete``...).
+"""
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+import traceback
+from typing import Optional
+
+from spooler import errors
+from spooler.http import HttpClient
+
+try:  # imported as tests.drills.drill (python -m) or drills.drill (pytest rootdir tests/)
+    from .checker import DEFINITE_FAILURE_KINDS, check
+    from .cluster import Cluster, db_digest
+    from .history import History, expires_at_monotonic
+except ImportError:  # pragma: no cover
+    from checker import DEFINITE_FAILURE_KINDS, check  # type: ignore
+    from cluster import Cluster, db_digest  # type: ignore
+    from history import History, expires_at_monotonic  # type: ignore
+
+QUEUE = "drill"
+FAILURE_QUEUE = QUEUE + ".failed"
+LEASE_S = 2.0
+MAX_RETRIES = 50
+CLIENT_TIMEOUT_S = 3.0
+RECEIVE_WAIT_S = 0.5
+
+
+def classify(exc: BaseException) -> tuple[str, dict]:
+    """("fail" | "unknown", fields) for an exception of a client call."""
+    if isinstance(exc, errors.SpoolerError):
+        cause = exc.__cause__
+        if isinstance(exc, errors.OperationUnconfirmed) and isinstance(cause, ConnectionRefusedError):
+            # refused at connect: the request never left this process
+            return "fail", {"error": "unavailable", "detail": "connection_refused"}
+        fields = {"error": exc.kind, "message": str(exc)[:160]}
+        if exc.reason:
+            fields["reason"] = exc.reason
+        return ("fail" if exc.kind in DEFINITE_FAILURE_KINDS else "unknown"), fields
+    return "unknown", {"error": type(exc).__name__, "message": str(exc)[:160]}
+
+
+class _Client:
+    """A logical client process: one node at a time, another random one after an error."""
+
+    def __init__(self, cluster: Cluster, rng: random.Random, name: str):
+        self.cluster, self.rng, self.name = cluster, rng, name
+        self.node: Optional[str] = None
+        self.http: Optional[HttpClient] = None
+
+    def pick(self) -> None:
+        with self.cluster.lock:
+            running = [n for n in self.cluster.ids if self.cluster.alive(n)]
+        others = [n for n in running if n != self.node] or running or self.cluster.ids
+        self.node = self.rng.choice(others)
+        self.http = HttpClient(self.cluster.url(self.node), self.cluster.admin_key, timeout_s=CLIENT_TIMEOUT_S)
+
+    def client(self) -> HttpClient:
+        if self.http is None:
+            self.pick()
+        return self.http
+
+
+class Drill:
+    def __init__(self, seed: int, duration_s: float, nodes: int, workdir: str, producers: int = 3,
+                 consumers: int = 2, send_pause_s: float = 0.01, failover_timeout_s: float = 1.0,
+                 log=print):
+        self.seed, self.duration_s, self.workdir = seed, duration_s, os.path.abspath(workdir)
+        self.n_producers, self.n_consumers = producers, consumers
+        self.send_pause_s = send_pause_s
+        self.failover_timeout_s = failover_timeout_s
+        self.log = log
+        self.h = History()
+        self.cluster = Cluster(os.path.join(self.workdir, "nodes"), nodes=nodes,
+                               failover_timeout_s=failover_timeout_s)
+        self.stop_load = threading.Event()
+        self.stop_observer = threading.Event()
+        self.thread_errors: list[str] = []
+        self.failed_queue_ids: set = set()
+        self.notes: list[str] = []
+
+    def rng(self, name: str) -> random.Random:
+        return random.Random(f"{self.seed}/{name}")
+
+    # -- recorded calls ------------------------------------------------------------------------
+    def _call(self, c: _Client, f: str, fn, inv: dict, on_ok):
+        """Invoke, run fn(http), complete; returns (outcome, value or exception)."""
+        http = c.client()
+        op = self.h.invoke(c.name, f, node=c.node, **inv)
+        try:
+            v = fn(http)
+        except Exception as e:  # noqa: BLE001
+            typ, fields = classify(e)
+            getattr(op, typ)(**fields)
+            c.pick()
+            return typ, e
+        op.ok(**on_ok(v, http))
+        return "ok", v
+
+    def send(self, c: _Client, body: str):
+        return self._call(c, "send", lambda http: http.send(QUEUE, body.encode()),
+                          {"queue": QUEUE, "body": body},
+                          lambda v, http: {"id": v["id"], "duplicate": v.get("duplicate", False)})
+
+    def receive(self, c: _Client, queue: str, wait_s: float, drain: bool = False):
+        extra = {"drain": True} if drain else {}
+
+        def on_ok(d, http):
+            if d is None:
+                return {"empty": True, **extra}
+            d.epoch = http.last_epoch  # Spooler-Epoch of the answering node
+            return {"id": d.id, "body": d.body.decode(errors="replace"), "token": d.token,
+                    "retry": d.retry_count, "epoch": http.last_epoch,
+                    "expires_at": expires_at_monotonic(d.expires_at), "expires_at_rfc3339": d.expires_at,
+                    "queue": queue, **extra}
+        return self._call(c, "receive", lambda http: http.receive(queue, wait_s=wait_s),
+                          {"queue": queue, **extra}, on_ok)
+
+    def settle(self, c: _Client, f: str, d: dict):
+        inv = {"id": d["id"], "token": d["token"], "epoch": d["epoch"]}
+        if f == "renew":
+            return self._call(c, f, lambda http: http.renew(d["token"]), inv,
+                              lambda v, http: {"expires_at": expires_at_monotonic(v), "expires_at_rfc3339": v})
+        fn = (lambda http: http.ack(d["token"])) if f == "ack" else (lambda http: http.nack(d["token"]))
+        return self._call(c, f, fn, inv, lambda v, http: {})
+
+    def settle_retrying(self, c: _Client, f: str, d: dict, attempts: int = 4):
+        """ack/nack; an unknown or unavailable outcome is retried (elsewhere) while the lease lives."""
+        for _ in range(attempts):
+            typ, v = self.settle(c, f, d)
+            if typ == "ok" or isinstance(v, errors.StaleLease):
+                return typ, v
+            if time.monotonic() > d["expires_at"]:
+                return typ, v
+            time.sleep(0.05)
+        return typ, v
+
+    # -- threads ---------------------------------------------------------------------------------
+    def _guard(self, name, fn):
+        def run():
+            try:
+                fn()
+            except Exception:  # noqa: BLE001
+                self.thread_errors.append(f"{name}: {traceback.format_exc()}")
+                self.stop_load.set()
+        t = threading.Thread(target=run, name=name, daemon=True)
+        t.start()
+        return t
+
+    def producer(self, i: int):
+        name = f"p{i}"
+        rng = self.rng(name)
+        c = _Client(self.cluster, rng, name)
+        n = 0
+        while not self.stop_load.is_set():
+            n += 1
+            typ, v = self.send(c, f"s{self.seed}-{name}-{n}")
+            if typ != "ok":
+                self.stop_load.wait(0.05 + rng.random() * 0.1)
+            elif self.send_pause_s:
+                self.stop_load.wait(rng.random() * 2 * self.send_pause_s)
+
+    def consumer(self, i: int):
+        name = f"c{i}"
+        rng = self.rng(name)
+        c = _Client(self.cluster, rng, name)
+        while not self.stop_load.is_set():
+            typ, v = self.receive(c, QUEUE, RECEIVE_WAIT_S)
+            if typ != "ok":
+                self.stop_load.wait(0.05 + rng.random() * 0.1)
+                continue
+            if v is None:
+                continue
+            dd = {"id": v.id, "token": v.token, "epoch": v.epoch,
+                  "expires_at": expires_at_monotonic(v.expires_at)}
+            x = rng.random()
+            if x < 0.01:
+                continue  # abandon: the lease expires, the server auto-nacks
+            if x < 0.06:
+                self.settle_retrying(c, "nack", dd)
+                continue
+            if x < 0.11:
+                time.sleep(rng.random() * 0.2)
+                typ, v2 = self.settle(c, "renew", dd)
+                if typ == "ok":
+                    dd["expires_at"] = expires_at_monotonic(v2)
+            elif rng.random() < 0.2:
+                time.sleep(rng.random() * 0.05)  # some work
+            self.settle_retrying(c, "ack", dd)
+
+    def observer(self):
+        last: dict = {}
+        while not self.stop_observer.is_set():
+            for nid in self.cluster.live():
+                info = self.cluster.info(nid, timeout_s=0.5)
+                if info is None:
+                    continue
+                key = (info.get("role"), info.get("epoch"))
+                if last.get(nid) != key:
+                    last[nid] = key
+                    self.h.role(nid, info.get("role"), info.get("epoch"), primary=info.get("primary"),
+                                appliedLsn=info.get("appliedLsn"), commitLsn=info.get("commitLsn"))
+            self.stop_observer.wait(0.1)
+
+    def _wait_healthy(self, timeout_s: float = 20.0) -> None:
+        """Every node answers and they agree on one primary."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            infos = self.cluster.infos()
+            cp = self.cluster.current_primary()
+            if cp is not None and len(infos) == len(self.cluster.ids):
+                return
+            time.sleep(0.1)
+        self.notes.append(f"cluster not healthy {timeout_s}s after a nemesis at t={time.monotonic():.3f}")
+
+    def nemesis(self):
+        rng = self.rng("nemesis")
+        c, h, ft = self.cluster, self.h, self.failover_timeout_s
+        first = True
+        while not self.stop_load.is_set():
+            if self.stop_load.wait(rng.uniform(1.0, 2.0) if first else rng.uniform(2.0, 4.0)):
+                break
+            first = False
+            action = rng.choices(["kill_primary", "stop_primary", "restart_replica"], [0.4, 0.35, 0.25])[0]
+            down = rng.uniform(1.5, 4.0)
+            cp = c.current_primary()
+            if cp is None:
+                self._wait_healthy(5.0)
+                continue
+            p, epoch = cp
+            if action == "kill_primary":
+                h.nemesis("kill", p, role="primary", epoch=epoch)
+                c.kill(p)
+                self.stop_load.wait(down)
+                h.nemesis("restart", p)
+                c.restart(p)
+                h.nemesis("restarted", p)
+            elif action == "stop_primary":
+                h.nemesis("stop", p, role="primary", epoch=epoch)
+                c.stop_proc(p)
+                self.stop_load.wait(ft + down / 2)
+                h.nemesis("cont", p)
+                c.cont(p)
+            else:
+                r = rng.choice([n for n in c.ids if n != p])
+                h.nemesis("kill", r, role="replica", epoch=epoch)
+                c.kill(r)
+                h.nemesis("restart", r)
+                c.restart(r)
+                h.nemesis("restarted", r)
+            self._wait_healthy()
+
+    # -- phases -------------------------------------------------------------------------------------
+    def heal(self):
+        c = self.cluster
+        for nid in c.ids:
+            if nid in c.stopped:
+                self.h.nemesis("cont", nid, phase="heal")
+                c.cont(nid)
+            if not c.alive(nid):
+                self.h.nemesis("restart", nid, phase="heal")
+                c.restart(nid)
+
+    def setup_queue(self):
+        c = _Client(self.cluster, self.rng("setup"), "setup")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                c.client().put_queue(QUEUE, leaseTimeoutSeconds=LEASE_S, maxRetries=MAX_RETRIES)
+                return
+            except errors.SpoolerError:
+                if time.monotonic() > deadline:
+                    raise
+                c.pick()
+                time.sleep(0.2)
+
+    def _stats(self, c: _Client, queue: str) -> Optional[dict]:
+        try:
+            return c.client().get_queue(queue)["stats"]
+        except errors.QueueNotFound:
+            return {}
+        except errors.SpoolerError:
+            c.pick()
+            return None
+
+    def drain(self, timeout_s: float = 90.0) -> bool:
+        c = _Client(self.cluster, self.rng("drain"), "drain")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            got = False
+            for q in (QUEUE, FAILURE_QUEUE):
+                typ, v = self.receive(c, q, 0.2, drain=True)
+                if typ == "ok" and v is not None:
+                    got = True
+                    if q == FAILURE_QUEUE:
+                        self.failed_queue_ids.add(v.id)
+                    dd = {"id": v.id, "token": v.token, "epoch": v.epoch,
+                          "expires_at": expires_at_monotonic(v.expires_at)}
+                    self.settle_retrying(c, "ack", dd)
+                elif typ != "ok":
+                    time.sleep(0.1)
+            if got:
+                continue
+            s1, s2 = self._stats(c, QUEUE), self._stats(c, FAILURE_QUEUE)
+            if s1 is None or s2 is None:
+                continue
+            if all((s.get("visible", 0) + s.get("leased", 0) + s.get("delayed", 0)) == 0 for s in (s1, s2)):
+                return True
+            time.sleep(0.1)
+        self.notes.append(f"drain incomplete after {timeout_s}s")
+        return False
+
+    def finish(self) -> dict:
+        """Converge, stop every node gracefully (replicas first), integrity + digest per node."""
+        c = self.cluster
+        lsns = c.wait_converged(timeout_s=60)
+        primary = c.primary()
+        self.stop_observer.set()
+        states, integrity, counters = {}, {}, {}
+        for nid in [n for n in c.ids if n != primary] + [primary]:
+            rc = c.graceful_stop(nid)
+            if rc not in (0, None):
+                self.notes.append(f"{nid} exited with {rc} on SIGTERM")
+        for nid in c.ids:
+            try:
+                d = db_digest(c.procs[nid].data_dir)
+                states[nid], integrity[nid], counters[nid] = d["digest"], d["integrity"], d["counters"]
+            except Exception as e:  # noqa: BLE001
+                states[nid], integrity[nid] = f"error: {e}", f"error: {e}"
+        return {"node_states": states, "integrity": integrity, "node_counters": counters,
+                "applied_lsn": lsns}
+
+    def run(self) -> dict:
+        t0 = time.monotonic()
+        os.makedirs(self.workdir, exist_ok=True)
+        hist_path = os.path.join(self.workdir, "history.jsonl")
+        report: dict = {}
+        drained = False
+        final: dict = {}
+        with self.cluster:
+            try:
+                self.cluster.primary(timeout_s=30)
+                self.setup_queue()
+                obs = self._guard("observer", self.observer)
+                load = [self._guard(f"p{i}", lambda i=i: self.producer(i)) for i in range(self.n_producers)]
+                load += [self._guard(f"c{i}", lambda i=i: self.consumer(i)) for i in range(self.n_consumers)]
+                nem = self._guard("nemesis", self.nemesis)
+                self.stop_load.wait(self.duration_s)
+                self.stop_load.set()
+                for t in load + [nem]:
+                    t.join(timeout=60)
+                    if t.is_alive():
+                        self.notes.append(f"thread {t.name} did not stop")
+                self.heal()
+                self.cluster.primary(timeout_s=30)
+                drained = self.drain()
+                final = self.finish()
+                obs.join(timeout=10)
+            finally:
+                self.stop_observer.set()
+                self.h.final(expired_ids=[], failed_queue_ids=sorted(self.failed_queue_ids), **final)
+                self.h.to_jsonl(hist_path)
+        report = check(self.h)
+        nem_counts: dict = {}
+        for e in self.h.events:
+            if e.get("type") == "nemesis" and e.get("phase") != "heal":
+                k = e["f"] + (f"_{e['role']}" if e.get("role") else "")
+                nem_counts[k] = nem_counts.get(k, 0) + 1
+        report.update(seed=self.seed, duration_s=self.duration_s, wall_s=time.monotonic() - t0,
+                      workdir=self.workdir, history=hist_path, drain_complete=drained,
+                      nemesis_counts=nem_counts, thread_errors=self.thread_errors, notes=self.notes,
+                      node_counters=final.get("node_counters"))
+        if self.thread_errors or not drained:
+            report["required_zeros_ok"] = False
+        return report
+
+
+def run_drill(seed: int, duration_s: float, nodes: int = 3, workdir: Optional[str] = None, **kw) -> dict:
+    """Run one drill; returns checker.check's report plus run facts. The history is kept
+    in ``<workdir>/history.jsonl`` and the node logs in ``<workdir>/nodes/n*/n*.log``."""
+    if workdir is None:
+        import tempfile
+        workdir = tempfile.mkdtemp(prefix=f"drill-{seed}-")
+    return Drill(seed, duration_s, nodes, workdir, **kw).run()
