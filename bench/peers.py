@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -181,61 +182,57 @@ def _parse_json(stdout: str):
     return None
 
 
-def run_peer(name: str, n: int = 5000, repeats: int = 3, log=print) -> dict:
+def _check(name: str, log) -> tuple:
+    """(spec, pdir, None) when the peer can run, else (spec, pdir, {"skipped": ...})."""
     spec = PEERS[name]
     pdir = PEERS_DIR / spec["dir"]
     if not (pdir / "cluster.sh").exists() or not (pdir / "bench.py").exists():
-        return {"skipped": f"peer scripts not found at ../shared/peers/{spec['dir']} (relative to the repo)"}
+        return spec, pdir, {"skipped": f"peer scripts not found at ../shared/peers/{spec['dir']} (relative to the repo)"}
     miss = _missing(spec)
-    install_note = None
     if miss:
         if os.environ.get("SPOOLER_BENCH_INSTALL_PEERS") != "1":
-            return {"skipped": "missing: " + ", ".join(miss) +
-                    " (set SPOOLER_BENCH_INSTALL_PEERS=1 to install, or install by hand)"}
-        install_note = _install(spec, log)
+            return spec, pdir, {"skipped": "missing: " + ", ".join(miss) +
+                                " (set SPOOLER_BENCH_INSTALL_PEERS=1 to install, or install by hand)"}
+        note = _install(spec, log)
         miss = _missing(spec)
         if miss:
-            return {"skipped": "still missing after install attempt: " + ", ".join(miss), "install": install_note}
+            return spec, pdir, {"skipped": "still missing after install attempt: " + ", ".join(miss), "install": note}
     busy = [p for p in spec["ports"] if _port_busy(p)]
     if busy:
-        return {"skipped": f"ports already in use on 127.0.0.1: {busy} (another {name} cluster running?)"}
+        return spec, pdir, {"skipped": f"ports already in use on 127.0.0.1: {busy} (another {name} cluster running?)"}
+    return spec, pdir, None
 
-    _become_subreaper()
-    state_dir = Path(tempfile.mkdtemp(prefix=f"bench-{spec['dir']}-peer-"))
-    env = {**os.environ, spec["dir_env"]: str(state_dir)}
-    out = {"system": name, "nodes": 3, "replicas": 3, "setup": spec["describe"], "runs": []}
-    if install_note:
-        out["install"] = install_note
-    cluster = ["bash", str(pdir / "cluster.sh")]
-    t0 = time.perf_counter()
-    pids = []
-    try:
-        log(f"peers: {name}: cluster.sh up")
-        rc, so, se = _run([*cluster, "up"], env, pdir, spec["up_timeout_s"])
-        pids = _recorded_pids(state_dir)
+
+class _PeerCluster:
+    """``cluster.sh up`` in a private temp dir; on exit ``cluster.sh down``, then SIGKILL by pid
+    whatever it recorded that is still alive, reap, remove the dir. Exit records into ``out``."""
+
+    def __init__(self, name: str, spec: dict, pdir: Path, out: dict, log):
+        self.name, self.spec, self.pdir, self.out, self.log = name, spec, pdir, out, log
+        self.state_dir = Path(tempfile.mkdtemp(prefix=f"bench-{spec['dir']}-peer-"))
+        self.env = {**os.environ, spec["dir_env"]: str(self.state_dir)}
+        self.cmd = ["bash", str(pdir / "cluster.sh")]
+        self.pids: list = []
+        self.up_ok = False
+
+    def __enter__(self):
+        _become_subreaper()
+        t0 = time.perf_counter()
+        self.log(f"peers: {self.name}: cluster.sh up")
+        rc, so, se = _run([*self.cmd, "up"], self.env, self.pdir, self.spec["up_timeout_s"])
+        self.pids = _recorded_pids(self.state_dir)
         if rc != 0:
-            out["error"] = f"cluster.sh up failed (rc {rc}): {(se or so).strip()[-800:]}"
+            self.out["error"] = f"cluster.sh up failed (rc {rc}): {(se or so).strip()[-800:]}"
         else:
-            out["cluster_up_s"] = round(time.perf_counter() - t0, 1)
-        for r in range(1, repeats + 1 if rc == 0 else 1):
-            rc, so, se = _run([sys.executable, str(pdir / "bench.py"), str(n)], env, pdir, 180)
-            res = _parse_json(so) if rc == 0 else None
-            if res is None:
-                out["runs"].append({"error": f"bench.py rc {rc}: {(se or so).strip()[-800:]}"})
-                log(f"peers: {name} run {r}/{repeats} failed: rc {rc}")
-                continue
-            notes = [l for l in (se or "").splitlines() if l.strip()][-2:]
-            if notes:
-                res["stderr"] = notes
-            out["runs"].append(res)
-            log(f"peers: {name} run {r}/{repeats}: " +
-                json.dumps({k: res.get(k) for k in FIGURES}))
-    except Exception as e:  # noqa: BLE001
-        out["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        pids = sorted(set(pids + _recorded_pids(state_dir)))
+            self.up_ok = True
+            self.out["cluster_up_s"] = round(time.perf_counter() - t0, 1)
+        return self
+
+    def __exit__(self, *exc):
+        out = self.out
+        pids = sorted(set(self.pids + _recorded_pids(self.state_dir)))
         try:
-            _run([*cluster, "down"], env, pdir, 90)
+            _run([*self.cmd, "down"], self.env, self.pdir, 90)
         except Exception as e:  # noqa: BLE001
             out["down_error"] = f"{type(e).__name__}: {e}"
         deadline = time.monotonic() + 15
@@ -253,13 +250,77 @@ def run_peer(name: str, n: int = 5000, repeats: int = 3, log=print) -> dict:
         _reap_adopted()
         if left:
             out["killed_after_down"] = left
-        shutil.rmtree(state_dir, ignore_errors=True)
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+        return False
+
+
+def run_peer(name: str, n: int = 5000, repeats: int = 3, log=print) -> dict:
+    spec, pdir, skip = _check(name, log)
+    if skip:
+        return skip
+    out = {"system": name, "nodes": 3, "replicas": 3, "setup": spec["describe"], "runs": []}
+    try:
+        with _PeerCluster(name, spec, pdir, out, log) as pc:
+            for r in range(1, repeats + 1 if pc.up_ok else 1):
+                rc, so, se = _run([sys.executable, str(pdir / "bench.py"), str(n)], pc.env, pdir, 180)
+                res = _parse_json(so) if rc == 0 else None
+                if res is None:
+                    out["runs"].append({"error": f"bench.py rc {rc}: {(se or so).strip()[-800:]}"})
+                    log(f"peers: {name} run {r}/{repeats} failed: rc {rc}")
+                    continue
+                notes = [l for l in (se or "").splitlines() if l.strip()][-2:]
+                if notes:
+                    res["stderr"] = notes
+                out["runs"].append(res)
+                log(f"peers: {name} run {r}/{repeats}: " +
+                    json.dumps({k: res.get(k) for k in FIGURES}))
+    except Exception as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {e}"
     good = [x for x in out["runs"] if "error" not in x]
     out["samples"] = {f: [x[f] for x in good if f in x] for f in FIGURES}
     out["median"] = {f: (round(statistics.median(v), 3) if f.endswith("_ms") else round(statistics.median(v)))
                      for f, v in out["samples"].items() if v}
     if not good and "error" not in out:
         out["error"] = "no successful bench.py run"
+    return out
+
+
+_FAILOVER_RE = re.compile(r"failover:.*?(\d+(?:\.\d+)?)s after SIGKILL")
+
+
+def run_failover(name: str, repeats: int = 1, log=print) -> dict:
+    """The peer's own failover.py (seconds from SIGKILL of the leader to the next acked/confirmed
+    publish), each time on a fresh cluster (cluster.sh up, failover.py, cluster.sh down)."""
+    spec, pdir, skip = _check(name, log)
+    if skip:
+        return skip
+    if not (pdir / "failover.py").exists():
+        return {"skipped": f"no failover.py in ../shared/peers/{spec['dir']}"}
+    out = {"system": name, "script": f"../shared/peers/{spec['dir']}/failover.py", "runs": []}
+    for r in range(1, repeats + 1):
+        run = {}
+        try:
+            with _PeerCluster(name, spec, pdir, run, log) as pc:
+                if pc.up_ok:
+                    rc, so, se = _run([sys.executable, str(pdir / "failover.py")], pc.env, pdir, 150)
+                    lines = [l for l in (so or "").splitlines() if l.strip()]
+                    run["stdout"] = lines[-4:]
+                    m = next((_FAILOVER_RE.search(l) for l in lines if _FAILOVER_RE.search(l)), None)
+                    if m:
+                        run["seconds"] = float(m.group(1))
+                    else:
+                        run["error"] = f"failover.py rc {rc}: no seconds in its output: {(se or so).strip()[-600:]}"
+        except Exception as e:  # noqa: BLE001
+            run["error"] = f"{type(e).__name__}: {e}"
+        out["runs"].append(run)
+        log(f"peers: {name} failover {r}/{repeats}: " + (f"{run['seconds']} s" if "seconds" in run
+                                                          else run.get("error", "?")))
+    secs = [x["seconds"] for x in out["runs"] if "seconds" in x]
+    out["samples_s"] = secs
+    if secs:
+        out["median_s"] = round(statistics.median(secs), 3)
+    else:
+        out["error"] = "no failover.py run gave a figure"
     return out
 
 

@@ -162,8 +162,10 @@ class _Probe:
         return False
 
 
-async def _workload(node, n, n_seq, n_batches, repeats, log, samples, extra):
-    """Fills ``samples`` and ``extra`` as it goes, so a failure keeps what was measured."""
+async def _workload(node, n, n_seq, n_batches, repeats, log, samples, extra, probe=None, label="spooler"):
+    """Fills ``samples`` and ``extra`` as it goes, so a failure keeps what was measured.
+    ``node`` is the node the SDK talks to (the primary in a cluster); ``probe(node)`` makes the
+    per-phase measurement (default: _Probe, that one node's CPU and commits)."""
     from spooler import AsyncClient
 
     target, key = node.grpc_target, node.admin_key
@@ -180,13 +182,13 @@ async def _workload(node, n, n_seq, n_batches, repeats, log, samples, extra):
                 ("batch_100_4_in_flight", lambda: _batched(c, names["batch4"], n_batches, depth=4)),
                 ("receive_ack", lambda: _receive_ack(c, names["recv"], n)),
             ]
-            for label, phase in phases:
+            for phase_name, phase in phases:
                 try:
-                    async with _Probe(node) as probe:
+                    async with (probe or _Probe)(node) as pr:
                         res = await asyncio.wait_for(phase(), PHASE_TIMEOUT_S)
-                    extra["where_time_goes"].setdefault(label, []).append(probe.result)
+                    extra["where_time_goes"].setdefault(phase_name, []).append(pr.result)
                 except Exception as e:
-                    raise RuntimeError(f"run {r}/{repeats} phase {label}: {type(e).__name__}: {e}") from e
+                    raise RuntimeError(f"run {r}/{repeats} phase {phase_name}: {type(e).__name__}: {e}") from e
                 if isinstance(res, tuple):
                     res, info = res
                     if "send_rpcs" in info:
@@ -195,7 +197,7 @@ async def _workload(node, n, n_seq, n_batches, repeats, log, samples, extra):
                         extra["ack_errors"].append(info["ack_errors"])
                 for k, v in res.items():
                     samples[k].append(v)
-                log(f"spooler run {r}/{repeats} {label}: {res}")
+                log(f"{label} run {r}/{repeats} {phase_name}: {res}")
             for name in names.values():
                 try:
                     await c.delete_queue(name)

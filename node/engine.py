@@ -79,7 +79,7 @@ class Engine:
                  clock_us: Callable[[], int] = wall_us, vfs: Optional[str] = None,
                  checkpoint_interval_s: float = 1.0, checkpoint_dirty_max: int = 50_000,
                  synchronous: str = "FULL", peers: Optional[dict] = None, failover_timeout_s: float = 2.0,
-                 grpc_options=()):
+                 grpc_options=(), tls=None):
         """peers: member id -> gRPC address, this node included (None: a cluster of one)."""
         self.node_id = node_id
         self.limits = limits or Limits()
@@ -97,7 +97,8 @@ class Engine:
         from node.replication.driver import Driver
         peers = peers or {node_id: ""}
         self.cluster = len(peers) > 1
-        self.repl = Driver(self, node_id, peers, failover_timeout_s, grpc_options)
+        self.tls = tls
+        self.repl = Driver(self, node_id, peers, failover_timeout_s, grpc_options, tls)
         self._wake: Optional[asyncio.Event] = None
         self._events: dict[str, asyncio.Event] = {}
         self._tasks: list = []

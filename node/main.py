@@ -43,6 +43,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds replicas wait for a silent primary (SPOOLER_FAILOVER_TIMEOUT)")
     p.add_argument("--max-body-bytes", type=int, default=int(_env("SPOOLER_MAX_BODY_BYTES", str(256 * 1024))),
                    help="largest message body (SPOOLER_MAX_BODY_BYTES, default 262144)")
+    p.add_argument("--tls-cert", default=_env("SPOOLER_TLS_CERT", ""),
+                   help="PEM certificate of this node: enables mTLS on the gRPC port (SPOOLER_TLS_CERT)")
+    p.add_argument("--tls-key", default=_env("SPOOLER_TLS_KEY", ""), help="PEM private key (SPOOLER_TLS_KEY)")
+    p.add_argument("--tls-ca", default=_env("SPOOLER_TLS_CA", ""),
+                   help="PEM CA that signs every node's and client's certificate (SPOOLER_TLS_CA)")
     p.add_argument("--log-level", default=_env("SPOOLER_LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
     if a.admin_key is None:
@@ -51,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--failover-timeout must be > 0")
     if not 1 <= a.max_body_bytes <= 64 * 1024 * 1024:
         p.error("--max-body-bytes must be 1..67108864")
+    if any((a.tls_cert, a.tls_key, a.tls_ca)) and not all((a.tls_cert, a.tls_key, a.tls_ca)):
+        p.error("--tls-cert, --tls-key and --tls-ca go together")
     return a
 
 
@@ -102,8 +109,13 @@ def _admin_keys(args) -> list:
 async def serve(args) -> int:
     peers = _parse_peers(args.peers, args.id)
     os.makedirs(args.data, exist_ok=True)
+    tls = None
+    if args.tls_cert:
+        from node.tls import TLS
+        tls = TLS.from_files(args.tls_cert, args.tls_key, args.tls_ca)
     engine = Engine(args.data, node_id=args.id, limits=Limits(body_bytes_max=args.max_body_bytes),
-                    peers=peers, failover_timeout_s=args.failover_timeout, grpc_options=grpc_api.GRPC_OPTIONS)
+                    peers=peers, failover_timeout_s=args.failover_timeout, grpc_options=grpc_api.GRPC_OPTIONS,
+                    tls=tls)
     stop = asyncio.Event()
     exit_code = 0
 
@@ -117,7 +129,7 @@ async def serve(args) -> int:
     metrics = Metrics(engine)
 
     ghost, gport = _hostport(args.grpc)
-    server, health_servicer, gport = await grpc_api.build_server(svc, metrics, f"{ghost}:{gport}")
+    server, health_servicer, gport = await grpc_api.build_server(svc, metrics, f"{ghost}:{gport}", tls)
     engine.grpc_address = f"{ghost}:{gport}"
     await server.start()  # first: peers must reach us for votes while we start
     await engine.start()

@@ -36,9 +36,13 @@ def _fail_all(batch: list, e: BaseException) -> None:
 
 class AsyncClient:
     def __init__(self, target: str = "127.0.0.1:50051", key: str = "", *, timeout_s: float = 30.0,
-                 batch_max: int = 100, batches_in_flight_max: int = 4, retry_attempts: int = 5):
+                 batch_max: int = 100, batches_in_flight_max: int = 4, retry_attempts: int = 5,
+                 credentials=None):
+        """credentials: grpc channel credentials for a node running mTLS
+        (``grpc.ssl_channel_credentials(ca, key, cert)``); None = plaintext."""
         self.target = target
-        self.channel = grpc.aio.insecure_channel(target, options=GRPC_OPTIONS)
+        self.channel = (grpc.aio.secure_channel(target, credentials, options=GRPC_OPTIONS) if credentials
+                        else grpc.aio.insecure_channel(target, options=GRPC_OPTIONS))
         self.stub = api_pb2_grpc.SpoolerStub(self.channel)
         self.md = auth_metadata(key)
         self.timeout_s = timeout_s

@@ -18,14 +18,16 @@ _ACTIONS = {"ack": api_pb2.SETTLE_ACK, "nack": api_pb2.SETTLE_NACK, "renew": api
 
 
 class Forwarder:
-    def __init__(self, timeout_s: float = 10.0):
+    def __init__(self, timeout_s: float = 10.0, tls=None):
         self.timeout_s = timeout_s
+        self.tls = tls
         self._stubs: dict = {}
 
     def stub(self, address: str):
         s = self._stubs.get(address)
         if s is None:
-            ch = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            from node.tls import aio_channel
+            ch = aio_channel(address, GRPC_OPTIONS, self.tls)
             s = self._stubs[address] = api_pb2_grpc.SpoolerStub(ch)
         return s
 

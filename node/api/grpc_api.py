@@ -201,7 +201,7 @@ GRPC_OPTIONS = [
 ]
 
 
-async def build_server(svc: Service, metrics, address: str) -> tuple:
+async def build_server(svc: Service, metrics, address: str, tls=None) -> tuple:
     server = grpc.aio.server(options=GRPC_OPTIONS, maximum_concurrent_rpcs=10_000)
     api_pb2_grpc.add_SpoolerServicer_to_server(SpoolerServicer(svc, metrics), server)
     from node.replication.driver import ReplicationServicer
@@ -209,7 +209,7 @@ async def build_server(svc: Service, metrics, address: str) -> tuple:
     replication_pb2_grpc.add_ReplicationServicer_to_server(ReplicationServicer(svc.engine.repl), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind gRPC to {address}")
     return server, health_servicer, port

@@ -79,7 +79,7 @@ class Service:
         self.limits = engine.limits
         self._admin = [hashlib.sha256(k.encode()).digest() for k in admin_keys if k]
         from node.api.forward import Forwarder
-        self.fwd = Forwarder()
+        self.fwd = Forwarder(tls=engine.tls)
         self._id_prefix = os.urandom(8).hex()
         self._id_counter = 0
 

@@ -24,7 +24,7 @@ log = logging.getLogger("spooler.replication")
 
 
 class Driver:
-    def __init__(self, engine, node_id: str, peers: dict, failover_timeout_s: float, grpc_options=()):
+    def __init__(self, engine, node_id: str, peers: dict, failover_timeout_s: float, grpc_options=(), tls=None):
         """peers: id -> gRPC address, this node included."""
         self.engine = engine
         self.id = node_id
@@ -32,6 +32,7 @@ class Driver:
         self.core = R.Replication(node_id, list(peers), failover_timeout_us=int(failover_timeout_s * 1e6),
                                   rand=random.random)
         self.grpc_options = list(grpc_options)
+        self.tls = tls
         self.lock = asyncio.Lock()
         self._channels: dict = {}
         self._stubs: dict = {}
@@ -63,7 +64,8 @@ class Driver:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self.engine._io, self.load)
         for p in self.core.peers:
-            self._channels[p] = grpc.aio.insecure_channel(self.addresses[p], options=self.grpc_options)
+            from node.tls import aio_channel
+            self._channels[p] = aio_channel(self.addresses[p], self.grpc_options, self.tls)
             self._stubs[p] = pb_grpc.ReplicationStub(self._channels[p])
         async with self.lock:
             await self._run(self.core.start(mono_us()))

@@ -1,0 +1,138 @@
+"""Run many seeded failover drills one after another.
+
+    python -m tests.drills.run --seeds 1-100 --duration 30 [--workdir DIR] [--keep]
+
+Prints the checker table of each seed, then a summary (totals per field, failing seeds),
+and exits 1 if any seed fails its required zeros. The histories and node logs of
+failing seeds are always kept (under --workdir, default a new temp dir); passing
+seeds' directories are removed unless --keep.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+try:
+    from .checker import REQUIRED_ZEROS, format_table
+    from .drill import run_drill
+except ImportError:  # pragma: no cover - run as a plain script
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from drills.checker import REQUIRED_ZEROS, format_table  # type: ignore
+    from drills.drill import run_drill  # type: ignore
+
+SUMMED = ("sends", "confirmed_sends", "deliveries", "drain_deliveries", "empty_receives", "unknown_receives",
+          "unknown_sends", "unknown_sends_appeared", "ids_delivered_more_than_once", *REQUIRED_ZEROS,
+          "body_mismatches", "orphan_completions")
+
+
+def parse_seeds(spec: str) -> list[int]:
+    """"1-100", "3", "1,5,9-12"."""
+    out: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            a, b = part.split("-", 1)
+            out.extend(range(int(a), int(b) + 1))
+        else:
+            out.append(int(part))
+    return out
+
+
+def summarize(reports: list[dict]) -> str:
+    totals = {k: sum(r.get(k) or 0 for r in reports) for k in SUMMED}
+    dup: dict = {}
+    for r in reports:
+        for k, v in (r.get("duplicate_deliveries") or {}).items():
+            dup[k] = dup.get(k, 0) + v
+    fu = [w["unavailable_s"] for r in reports for w in r["failover_unavailability"]["windows"]
+          if w["unavailable_s"] is not None]
+    never = sum(r["failover_unavailability"]["never_recovered"] for r in reports)
+    nem: dict = {}
+    for r in reports:
+        for k, v in (r.get("nemesis_counts") or {}).items():
+            nem[k] = nem.get(k, 0) + v
+    failing = [r["seed"] for r in reports if not r["required_zeros_ok"]]
+    lines = [f"=== summary: {len(reports)} seeds, {len(failing)} failing ===="]
+    w = max(len(k) for k in list(totals) + [f"duplicate_deliveries.{k}" for k in dup])
+    for k, v in totals.items():
+        mark = "  FAIL" if k in REQUIRED_ZEROS and v else ""
+        lines.append(f"{k.ljust(w)}  {v:>9}{mark}")
+    for k, v in dup.items():
+        lines.append(f"{('duplicate_deliveries.' + k).ljust(w)}  {v:>9}")
+    lines.append(f"{'nodes_disagree_seeds'.ljust(w)}  {sum(1 for r in reports if r['nodes_agree'] is False):>9}")
+    lines.append(f"{'integrity_fail_seeds'.ljust(w)}  {sum(1 for r in reports if r['integrity_ok'] is False):>9}")
+    lines.append(f"{'drain_incomplete_seeds'.ljust(w)}  {sum(1 for r in reports if not r.get('drain_complete')):>9}")
+    lines.append(f"{'nemeses'.ljust(w)}  {json.dumps(nem, sort_keys=True)}")
+    if fu:
+        fu.sort()
+        lines.append(f"{'failover_unavailability'.ljust(w)}  n={len(fu)} p50={fu[len(fu) // 2]:.3f}s "
+                     f"max={fu[-1]:.3f}s never_recovered={never}")
+    lines.append(f"{'wall_s'.ljust(w)}  {sum(r.get('wall_s', 0) for r in reports):9.1f}")
+    lines.append("failing seeds: " + (" ".join(map(str, failing)) if failing else "none"))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.drills.run", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", default="1-10", help="e.g. 1-100 or 1,5,9-12 (default %(default)s)")
+    ap.add_argument("--duration", type=float, default=30.0, help="seconds of load+faults per seed")
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--workdir", default=None, help="where seed-<n>/ dirs go (default: a new temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep passing seeds' histories and logs too")
+    ap.add_argument("--json", default=None, help="also write every report (JSON lines) to this file")
+    args = ap.parse_args(argv)
+
+    seeds = parse_seeds(args.seeds)
+    root = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="spooler-drills-"))
+    os.makedirs(root, exist_ok=True)
+    print(f"drills: seeds {args.seeds} ({len(seeds)}), {args.duration:g}s each, {args.nodes} nodes, in {root}",
+          flush=True)
+    reports = []
+    for seed in seeds:
+        wd = os.path.join(root, f"seed-{seed}")
+        if os.path.exists(wd):
+            shutil.rmtree(wd)
+        t0 = time.monotonic()
+        try:
+            r = run_drill(seed, args.duration, nodes=args.nodes, workdir=wd)
+        except Exception as e:  # noqa: BLE001 - a drill that cannot finish is a failing seed
+            import traceback
+            traceback.print_exc()
+            print(f"--- seed {seed}: drill error: {e!r} (kept {wd})", flush=True)
+            r = {"seed": seed, "required_zeros_ok": False, "error": repr(e), "wall_s": time.monotonic() - t0,
+                 "failover_unavailability": {"windows": [], "never_recovered": 0},
+                 "nodes_agree": None, "integrity_ok": None}
+            reports.append(r)
+            continue
+        reports.append(r)
+        print(f"\n--- seed {seed} ({r['wall_s']:.1f}s wall, nemeses {json.dumps(r['nemesis_counts'])},"
+              f" drain {'complete' if r['drain_complete'] else 'INCOMPLETE'}) ---")
+        print(format_table(r))
+        for n in r.get("notes") or ():
+            print(f"note: {n}")
+        for t in r.get("thread_errors") or ():
+            print(f"thread error: {t}")
+        if r["required_zeros_ok"]:
+            if not args.keep:
+                shutil.rmtree(wd, ignore_errors=True)
+        else:
+            print(f"FAILED: history {r['history']}, node logs {wd}/nodes/n*/n*.log")
+        sys.stdout.flush()
+        if args.json:
+            with open(args.json, "a") as fh:
+                slim = {k: v for k, v in r.items() if not k.endswith("_details")}
+                fh.write(json.dumps(slim, default=str) + "\n")
+    print()
+    print(summarize(reports))
+    return 0 if all(r["required_zeros_ok"] for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

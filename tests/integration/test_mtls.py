@@ -1,0 +1,90 @@
+"""Node-to-node mTLS: a cluster with certificates from one CA replicates; a
+node or client whose certificate comes from another CA is refused."""
+import shutil
+import subprocess
+import threading
+
+import grpc
+import pytest
+
+from integration.test_cluster import free_ports, primary_of, send_until_ok
+from nodeproc import NodeProc, wait_until
+from spooler import Client, errors
+from spooler.http import HttpClient
+from spooler.pb import replication_pb2 as rpb
+from spooler.pb import replication_pb2_grpc as rpb_grpc
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+
+
+def make_ca(d, name):
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", d / f"{name}.key", "-out", d / f"{name}.pem", "-days", "2",
+                    "-subj", f"/CN={name}"], check=True, capture_output=True)
+
+
+def make_cert(d, ca, name):
+    subprocess.run(["openssl", "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", d / f"{name}.key", "-out", d / f"{name}.csr", "-subj", f"/CN={name}"],
+                   check=True, capture_output=True)
+    ext = d / f"{name}.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
+    subprocess.run(["openssl", "x509", "-req", "-in", d / f"{name}.csr", "-CA", d / f"{ca}.pem", "-CAkey",
+                    d / f"{ca}.key", "-CAcreateserial", "-out", d / f"{name}.pem", "-days", "2", "-extfile", ext],
+                   check=True, capture_output=True)
+
+
+def creds(d, ca, name):
+    return grpc.ssl_channel_credentials(root_certificates=(d / f"{ca}.pem").read_bytes(),
+                                        private_key=(d / f"{name}.key").read_bytes(),
+                                        certificate_chain=(d / f"{name}.pem").read_bytes())
+
+
+def test_mtls_cluster_refuses_unknown_certificates(tmp_path):
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    make_ca(pki, "ca")
+    make_ca(pki, "rogue-ca")
+    for n in ("n1", "n2", "n3", "client"):
+        make_cert(pki, "ca", n)
+    make_cert(pki, "rogue-ca", "rogue")
+    ids = ["n1", "n2", "n3"]
+    ports = dict(zip(ids, free_ports(3)))
+    peers = ",".join(f"{i}=127.0.0.1:{p}" for i, p in ports.items())
+    nodes = {i: NodeProc(str(tmp_path / i), node_id=i, grpc_port=ports[i], extra_args=[
+        "--peers", peers, "--failover-timeout", "1", "--tls-cert", str(pki / f"{i}.pem"),
+        "--tls-key", str(pki / f"{i}.key"), "--tls-ca", str(pki / "ca.pem")]) for i in ids}
+    try:
+        threads = [threading.Thread(target=n.start) for n in nodes.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary elected over mTLS")
+        replica = next(i for i in ids if i != p)
+        c = HttpClient(nodes[replica].http_url, nodes[replica].admin_key)  # forwarded over mTLS
+        wait_until(lambda: c.put_queue("q"), 10)
+        send_until_ok(c, "q", b"over tls")
+        # a client with a certificate of the cluster's CA is served over gRPC
+        with Client(f"127.0.0.1:{ports[p]}", nodes[p].admin_key, credentials=creds(pki, "ca", "client")) as good:
+            assert good.get_queue("q")["stats"]["sentTotal"] == 1
+        # a "node" with a certificate from another CA cannot even vote
+        # (it trusts the cluster's CA, so only its own certificate is wrong)
+        rogue = grpc.ssl_channel_credentials(root_certificates=(pki / "ca.pem").read_bytes(),
+                                             private_key=(pki / "rogue.key").read_bytes(),
+                                             certificate_chain=(pki / "rogue.pem").read_bytes())
+        ch = grpc.secure_channel(f"127.0.0.1:{ports[replica]}", rogue)
+        with pytest.raises(grpc.RpcError) as e:
+            rpb_grpc.ReplicationStub(ch).Vote(rpb.VoteRequest(epoch=99, candidate="n1", last_epoch=99,
+                                                              last_lsn=10**9), timeout=3)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # the handshake failed
+        ch.close()
+        # plaintext is refused too
+        with Client(f"127.0.0.1:{ports[p]}", nodes[p].admin_key, retry_attempts=1, timeout_s=3) as plain:
+            with pytest.raises(errors.SpoolerError):
+                plain.get_queue("q")
+        # and nothing changed: same primary, same epoch
+        assert primary_of(nodes)[0] == p
+    finally:
+        for n in nodes.values():
+            n.kill()
