@@ -130,6 +130,26 @@ class Cluster:
 
 # ----------------------------------------------------------------------------- workload
 
+def _until_201(node, queue: str = "bench-ready", timeout_s: float = 20.0) -> float:
+    """A freshly elected primary answers 503 until its quorum is in place: create a queue and
+    send to it until the first 201. Returns the seconds that took."""
+    from spooler.http import HttpClient
+    c = HttpClient(node.http_url, node.admin_key, timeout_s=5)
+    t0 = time.perf_counter()
+    made = False
+    while True:
+        try:
+            if not made:
+                c.put_queue(queue)
+                made = True
+            c.send(queue, spool.BODY)
+            return round(time.perf_counter() - t0, 3)
+        except Exception:  # noqa: BLE001
+            if time.perf_counter() - t0 > timeout_s:
+                raise
+            time.sleep(0.02)
+
+
 class _ClusterProbe:
     """spool._Probe for three nodes: the SDK client's CPU, and per node its CPU and group
     commits (count, mean write + fsync time, records per commit) over one phase."""
@@ -183,7 +203,9 @@ def run_workload(n: int = 5000, n_seq: int = 1000, n_batches: int = 200, repeats
         p, epoch = cl.wait_primary()
         out["cluster_up_s"] = round(time.perf_counter() - t0, 2)
         out["primary_at_start"] = {"node": p, "epoch": epoch}
-        log(f"cluster: 3 nodes up in {out['cluster_up_s']} s, primary {p} epoch {epoch}")
+        out["ready_s"] = _until_201(cl.nodes[p])
+        log(f"cluster: 3 nodes up in {out['cluster_up_s']} s, primary {p} epoch {epoch}, "
+            f"first 201 {out['ready_s']} s later")
         asyncio.run(spool._workload(cl.nodes[p], n, n_seq, n_batches, repeats, log, samples, extra,
                                     probe=_ClusterProbe(cl, p), label="spooler 3-node"))
         out["primary_at_end"] = dict(zip(("node", "epoch"), cl.primary() or (None, None)))

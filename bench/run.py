@@ -1,18 +1,18 @@
-"""`make bench`: Spooler's single-node benchmark beside its peers, measured in one run.
+"""`make bench`: Spooler (1 node and a 3-node cluster) beside its peers, measured in one run.
 
     .venv/bin/python -m bench.run                       # what `make bench` runs
+    .venv/bin/python -m bench.run --no-cluster          # single-node part only
     .venv/bin/python -m bench.run --peers none --no-jobs
     SPOOLER_BENCH_INSTALL_PEERS=1 .venv/bin/python -m bench.run   # apt-get/pip the peers if missing
 
 Prints one JSON object on stdout (progress goes to stderr) and writes the same JSON to
-bench/results/latest.json. Sections: machine, spooler (bench/spool.py), peers
+bench/results/latest.json. Sections: machine, spooler (bench/spool.py, ONE node), peers
 (bench/peers.py: NATS JetStream and RabbitMQ quorum queues, each a 3-node cluster made by the
-peer's own cluster.sh), ratios (spooler / peer per figure both report), targets (pass/fail of
-the issue's targets against Spooler's medians), jobs (bench/jobs.py, the job runner's own
-benchmark, when it imports). See docs/benchmarks.md.
-
-Today Spooler runs as ONE node (replication is a later issue) while each peer runs 3 nodes
-that replicate every message, so the ratios are indicative only.
+peer's own cluster.sh), ratios and targets (single node vs peers, the single-node issue's
+targets), cluster (bench/cluster.py: Spooler as 3 nodes with quorum confirm, the same workload,
+ratios against the same peer runs, failover after SIGKILL and SIGSTOP of the primary, the
+peers' own failover.py each on a fresh cluster, and the replication issue's targets), jobs
+(bench/jobs.py, the job runner's own benchmark, when it imports). See docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -37,6 +37,16 @@ TARGETS = {
     "send_64_in_flight_per_s": (">=", 20_000),
     "send_batch_100_per_s": (">=", 100_000),
     "send_sequential_p50_ms": ("<=", 0.7),
+}
+# the replication issue's targets (3 nodes, quorum confirm, fsync on every node, 2 cores);
+# figure -> (comparison, bound, relative-to-peer figure or None)
+CLUSTER_TARGETS = {
+    "send_64_in_flight_per_s": (">=", 1.5, "nats-jetstream"),
+    "send_batch_100_per_s": (">=", 100_000, None),
+    "send_sequential_p50_ms": ("<=", 1.0, None),
+    "receive_ack_per_s": (">=", 1.5, "nats-jetstream"),
+    "failover_sigkill_s": ("<=", 0.5, None),
+    "failover_sigstop_s": ("<=", 0.5, "failover_timeout"),  # timeout + 0.5 s
 }
 CAVEAT = ("Spooler is measured as ONE node (replication is a later issue); each peer runs a 3-node cluster "
           "that replicates every message (JetStream R3, RabbitMQ quorum queue with 3 replicas). Ratios are "
@@ -142,6 +152,81 @@ def targets(spooler: dict, nproc) -> dict:
     return out
 
 
+def _judge(v, op, bound) -> dict:
+    t = {"value": v, "bound": round(bound, 3)}
+    if v is None:
+        t.update(passed=None, note="not measured")
+        return t
+    passed = v >= bound if op == ">=" else v <= bound
+    t.update(passed=passed, factor_to_target=round(bound / v if op == ">=" else v / bound, 2) if v else None)
+    if not passed:
+        t["missed_by"] = round(abs(v - bound), 3)
+        t["missed_by_pct"] = round(abs(v - bound) / bound * 100, 1)
+    return t
+
+
+def cluster_targets(cl: dict, peers: dict, nproc) -> dict:
+    """The replication issue's targets against the 3-node medians. Relative targets use the
+    peer's median from this same run."""
+    out = {}
+    med = (cl.get("spooler") or {}).get("median", {})
+    fo = cl.get("failover") or {}
+    vals = dict(med)
+    vals["failover_sigkill_s"] = (fo.get("sigkill") or {}).get("median_s")
+    vals["failover_sigstop_s"] = (fo.get("sigstop") or {}).get("median_s")
+    for fig, (op, k, rel) in CLUSTER_TARGETS.items():
+        v = vals.get(fig)
+        if rel is None:
+            t = {"target": f"{op} {k}"}
+            t.update(_judge(v, op, k))
+        elif rel == "failover_timeout":
+            timeout = (fo.get("sigstop") or {}).get("failover_timeout_s")
+            t = {"target": f"{op} failover timeout ({timeout} s) + {k} s"}
+            t.update(_judge(v, op, timeout + k) if timeout is not None else {"value": v, "passed": None})
+        else:
+            theirs = ((peers.get(rel) or {}).get("median") or {}).get(fig)
+            t = {"target": f"{op} {k} x {rel} ({theirs})"}
+            if not theirs:
+                t.update(value=v, passed=None, note=f"{rel} not measured in this run")
+            else:
+                t.update(_judge(v, op, k * theirs))
+                if v is not None:
+                    t["ratio_to_peer"] = round(v / theirs, 3)
+        out[fig] = t
+    if nproc != 2:
+        out["note"] = f"targets are stated for a 2-core machine; this one has {nproc}"
+    return out
+
+
+def run_cluster(a, peers_mod, peer_results: dict) -> dict:
+    from bench import cluster as cluster_mod
+    out = {"setup": "3 spooler-node processes on 127.0.0.1, a send answered after fsync on a quorum (2 of 3), "
+                    f"every node fsyncs every record, failover timeout {a.failover_timeout} s"}
+    log(f"cluster: 3 nodes, failover timeout {a.failover_timeout} s, same workload x{a.repeats}")
+    out["spooler"] = cluster_mod.run_workload(n=a.n, n_seq=a.n_seq, n_batches=a.batches, repeats=a.repeats,
+                                              failover_timeout_s=a.failover_timeout, log=log)
+    if "error" in out["spooler"]:
+        log(f"cluster: ERROR {out['spooler']['error']}")
+    out["ratios"] = ratios(out["spooler"], peer_results)
+    out["ratios_note"] = ("3-node Spooler median / the peer's median (the peer runs of this invocation, "
+                          "3 nodes each); *_per_s > 1: Spooler faster; *_ms < 1: Spooler's latency lower")
+    fo = {}
+    for kind in ("sigkill", "sigstop"):
+        log(f"cluster: failover after {kind.upper()} of the primary, x{a.failover_repeats}, fresh cluster each")
+        fo[kind] = cluster_mod.run_failover(kind, repeats=a.failover_repeats,
+                                            failover_timeout_s=a.failover_timeout, log=log)
+    fo["peers"] = {}
+    for name in peers_mod.PEERS:
+        p = peer_results.get(name) or {}
+        if p.get("skipped") in ("--peers none", "not selected (--peers)"):
+            fo["peers"][name] = {"skipped": p["skipped"]}
+            continue
+        log(f"peers: {name}: failover.py x{a.peer_failover_repeats}, fresh cluster each")
+        fo["peers"][name] = peers_mod.run_failover(name, repeats=a.peer_failover_repeats, log=log)
+    out["failover"] = fo
+    return out
+
+
 def run_jobs() -> dict:
     try:
         from bench import jobs  # another engineer's module: bench/jobs.py, run() -> dict
@@ -163,6 +248,12 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", default=os.environ.get("SPOOLER_BENCH_PEERS", "all"),
                     help="all | none | comma list of nats-jetstream,rabbitmq-quorum")
     ap.add_argument("--no-jobs", action="store_true", help="skip bench/jobs.py")
+    ap.add_argument("--no-cluster", action="store_true", default=os.environ.get("SPOOLER_BENCH_CLUSTER") == "0",
+                    help="skip the 3-node part (workload, failover, the peers' failover.py)")
+    ap.add_argument("--failover-timeout", type=float, default=2.0, help="the nodes' --failover-timeout, seconds")
+    ap.add_argument("--failover-repeats", type=int, default=3, help="failovers per signal, each on a fresh cluster")
+    ap.add_argument("--peer-failover-repeats", type=int, default=1,
+                    help="runs of each peer's failover.py, each on a fresh cluster")
     ap.add_argument("--out", default=str(RESULTS), help="where to write the JSON as well")
     a = ap.parse_args(argv)
 
@@ -170,7 +261,7 @@ def main(argv=None) -> int:
     from bench import spool
 
     t0 = time.perf_counter()
-    result = {"benchmark": "spooler single-node vs peers",
+    result = {"benchmark": "spooler single-node and 3-node vs peers",
               "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
               "caveat": CAVEAT, "machine": machine()}
 
@@ -203,6 +294,13 @@ def main(argv=None) -> int:
     result["ratios_note"] = ("spooler median / peer median; *_per_s > 1: Spooler faster; *_ms < 1: Spooler's "
                              "latency lower. " + CAVEAT.split(";")[0] + ".")
     result["targets"] = targets(result["spooler"], result["machine"]["nproc"])
+    if a.no_cluster:
+        result["cluster"] = {"skipped": "--no-cluster"}
+    else:
+        result["cluster"] = run_cluster(a, peers_mod, result["peers"])
+        result["cluster"]["targets"] = cluster_targets(result["cluster"], result["peers"], result["machine"]["nproc"])
+        passed = {k: v.get("passed") for k, v in result["cluster"]["targets"].items() if isinstance(v, dict)}
+        log(f"cluster targets: {passed}")
     result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     result["elapsed_s"] = round(time.perf_counter() - t0, 1)
 
@@ -215,7 +313,7 @@ def main(argv=None) -> int:
     except OSError as e:
         log(f"could not write {a.out}: {e}")
     print(text)
-    return 1 if "error" in result["spooler"] else 0
+    return 1 if "error" in result["spooler"] or "error" in (result["cluster"].get("spooler") or {}) else 0
 
 
 if __name__ == "__main__":

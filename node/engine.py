@@ -194,7 +194,11 @@ class Engine:
         if self.failed is None:
             await asyncio.get_running_loop().run_in_executor(self._io, self._checkpoint_now_sync, self._take_checkpoint())
         self._io.shutdown(wait=True)
-        self.store.close()
+        try:
+            self.store.close()
+        except Exception:
+            if self.failed is None:
+                raise  # after a storage failure the store may refuse even to close
 
     @property
     def epoch(self) -> int:

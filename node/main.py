@@ -113,9 +113,11 @@ async def serve(args) -> int:
     if args.tls_cert:
         from node.tls import TLS
         tls = TLS.from_files(args.tls_cert, args.tls_key, args.tls_ca)
+    from node.store.testvfs import vfs_from_env
     engine = Engine(args.data, node_id=args.id, limits=Limits(body_bytes_max=args.max_body_bytes),
                     peers=peers, failover_timeout_s=args.failover_timeout, grpc_options=grpc_api.GRPC_OPTIONS,
-                    tls=tls)
+                    tls=tls, vfs=vfs_from_env(),
+                    synchronous=os.environ.get("SPOOLER_TEST_SYNCHRONOUS", "FULL"))  # tests' control runs only
     stop = asyncio.Event()
     exit_code = 0
 

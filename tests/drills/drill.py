@@ -86,7 +86,7 @@ class _Client:
 
 class Drill:
     def __init__(self, seed: int, duration_s: float, nodes: int, workdir: str, producers: int = 3,
-                 consumers: int = 2, send_pause_s: float = 0.01, failover_timeout_s: float = 1.0,
+                 consumers: int = 2, send_pause_s: float = 0.05, failover_timeout_s: float = 1.0,
                  log=print):
         self.seed, self.duration_s, self.workdir = seed, duration_s, os.path.abspath(workdir)
         self.n_producers, self.n_consumers = producers, consumers
@@ -306,27 +306,34 @@ class Drill:
             c.pick()
             return None
 
-    def drain(self, timeout_s: float = 90.0) -> bool:
+    def drain(self, timeout_s: float = 120.0) -> bool:
+        """Receive+ack from the queue and its failure queue until both are empty."""
         c = _Client(self.cluster, self.rng("drain"), "drain")
         deadline = time.monotonic() + timeout_s
+        queues = [QUEUE]
         while time.monotonic() < deadline:
-            got = False
-            for q in (QUEUE, FAILURE_QUEUE):
-                typ, v = self.receive(c, q, 0.2, drain=True)
-                if typ == "ok" and v is not None:
-                    got = True
+            got = 0
+            for q in queues:
+                while time.monotonic() < deadline:
+                    typ, v = self.receive(c, q, 0.2, drain=True)
+                    if typ != "ok":
+                        time.sleep(0.1)
+                        break
+                    if v is None:
+                        break
+                    got += 1
                     if q == FAILURE_QUEUE:
                         self.failed_queue_ids.add(v.id)
                     dd = {"id": v.id, "token": v.token, "epoch": v.epoch,
                           "expires_at": expires_at_monotonic(v.expires_at)}
                     self.settle_retrying(c, "ack", dd)
-                elif typ != "ok":
-                    time.sleep(0.1)
             if got:
                 continue
             s1, s2 = self._stats(c, QUEUE), self._stats(c, FAILURE_QUEUE)
             if s1 is None or s2 is None:
                 continue
+            if s2 and FAILURE_QUEUE not in queues:
+                queues.append(FAILURE_QUEUE)  # created on demand: exists once something failed
             if all((s.get("visible", 0) + s.get("leased", 0) + s.get("delayed", 0)) == 0 for s in (s1, s2)):
                 return True
             time.sleep(0.1)
@@ -340,8 +347,17 @@ class Drill:
         primary = c.primary()
         self.stop_observer.set()
         states, integrity, counters = {}, {}, {}
-        for nid in [n for n in c.ids if n != primary] + [primary]:
-            rc = c.graceful_stop(nid)
+        rcs: dict = {}
+
+        def stop(nid):
+            rcs[nid] = c.graceful_stop(nid)
+        ts = [threading.Thread(target=stop, args=(n,)) for n in c.ids if n != primary]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        stop(primary)  # last: no election while the others stop
+        for nid, rc in sorted(rcs.items()):
             if rc not in (0, None):
                 self.notes.append(f"{nid} exited with {rc} on SIGTERM")
         for nid in c.ids:
@@ -386,7 +402,7 @@ class Drill:
         report = check(self.h)
         nem_counts: dict = {}
         for e in self.h.events:
-            if e.get("type") == "nemesis" and e.get("phase") != "heal":
+            if e.get("type") == "nemesis" and e.get("phase") != "heal" and e["f"] != "restarted":
                 k = e["f"] + (f"_{e['role']}" if e.get("role") else "")
                 nem_counts[k] = nem_counts.get(k, 0) + 1
         report.update(seed=self.seed, duration_s=self.duration_s, wall_s=time.monotonic() - t0,

@@ -67,13 +67,18 @@ def client(n):
     return HttpClient(n.http_url, n.admin_key, timeout_s=10)
 
 
-def send_until_ok(c, queue, body, timeout_s=15):
+def until_ok(fn, timeout_s=15, what="success"):
+    """Retry a call while the cluster answers 'not now' (no primary yet, epoch not open)."""
     def attempt():
         try:
-            return c.send(queue, body)
+            return fn()
         except (errors.Unavailable, errors.OperationUnconfirmed):
             return None
-    return wait_until(attempt, timeout_s, interval_s=0.02, what="a 201")
+    return wait_until(attempt, timeout_s, interval_s=0.02, what=what)
+
+
+def send_until_ok(c, queue, body, timeout_s=15):
+    return until_ok(lambda: c.send(queue, body), timeout_s, what="a 201")
 
 
 def all_applied(nodes, lsn_at_least):
@@ -86,7 +91,7 @@ def test_elects_one_primary_and_replicates(cluster):
     p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
     replica = next(i for i in nodes if i != p)
     c = client(nodes[replica])  # any node serves: this one forwards to the primary
-    wait_until(lambda: c.put_queue("q", leaseTimeoutSeconds=30) if primary_of(nodes) else None, 10)
+    until_ok(lambda: c.put_queue("q", leaseTimeoutSeconds=30))
     ids = [send_until_ok(c, "q", f"m{i}".encode())["id"] for i in range(20)]
     top = view(nodes[p])["appliedLsn"]
     wait_until(lambda: all_applied(nodes, top), 10, what="every node applied the writes")
@@ -102,7 +107,7 @@ def test_sigkill_primary_fails_over_without_loss(cluster):
     nodes, _ = cluster
     p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
     c = client(nodes[p])
-    wait_until(lambda: c.put_queue("q", leaseTimeoutSeconds=60), 10)
+    until_ok(lambda: c.put_queue("q", leaseTimeoutSeconds=60))
     sent = [send_until_ok(c, "q", f"m{i}".encode())["id"] for i in range(30)]
     leased = wait_until(lambda: c.receive("q", wait_s=1), 10, what="a lease")
     nodes[p].kill()
@@ -138,7 +143,7 @@ def test_sigstop_primary_is_replaced_and_steps_down(cluster):
     nodes, stopped = cluster
     p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
     c = client(nodes[p])
-    wait_until(lambda: c.put_queue("q"), 10)
+    until_ok(lambda: c.put_queue("q"))
     send_until_ok(c, "q", b"before")
     os.kill(nodes[p].pid, signal.SIGSTOP)
     stopped.add(p)
@@ -158,7 +163,7 @@ def test_planned_switchover(cluster):
     nodes, _ = cluster
     p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
     c = client(nodes[p])
-    wait_until(lambda: c.put_queue("q"), 10)
+    until_ok(lambda: c.put_queue("q"))
     for i in range(10):
         send_until_ok(c, "q", f"{i}".encode())
     target = next(i for i in nodes if i != p)
@@ -177,7 +182,7 @@ def test_a_minority_confirms_nothing(cluster):
     nodes, _ = cluster
     p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
     c = client(nodes[p])
-    wait_until(lambda: c.put_queue("q"), 10)
+    until_ok(lambda: c.put_queue("q"))
     send_until_ok(c, "q", b"before")
     for i, n in nodes.items():
         if i != p:

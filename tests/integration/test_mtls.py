@@ -7,7 +7,7 @@ import threading
 import grpc
 import pytest
 
-from integration.test_cluster import free_ports, primary_of, send_until_ok
+from integration.test_cluster import free_ports, primary_of, send_until_ok, until_ok
 from nodeproc import NodeProc, wait_until
 from spooler import Client, errors
 from spooler.http import HttpClient
@@ -63,7 +63,7 @@ def test_mtls_cluster_refuses_unknown_certificates(tmp_path):
         p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary elected over mTLS")
         replica = next(i for i in ids if i != p)
         c = HttpClient(nodes[replica].http_url, nodes[replica].admin_key)  # forwarded over mTLS
-        wait_until(lambda: c.put_queue("q"), 10)
+        until_ok(lambda: c.put_queue("q"))
         send_until_ok(c, "q", b"over tls")
         # a client with a certificate of the cluster's CA is served over gRPC
         with Client(f"127.0.0.1:{ports[p]}", nodes[p].admin_key, credentials=creds(pki, "ca", "client")) as good:

@@ -1,0 +1,128 @@
+"""Test-only storage faults for whole-process drills (never used in production).
+
+``SPOOLER_TEST_VFS=buffered``: an apsw VFS that keeps every write in process
+memory until ``xSync`` and only then writes and fsyncs it. SIGKILL of such a
+node loses exactly what a power cut would lose: everything not fsync'd.
+``SPOOLER_TEST_FSYNC_FAIL_FILE=path``: while that file exists, ``xSync``
+raises an I/O error (an fsync failure the node must not survive quietly).
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import apsw
+
+NAME = "spooler-buffered"
+
+
+class BufferedVFS(apsw.VFS):
+    def __init__(self):
+        self.fail_file = os.environ.get("SPOOLER_TEST_FSYNC_FAIL_FILE", "")
+        self.lock = threading.RLock()
+        self.files: dict = {}  # path -> _State, shared by every handle on that file
+        super().__init__(NAME, "")
+
+    def xOpen(self, name, flags):
+        return BufferedFile(self, name, flags)
+
+    def xDelete(self, filename, syncdir):
+        with self.lock:
+            self.files.pop(filename, None)
+        return super().xDelete(filename, syncdir)
+
+
+class _State:
+    def __init__(self, size: int):
+        self.pending: dict = {}     # offset -> bytes, not yet on disk
+        self.size = size            # the size every handle sees
+        self.truncated_to = None
+
+
+class BufferedFile(apsw.VFSFile):
+    def __init__(self, vfs: BufferedVFS, name, flags):
+        self.vfs = vfs
+        path = name.filename() if isinstance(name, apsw.URIFilename) else name
+        super().__init__("", name, flags)
+        with vfs.lock:
+            st = vfs.files.get(path) if path else None
+            if st is None:
+                st = _State(super().xFileSize())
+                if path:
+                    vfs.files[path] = st
+        self.st = st
+
+    # every handle reads and writes through the shared state of its path
+    @property
+    def pending(self):
+        return self.st.pending
+
+    @property
+    def size(self):
+        return self.st.size
+
+    @size.setter
+    def size(self, v):
+        self.st.size = v
+
+    @property
+    def truncated_to(self):
+        return self.st.truncated_to
+
+    @truncated_to.setter
+    def truncated_to(self, v):
+        self.st.truncated_to = v
+
+    def xRead(self, amount, offset):
+        with self.vfs.lock:
+            end = min(offset + amount, self.size)
+            if end <= offset:
+                return b""
+            base_len = min(end, super().xFileSize()) - offset
+            buf = bytearray(super().xRead(base_len, offset) if base_len > 0 else b"")
+            buf.extend(b"\0" * (end - offset - len(buf)))
+            for off, data in self.pending.items():
+                lo, hi = max(off, offset), min(off + len(data), end)
+                if lo < hi:
+                    buf[lo - offset:hi - offset] = data[lo - off:hi - off]
+            return bytes(buf)
+
+    def xWrite(self, data, offset):
+        with self.vfs.lock:
+            self.pending[offset] = bytes(data)
+            self.size = max(self.size, offset + len(data))
+
+    def xTruncate(self, newsize):
+        with self.vfs.lock:
+            self.size = newsize
+            self.truncated_to = newsize
+            for off in [o for o in self.pending if o >= newsize]:
+                del self.pending[off]
+
+    def xFileSize(self):
+        return self.size
+
+    def xSync(self, flags):
+        if self.vfs.fail_file and os.path.exists(self.vfs.fail_file):
+            raise apsw.IOError("injected fsync failure")
+        with self.vfs.lock:
+            if self.truncated_to is not None:
+                super().xTruncate(self.truncated_to)
+                self.truncated_to = None
+            for off, data in sorted(self.pending.items()):
+                super().xWrite(data, off)
+            self.pending.clear()
+            super().xSync(flags)
+
+
+_registered = None
+
+
+def vfs_from_env():
+    """The VFS name to open the store with, or None for the real one."""
+    global _registered
+    if os.environ.get("SPOOLER_TEST_VFS") != "buffered":
+        return None
+    if _registered is None:
+        _registered = BufferedVFS()
+    return NAME
