@@ -302,6 +302,9 @@ def _failover_once(kind: str, failover_timeout_s: float, log) -> dict:
         else:
             res["seconds"] = round(t_ok - t0, 3)
         res.update(attempts=attempts, errors=errs)
+        if t_ok is None or (kind == "sigkill" and t_ok - t0 > 0.5) or (
+                kind == "sigstop" and t_ok - t0 > failover_timeout_s + 0.5):
+            res["survivor_log_tails"] = {i: cl.nodes[i].read_log()[-1500:] for i in others}
         if "t" in seen:
             res.update(new_primary=seen["node"], new_epoch=seen["epoch"],
                        new_primary_seen_s=round(seen["t"] - t0, 3))

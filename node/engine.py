@@ -79,12 +79,15 @@ class Engine:
                  clock_us: Callable[[], int] = wall_us, vfs: Optional[str] = None,
                  checkpoint_interval_s: float = 1.0, checkpoint_dirty_max: int = 50_000,
                  synchronous: str = "FULL", peers: Optional[dict] = None, failover_timeout_s: float = 2.0,
-                 grpc_options=(), tls=None):
+                 grpc_options=(), tls=None, log_keep_records: int = 100_000):
         """peers: member id -> gRPC address, this node included (None: a cluster of one)."""
         self.node_id = node_id
         self.limits = limits or Limits()
         self.clock_us = clock_us
-        self.store = Store(os.path.join(data_dir, "spool.db"), vfs=vfs, synchronous=synchronous)
+        self.data_dir = data_dir
+        self.store = Store(os.path.join(data_dir, "spool.db"), vfs=vfs, synchronous=synchronous,
+                           log_keep_records=log_keep_records)
+        self.store_generation = 0  # bumped when a snapshot replaces the store
         self.core = Core(rand=os.urandom)
         self.checkpoint_interval_s = checkpoint_interval_s
         self.checkpoint_dirty_max = checkpoint_dirty_max
@@ -492,10 +495,49 @@ class Engine:
         c = CheckpointData(lsn=core.lsn, epoch=core.epoch, crc=self.applied_crc, next_seq=core.next_seq,
                            queues=queues, msgs_put=put, msgs_del=dele, dedup=dedup, keys=keys)
         c.persisted_msgs = persisted
+        c.generation = self.store_generation
         return c
 
     def _checkpoint_now_sync(self, c: CheckpointData) -> None:
+        if getattr(c, "generation", self.store_generation) != self.store_generation:
+            return  # taken from a core a snapshot has replaced
         self.store.checkpoint(c)
+
+    # ----------------------------------------------------------- snapshots
+    def make_snapshot(self, path: str) -> None:
+        """Writer thread: a consistent copy of the store (SQLite backup API)."""
+        import apsw
+        if os.path.exists(path):
+            os.remove(path)
+        dest = apsw.Connection(path)
+        with dest.backup("main", self.store.db, "main") as b:
+            b.step(-1)
+        dest.close()
+
+    def install_snapshot_sync(self, path: str) -> None:
+        """Writer thread: replace the store with a primary's copy, keep our vote."""
+        st = self.store
+        epoch, voted = st.get_meta("repl_epoch"), st.get_meta("voted_for")
+        self.store_generation += 1
+        st.close()
+        db = os.path.join(self.data_dir, "spool.db")
+        for suffix in ("-wal", "-shm"):
+            if os.path.exists(db + suffix):
+                os.remove(db + suffix)
+        os.replace(path, db)
+        fd = os.open(self.data_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.store = Store(db, vfs=st.vfs, synchronous=st.synchronous, log_keep_records=st.log_keep_records)
+        with self.store.db:
+            self.store.set_meta("repl_epoch", epoch or 0)
+            self.store.set_meta("voted_for", voted or "")
+        self.core = Core(rand=os.urandom)
+        self.unapplied.clear()
+        self.recent.clear()
+        self.load()
 
     # -------------------------------------------------------------- reading
     def body_of(self, m) -> bytes:

@@ -48,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tls-key", default=_env("SPOOLER_TLS_KEY", ""), help="PEM private key (SPOOLER_TLS_KEY)")
     p.add_argument("--tls-ca", default=_env("SPOOLER_TLS_CA", ""),
                    help="PEM CA that signs every node's and client's certificate (SPOOLER_TLS_CA)")
+    p.add_argument("--log-keep-records", type=int, default=int(_env("SPOOLER_LOG_KEEP_RECORDS", "100000")),
+                   help="log records kept behind a checkpoint for lagging replicas; further behind, "
+                        "a replica gets a snapshot (SPOOLER_LOG_KEEP_RECORDS)")
     p.add_argument("--log-level", default=_env("SPOOLER_LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
     if a.admin_key is None:
@@ -116,7 +119,7 @@ async def serve(args) -> int:
     from node.store.testvfs import vfs_from_env
     engine = Engine(args.data, node_id=args.id, limits=Limits(body_bytes_max=args.max_body_bytes),
                     peers=peers, failover_timeout_s=args.failover_timeout, grpc_options=grpc_api.GRPC_OPTIONS,
-                    tls=tls, vfs=vfs_from_env(),
+                    tls=tls, vfs=vfs_from_env(), log_keep_records=max(1, args.log_keep_records),
                     synchronous=os.environ.get("SPOOLER_TEST_SYNCHRONOUS", "FULL"))  # tests' control runs only
     stop = asyncio.Event()
     exit_code = 0

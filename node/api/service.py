@@ -75,13 +75,16 @@ class Delivery:
 class Service:
     def __init__(self, engine: Engine, admin_keys: list):
         self.engine = engine
-        self.core = engine.core
         self.limits = engine.limits
         self._admin = [hashlib.sha256(k.encode()).digest() for k in admin_keys if k]
         from node.api.forward import Forwarder
         self.fwd = Forwarder(tls=engine.tls)
         self._id_prefix = os.urandom(8).hex()
         self._id_counter = 0
+
+    @property
+    def core(self):
+        return self.engine.core  # a replica that installs a snapshot gets a new core
 
     # -------------------------------------------------------------- auth
     def authenticate(self, authorization: Optional[str], forwarded: bool = False) -> Principal:

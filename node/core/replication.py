@@ -310,6 +310,18 @@ class Replication:
                 out.append(Commit(c))
         return out
 
+    def snapshot_sent(self, peer: str, lsn: int, now: int) -> list:
+        """Primary: ``peer`` installed a copy of our store whose log ends at ``lsn``."""
+        out: list = []
+        if self.role != PRIMARY or peer not in self.peers:
+            return out
+        self.match[peer] = max(self.match.get(peer, 0), min(lsn, self.durable_lsn))
+        self.next[peer] = lsn + 1
+        self.inflight[peer] = 0
+        self._advance_commit(out)
+        self._send_append(peer, now, out, heartbeat=True)
+        return out
+
     def transfer(self, target: str, now: int) -> list:
         """Planned switchover: stop taking writes; hand over once target has caught up."""
         out: list = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 from typing import Optional
 
@@ -42,6 +43,7 @@ class Driver:
         self._frame_bytes: dict = {}  # lsn -> bytes of the frame being handled (replica side)
         self._replies: Optional[list] = None  # AppendAcks produced while handling one frame
         self._vote_reply = None
+        self._snapshots: dict = {}
         self.stopped = False
 
     # ------------------------------------------------------------ lifecycle
@@ -172,6 +174,12 @@ class Driver:
 
     # ---------------------------------------------------------------- sends
     def _send(self, to: str, msg) -> None:
+        if isinstance(msg, R.AppendReq) and msg.prev_epoch == -1:
+            # what this replica needs was compacted away: send it a snapshot instead
+            t = self._snapshots.get(to)
+            if t is None or t.done():
+                self._snapshots[to] = asyncio.create_task(self._send_snapshot(to, msg.epoch), name=f"snapshot-{to}")
+            return
         if isinstance(msg, R.AppendReq):
             q = self._outbox.get(to)
             if q is None or to not in self._stream_tasks or self._stream_tasks[to].done():
@@ -213,6 +221,58 @@ class Driver:
             except grpc.RpcError as e:
                 log.debug("stream to %s broke: %s", peer, e.code())
             await asyncio.sleep(0.05)
+
+    async def _send_snapshot(self, peer: str, epoch: int) -> None:
+        e = self.engine
+        loop = asyncio.get_running_loop()
+        path = os.path.join(e.data_dir, f"snapshot-for-{peer}.db")
+        try:
+            await loop.run_in_executor(e._io, e.make_snapshot, path)
+
+            async def chunks():
+                with open(path, "rb") as f:
+                    while True:
+                        data = f.read(1 << 20)
+                        last = len(data) < (1 << 20)
+                        yield pb.SnapshotChunk(epoch=epoch, primary=self.id, data=data, last=last)
+                        if last:
+                            return
+
+            log.info("sending a snapshot to %s", peer)
+            ack = await self._stubs[peer].InstallSnapshot(chunks(), timeout=120)
+            if ack.ok:
+                async with self.lock:
+                    if self.core.role == R.PRIMARY and self.core.epoch == epoch:
+                        await self._run(self.core.snapshot_sent(peer, ack.last_lsn, mono_us()))
+        except grpc.RpcError as err:
+            log.warning("snapshot to %s failed: %s", peer, err.code())
+        finally:
+            if os.path.exists(path):
+                os.remove(path)
+
+    async def serve_snapshot(self, request_iterator, context):
+        """Replica: replace our store with the primary's copy, then follow it."""
+        e = self.engine
+        loop = asyncio.get_running_loop()
+        path = os.path.join(e.data_dir, "snapshot-incoming.db")
+        epoch, primary = 0, ""
+        with open(path, "wb") as f:
+            async for ch in request_iterator:
+                epoch, primary = ch.epoch, ch.primary
+                f.write(ch.data)
+            f.flush()
+            os.fsync(f.fileno())
+        async with self.lock:
+            if epoch < self.core.epoch or self.core.role == R.PRIMARY:
+                os.remove(path)
+                return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
+            await loop.run_in_executor(e._io, e.install_snapshot_sync, path)
+            await loop.run_in_executor(e._io, self.load)
+            c = self.core
+            c.durable_lsn = c.log.last_lsn
+            c.commit_lsn = max(c.commit_lsn, e.core.lsn)
+            log.info("installed a snapshot from %s: log to lsn %d, applied %d", primary, c.log.last_lsn, e.core.lsn)
+            return pb.SnapshotAck(epoch=c.epoch, ok=True, last_lsn=c.log.last_lsn)
 
     async def _ask_vote(self, peer: str, m: R.VoteReq) -> None:
         try:
@@ -290,3 +350,6 @@ class ReplicationServicer(pb_grpc.ReplicationServicer):
 
     async def TimeoutNow(self, request, context):
         return await self.d.serve_timeout_now(request, context)
+
+    async def InstallSnapshot(self, request_iterator, context):
+        return await self.d.serve_snapshot(request_iterator, context)

@@ -95,3 +95,25 @@ class TimeoutNowRequest(_message.Message):
 class ReplEmpty(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SnapshotChunk(_message.Message):
+    __slots__ = ("epoch", "primary", "data", "last")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    primary: str
+    data: bytes
+    last: bool
+    def __init__(self, epoch: _Optional[int] = ..., primary: _Optional[str] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class SnapshotAck(_message.Message):
+    __slots__ = ("epoch", "ok", "last_lsn")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    LAST_LSN_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    ok: bool
+    last_lsn: int
+    def __init__(self, epoch: _Optional[int] = ..., ok: _Optional[bool] = ..., last_lsn: _Optional[int] = ...) -> None: ...

@@ -49,6 +49,11 @@ class ReplicationStub:
                 request_serializer=spooler_dot_pb_dot_replication__pb2.TimeoutNowRequest.SerializeToString,
                 response_deserializer=spooler_dot_pb_dot_replication__pb2.ReplEmpty.FromString,
                 _registered_method=True)
+        self.InstallSnapshot = channel.stream_unary(
+                '/spooler.v1.Replication/InstallSnapshot',
+                request_serializer=spooler_dot_pb_dot_replication__pb2.SnapshotChunk.SerializeToString,
+                response_deserializer=spooler_dot_pb_dot_replication__pb2.SnapshotAck.FromString,
+                _registered_method=True)
 
 
 class ReplicationServicer:
@@ -74,6 +79,12 @@ class ReplicationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InstallSnapshot(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +102,11 @@ def add_ReplicationServicer_to_server(servicer, server):
                     servicer.TimeoutNow,
                     request_deserializer=spooler_dot_pb_dot_replication__pb2.TimeoutNowRequest.FromString,
                     response_serializer=spooler_dot_pb_dot_replication__pb2.ReplEmpty.SerializeToString,
+            ),
+            'InstallSnapshot': grpc.stream_unary_rpc_method_handler(
+                    servicer.InstallSnapshot,
+                    request_deserializer=spooler_dot_pb_dot_replication__pb2.SnapshotChunk.FromString,
+                    response_serializer=spooler_dot_pb_dot_replication__pb2.SnapshotAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +190,33 @@ class Replication:
             '/spooler.v1.Replication/TimeoutNow',
             spooler_dot_pb_dot_replication__pb2.TimeoutNowRequest.SerializeToString,
             spooler_dot_pb_dot_replication__pb2.ReplEmpty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InstallSnapshot(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/spooler.v1.Replication/InstallSnapshot',
+            spooler_dot_pb_dot_replication__pb2.SnapshotChunk.SerializeToString,
+            spooler_dot_pb_dot_replication__pb2.SnapshotAck.FromString,
             options,
             channel_credentials,
             insecure,

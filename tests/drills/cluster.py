@@ -202,13 +202,14 @@ class Cluster:
 
     def current_primary(self, timeout_s: float = 1.0) -> Optional[tuple[str, int]]:
         """(node, epoch) of the live node that reports itself primary under the highest epoch
-        and that every other answering live node names as primary; else None."""
+        and that a majority of all nodes (itself included) names as primary; else None."""
         infos = self.infos(timeout_s)
         prim = [(d["epoch"], nid) for nid, d in infos.items() if d.get("role") == "primary"]
         if not prim:
             return None
         epoch, nid = max(prim)
-        if all(d.get("primary") == nid for d in infos.values()):
+        agree = sum(1 for d in infos.values() if d.get("primary") == nid and d.get("epoch") == epoch)
+        if agree * 2 > len(self.ids):
             return nid, epoch
         return None
 

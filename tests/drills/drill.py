@@ -101,6 +101,8 @@ class Drill:
         self.thread_errors: list[str] = []
         self.failed_queue_ids: set = set()
         self.notes: list[str] = []
+        self.expected_down: set = set()   # nodes the drill itself killed / stopped gracefully
+        self.unexpected_exits: list[dict] = []
 
     def rng(self, name: str) -> random.Random:
         return random.Random(f"{self.seed}/{name}")
@@ -214,6 +216,13 @@ class Drill:
     def observer(self):
         last: dict = {}
         while not self.stop_observer.is_set():
+            with self.cluster.lock:  # a node process that exited without the nemesis killing it
+                for nid, p in self.cluster.procs.items():
+                    if p.proc is not None and p.proc.poll() is not None and nid not in self.expected_down:
+                        self.expected_down.add(nid)
+                        rc = p.proc.returncode
+                        self.h.append({"type": "crash", "node": nid, "returncode": rc})
+                        self.unexpected_exits.append({"node": nid, "returncode": rc, "t": time.monotonic()})
             for nid in self.cluster.live():
                 info = self.cluster.info(nid, timeout_s=0.5)
                 if info is None:
@@ -247,16 +256,18 @@ class Drill:
             action = rng.choices(["kill_primary", "stop_primary", "restart_replica"], [0.4, 0.35, 0.25])[0]
             down = rng.uniform(1.5, 4.0)
             cp = c.current_primary()
-            if cp is None:
+            if cp is None or len(c.live()) < len(c.ids):  # one node down at a time
                 self._wait_healthy(5.0)
                 continue
             p, epoch = cp
             if action == "kill_primary":
                 h.nemesis("kill", p, role="primary", epoch=epoch)
+                self.expected_down.add(p)
                 c.kill(p)
                 self.stop_load.wait(down)
                 h.nemesis("restart", p)
                 c.restart(p)
+                self.expected_down.discard(p)
                 h.nemesis("restarted", p)
             elif action == "stop_primary":
                 h.nemesis("stop", p, role="primary", epoch=epoch)
@@ -267,9 +278,11 @@ class Drill:
             else:
                 r = rng.choice([n for n in c.ids if n != p])
                 h.nemesis("kill", r, role="replica", epoch=epoch)
+                self.expected_down.add(r)
                 c.kill(r)
                 h.nemesis("restart", r)
                 c.restart(r)
+                self.expected_down.discard(r)
                 h.nemesis("restarted", r)
             self._wait_healthy()
 
@@ -283,6 +296,7 @@ class Drill:
             if not c.alive(nid):
                 self.h.nemesis("restart", nid, phase="heal")
                 c.restart(nid)
+                self.expected_down.discard(nid)
 
     def setup_queue(self):
         c = _Client(self.cluster, self.rng("setup"), "setup")
@@ -343,9 +357,15 @@ class Drill:
     def finish(self) -> dict:
         """Converge, stop every node gracefully (replicas first), integrity + digest per node."""
         c = self.cluster
-        lsns = c.wait_converged(timeout_s=60)
-        primary = c.primary()
+        try:
+            lsns = c.wait_converged(timeout_s=60)
+        except AssertionError as e:
+            lsns = {nid: (c.info(nid) or {}).get("appliedLsn") for nid in c.ids}
+            self.notes.append(f"nodes did not converge: {str(e)[:2000]}")
+        cp = c.current_primary()
+        primary = cp[0] if cp else c.ids[0]
         self.stop_observer.set()
+        self.expected_down.update(c.ids)
         states, integrity, counters = {}, {}, {}
         rcs: dict = {}
 
@@ -409,7 +429,8 @@ class Drill:
                       workdir=self.workdir, history=hist_path, drain_complete=drained,
                       nemesis_counts=nem_counts, thread_errors=self.thread_errors, notes=self.notes,
                       node_counters=final.get("node_counters"))
-        if self.thread_errors or not drained:
+        report["unexpected_exits"] = self.unexpected_exits
+        if self.thread_errors or not drained or self.unexpected_exits:
             report["required_zeros_ok"] = False
         return report
 

@@ -68,6 +68,7 @@ def summarize(reports: list[dict]) -> str:
         lines.append(f"{('duplicate_deliveries.' + k).ljust(w)}  {v:>9}")
     lines.append(f"{'nodes_disagree_seeds'.ljust(w)}  {sum(1 for r in reports if r['nodes_agree'] is False):>9}")
     lines.append(f"{'integrity_fail_seeds'.ljust(w)}  {sum(1 for r in reports if r['integrity_ok'] is False):>9}")
+    lines.append(f"{'unexpected_node_exits'.ljust(w)}  {sum(len(r.get('unexpected_exits') or ()) for r in reports):>9}")
     lines.append(f"{'drain_incomplete_seeds'.ljust(w)}  {sum(1 for r in reports if not r.get('drain_complete')):>9}")
     lines.append(f"{'nemeses'.ljust(w)}  {json.dumps(nem, sort_keys=True)}")
     if fu:
@@ -115,6 +116,8 @@ def main(argv=None) -> int:
         print(f"\n--- seed {seed} ({r['wall_s']:.1f}s wall, nemeses {json.dumps(r['nemesis_counts'])},"
               f" drain {'complete' if r['drain_complete'] else 'INCOMPLETE'}) ---")
         print(format_table(r))
+        for x in r.get("unexpected_exits") or ():
+            print(f"UNEXPECTED EXIT: node {x['node']} exited with {x['returncode']} at t={x['t']:.3f}")
         for n in r.get("notes") or ():
             print(f"note: {n}")
         for t in r.get("thread_errors") or ():

@@ -1,0 +1,58 @@
+"""A replica that fell behind the primary's compacted log catches up from a snapshot."""
+import threading
+
+from integration.test_cluster import free_ports, primary_of, send_until_ok, until_ok, view
+from nodeproc import NodeProc, wait_until
+from spooler.http import HttpClient
+
+
+def test_lagging_replica_catches_up_from_a_snapshot(tmp_path):
+    ids = ["n1", "n2", "n3"]
+    ports = dict(zip(ids, free_ports(3)))
+    peers = ",".join(f"{i}=127.0.0.1:{p}" for i, p in ports.items())
+    nodes = {i: NodeProc(str(tmp_path / i), node_id=i, grpc_port=ports[i],
+                         extra_args=["--peers", peers, "--failover-timeout", "1", "--log-keep-records", "10"])
+             for i in ids}
+    try:
+        threads = [threading.Thread(target=n.start) for n in nodes.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+        c = HttpClient(nodes[p].http_url, nodes[p].admin_key)
+        until_ok(lambda: c.put_queue("q"))
+        lagging = next(i for i in ids if i != p)
+        nodes[lagging].kill()
+        sent = [send_until_ok(c, "q", f"m{i}".encode())["id"] for i in range(200)]
+        top = view(nodes[p])["appliedLsn"]
+        # wait until the primary's checkpoint compacted the log the lagging node needs
+        wait_until(lambda: _compacted(nodes[p], top), 15,
+                   what="the primary to compact its log")
+        nodes[lagging].start()
+        wait_until(lambda: (view(nodes[lagging]) or {}).get("appliedLsn", -1) >= top, 20,
+                   what="the lagging replica to catch up")
+        assert "installed a snapshot" in nodes[lagging].read_log()
+        # it holds the data: make it the primary and read everything back from it
+        other = next(i for i in ids if i not in (p, lagging))
+        nodes[p].kill()
+        nodes[other].kill()
+        nodes[p].start()  # a majority again: lagging + old primary
+        q, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+        c2 = HttpClient(nodes[q].http_url, nodes[q].admin_key)
+        st = until_ok(lambda: c2.get_queue("q"))["stats"]
+        assert st["sentTotal"] == 200
+    finally:
+        for n in nodes.values():
+            n.kill()
+
+
+def _compacted(node, top):
+    import apsw
+    import os
+    db = apsw.Connection(os.path.join(node.data_dir, "spool.db"), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        (first,), = db.execute("SELECT coalesce(min(lsn), 0) FROM log")
+        return first > 5
+    finally:
+        db.close()
