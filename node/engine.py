@@ -304,6 +304,16 @@ class Engine:
                 cb(rec, result)
         self._wake_receivers()
 
+    def check_from_primary(self, rows: list) -> None:
+        lsn0, crc = self.appended_lsn, self.crc
+        for lsn, epoch, expect, data in rows:
+            if lsn != lsn0 + 1:
+                raise RuntimeError(f"replica log gap: record {lsn} after {lsn0}")
+            crc = chain(crc, data)
+            if crc != expect:
+                raise RuntimeError(f"checksum mismatch in the primary's record {lsn}")
+            lsn0 = lsn
+
     def stored_from_primary(self, rows: list) -> None:
         """Replica: records fsync'd from the primary's stream (rows as in the log table)."""
         for lsn, epoch, crc, data in rows:
@@ -318,7 +328,8 @@ class Engine:
             self.last_ts = max(self.last_ts, rec.ts_us)
 
     def truncated(self, after_lsn: int, crc: int) -> None:
-        """The log lost its unapplied records after ``after_lsn`` (they were never committed)."""
+        """The log lost its unapplied records after ``after_lsn`` (they were never committed),
+        or (resync) the engine learns where the store's log really ends."""
         assert after_lsn >= self.core.lsn, "truncating applied records"
         for lsn in [x for x in self.unapplied if x > after_lsn]:
             _, _, fut = self.unapplied.pop(lsn)

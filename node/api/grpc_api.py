@@ -198,6 +198,10 @@ GRPC_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.so_reuseport", 0),
+    # a restarted peer is reached again within a second, not after gRPC's default backoff
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 

@@ -137,6 +137,7 @@ class Driver:
             elif isinstance(eff, R.Store):
                 lsns = [x[0] for x in eff.req.entries]
                 rows = [(lsn, ep, crc, self._frame_bytes[lsn]) for lsn, ep, crc in eff.req.entries]
+                e.check_from_primary(rows)  # contiguity and checksums, before anything is written
                 await loop.run_in_executor(e._io, e.store.append, rows)
                 e.stored_from_primary(rows)
                 for lsn in lsns:
@@ -299,18 +300,10 @@ class Driver:
         try:
             async for f in request_iterator:
                 sender = f.primary
-                async with self.lock:
-                    for e in f.entries:
-                        self._frame_bytes[e.lsn] = e.rec
-                    self._replies = []
-                    try:
-                        await self._run(self.core.receive(R.AppendReq(
-                            f.epoch, f.primary, f.prev_lsn, f.prev_epoch, f.prev_crc,
-                            [(e.lsn, e.epoch, e.crc) for e in f.entries], f.commit_lsn, f.sent_us), mono_us()))
-                        replies = self._replies
-                    finally:
-                        self._replies = None
-                        self._frame_bytes.clear()
+                # Shielded: if the primary dies mid-frame, gRPC cancels this handler;
+                # the frame's store-and-bookkeeping must still finish as one step, or
+                # the log on disk and the core's view of it would part ways.
+                replies = await asyncio.shield(self._handle_frame(f))
                 for r in replies:
                     yield r
         finally:
@@ -318,6 +311,33 @@ class Driver:
             if sender is not None and sender == self.core.primary and not self.stopped:
                 async with self.lock:
                     await self._run(self.core.primary_stream_broken(mono_us()))
+
+    async def _handle_frame(self, f) -> list:
+        async with self.lock:
+            for e in f.entries:
+                self._frame_bytes[e.lsn] = e.rec
+            self._replies = []
+            try:
+                await self._run(self.core.receive(R.AppendReq(
+                    f.epoch, f.primary, f.prev_lsn, f.prev_epoch, f.prev_crc,
+                    [(e.lsn, e.epoch, e.crc) for e in f.entries], f.commit_lsn, f.sent_us), mono_us()))
+                return self._replies
+            except Exception:
+                log.exception("frame from %s failed; resyncing the log view from the store", f.primary)
+                await self._resync()
+                return []
+            finally:
+                self._replies = None
+                self._frame_bytes.clear()
+
+    async def _resync(self) -> None:
+        """Make the core's and the engine's view of the log what the store holds."""
+        e = self.engine
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(e._io, self.load)
+        pos = await loop.run_in_executor(e._io, e.store.last_position)
+        self.core.durable_lsn = self.core.log.last_lsn
+        e.truncated(max(pos.lsn, e.core.lsn), pos.crc if pos.lsn >= e.core.lsn else e.applied_crc)
 
     async def serve_vote(self, req, context):
         async with self.lock:

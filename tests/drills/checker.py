@@ -421,7 +421,7 @@ def format_table(report: dict) -> str:
     def row(name: str, value: Any, required: bool = False) -> None:
         status = ""
         if required:
-            status = "OK" if value in (0, True, None) else "FAIL"
+            status = "OK" if (value is None or value is True or (type(value) is int and value == 0)) else "FAIL"
         rows.append((name, _fmt(value), status))
 
     for k in ("events", "sends", "confirmed_sends", "deliveries", "drain_deliveries",
