@@ -196,7 +196,7 @@ class Replication:
     # ------------------------------------------------------------- helpers
     def _reset_election_timer(self, now: int, fast: bool = False) -> None:
         if fast:
-            self.election_at = now + int(self.rand() * self.timeout * 0.05)
+            self.election_at = now + min(20_000, self.timeout // 10) + int(self.rand() * self.timeout * 0.05)
         else:
             self.election_at = now + self.timeout + int(self.rand() * self.timeout * 0.5)
 
@@ -458,7 +458,9 @@ class Replication:
     # ----------------------------------------------------------- elections
     def _campaign(self, now: int, pre: bool, transfer: bool = False) -> list:
         out: list = []
-        self._reset_election_timer(now)
+        # while our primary looks dead, retry soon: the other replicas may not have
+        # seen its streams break yet and refuse this first round
+        self._reset_election_timer(now, fast=self.primary_gone)
         if not self.peers:
             pre = False
         if pre:
