@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 from spooler import errors
 from spooler.pb import log_pb2
-from node.core.spool import Core, US
+from node.core.spool import Core
 from node.store.sqlite import CheckpointData, Store, chain
 
 log = logging.getLogger("spooler.engine")

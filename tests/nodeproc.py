@@ -123,3 +123,46 @@ def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.02, what: st
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(interval_s)
+
+
+def free_ports(n: int) -> list:
+    """n distinct free TCP ports on 127.0.0.1 (bound together, then released)."""
+    import socket
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def start_cluster(base_dir: str, n: int = 3, failover_timeout_s: float = 1.0, extra_args=(), env=None,
+                  per_node_args=None) -> dict:
+    """Start n nodes n1..nN with one --peers list, in parallel; returns {id: NodeProc}.
+    per_node_args(id) -> extra arguments for that node. The caller kills them."""
+    import threading
+    ids = [f"n{i + 1}" for i in range(n)]
+    ports = dict(zip(ids, free_ports(n)))
+    peers = ",".join(f"{i}=127.0.0.1:{p}" for i, p in ports.items())
+    nodes = {i: NodeProc(os.path.join(base_dir, i), node_id=i, grpc_port=ports[i], env=env,
+                         extra_args=["--peers", peers, "--failover-timeout", str(failover_timeout_s), *extra_args,
+                                     *(per_node_args(i) if per_node_args else ())]) for i in ids}
+    errors_ = []
+
+    def start(node):
+        try:
+            node.start()
+        except Exception as e:  # reported below, after every start returned
+            errors_.append(e)
+
+    threads = [threading.Thread(target=start, args=(x,)) for x in nodes.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors_:
+        for x in nodes.values():
+            x.kill()
+        raise errors_[0]
+    return nodes

@@ -1,7 +1,7 @@
 """Prometheus metrics (one registry per node, so tests can run several)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from spooler.pb import log_pb2

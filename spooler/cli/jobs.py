@@ -7,7 +7,6 @@ the global ``--server``, API key from the global ``--key``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time

@@ -1,43 +1,21 @@
 """A real 3-node cluster on 127.0.0.1: election, replication, failover, rejoin."""
 import os
 import signal
-import socket
-import threading
 
 import pytest
 
-from nodeproc import NodeProc, wait_until
+from nodeproc import start_cluster, wait_until
 from spooler import errors
 from spooler.http import HttpClient
 
 FAILOVER_S = 1.0
 
 
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @pytest.fixture
 def cluster(tmp_path):
-    ids = ["n1", "n2", "n3"]
-    ports = dict(zip(ids, free_ports(3)))
-    peers = ",".join(f"{i}=127.0.0.1:{p}" for i, p in ports.items())
-    nodes = {i: NodeProc(str(tmp_path / i), node_id=i, grpc_port=ports[i],
-                         extra_args=["--peers", peers, "--failover-timeout", str(FAILOVER_S)]) for i in ids}
+    nodes = start_cluster(str(tmp_path), 3, FAILOVER_S)
     stopped = set()
     try:
-        threads = [threading.Thread(target=n.start) for n in nodes.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert all(n.alive() for n in nodes.values()), "a node did not start"
         yield nodes, stopped
     finally:
         for i, n in nodes.items():

@@ -6,9 +6,7 @@ ever comes back. Sends and acks without an answer are "unknown": they may or
 may not have landed, and are only counted.
 """
 import threading
-import time
 
-import pytest
 
 from nodeproc import wait_until
 from spooler import errors

@@ -2,13 +2,12 @@
 node or client whose certificate comes from another CA is refused."""
 import shutil
 import subprocess
-import threading
 
 import grpc
 import pytest
 
-from integration.test_cluster import free_ports, primary_of, send_until_ok, until_ok
-from nodeproc import NodeProc, wait_until
+from integration.test_cluster import primary_of, send_until_ok, until_ok
+from nodeproc import start_cluster, wait_until
 from spooler import Client, errors
 from spooler.http import HttpClient
 from spooler.pb import replication_pb2 as rpb
@@ -49,17 +48,10 @@ def test_mtls_cluster_refuses_unknown_certificates(tmp_path):
         make_cert(pki, "ca", n)
     make_cert(pki, "rogue-ca", "rogue")
     ids = ["n1", "n2", "n3"]
-    ports = dict(zip(ids, free_ports(3)))
-    peers = ",".join(f"{i}=127.0.0.1:{p}" for i, p in ports.items())
-    nodes = {i: NodeProc(str(tmp_path / i), node_id=i, grpc_port=ports[i], extra_args=[
-        "--peers", peers, "--failover-timeout", "1", "--tls-cert", str(pki / f"{i}.pem"),
-        "--tls-key", str(pki / f"{i}.key"), "--tls-ca", str(pki / "ca.pem")]) for i in ids}
+    nodes = start_cluster(str(tmp_path), 3, 1.0, per_node_args=lambda i: [
+        "--tls-cert", str(pki / f"{i}.pem"), "--tls-key", str(pki / f"{i}.key"), "--tls-ca", str(pki / "ca.pem")])
+    ports = {i: n.grpc_port for i, n in nodes.items()}
     try:
-        threads = [threading.Thread(target=n.start) for n in nodes.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
         p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary elected over mTLS")
         replica = next(i for i in ids if i != p)
         c = HttpClient(nodes[replica].http_url, nodes[replica].admin_key)  # forwarded over mTLS

@@ -1,10 +1,7 @@
 """Power loss of whole node processes (SPOOLER_TEST_VFS=buffered: nothing reaches
 the disk before fsync, so SIGKILL = power cut), single node and cluster."""
-import os
-import threading
-
-from integration.test_cluster import free_ports, primary_of, send_until_ok, until_ok, view
-from nodeproc import NodeProc, wait_until
+from integration.test_cluster import primary_of, send_until_ok, until_ok, view
+from nodeproc import NodeProc, start_cluster, wait_until
 from spooler import errors
 from spooler.http import HttpClient
 
@@ -85,16 +82,8 @@ def test_fsync_error_stops_a_node_and_it_rejoins(tmp_path):
 
 def test_cluster_power_loss_of_primary_and_replica(tmp_path):
     ids = ["n1", "n2", "n3"]
-    ports = dict(zip(ids, free_ports(3)))
-    peers = ",".join(f"{i}=127.0.0.1:{p}" for i, p in ports.items())
-    nodes = {i: NodeProc(str(tmp_path / i), node_id=i, grpc_port=ports[i], env=BUFFERED,
-                         extra_args=["--peers", peers, "--failover-timeout", "1"]) for i in ids}
+    nodes = start_cluster(str(tmp_path), 3, 1.0, env=BUFFERED)
     try:
-        threads = [threading.Thread(target=x.start) for x in nodes.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
         p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
         c = HttpClient(nodes[p].http_url, nodes[p].admin_key)
         until_ok(lambda: c.put_queue("q"))

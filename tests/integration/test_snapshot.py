@@ -1,24 +1,13 @@
 """A replica that fell behind the primary's compacted log catches up from a snapshot."""
-import threading
-
-from integration.test_cluster import free_ports, primary_of, send_until_ok, until_ok, view
-from nodeproc import NodeProc, wait_until
+from integration.test_cluster import primary_of, send_until_ok, until_ok, view
+from nodeproc import start_cluster, wait_until
 from spooler.http import HttpClient
 
 
 def test_lagging_replica_catches_up_from_a_snapshot(tmp_path):
     ids = ["n1", "n2", "n3"]
-    ports = dict(zip(ids, free_ports(3)))
-    peers = ",".join(f"{i}=127.0.0.1:{p}" for i, p in ports.items())
-    nodes = {i: NodeProc(str(tmp_path / i), node_id=i, grpc_port=ports[i],
-                         extra_args=["--peers", peers, "--failover-timeout", "1", "--log-keep-records", "10"])
-             for i in ids}
+    nodes = start_cluster(str(tmp_path), 3, 1.0, extra_args=["--log-keep-records", "10"])
     try:
-        threads = [threading.Thread(target=n.start) for n in nodes.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
         p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
         c = HttpClient(nodes[p].http_url, nodes[p].admin_key)
         until_ok(lambda: c.put_queue("q"))
@@ -41,7 +30,7 @@ def test_lagging_replica_catches_up_from_a_snapshot(tmp_path):
         q, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
         c2 = HttpClient(nodes[q].http_url, nodes[q].admin_key)
         st = until_ok(lambda: c2.get_queue("q"))["stats"]
-        assert st["sentTotal"] == 200
+        assert st["sentTotal"] == len(sent) == 200
     finally:
         for n in nodes.values():
             n.kill()
