@@ -41,9 +41,13 @@ class AsyncClient:
         """credentials: grpc channel credentials for a node running mTLS
         (``grpc.ssl_channel_credentials(ca, key, cert)``); None = plaintext."""
         self.target = target
-        self.channel = (grpc.aio.secure_channel(target, credentials, options=GRPC_OPTIONS) if credentials
-                        else grpc.aio.insecure_channel(target, options=GRPC_OPTIONS))
-        self.stub = api_pb2_grpc.SpoolerStub(self.channel)
+        # "host:port" or "h1:p1,h2:p2,...": any node serves any call; on
+        # "unavailable" the client moves on to the next node
+        self._targets = [t.strip() for t in target.split(",") if t.strip()] or [target]
+        self._target_i = 0
+        self._credentials = credentials
+        self._old_channels: list = []
+        self._open()
         self.md = auth_metadata(key)
         self.timeout_s = timeout_s
         self.batch_max = batch_max
@@ -53,8 +57,26 @@ class AsyncClient:
         self._in_flight = 0
         self.send_rpcs = 0           # SendBatch RPCs made by auto-batching (observability, tests)
 
+
+    def _open(self) -> None:
+        t = self._targets[self._target_i]
+        self.channel = (grpc.aio.secure_channel(t, self._credentials, options=GRPC_OPTIONS) if self._credentials
+                        else grpc.aio.insecure_channel(t, options=GRPC_OPTIONS))
+        self.stub = api_pb2_grpc.SpoolerStub(self.channel)
+
+    def target_now(self) -> str:
+        """The node this client currently talks to."""
+        return self._targets[self._target_i]
+
+    def _next_target(self) -> None:
+        if len(self._targets) > 1:
+            self._old_channels.append(self.channel)  # in-flight calls may still use it
+            self._target_i = (self._target_i + 1) % len(self._targets)
+            self._open()
+
     async def close(self) -> None:
-        await self.channel.close()
+        for ch in self._old_channels + [self.channel]:
+            await ch.close()
 
     async def __aenter__(self):
         return self
@@ -66,7 +88,10 @@ class AsyncClient:
         try:
             return await rpc(req, metadata=self.md, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as e:
-            raise map_rpc_error(e, write=write) from None
+            err = map_rpc_error(e, write=write)
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self._next_target()
+            raise err from None
 
     # ------------------------------------------------------------- queues
     async def put_queue(self, name: str, **settings) -> dict:

@@ -178,3 +178,20 @@ def test_a_minority_confirms_nothing(cluster):
             c.send("q", b"during")
     with pytest.raises(errors.Unavailable):
         c.receive("q")  # and it hands out no leases
+
+
+def test_sdk_with_every_node_follows_the_cluster(cluster):
+    """The SDK given every node's address keeps working when the node it talks to dies."""
+    from spooler import Client
+    nodes, _ = cluster
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    order = [p] + [i for i in nodes if i != p]  # start on the primary, then lose it
+    targets = ",".join(nodes[i].grpc_target for i in order)
+    with Client(targets, nodes[p].admin_key, timeout_s=5) as c:
+        until_ok(lambda: c.put_queue("q"))
+        first = until_ok(lambda: c.send("q", b"one"))
+        nodes[p].kill()
+        second = until_ok(lambda: c.send("q", b"two"), 20)
+        assert c.target_now() != nodes[p].grpc_target
+        st = until_ok(lambda: c.get_queue("q"))["stats"]
+        assert st["sentTotal"] == 2 and first.id != second.id
