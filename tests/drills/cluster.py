@@ -45,12 +45,15 @@ def free_ports(n: int) -> list[int]:
 
 class Cluster:
     def __init__(self, workdir: str, nodes: int = 3, failover_timeout_s: float = 1.0,
-                 admin_key: str = ADMIN_KEY, extra_args=()):
+                 admin_key: str = ADMIN_KEY, extra_args=(), power_loss: bool = False):
+        """power_loss: nodes keep every write in memory until fsync (test VFS), so each
+        SIGKILL is a power cut that loses everything not fsync'd."""
         self.workdir = os.path.abspath(workdir)
         self.ids = [f"n{i + 1}" for i in range(nodes)]
         self.failover_timeout_s = failover_timeout_s
         self.admin_key = admin_key
         self.extra_args = list(extra_args)
+        self.env = {"SPOOLER_TEST_VFS": "buffered"} if power_loss else None
         self.procs: dict[str, NodeProc] = {}
         self.stopped: set[str] = set()   # SIGSTOPped, not yet SIGCONTed
         self.lock = threading.RLock()
@@ -67,7 +70,7 @@ class Cluster:
             args = ["--peers", peers, "--failover-timeout", repr(float(self.failover_timeout_s)),
                     *self.extra_args]
             self.procs[nid] = NodeProc(os.path.join(self.workdir, nid), node_id=nid, admin_key=self.admin_key,
-                                       grpc_port=gp, http_port=hp, extra_args=args)
+                                       grpc_port=gp, http_port=hp, extra_args=args, env=self.env)
         errs: list = []
 
         def go(nid):

@@ -87,15 +87,16 @@ class _Client:
 class Drill:
     def __init__(self, seed: int, duration_s: float, nodes: int, workdir: str, producers: int = 3,
                  consumers: int = 2, send_pause_s: float = 0.05, failover_timeout_s: float = 1.0,
-                 log=print):
+                 log=print, power_loss: bool = False):
         self.seed, self.duration_s, self.workdir = seed, duration_s, os.path.abspath(workdir)
         self.n_producers, self.n_consumers = producers, consumers
         self.send_pause_s = send_pause_s
         self.failover_timeout_s = failover_timeout_s
         self.log = log
         self.h = History()
+        self.power_loss = power_loss
         self.cluster = Cluster(os.path.join(self.workdir, "nodes"), nodes=nodes,
-                               failover_timeout_s=failover_timeout_s)
+                               failover_timeout_s=failover_timeout_s, power_loss=power_loss)
         self.stop_load = threading.Event()
         self.stop_observer = threading.Event()
         self.thread_errors: list[str] = []
@@ -261,7 +262,7 @@ class Drill:
                 continue
             p, epoch = cp
             if action == "kill_primary":
-                h.nemesis("kill", p, role="primary", epoch=epoch)
+                h.nemesis("power_loss" if self.power_loss else "kill", p, role="primary", epoch=epoch)
                 self.expected_down.add(p)
                 c.kill(p)
                 self.stop_load.wait(down)
@@ -277,7 +278,7 @@ class Drill:
                 c.cont(p)
             else:
                 r = rng.choice([n for n in c.ids if n != p])
-                h.nemesis("kill", r, role="replica", epoch=epoch)
+                h.nemesis("power_loss" if self.power_loss else "kill", r, role="replica", epoch=epoch)
                 self.expected_down.add(r)
                 c.kill(r)
                 h.nemesis("restart", r)

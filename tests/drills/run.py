@@ -87,6 +87,8 @@ def main(argv=None) -> int:
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--workdir", default=None, help="where seed-<n>/ dirs go (default: a new temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep passing seeds' histories and logs too")
+    ap.add_argument("--power-loss", action="store_true",
+                    help="every SIGKILL is a power cut (nodes buffer writes until fsync)")
     ap.add_argument("--json", default=None, help="also write every report (JSON lines) to this file")
     args = ap.parse_args(argv)
 
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
             shutil.rmtree(wd)
         t0 = time.monotonic()
         try:
-            r = run_drill(seed, args.duration, nodes=args.nodes, workdir=wd)
+            r = run_drill(seed, args.duration, nodes=args.nodes, workdir=wd, power_loss=args.power_loss)
         except Exception as e:  # noqa: BLE001 - a drill that cannot finish is a failing seed
             import traceback
             traceback.print_exc()

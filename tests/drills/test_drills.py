@@ -13,8 +13,8 @@ from drills.drill import run_drill
 pytestmark = pytest.mark.integration
 
 
-def _run(seed, duration_s, tmp_path):
-    report = run_drill(seed, duration_s, nodes=3, workdir=str(tmp_path / f"seed-{seed}"))
+def _run(seed, duration_s, tmp_path, power_loss=False):
+    report = run_drill(seed, duration_s, nodes=3, workdir=str(tmp_path / f"seed-{seed}"), power_loss=power_loss)
     table = format_table(report)
     print(f"seed {seed}: {report['wall_s']:.1f}s wall, nemeses {json.dumps(report['nemesis_counts'])}\n{table}")
     assert report["drain_complete"], report["notes"]
@@ -28,6 +28,12 @@ def _run(seed, duration_s, tmp_path):
 def test_short_failover_drill(tmp_path):
     r = _run(1, 14.0, tmp_path)
     assert sum(r["nemesis_counts"].get(k, 0) for k in ("kill_primary", "stop_primary", "kill_replica")) >= 1
+
+
+def test_short_power_loss_drill(tmp_path):
+    """Every SIGKILL is a power cut: nodes lose all they had not fsync'd."""
+    r = _run(7, 14.0, tmp_path, power_loss=True)
+    assert sum(v for k, v in r["nemesis_counts"].items() if k.startswith("power_loss")) >= 1, r["nemesis_counts"]
 
 
 @pytest.mark.slow
