@@ -198,7 +198,9 @@ class Replication:
         if fast:
             self.election_at = now + min(20_000, self.timeout // 10) + int(self.rand() * self.timeout * 0.05)
         else:
-            self.election_at = now + self.timeout + int(self.rand() * self.timeout * 0.5)
+            # a little jitter keeps two replicas from always campaigning together
+            # (pre-votes make a split cheap); a lot would only slow failover
+            self.election_at = now + self.timeout + int(self.rand() * self.timeout * 0.1)
 
     def _since_contact(self, now: int) -> int:
         return (now - self.last_contact) if self.last_contact is not None else 10 * self.timeout
