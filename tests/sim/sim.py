@@ -1,7 +1,8 @@
 """Deterministic simulation of the replication/election core.
 
 One seed fixes everything: message delays, drops, duplicates, reordering,
-partitions (one-way too), crashes and restarts, client writes. Time is
+partitions (one-way too), crashes and restarts, streams that break while the
+primary lives on, switchovers, client writes. Time is
 simulated. Each node is the real ``node.core.replication.Replication`` plus a
 simulated disk that holds exactly what the effects made durable; a crash drops
 the volatile state and any effects not yet carried out.
@@ -236,7 +237,22 @@ class Sim:
                 for n in self.nodes.values():
                     if n.up and n.core.primary == p:
                         n.run(n.core.primary_stream_broken(self.now))
-        elif r < 0.13:
+        elif r < 0.125:
+            # the primary's streams break but its process lives on (a reset
+            # connection, a flapping link): replicas may elect fast while the old
+            # primary still holds its lease
+            prim = [n for n in self.nodes.values() if n.up and n.core.role == R.PRIMARY]
+            if prim:
+                p = prim[0].id
+                self.trace(f"streams from {p} break, {p} lives")
+                for n in self.nodes.values():
+                    if n.up and n.core.primary == p:
+                        n.run(n.core.primary_stream_broken(self.now))
+                if self.rng.random() < 0.5:  # and sometimes the link stays down a while
+                    for other in self.members:
+                        if other != p:
+                            self.blocked.add((p, other))
+        elif r < 0.135:
             prim = [n for n in self.nodes.values() if n.up and n.core.role == R.PRIMARY]
             if prim:
                 tgt = self.rng.choice([i for i in ids if i != prim[0].id])
