@@ -24,7 +24,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import statistics
 import tempfile
 import threading
@@ -32,22 +31,13 @@ import time
 
 from bench import spool
 from bench.spool import FIGURES, NodeProc, _commit_metrics, _node_cpu_s, _round
+from nodeproc import free_ports  # noqa: E402 (bench.spool put tests/ on sys.path)
 
 IDS = ("n1", "n2", "n3")
 WARM_SENDS = 20
 ATTEMPT_TIMEOUT_S = 0.5
 RETRY_SLEEP_S = 0.01
 FAILOVER_DEADLINE_S = 30.0
-
-
-def free_ports(n: int) -> list:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class Cluster:

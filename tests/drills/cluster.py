@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -26,21 +25,7 @@ from typing import Optional
 _TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
-from nodeproc import ADMIN_KEY, NodeProc  # noqa: E402
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on 127.0.0.1 (all bound at once, then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+from nodeproc import ADMIN_KEY, NodeProc, free_ports  # noqa: E402
 
 
 class Cluster:
