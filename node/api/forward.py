@@ -7,6 +7,8 @@ forwarded call carries ``spooler-forwarded``; a node never forwards it again
 """
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from spooler import errors
@@ -18,9 +20,12 @@ _ACTIONS = {"ack": api_pb2.SETTLE_ACK, "nack": api_pb2.SETTLE_NACK, "renew": api
 
 
 class Forwarder:
-    def __init__(self, timeout_s: float = 10.0, tls=None):
+    def __init__(self, timeout_s: float = 10.0, tls=None, current_primary=None):
+        """current_primary: callable -> the address this node now takes for the primary's
+        (a forwarded call to a primary that was replaced meanwhile is cut short)."""
         self.timeout_s = timeout_s
         self.tls = tls
+        self.current_primary = current_primary or (lambda: None)
         self._stubs: dict = {}
 
     def stub(self, address: str):
@@ -33,10 +38,26 @@ class Forwarder:
 
     async def call(self, address: str, method: str, req, auth: str, write: bool, extra_s: float = 0.0):
         md = ((FORWARDED, "1"),) + ((("authorization", auth),) if auth else ())
+        call = getattr(self.stub(address), method)(req, metadata=md, timeout=self.timeout_s + extra_s)
+        task = asyncio.ensure_future(call)
         try:
-            return await getattr(self.stub(address), method)(req, metadata=md, timeout=self.timeout_s + extra_s)
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.05)
+                if done:
+                    return task.result()
+                if self.current_primary() != address:
+                    # a new primary was elected while we waited on the old one (paused or
+                    # cut off): stop waiting; the caller retries against the new one
+                    task.cancel()
+                    if write:
+                        raise errors.OperationUnconfirmed("the primary changed while the call was forwarded")
+                    raise errors.Unavailable("the primary changed while the call was forwarded",
+                                             retry_after_s=0.1)
         except grpc.RpcError as e:
             raise map_rpc_error(e, write=write) from None
+        finally:
+            if not task.done():
+                task.cancel()
 
     # the shapes Service returns -------------------------------------------------
     async def put_queue(self, a, auth, name, settings):

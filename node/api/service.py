@@ -78,7 +78,7 @@ class Service:
         self.limits = engine.limits
         self._admin = [hashlib.sha256(k.encode()).digest() for k in admin_keys if k]
         from node.api.forward import Forwarder
-        self.fwd = Forwarder(tls=engine.tls)
+        self.fwd = Forwarder(tls=engine.tls, current_primary=self._primary_address)
         self._id_prefix = os.urandom(8).hex()
         self._id_counter = 0
 
@@ -98,6 +98,10 @@ class Service:
                 return Principal(admin=False, auth=authorization)
             raise
         return Principal(p.admin, p.queue, p.scopes, p.key_id, authorization or "", forwarded)
+
+    def _primary_address(self) -> Optional[str]:
+        e = self.engine
+        return e.repl.addresses.get(e.primary_id) if e.primary_id else None
 
     def _remote(self, p: Principal) -> Optional[str]:
         """The primary's address when this call must be forwarded, else None."""
