@@ -77,7 +77,7 @@ class Limits:
 class Engine:
     def __init__(self, data_dir: str, node_id: str = "n1", limits: Optional[Limits] = None,
                  clock_us: Callable[[], int] = wall_us, vfs: Optional[str] = None,
-                 checkpoint_interval_s: float = 1.0, checkpoint_dirty_max: int = 50_000,
+                 checkpoint_interval_s: float = 1.0,
                  synchronous: str = "FULL", peers: Optional[dict] = None, failover_timeout_s: float = 2.0,
                  grpc_options=(), tls=None, log_keep_records: int = 100_000):
         """peers: member id -> gRPC address, this node included (None: a cluster of one)."""
@@ -90,7 +90,6 @@ class Engine:
         self.store_generation = 0  # bumped when a snapshot replaces the store
         self.core = Core(rand=os.urandom)
         self.checkpoint_interval_s = checkpoint_interval_s
-        self.checkpoint_dirty_max = checkpoint_dirty_max
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer")
         self._pending: list = []          # (Record, Future) waiting for the writer
         # appended (fsync'd locally) but not applied: lsn -> (Record, crc, Future or None)
@@ -256,7 +255,7 @@ class Engine:
                     # 1. fsync (one transaction, one fsync for the whole batch)
                     await loop.run_in_executor(self._io, self.store.append, rows)
                 except Exception as e:  # fsync/IO failure: never confirm, stop serving
-                    self._fail(e, [])
+                    self._fail(e)
                     return
                 if self.metrics:
                     self.metrics.observe_commit(len(rows), time.perf_counter() - t)
@@ -293,7 +292,7 @@ class Engine:
             try:
                 result = self.core.apply(rec)
             except Exception as e:  # a broken invariant stops the node
-                self._fail(e, [])
+                self._fail(e)
                 raise
             self.applied_crc = crc
             if rec.WhichOneof("op") == "epoch_begin" and first == self._epoch_begin_lsn:
@@ -374,7 +373,7 @@ class Engine:
     def may_lease(self) -> bool:
         return self.serving() and self.repl.may_lease()
 
-    def _fail(self, e: BaseException, batch) -> None:
+    def _fail(self, e: BaseException) -> None:
         log.critical("storage failure, the node stops serving: %r", e)
         self.failed = e
         self.ready = False
@@ -398,7 +397,7 @@ class Engine:
         e = t.exception()
         if e is not None:
             log.critical("task %s died: %r", t.get_name(), e, exc_info=e)
-            self._fail(e, [])
+            self._fail(e)
 
     # ---------------------------------------------------------- receivers
     def _wake_receivers(self) -> None:
@@ -462,7 +461,7 @@ class Engine:
             try:
                 await loop.run_in_executor(self._io, self._checkpoint_now_sync, c)
             except Exception as e:
-                self._fail(e, [])
+                self._fail(e)
                 return
             # the replication core's view of the log forgets what the store compacted
             self.repl.core.log.compact(c.lsn - self.store.log_keep_records)

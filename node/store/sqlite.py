@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import zlib
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -87,8 +86,6 @@ class Store:
             self.set_meta("schema_version", SCHEMA_VERSION)
         elif int(v) != SCHEMA_VERSION:
             raise RuntimeError(f"store schema {v} is not {SCHEMA_VERSION}")
-        #: called with (records in the batch, seconds the commit took)
-        self.on_commit = None
 
     def _connect(self) -> apsw.Connection:
         flags = apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_CREATE
@@ -118,11 +115,8 @@ class Store:
     # ----------------------------------------------------------------- log
     def append(self, rows: list) -> None:
         """Group commit: rows are (lsn, epoch, crc, encoded record). Returns once fsync'd."""
-        t = time.perf_counter()
         with self.db:
             self.db.executemany("INSERT INTO log(lsn, epoch, crc, rec) VALUES(?, ?, ?, ?)", rows)
-        if self.on_commit:
-            self.on_commit(len(rows), time.perf_counter() - t)
 
     def last_position(self) -> Position:
         for lsn, epoch, crc in self.db.execute("SELECT lsn, epoch, crc FROM log ORDER BY lsn DESC LIMIT 1"):
