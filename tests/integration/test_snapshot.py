@@ -21,7 +21,8 @@ def test_lagging_replica_catches_up_from_a_snapshot(tmp_path):
         nodes[lagging].start()
         wait_until(lambda: (view(nodes[lagging]) or {}).get("appliedLsn", -1) >= top, 20,
                    what="the lagging replica to catch up")
-        assert "installed a snapshot" in nodes[lagging].read_log()
+        # it got there through a snapshot (the log line follows the swap by a moment)
+        wait_until(lambda: "installed a snapshot" in nodes[lagging].read_log(), 5, what="the snapshot log line")
         # it holds the data: make it the primary and read everything back from it
         other = next(i for i in ids if i not in (p, lagging))
         nodes[p].kill()
