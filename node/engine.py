@@ -94,8 +94,11 @@ class Engine:
         self._pending: list = []          # (Record, Future) waiting for the writer
         # appended (fsync'd locally) but not applied: lsn -> (Record, crc, Future or None)
         self.unapplied: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
+        # recent encoded records, kept only to ship them to replicas without a store
+        # read; bounded by bytes (one record can be a whole batch of large bodies)
         self.recent: "collections.OrderedDict[int, bytes]" = collections.OrderedDict()  # lsn -> bytes
-        self.recent_max = 200_000
+        self.recent_bytes = 0
+        self.recent_bytes_max = 64 * 1024 * 1024
         from node.replication.driver import Driver
         peers = peers or {node_id: ""}
         self.cluster = len(peers) > 1
@@ -265,9 +268,12 @@ class Engine:
                 await self.repl.appended([(r[0], r[1], r[2]) for r in rows])
 
     def _remember(self, lsn: int, data: bytes) -> None:
+        if not self.cluster:
+            return  # nobody to ship to
         self.recent[lsn] = data
-        while len(self.recent) > self.recent_max:
-            self.recent.popitem(last=False)
+        self.recent_bytes += len(data)
+        while self.recent_bytes > self.recent_bytes_max and len(self.recent) > 1:
+            self.recent_bytes -= len(self.recent.popitem(last=False)[1])
 
     def record_bytes(self, lsns: list) -> list:
         """Encoded records for shipping: from memory, else from the store's log."""
@@ -275,7 +281,7 @@ class Engine:
         missing = [lsn for lsn in lsns if lsn not in self.recent]
         got = {}
         if missing:
-            for lsn, _, _, data in self.store.records_after(missing[0] - 1, len(lsns) + 1):
+            for lsn, _, _, data in self.store.records_after(missing[0] - 1, len(lsns) + 1, reader=True):
                 got[lsn] = bytes(data)
         for lsn in lsns:
             out.append(self.recent.get(lsn) or got.get(lsn))
@@ -334,7 +340,7 @@ class Engine:
             _, _, fut = self.unapplied.pop(lsn)
             if fut is not None and not fut.done():
                 fut.set_exception(errors.OperationUnconfirmed("write was not confirmed by a quorum"))
-            self.recent.pop(lsn, None)
+            self.recent_bytes -= len(self.recent.pop(lsn, b""))
         self.appended_lsn = after_lsn
         self.crc = crc
 
@@ -547,6 +553,7 @@ class Engine:
         self.core = Core(rand=os.urandom)
         self.unapplied.clear()
         self.recent.clear()
+        self.recent_bytes = 0
         self.load()
 
     # -------------------------------------------------------------- reading

@@ -164,3 +164,40 @@ def renew_delay_s(expires_at: str, now: Optional[datetime] = None) -> float:
     exp = datetime.fromisoformat(expires_at.replace("Z", "+00:00"))
     now = now or datetime.now(timezone.utc)
     return max(0.05, (exp - now).total_seconds() / 2)
+
+
+class Nodes:
+    """The node list a client talks to, shared by the sync and asyncio clients.
+
+    ``target`` is "host:port" or "h1:p1,h2:p2,...": any node serves any call, and
+    on "unavailable" the client moves on to the next node. ``_grpc`` is the grpc
+    module that makes channels (``grpc`` or ``grpc.aio``)."""
+
+    _grpc = grpc
+
+    def _init_nodes(self, target: str, credentials) -> None:
+        self.target = target
+        self._targets = [t.strip() for t in target.split(",") if t.strip()] or [target]
+        self._target_i = 0
+        self._credentials = credentials  # channel credentials for mTLS, or None
+        self._old_channels: list = []
+        self._open()
+
+    def _open(self) -> None:
+        from spooler.pb import api_pb2_grpc
+        t = self._targets[self._target_i]
+        g = self._grpc
+        self.channel = (g.secure_channel(t, self._credentials, options=GRPC_OPTIONS) if self._credentials
+                        else g.insecure_channel(t, options=GRPC_OPTIONS))
+        self.stub = api_pb2_grpc.SpoolerStub(self.channel)
+
+    def target_now(self) -> str:
+        """The node this client currently talks to."""
+        return self._targets[self._target_i]
+
+    def _next_target(self) -> None:
+        if len(self._targets) > 1:
+            self._old_channels.append(self.channel)  # in-flight calls may still use it
+            self._target_i = (self._target_i + 1) % len(self._targets)
+            self._open()
+

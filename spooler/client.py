@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (GRPC_OPTIONS, Message, SendResult, auth_metadata, call_with_retries_sync,
+from spooler._common import (Nodes, Message, SendResult, auth_metadata, call_with_retries_sync,
                              is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, settings_pb)
 from spooler.pb import api_pb2, api_pb2_grpc
 
@@ -36,20 +36,15 @@ def _settle_futures(batch: list, result=None, error: Optional[BaseException] = N
             fut.set_result(result)
 
 
-class Client:
+class Client(Nodes):
+    _grpc = grpc
+
     def __init__(self, target: str = "127.0.0.1:50051", key: str = "", *, timeout_s: float = 30.0,
                  batch_max: int = 100, batches_in_flight_max: int = 4, retry_attempts: int = 5,
                  credentials=None):
         """credentials: grpc channel credentials for a node running mTLS
         (``grpc.ssl_channel_credentials(ca, key, cert)``); None = plaintext."""
-        self.target = target
-        # "host:port" or "h1:p1,h2:p2,...": any node serves any call; on
-        # "unavailable" the client moves on to the next node
-        self._targets = [t.strip() for t in target.split(",") if t.strip()] or [target]
-        self._target_i = 0
-        self._credentials = credentials
-        self._old_channels: list = []
-        self._open()
+        self._init_nodes(target, credentials)
         self.md = auth_metadata(key)
         self.timeout_s = timeout_s
         self.batch_max = batch_max
@@ -62,21 +57,6 @@ class Client:
         self._pool = ThreadPoolExecutor(max_workers=batches_in_flight_max, thread_name_prefix="spooler-send")
 
 
-    def _open(self) -> None:
-        t = self._targets[self._target_i]
-        self.channel = (grpc.secure_channel(t, self._credentials, options=GRPC_OPTIONS) if self._credentials
-                        else grpc.insecure_channel(t, options=GRPC_OPTIONS))
-        self.stub = api_pb2_grpc.SpoolerStub(self.channel)
-
-    def target_now(self) -> str:
-        """The node this client currently talks to."""
-        return self._targets[self._target_i]
-
-    def _next_target(self) -> None:
-        if len(self._targets) > 1:
-            self._old_channels.append(self.channel)  # in-flight calls may still use it
-            self._target_i = (self._target_i + 1) % len(self._targets)
-            self._open()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -88,10 +88,6 @@ class Driver:
             await asyncio.sleep(step)
             async with self.lock:
                 await self._run(self.core.tick(mono_us()))
-            # the engine's view of serving follows the core's lease
-            e = self.engine
-            if e.ready and e.role == "primary" and not self.core.serving(mono_us()):
-                pass  # serving() is read live; nothing to cache
 
     # ------------------------------------------------------------- queries
     def serving(self) -> bool:

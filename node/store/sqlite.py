@@ -127,10 +127,12 @@ class Store:
         return Position(int(self.get_meta("applied_epoch") or 0), int(self.get_meta("applied_lsn") or 0),
                         int(self.get_meta("applied_crc") or 0))
 
-    def records_after(self, lsn: int, limit: int = 10_000) -> list:
-        """[(lsn, epoch, crc, rec bytes)] with lsn > ``lsn``, in order."""
-        return list(self.db.execute("SELECT lsn, epoch, crc, rec FROM log WHERE lsn > ? ORDER BY lsn LIMIT ?",
-                                    (lsn, limit)))
+    def records_after(self, lsn: int, limit: int = 10_000, reader: bool = False) -> list:
+        """[(lsn, epoch, crc, rec bytes)] with lsn > ``lsn``, in order. ``reader``: from the
+        event loop, on the read connection (the writer's is busy in the writer thread)."""
+        db = self._read_db() if reader else self.db
+        return list(db.execute("SELECT lsn, epoch, crc, rec FROM log WHERE lsn > ? ORDER BY lsn LIMIT ?",
+                               (lsn, limit)))
 
     # ---------------------------------------------------------- checkpoint
     def checkpoint(self, c: CheckpointData) -> None:
@@ -188,11 +190,14 @@ class Store:
             yield kid, bytes(sha), queue, tuple(json.loads(scopes))
 
     # ------------------------------------------------------------- reading
-    def read_body(self, msg_id: str) -> bytes:
-        """Body of a checkpointed message, on a read-only connection of its own."""
+    def _read_db(self) -> apsw.Connection:
         if self._reader is None:
             self._reader = self._connect()
-        for (body,) in self._reader.execute("SELECT body FROM messages WHERE id=?", (msg_id,)):
+        return self._reader
+
+    def read_body(self, msg_id: str) -> bytes:
+        """Body of a checkpointed message, on the read connection."""
+        for (body,) in self._read_db().execute("SELECT body FROM messages WHERE id=?", (msg_id,)):
             return bytes(body)
         raise KeyError(msg_id)
 
