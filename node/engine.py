@@ -65,6 +65,7 @@ class Limits:
         self.retention_s_max = 14 * 86400.0
         self.dedup_window_s_max = 86_400.0
         self.max_retries_max = 1000
+        self.session_requests_in_flight_max = 1024  # per gRPC Session stream
         for k, v in kw.items():
             if not hasattr(self, k):
                 raise TypeError(k)
@@ -91,6 +92,11 @@ class Engine:
         self.core = Core(rand=os.urandom)
         self.checkpoint_interval_s = checkpoint_interval_s
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer")
+        self._io_jobs = 0                 # store calls submitted to the writer thread, not yet done
+        # a commit of at most this many records runs on the loop thread when the
+        # writer thread is idle (see store_io)
+        self.inline_commit_records_max = int(os.environ.get("SPOOLER_INLINE_COMMIT_RECORDS", "2"))
+        self.inline_commit_bytes_max = int(os.environ.get("SPOOLER_INLINE_COMMIT_BYTES", "262144"))
         self._pending: list = []          # (Record, Future) waiting for the writer
         # appended (fsync'd locally) but not applied: lsn -> (Record, crc, Future or None)
         self.unapplied: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
@@ -169,7 +175,7 @@ class Engine:
     async def start(self) -> None:
         """Load, then open a new epoch: a node restart is a primary change."""
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._io, self.load)
+        await self.store_io(self.load)
         self._wake = asyncio.Event()
         self._tasks = [asyncio.create_task(self._commit_loop(), name="commit"),
                        asyncio.create_task(self._lease_timer(), name="lease-timer"),
@@ -197,7 +203,7 @@ class Engine:
             except (asyncio.CancelledError, Exception):
                 pass
         if self.failed is None:
-            await asyncio.get_running_loop().run_in_executor(self._io, self._checkpoint_now_sync, self._take_checkpoint())
+            await self.store_io(self._checkpoint_now_sync, self._take_checkpoint())
         self._io.shutdown(wait=True)
         try:
             self.store.close()
@@ -208,6 +214,40 @@ class Engine:
     @property
     def epoch(self) -> int:
         return self.core.epoch
+
+    # ------------------------------------------------------------- store
+    async def store_io(self, fn, *args, inline: bool = False):
+        """Run a store call. The store's connection is used by one thread at a time:
+        normally the writer thread, so the event loop keeps serving while SQLite
+        writes and fsyncs. ``inline``: if the writer thread has nothing to do, run
+        the call right here on the loop thread instead. For a small commit the two
+        thread hops (submit, then wake the loop) cost about as much as the fsync
+        itself, so this is what keeps a lone send's latency down; a large or busy
+        commit still goes to the thread, where it overlaps with the loop's work."""
+        if inline and self._io_jobs == 0:
+            return fn(*args)
+        loop = asyncio.get_running_loop()
+        self._io_jobs += 1
+        cf = self._io.submit(fn, *args)
+
+        def done(_):
+            self._io_jobs -= 1
+
+        def finished(f):
+            # counted down on the loop thread once the job has really finished (not
+            # when an awaiting task is cancelled): no inline call can overlap it
+            try:
+                loop.call_soon_threadsafe(done, f)
+            except RuntimeError:
+                pass  # the loop is closed: nothing will run inline any more
+
+        cf.add_done_callback(finished)
+        return await asyncio.wrap_future(cf)
+
+    def small_commit(self, rows: list) -> bool:
+        """A commit cheap enough to run inline (see store_io): a lone small write."""
+        return (len(rows) <= self.inline_commit_records_max
+                and sum(len(r[3]) for r in rows) <= self.inline_commit_bytes_max)
 
     # ------------------------------------------------------------- writes
     def propose(self, rec, internal: bool = False) -> asyncio.Future:
@@ -227,7 +267,6 @@ class Engine:
         return fut
 
     async def _commit_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         lim = self.limits
         while True:
             await self._wake.wait()
@@ -256,7 +295,7 @@ class Engine:
                 t = time.perf_counter()
                 try:
                     # 1. fsync (one transaction, one fsync for the whole batch)
-                    await loop.run_in_executor(self._io, self.store.append, rows)
+                    await self.store_io(self.store.append, rows, inline=self.small_commit(rows))
                 except Exception as e:  # fsync/IO failure: never confirm, stop serving
                     self._fail(e)
                     return
@@ -458,14 +497,13 @@ class Engine:
                     self.core.requeue_drops(queue, ids)  # not serving now; try again later
 
     async def _checkpoint_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.checkpoint_interval_s)
             if not len(self.core.dirty):
                 continue
             c = self._take_checkpoint()
             try:
-                await loop.run_in_executor(self._io, self._checkpoint_now_sync, c)
+                await self.store_io(self._checkpoint_now_sync, c)
             except Exception as e:
                 self._fail(e)
                 return
@@ -562,6 +600,18 @@ class Engine:
         if body is not None:
             return body
         return self.store.read_body(m.id)
+
+    def bodies_of(self, msgs: list) -> list:
+        """body_of for many messages: the checkpointed ones in one store read."""
+        missing = [m.id for m in msgs if m.body is None]
+        got = self.store.read_bodies(missing) if missing else {}
+        out = []
+        for m in msgs:
+            body = m.body if m.body is not None else got.get(m.id)
+            if body is None:
+                raise KeyError(m.id)
+            out.append(body)
+        return out
 
     def now_us(self) -> int:
         return self.clock_us()

@@ -12,6 +12,9 @@ from spooler import errors
 from spooler.pb import api_pb2
 
 GRPC_OPTIONS = [
+    # one Session stream carries many batches at once: let it have more than
+    # HTTP/2's default 64 KiB in flight before flow control stalls it
+    ("grpc.http2.lookahead_bytes", 8 * 1024 * 1024),
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
     ("grpc.max_send_message_length", 16 * 1024 * 1024),
     # must agree with the node's keepalive policy (node/api/grpc_api.py)
@@ -150,6 +153,33 @@ def call_with_retries_sync(fn, attempts: int, **kw):
 
 def auth_metadata(key: str) -> tuple:
     return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+def batch_request(sends: list) -> api_pb2.SendBatchRequest:
+    """sends: [(queue, body, delay_s, dedup_key)] -> one SendBatchRequest; in the
+    compact form (one queue, one delay, bodies only) when every send fits it."""
+    q0, _, d0, _ = sends[0]
+    if all(q == q0 and d == d0 and not k for q, _, d, k in sends):
+        return api_pb2.SendBatchRequest(queue=q0, bodies=[s[1] for s in sends], delay_seconds=d0)
+    return api_pb2.SendBatchRequest(entries=[api_pb2.SendRequest(queue=q, body=b, delay_seconds=d, dedup_key=k)
+                                             for q, b, d, k in sends])
+
+
+def send_outcomes(r: api_pb2.SendBatchResponse) -> list:
+    """Per message, in request order: a SendResult, or the SpoolerError of a message
+    that was not stored (its queue was deleted while the batch was committed)."""
+    out = [errors.from_detail(x.error) if x.HasField("error") else SendResult(x.id, x.duplicate) for x in r.results]
+    out.extend([SendResult(i, False) for i in r.run_ids])
+    return out
+
+
+def batch_results(r: api_pb2.SendBatchResponse) -> list:
+    """send_batch's answer: every SendResult, or the first message's error raised."""
+    out = send_outcomes(r)
+    for x in out:
+        if isinstance(x, errors.SpoolerError):
+            raise x
+    return out
 
 
 def is_batch_entry_error(err: errors.SpoolerError) -> bool:

@@ -20,12 +20,147 @@ from typing import Awaitable, Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (Nodes, Message, SendResult, auth_metadata, call_with_retries,
-                             is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s,
+from spooler._common import (Nodes, Message, SendResult, auth_metadata, batch_request, batch_results, call_with_retries,
+                             is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, send_outcomes,
                              settings_pb)
 from spooler.pb import api_pb2, api_pb2_grpc
 
 log = logging.getLogger("spooler.aio")
+
+
+_ACTIONS = {"ack": api_pb2.SETTLE_ACK, "nack": api_pb2.SETTLE_NACK, "renew": api_pb2.SETTLE_RENEW}
+
+
+class _NoSession(Exception):
+    """The node has no Session RPC (an older node): use the unary RPCs."""
+
+
+class _Session:
+    """The client half of the Session stream: many requests on one gRPC stream,
+    each answered by id. A message on an open stream costs a fraction of a
+    unary call, which is where the SDK's latency and throughput come from.
+
+    When the stream breaks, every request still waiting fails the way a unary
+    call would at that point: not yet written -> ``unavailable`` (retry-safe);
+    written -> ``operation_unconfirmed`` for a write (it may have landed),
+    ``unavailable`` for a read. The next request opens a new stream."""
+
+    def __init__(self, client: "AsyncClient"):
+        self.c = client
+        self.call = None
+        self.stub = None
+        self.supported = True
+        self.waiting: dict = {}     # id -> (future, write)
+        self.outbox: list = []      # (id, SessionRequest) not yet written
+        self.writing = False
+        self.next_id = 0
+        self.reader = None
+
+    def _open(self) -> None:
+        self.stub = self.c.stub
+        self.call = self.stub.Session(metadata=self.c.md)
+        self.reader = asyncio.ensure_future(self._read(self.call))
+
+    async def request(self, which: str, req, *, write: bool, timeout_s: float):
+        if not self.supported:
+            raise _NoSession()
+        if self.call is None or self.stub is not self.c.stub:
+            if self.call is not None:
+                self._broken(self.call, None)
+            self._open()
+        loop = asyncio.get_running_loop()
+        self.next_id += 1
+        rid = self.next_id
+        fut = loop.create_future()
+        self.waiting[rid] = (fut, write)
+        self.outbox.append((rid, api_pb2.SessionRequest(id=rid, **{which: req})))
+        if not self.writing:
+            self.writing = True
+            asyncio.ensure_future(self._write(self.call))
+        timer = loop.call_later(timeout_s, self._expire, rid)
+        try:
+            resp = await fut
+        finally:
+            timer.cancel()
+            self.waiting.pop(rid, None)
+        kind = resp.WhichOneof("result")
+        if kind == "error":
+            err = errors.from_detail(resp.error)
+            if isinstance(err, errors.Unavailable):
+                self.c._next_target()
+            raise err
+        return getattr(resp, kind)
+
+    def _expire(self, rid: int) -> None:
+        fut, write = self.waiting.pop(rid, (None, False))
+        if fut is not None and not fut.done():
+            fut.set_exception(errors.OperationUnconfirmed("no answer within the timeout") if write
+                              else errors.Unavailable("no answer within the timeout"))
+
+    async def _write(self, call) -> None:
+        try:
+            while self.outbox and call is self.call:
+                batch = self.outbox[:]
+                del self.outbox[:]
+                for i, (rid, msg) in enumerate(batch):
+                    try:
+                        await call.write(msg)
+                    except BaseException:
+                        self.outbox[:0] = batch[i:]  # never written: their outcome is known
+                        raise
+        except Exception as e:
+            self._broken(call, e)
+        finally:
+            self.writing = False
+            if self.outbox and self.call is not None and not self.call.done():
+                self.writing = True
+                asyncio.ensure_future(self._write(self.call))
+
+    async def _read(self, call) -> None:
+        err: Optional[BaseException] = None
+        try:
+            async for resp in call:
+                w = self.waiting.get(resp.id)
+                if w is not None and not w[0].done():
+                    w[0].set_result(resp)
+        except grpc.RpcError as e:
+            err = e
+        except asyncio.CancelledError:
+            err = None
+        except Exception as e:  # noqa: BLE001 - the stream is gone either way
+            err = e
+        self._broken(call, err)
+
+    def _broken(self, call, e: Optional[BaseException]) -> None:
+        """The stream ``call`` is over: fail what waits on it."""
+        if call is not self.call:
+            return
+        self.call = None
+        call.cancel()
+        unwritten = {rid for rid, _ in self.outbox}
+        self.outbox.clear()
+        if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
+            self.supported = False
+            for fut, _ in self.waiting.values():
+                if not fut.done():
+                    fut.set_exception(_NoSession())
+            return
+        if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE:
+            self.c._next_target()
+        for rid, (fut, write) in list(self.waiting.items()):
+            if fut.done():
+                continue
+            if rid in unwritten:
+                fut.set_exception(errors.Unavailable("session stream closed before the request was sent"))
+            elif isinstance(e, grpc.RpcError):
+                fut.set_exception(map_rpc_error(e, write=write))
+            else:
+                fut.set_exception(errors.OperationUnconfirmed("session stream closed") if write
+                                  else errors.Unavailable("session stream closed"))
+
+    def close(self) -> None:
+        if self.call is not None:
+            self._broken(self.call, None)
 
 
 def _fail_all(batch: list, e: BaseException) -> None:
@@ -51,10 +186,10 @@ class AsyncClient(Nodes):
         self._pending: list = []     # (SendRequest, Future)
         self._in_flight = 0
         self.send_rpcs = 0           # SendBatch RPCs made by auto-batching (observability, tests)
-
-
+        self.session = _Session(self)
 
     async def close(self) -> None:
+        self.session.close()
         for ch in self._old_channels + [self.channel]:
             await ch.close()
 
@@ -72,6 +207,16 @@ class AsyncClient(Nodes):
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self._next_target()
             raise err from None
+
+    async def _pipe(self, which: str, rpc, req, *, write: bool, timeout_s: Optional[float] = None):
+        """On the Session stream when the node has it, else the unary ``rpc``."""
+        t = timeout_s or self.timeout_s
+        if self.session.supported:
+            try:
+                return await self.session.request(which, req, write=write, timeout_s=t)
+            except _NoSession:
+                pass
+        return await self._call(rpc, req, write=write, timeout_s=t)
 
     # ------------------------------------------------------------- queues
     async def put_queue(self, name: str, **settings) -> dict:
@@ -95,7 +240,7 @@ class AsyncClient(Nodes):
     # ----------------------------------------------------------- sending
     async def send(self, queue: str, body: bytes, *, delay_s: float = 0.0, dedup_key: str = "") -> SendResult:
         """Auto-batched send. Retried only where a retry is safe (see _common.retry_policy)."""
-        req = api_pb2.SendRequest(queue=queue, body=body, delay_seconds=delay_s, dedup_key=dedup_key)
+        req = (queue, body, delay_s, dedup_key)
 
         def enqueue():
             fut = asyncio.get_running_loop().create_future()
@@ -134,8 +279,7 @@ class AsyncClient(Nodes):
     async def _send_batch_now(self, batch: list) -> None:
         self.send_rpcs += 1
         try:
-            r = await self._call(self.stub.SendBatch, api_pb2.SendBatchRequest(entries=[b[0] for b in batch]),
-                                 write=True)
+            r = await self._pipe("send_batch", self.stub.SendBatch, batch_request([b[0] for b in batch]), write=True)
         except errors.SpoolerError as e:
             if len(batch) > 1 and is_batch_entry_error(e):
                 # refused before anything was stored: one bad entry fails the whole
@@ -148,37 +292,52 @@ class AsyncClient(Nodes):
         except BaseException as e:  # never leave a caller waiting (closed channel, cancellation)
             _fail_all(batch, e if isinstance(e, Exception) else errors.Unavailable("send was cancelled"))
             raise
-        for (_, fut), res in zip(batch, r.results):
+        for (_, fut), res in zip(batch, send_outcomes(r)):
             if fut.done():
                 continue
-            if res.HasField("error"):
-                fut.set_exception(errors.from_detail(res.error))
+            if isinstance(res, errors.SpoolerError):
+                fut.set_exception(res)
             else:
-                fut.set_result(SendResult(res.id, res.duplicate))
+                fut.set_result(res)
 
     async def send_batch(self, queue: str, bodies: list, *, delay_s: float = 0.0) -> list:
         """One RPC, one log record: all stored or none."""
-        req = api_pb2.SendBatchRequest(entries=[api_pb2.SendRequest(queue=queue, body=b, delay_seconds=delay_s)
-                                                for b in bodies])
-        r = await self._call(self.stub.SendBatch, req, write=True)
-        return [SendResult(x.id, x.duplicate) for x in r.results]
+        req = api_pb2.SendBatchRequest(queue=queue, bodies=bodies, delay_seconds=delay_s)
+        return batch_results(await self._pipe("send_batch", self.stub.SendBatch, req, write=True))
 
     # --------------------------------------------------------- receiving
     async def receive(self, queue: str, *, wait_s: float = 0.0, max_messages: int = 1) -> list:
         req = api_pb2.ReceiveRequest(queue=queue, wait_seconds=wait_s, max_messages=max_messages)
-        rpc = self.stub.ReceiveBatch if max_messages > 1 else self.stub.Receive
-        r = await self._call(rpc, req, write=False, timeout_s=self.timeout_s + wait_s)
+        r = await self._pipe("receive", self.stub.ReceiveBatch, req, write=False, timeout_s=self.timeout_s + wait_s)
         return [message_of(d) for d in r.messages]
 
-    async def _settle(self, rpc, req) -> object:
+    async def _settle_one(self, action: str, token: str, delay_s: float = 0.0):
+        """One ack/nack/renew: a one-item SettleBatch on the session (the unary
+        Ack/Nack/Renew on a node without one); the item's error is raised."""
+        rpc = {"ack": self.stub.Ack, "nack": self.stub.Nack, "renew": self.stub.Renew}[action]
+        if self.session.supported:
+            req = api_pb2.SettleBatchRequest(items=[api_pb2.SettleBatchRequest.Item(
+                token=token, action=_ACTIONS[action], delay_seconds=delay_s)])
+            try:
+                r = (await self.session.request("settle_batch", req, write=True, timeout_s=self.timeout_s)).results[0]
+            except _NoSession:
+                pass
+            else:
+                if r.HasField("error"):
+                    raise errors.from_detail(r.error)
+                return r.expires_at or None
+        r = await self._call(rpc, api_pb2.LeaseRequest(token=token, delay_seconds=delay_s), write=True)
+        return getattr(r, "expires_at", None)
+
+    async def _settle(self, action: str, token: str, delay_s: float = 0.0) -> object:
         maybe_landed = False  # an earlier attempt's outcome is unknown
 
         async def once():
             nonlocal maybe_landed
             try:
-                return await self._call(rpc, req, write=True)
+                return await self._settle_one(action, token, delay_s)
             except errors.StaleLease as e:
-                if maybe_landed and e.reason == errors.StaleLease.SETTLED:
+                if maybe_landed and e.reason == errors.StaleLease.SETTLED and action != "renew":
                     return None  # our earlier attempt landed
                 raise
             except errors.OperationUnconfirmed:
@@ -188,23 +347,19 @@ class AsyncClient(Nodes):
         return await call_with_retries(once, self.retry_attempts, settle=True)
 
     async def ack(self, token: str) -> None:
-        await self._settle(self.stub.Ack, api_pb2.LeaseRequest(token=token))
+        await self._settle("ack", token)
 
     async def nack(self, token: str, *, delay_s: float = 0.0) -> None:
-        await self._settle(self.stub.Nack, api_pb2.LeaseRequest(token=token, delay_seconds=delay_s))
+        await self._settle("nack", token, delay_s)
 
     async def renew(self, token: str) -> str:
-        async def once():
-            return (await self._call(self.stub.Renew, api_pb2.LeaseRequest(token=token), write=True)).expires_at
-
-        return await call_with_retries(once, self.retry_attempts, settle=True)
+        return await self._settle("renew", token)
 
     async def settle_batch(self, items: list) -> list:
         """items: [(token, "ack"|"nack"|"renew", delay_s)] -> per item None / expiresAt / SpoolerError."""
-        actions = {"ack": api_pb2.SETTLE_ACK, "nack": api_pb2.SETTLE_NACK, "renew": api_pb2.SETTLE_RENEW}
         req = api_pb2.SettleBatchRequest(items=[api_pb2.SettleBatchRequest.Item(
-            token=t, action=actions[a], delay_seconds=d) for t, a, d in items])
-        r = await self._call(self.stub.SettleBatch, req, write=True)
+            token=t, action=_ACTIONS[a], delay_seconds=d) for t, a, d in items])
+        r = await self._pipe("settle_batch", self.stub.SettleBatch, req, write=True)
         return [errors.from_detail(x.error) if x.HasField("error") else (x.expires_at or None) for x in r.results]
 
     # --------------------------------------------------------- consuming

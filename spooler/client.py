@@ -19,8 +19,9 @@ from typing import Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (Nodes, Message, SendResult, auth_metadata, call_with_retries_sync,
-                             is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, settings_pb)
+from spooler._common import (Nodes, Message, SendResult, auth_metadata, batch_request, batch_results, call_with_retries_sync,
+                             is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, send_outcomes,
+                             settings_pb)
 from spooler.pb import api_pb2, api_pb2_grpc
 
 log = logging.getLogger("spooler.client")
@@ -152,7 +153,8 @@ class Client(Nodes):
     def _send_batch_now(self, batch: list) -> None:
         self.send_rpcs += 1
         try:
-            r = self._call(self.stub.SendBatch, api_pb2.SendBatchRequest(entries=[b[0] for b in batch]), write=True)
+            r = self._call(self.stub.SendBatch, batch_request([(e.queue, e.body, e.delay_seconds, e.dedup_key)
+                                                               for e, _ in batch]), write=True)
         except errors.SpoolerError as e:
             if len(batch) > 1 and is_batch_entry_error(e):
                 # refused before anything was stored: send each alone so only the bad one fails
@@ -164,17 +166,16 @@ class Client(Nodes):
         except BaseException as e:  # never leave a caller waiting
             _settle_futures(batch, error=e)
             raise
-        for (_, fut), res in zip(batch, r.results):
-            if res.HasField("error"):
-                _settle_futures([(None, fut)], error=errors.from_detail(res.error))
+        for (_, fut), res in zip(batch, send_outcomes(r)):
+            if isinstance(res, errors.SpoolerError):
+                _settle_futures([(None, fut)], error=res)
             else:
-                _settle_futures([(None, fut)], result=SendResult(res.id, res.duplicate))
+                _settle_futures([(None, fut)], result=res)
 
     def send_batch(self, queue: str, bodies: list, *, delay_s: float = 0.0) -> list:
         """One RPC, one log record: all stored or none."""
-        req = api_pb2.SendBatchRequest(entries=[api_pb2.SendRequest(queue=queue, body=b, delay_seconds=delay_s)
-                                                for b in bodies])
-        return [SendResult(x.id, x.duplicate) for x in self._call(self.stub.SendBatch, req, write=True).results]
+        req = api_pb2.SendBatchRequest(queue=queue, bodies=bodies, delay_seconds=delay_s)
+        return batch_results(self._call(self.stub.SendBatch, req, write=True))
 
     # --------------------------------------------------------- receiving
     def receive(self, queue: str, *, wait_s: float = 0.0, max_messages: int = 1) -> list:

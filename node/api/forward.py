@@ -12,7 +12,7 @@ import asyncio
 import grpc
 
 from spooler import errors
-from spooler._common import GRPC_OPTIONS, map_rpc_error, queue_dict, settings_pb
+from spooler._common import GRPC_OPTIONS, map_rpc_error, queue_dict, send_outcomes, settings_pb
 from spooler.pb import api_pb2, api_pb2_grpc
 
 FORWARDED = "spooler-forwarded"
@@ -79,11 +79,15 @@ class Forwarder:
     async def redrive(self, a, auth, name):
         return (await self.call(a, "Redrive", api_pb2.QueueRequest(name=name), auth, True)).moved
 
-    async def send(self, a, auth, entries):
+    async def send(self, a, auth, entries, run=None):
         req = api_pb2.SendBatchRequest(entries=[api_pb2.SendRequest(queue=q, body=b, delay_seconds=d or 0.0,
                                                                      dedup_key=k or "") for q, b, d, k in entries])
+        if run:
+            req.queue, req.delay_seconds = run[0], run[2] or 0.0
+            req.bodies.extend(run[1])
         r = await self.call(a, "SendBatch", req, auth, True)
-        return [(x.id, x.duplicate, errors.from_detail(x.error) if x.HasField("error") else None) for x in r.results]
+        return [("", False, x) if isinstance(x, errors.SpoolerError) else (x.id, x.duplicate, None)
+                for x in send_outcomes(r)]
 
     async def receive(self, a, auth, queue, wait_s, max_n):
         from node.api.service import Delivery

@@ -6,6 +6,7 @@ errors become (status code, trailers) through the one table in
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 
@@ -51,6 +52,59 @@ def _delivery_pb(d) -> api_pb2.Delivery:
                             lease_expires_at=d.expires_at, queue=d.queue)
 
 
+async def _send_batch(svc: Service, p, req, out=None) -> api_pb2.SendBatchResponse:
+    """``out``: the message to fill (a Session answer's field: no copy), else a new one."""
+    n_run = len(req.bodies)
+    res = await svc.send(p, [(e.queue, e.body, e.delay_seconds, e.dedup_key) for e in req.entries],
+                         (req.queue, req.bodies, req.delay_seconds) if n_run else None)
+    out = api_pb2.SendBatchResponse() if out is None else out
+    per_entry = res
+    if n_run:
+        run = res[len(res) - n_run:]
+        if all(err is None for _, _, err in run):
+            per_entry = res[:len(res) - n_run]
+            out.run_ids.extend([mid for mid, _, _ in run])
+    add = out.results.add
+    for mid, dup, err in per_entry:
+        r = add(id=mid, duplicate=dup)
+        if err is not None:
+            r.error.CopyFrom(errors.to_detail(err))
+    return out
+
+
+async def _receive_batch(svc: Service, p, req, out=None) -> api_pb2.ReceiveResponse:
+    got = await svc.receive(p, req.queue, req.wait_seconds, req.max_messages or 1)
+    out = api_pb2.ReceiveResponse() if out is None else out
+    out.messages.extend([_delivery_pb(d) for d in got])
+    return out
+
+
+async def _settle_batch(svc: Service, p, req, out=None) -> api_pb2.SettleBatchResponse:
+    items = [(it.token, _ACTIONS.get(it.action, "unspecified"), it.delay_seconds) for it in req.items]
+    res = await svc.settle(p, items, per_item_errors=True)
+    out = api_pb2.SettleBatchResponse() if out is None else out
+    add = out.results.add
+    for r in res:
+        if isinstance(r, errors.SpoolerError):
+            add(error=errors.to_detail(r))
+        else:
+            add(expires_at=r or "")
+    return out
+
+
+_SESSION_CALLS = {"send_batch": _send_batch, "receive": _receive_batch, "settle_batch": _settle_batch}
+
+
+def _caller(context) -> tuple:
+    auth, forwarded = None, False
+    for k, v in context.invocation_metadata() or ():
+        if k == "authorization":
+            auth = v
+        elif k == FORWARDED:
+            forwarded = True
+    return auth, forwarded
+
+
 def rpc(method):
     """Authenticate, call, map SpoolerError to a status with the kind in trailers."""
 
@@ -58,13 +112,7 @@ def rpc(method):
     async def wrapper(self, request, context):
         epoch_md = ("spooler-epoch", str(self.svc.engine.epoch))
         try:
-            auth, forwarded = None, False
-            for k, v in context.invocation_metadata() or ():
-                if k == "authorization":
-                    auth = v
-                elif k == FORWARDED:
-                    forwarded = True
-            p = self.svc.authenticate(auth, forwarded)
+            p = self.svc.authenticate(*_caller(context))
             resp = await method(self, p, request, context)
             context.set_trailing_metadata((epoch_md,))
             return resp
@@ -120,13 +168,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
 
     @rpc
     async def SendBatch(self, p, req, ctx):
-        res = await self.svc.send(p, [(e.queue, e.body, e.delay_seconds, e.dedup_key) for e in req.entries])
-        out = api_pb2.SendBatchResponse()
-        for mid, dup, err in res:
-            r = out.results.add(id=mid, duplicate=dup)
-            if err is not None:
-                r.error.CopyFrom(errors.to_detail(err))
-        return out
+        return await _send_batch(self.svc, p, req)
 
     @rpc
     async def Receive(self, p, req, ctx):
@@ -135,8 +177,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
 
     @rpc
     async def ReceiveBatch(self, p, req, ctx):
-        got = await self.svc.receive(p, req.queue, req.wait_seconds, req.max_messages or 1)
-        return api_pb2.ReceiveResponse(messages=[_delivery_pb(d) for d in got])
+        return await _receive_batch(self.svc, p, req)
 
     @rpc
     async def Ack(self, p, req, ctx):
@@ -154,17 +195,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
 
     @rpc
     async def SettleBatch(self, p, req, ctx):
-        items = []
-        for it in req.items:
-            items.append((it.token, _ACTIONS.get(it.action, "unspecified"), it.delay_seconds))
-        out = await self.svc.settle(p, items, per_item_errors=True)
-        results = []
-        for r in out:
-            if isinstance(r, errors.SpoolerError):
-                results.append(api_pb2.SettleResult(error=errors.to_detail(r)))
-            else:
-                results.append(api_pb2.SettleResult(expires_at=r or ""))
-        return api_pb2.SettleBatchResponse(results=results)
+        return await _settle_batch(self.svc, p, req)
 
     @rpc
     async def CreateKey(self, p, req, ctx):
@@ -189,8 +220,85 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
     async def Promote(self, p, req, ctx):
         return _cluster_pb(await self.svc.promote(p, req.node))
 
+    async def Session(self, requests, context):
+        """Many requests on one stream, each answered by id as soon as it completes.
+
+        The reader starts one task per request; answers go out in completion
+        order from this coroutine (the only writer of the stream). The key is
+        checked at open and again for every request, so a deleted key stops
+        working on open streams too."""
+        svc = self.svc
+        auth, forwarded = _caller(context)
+        try:
+            svc.authenticate(auth, forwarded)
+        except errors.SpoolerError as e:
+            await context.abort(errors.grpc_status_code(e), e.message,
+                                trailing_metadata=errors.grpc_trailers(e))
+        answers: list = []
+        wake = asyncio.Event()
+        tasks: set = set()
+        in_flight_max = svc.limits.session_requests_in_flight_max
+        reading = True
+
+        def answer(resp) -> None:
+            resp.epoch = svc.engine.epoch
+            answers.append(resp)
+            wake.set()
+
+        async def handle(rid: int, which: str, req) -> None:
+            try:
+                p = svc.authenticate(auth, forwarded)
+                resp = api_pb2.SessionResponse(id=rid)
+                await _SESSION_CALLS[which](svc, p, req, getattr(resp, which))
+            except errors.SpoolerError as e:
+                self.metrics.http_errors.labels(e.kind).inc()
+                resp = api_pb2.SessionResponse(id=rid, error=errors.to_detail(e))
+            except Exception:
+                log.exception("unexpected error in Session %s", which)
+                resp = api_pb2.SessionResponse(id=rid, error=errors.to_detail(errors.Internal("internal error")))
+            answer(resp)
+
+        async def read() -> None:
+            nonlocal reading
+            try:
+                async for r in requests:
+                    which = r.WhichOneof("call")
+                    if which is None:
+                        answer(api_pb2.SessionResponse(id=r.id, error=errors.to_detail(
+                            errors.InvalidArgument("session request names no call"))))
+                    elif len(tasks) >= in_flight_max:
+                        answer(api_pb2.SessionResponse(id=r.id, error=errors.to_detail(errors.Unavailable(
+                            f"at most {in_flight_max} requests in flight on one session", retry_after_s=0.1))))
+                    else:
+                        t = asyncio.ensure_future(handle(r.id, which, getattr(r, which)))
+                        tasks.add(t)
+                        t.add_done_callback(tasks.discard)
+            finally:
+                reading = False
+                wake.set()
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                while answers:
+                    batch = answers[:]
+                    answers.clear()
+                    for resp in batch:
+                        await context.write(resp)
+                if not reading and (not tasks or (not reader.cancelled() and reader.exception() is not None)):
+                    break  # the client closed its side and everything is answered, or the stream broke
+        finally:
+            reader.cancel()
+            for t in list(tasks):
+                t.cancel()
+
 
 GRPC_OPTIONS = [
+    # one Session stream carries many batches at once: let it have more than
+    # HTTP/2's default 64 KiB in flight before flow control stalls it
+    ("grpc.http2.lookahead_bytes", 8 * 1024 * 1024),
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
     ("grpc.max_send_message_length", 16 * 1024 * 1024),
     ("grpc.keepalive_time_ms", 20_000),

@@ -35,8 +35,14 @@ class Metrics:
     def _on_apply(self, rec, result) -> None:
         op = rec.WhichOneof("op")
         if op == "send":
-            dup = sum(1 for _, d in result if d is True)
-            self.sends.inc(len(result) - dup)
+            # only entries can be duplicates (a run carries no dedup keys)
+            n_run = len(rec.send.run_bodies)
+            entries = result[:len(result) - n_run]
+            dup = sum(1 for _, d in entries if d is True)
+            stored = sum(1 for m, d in entries if m is not None and d is False)
+            if n_run and result[-1][0] is not None:
+                stored += n_run
+            self.sends.inc(stored)
             if dup:
                 self.duplicates.inc(dup)
         elif op == "settle":

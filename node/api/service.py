@@ -267,33 +267,34 @@ class Service:
         return await self.engine.propose(log_pb2.Record(redrive=log_pb2.Redrive(queue=name)))
 
     # ------------------------------------------------------------ messages
-    async def send(self, p: Principal, entries: list) -> list:
-        """entries: [(queue, body bytes, delay_s float, dedup_key str)] -> [(id, duplicate, error)].
+    async def send(self, p: Principal, entries: list, run: Optional[tuple] = None) -> list:
+        """entries: [(queue, body bytes, delay_s float, dedup_key str)]; run: None or
+        (queue, [body bytes], delay_s), plain messages stored after the entries in
+        the compact form. -> [(id, duplicate, error)], the entries', then the run's.
 
-        All entries are one log record, validated before it is made. ``error`` is
+        All of it is one log record, validated before it is made. ``error`` is
         None, or the SpoolerError of an entry that apply refused (its queue was
         deleted in the same group commit); the other entries are stored.
         """
         if (a := self._remote(p)):
-            return await self.fwd.send(a, p.auth, entries)
+            return await self.fwd.send(a, p.auth, entries, run)
         lim = self.limits
-        if not entries:
+        n = len(entries) + (len(run[1]) if run else 0)
+        if not n:
             raise errors.InvalidArgument("nothing to send")
-        if len(entries) > lim.batch_entries_max:
+        if n > lim.batch_entries_max:
             raise errors.InvalidArgument(f"at most {lim.batch_entries_max} messages in a batch")
         rec = log_pb2.Record()
-        add = rec.send.entries.add
+        send = rec.send
+        add = send.entries.add
         total = 0
         checked: dict = {}  # queue -> room left; each queue is validated once per batch
         for queue, body, delay_s, key in entries:
             room = checked.get(queue)
             if room is None:
-                self.check_name_any(queue)
-                self.authorize(p, "send", queue)
-                room = lim.messages_per_queue_max - len(self._queue(queue).msgs)
+                room = self._room(p, queue)
             if room <= 0:
-                raise errors.Unavailable(f"queue {queue} holds its maximum of {lim.messages_per_queue_max} messages",
-                                         retry_after_s=1.0)
+                raise self._full(queue)
             checked[queue] = room - 1
             if len(body) > lim.body_bytes_max:
                 raise errors.MessageTooLarge(f"message of {len(body)} bytes; the limit is {lim.body_bytes_max}")
@@ -304,6 +305,26 @@ class Service:
                 raise errors.InvalidArgument(f"dedup key: 1..{lim.dedup_key_chars_max} printable characters")
             add(queue=queue, id=self._next_id(), body=body, delay_us=round(delay_s * US) if delay_s else 0,
                 dedup_key=key or "")
+        if run:
+            queue, bodies, delay_s = run
+            room = checked.get(queue)
+            if room is None:
+                room = self._room(p, queue)
+            if room < len(bodies):
+                raise self._full(queue)
+            if bodies:
+                biggest = max(map(len, bodies))
+                if biggest > lim.body_bytes_max:
+                    raise errors.MessageTooLarge(f"message of {biggest} bytes; the limit is {lim.body_bytes_max}")
+                total += sum(map(len, bodies))
+                if delay_s:
+                    delay_s = self._seconds(delay_s, "delay", 0.0, lim.delay_s_max)
+                send.run_queue = queue
+                send.run_id_prefix = self._id_prefix
+                send.run_id_first = self._id_counter + 1
+                self._id_counter += len(bodies)
+                send.run_delay_us = round(delay_s * US) if delay_s else 0
+                send.run_bodies.extend(bodies)
         if total > lim.batch_bytes_max:
             raise errors.MessageTooLarge(f"batch of {total} bytes; the limit is {lim.batch_bytes_max}")
         results = await self.engine.propose(rec)
@@ -315,6 +336,17 @@ class Service:
                 out.append((mid, dup_or_error, None))
         return out
 
+    def _room(self, p: Principal, queue: str) -> int:
+        """Validate a queue a batch sends to (once per batch): its name, the caller's
+        scope, that it exists; -> how many more messages it may hold."""
+        self.check_name_any(queue)
+        self.authorize(p, "send", queue)
+        return self.limits.messages_per_queue_max - len(self._queue(queue).msgs)
+
+    def _full(self, queue: str) -> errors.SpoolerError:
+        return errors.Unavailable(f"queue {queue} holds its maximum of {self.limits.messages_per_queue_max} messages",
+                                  retry_after_s=1.0)
+
     def _next_id(self) -> str:
         """Message ids: a random per-process prefix and a counter (unique across
         restarts and nodes without a syscall per message)."""
@@ -324,8 +356,12 @@ class Service:
     def _lease_out(self, queue: str, max_n: int) -> list:
         now = self.engine.now_us()
         got = self.core.receive(queue, now, max_n, self.limits.leases_per_queue_max)
-        return [Delivery(m.id, self.engine.body_of(m), self.encode_token(lease), m.retry,
-                         rfc3339(lease.expires_at), queue) for m, lease in got]
+        if not got:
+            return []
+        bodies = self.engine.bodies_of([m for m, _ in got])
+        expires = rfc3339(got[0][1].expires_at)  # one receive: one lease timeout, one expiry
+        return [Delivery(m.id, body, self.encode_token(lease), m.retry, expires, queue)
+                for (m, lease), body in zip(got, bodies)]
 
     async def receive(self, p: Principal, queue: str, wait_s: float, max_n: int = 1) -> list:
         if (a := self._remote(p)):
@@ -378,13 +414,16 @@ class Service:
             raise errors.InvalidArgument("malformed lease token") from None
         return epoch, lease_id, nonce, queue
 
-    def _live_lease(self, p: Principal, token: str):
+    def _live_lease(self, p: Principal, token: str, now: Optional[int] = None):
+        """``now``: given by a caller that has checked serving() for a whole batch."""
         epoch, lease_id, nonce, queue = self.decode_token(token)
         self.authorize(p, "receive", queue)
-        if not self.engine.serving():
-            raise errors.Unavailable("node is not serving", retry_after_s=1.0)
+        if now is None:
+            if not self.engine.serving():
+                raise errors.Unavailable("node is not serving", retry_after_s=1.0)
+            now = self.engine.now_us()
         try:
-            lease = self.core.check_lease(epoch, lease_id, nonce, self.engine.now_us())
+            lease = self.core.check_lease(epoch, lease_id, nonce, now)
         except StaleLeaseError as e:
             raise errors.StaleLease(f"lease is no longer valid: {e.reason}", reason=e.reason) from None
         except BadToken as e:
@@ -419,14 +458,17 @@ class Service:
         rec = log_pb2.Record()
         fenced = []  # (item index, lease), in the record's entry order
         first_error = None
+        if not self.engine.serving():
+            raise errors.Unavailable("node is not serving", retry_after_s=1.0)
+        now = self.engine.now_us()
         for i, (token, action, delay_s) in enumerate(items):
             try:
                 if action not in ("ack", "nack", "renew"):
                     raise errors.InvalidArgument(f"unknown action {action!r}")
                 delay_us = round(self._seconds(delay_s or 0.0, "delay", 0.0, self.limits.delay_s_max) * US)
-                lease = self._live_lease(p, token)
+                lease = self._live_lease(p, token, now)
                 if action == "renew":
-                    out[i] = rfc3339(self.core.renew(lease, self.engine.now_us()))
+                    out[i] = rfc3339(self.core.renew(lease, now))
                     continue
                 self.core.begin_settle(lease)  # fenced: no expiry, no second settle
                 fenced.append((i, lease))

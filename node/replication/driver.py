@@ -63,8 +63,7 @@ class Driver:
         c.epoch = max(c.epoch, c.log.last_epoch)
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self.engine._io, self.load)
+        await self.engine.store_io(self.load)
         for p in self.core.peers:
             from node.tls import aio_channel
             self._channels[p] = aio_channel(self.addresses[p], self.grpc_options, self.tls)
@@ -121,7 +120,6 @@ class Driver:
 
     # -------------------------------------------------------------- effects
     async def _run(self, effects: list) -> None:
-        loop = asyncio.get_running_loop()
         e = self.engine
         for eff in effects:
             if isinstance(eff, R.Send):
@@ -129,18 +127,18 @@ class Driver:
             elif isinstance(eff, R.Commit):
                 e.apply_upto(eff.lsn)
             elif isinstance(eff, R.Persist):
-                await loop.run_in_executor(e._io, self._persist, eff.epoch, eff.voted_for)
+                await e.store_io(self._persist, eff.epoch, eff.voted_for)
             elif isinstance(eff, R.Store):
                 lsns = [x[0] for x in eff.req.entries]
                 rows = [(lsn, ep, crc, self._frame_bytes[lsn]) for lsn, ep, crc in eff.req.entries]
                 e.check_from_primary(rows)  # contiguity and checksums, before anything is written
-                await loop.run_in_executor(e._io, e.store.append, rows)
+                await e.store_io(e.store.append, rows, inline=e.small_commit(rows))
                 e.stored_from_primary(rows)
                 for lsn in lsns:
                     self._frame_bytes.pop(lsn, None)
                 await self._run(self.core.stored(eff.req, mono_us()))
             elif isinstance(eff, R.Truncate):
-                crc = await loop.run_in_executor(e._io, self._truncate, eff.after_lsn)
+                crc = await e.store_io(self._truncate, eff.after_lsn)
                 e.truncated(eff.after_lsn, crc)
             elif isinstance(eff, R.Role):
                 self._on_role(eff)
@@ -221,10 +219,9 @@ class Driver:
 
     async def _send_snapshot(self, peer: str, epoch: int) -> None:
         e = self.engine
-        loop = asyncio.get_running_loop()
         path = os.path.join(e.data_dir, f"snapshot-for-{peer}.db")
         try:
-            await loop.run_in_executor(e._io, e.make_snapshot, path)
+            await e.store_io(e.make_snapshot, path)
 
             async def chunks():
                 with open(path, "rb") as f:
@@ -250,7 +247,6 @@ class Driver:
     async def serve_snapshot(self, request_iterator, context):
         """Replica: replace our store with the primary's copy, then follow it."""
         e = self.engine
-        loop = asyncio.get_running_loop()
         path = os.path.join(e.data_dir, "snapshot-incoming.db")
         epoch, primary = 0, ""
         with open(path, "wb") as f:
@@ -263,8 +259,8 @@ class Driver:
             if epoch < self.core.epoch or self.core.role == R.PRIMARY:
                 os.remove(path)
                 return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
-            await loop.run_in_executor(e._io, e.install_snapshot_sync, path)
-            await loop.run_in_executor(e._io, self.load)
+            await e.store_io(e.install_snapshot_sync, path)
+            await e.store_io(self.load)
             c = self.core
             c.durable_lsn = c.log.last_lsn
             c.commit_lsn = max(c.commit_lsn, e.core.lsn)
@@ -329,9 +325,8 @@ class Driver:
     async def _resync(self) -> None:
         """Make the core's and the engine's view of the log what the store holds."""
         e = self.engine
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(e._io, self.load)
-        pos = await loop.run_in_executor(e._io, e.store.last_position)
+        await e.store_io(self.load)
+        pos = await e.store_io(e.store.last_position)
         self.core.durable_lsn = self.core.log.last_lsn
         e.truncated(max(pos.lsn, e.core.lsn), pos.crc if pos.lsn >= e.core.lsn else e.applied_crc)
 

@@ -201,5 +201,16 @@ class Store:
             return bytes(body)
         raise KeyError(msg_id)
 
+    def read_bodies(self, ids: list) -> dict:
+        """Bodies of checkpointed messages, id -> bytes, in one query per 500 ids."""
+        out = {}
+        db = self._read_db()
+        for i in range(0, len(ids), 500):
+            chunk = ids[i:i + 500]
+            q = "SELECT id, body FROM messages WHERE id IN (" + ",".join("?" * len(chunk)) + ")"
+            for mid, body in db.execute(q, chunk):
+                out[mid] = bytes(body)
+        return out
+
     def integrity_check(self) -> str:
         return "; ".join(r[0] for r in self.db.execute("PRAGMA integrity_check"))

@@ -152,16 +152,24 @@ class SendResponse(_message.Message):
     def __init__(self, id: _Optional[str] = ..., duplicate: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class SendBatchRequest(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "queue", "bodies", "delay_seconds")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    BODIES_FIELD_NUMBER: _ClassVar[int]
+    DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[SendRequest]
-    def __init__(self, entries: _Optional[_Iterable[_Union[SendRequest, _Mapping]]] = ...) -> None: ...
+    queue: str
+    bodies: _containers.RepeatedScalarFieldContainer[bytes]
+    delay_seconds: float
+    def __init__(self, entries: _Optional[_Iterable[_Union[SendRequest, _Mapping]]] = ..., queue: _Optional[str] = ..., bodies: _Optional[_Iterable[bytes]] = ..., delay_seconds: _Optional[float] = ...) -> None: ...
 
 class SendBatchResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "run_ids")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    RUN_IDS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SendResponse]
-    def __init__(self, results: _Optional[_Iterable[_Union[SendResponse, _Mapping]]] = ...) -> None: ...
+    run_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, results: _Optional[_Iterable[_Union[SendResponse, _Mapping]]] = ..., run_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReceiveRequest(_message.Message):
     __slots__ = ("queue", "wait_seconds", "max_messages")
@@ -301,3 +309,31 @@ class PromoteRequest(_message.Message):
     NODE_FIELD_NUMBER: _ClassVar[int]
     node: str
     def __init__(self, node: _Optional[str] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("id", "send_batch", "receive", "settle_batch")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SEND_BATCH_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_FIELD_NUMBER: _ClassVar[int]
+    SETTLE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    send_batch: SendBatchRequest
+    receive: ReceiveRequest
+    settle_batch: SettleBatchRequest
+    def __init__(self, id: _Optional[int] = ..., send_batch: _Optional[_Union[SendBatchRequest, _Mapping]] = ..., receive: _Optional[_Union[ReceiveRequest, _Mapping]] = ..., settle_batch: _Optional[_Union[SettleBatchRequest, _Mapping]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("id", "epoch", "send_batch", "receive", "settle_batch", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEND_BATCH_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_FIELD_NUMBER: _ClassVar[int]
+    SETTLE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    epoch: int
+    send_batch: SendBatchResponse
+    receive: ReceiveResponse
+    settle_batch: SettleBatchResponse
+    error: ErrorDetail
+    def __init__(self, id: _Optional[int] = ..., epoch: _Optional[int] = ..., send_batch: _Optional[_Union[SendBatchResponse, _Mapping]] = ..., receive: _Optional[_Union[ReceiveResponse, _Mapping]] = ..., settle_batch: _Optional[_Union[SettleBatchResponse, _Mapping]] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...

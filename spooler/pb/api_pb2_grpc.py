@@ -124,6 +124,11 @@ class SpoolerStub:
                 request_serializer=spooler_dot_pb_dot_api__pb2.PromoteRequest.SerializeToString,
                 response_deserializer=spooler_dot_pb_dot_api__pb2.ClusterInfo.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/spooler.v1.Spooler/Session',
+                request_serializer=spooler_dot_pb_dot_api__pb2.SessionRequest.SerializeToString,
+                response_deserializer=spooler_dot_pb_dot_api__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class SpoolerServicer:
@@ -237,6 +242,12 @@ class SpoolerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SpoolerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -329,6 +340,11 @@ def add_SpoolerServicer_to_server(servicer, server):
                     servicer.Promote,
                     request_deserializer=spooler_dot_pb_dot_api__pb2.PromoteRequest.FromString,
                     response_serializer=spooler_dot_pb_dot_api__pb2.ClusterInfo.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=spooler_dot_pb_dot_api__pb2.SessionRequest.FromString,
+                    response_serializer=spooler_dot_pb_dot_api__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -817,6 +833,33 @@ class Spooler:
             '/spooler.v1.Spooler/Promote',
             spooler_dot_pb_dot_api__pb2.PromoteRequest.SerializeToString,
             spooler_dot_pb_dot_api__pb2.ClusterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/spooler.v1.Spooler/Session',
+            spooler_dot_pb_dot_api__pb2.SessionRequest.SerializeToString,
+            spooler_dot_pb_dot_api__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -67,10 +67,20 @@ class SendEntry(_message.Message):
     def __init__(self, queue: _Optional[str] = ..., id: _Optional[str] = ..., body: _Optional[bytes] = ..., delay_us: _Optional[int] = ..., dedup_key: _Optional[str] = ...) -> None: ...
 
 class Send(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "run_queue", "run_id_prefix", "run_id_first", "run_delay_us", "run_bodies")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    RUN_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIRST_FIELD_NUMBER: _ClassVar[int]
+    RUN_DELAY_US_FIELD_NUMBER: _ClassVar[int]
+    RUN_BODIES_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[SendEntry]
-    def __init__(self, entries: _Optional[_Iterable[_Union[SendEntry, _Mapping]]] = ...) -> None: ...
+    run_queue: str
+    run_id_prefix: str
+    run_id_first: int
+    run_delay_us: int
+    run_bodies: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, entries: _Optional[_Iterable[_Union[SendEntry, _Mapping]]] = ..., run_queue: _Optional[str] = ..., run_id_prefix: _Optional[str] = ..., run_id_first: _Optional[int] = ..., run_delay_us: _Optional[int] = ..., run_bodies: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SettleEntry(_message.Message):
     __slots__ = ("kind", "queue", "id", "delay_us")

@@ -112,6 +112,9 @@ def test_a_send_is_invisible_until_it_is_durable(tmp_path):
     async def main():
         vfs = LossyVFS(f"lossy{next(_names)}")
         eng = Engine(str(tmp_path / "n"), vfs=vfs.name)
+        # commits on the writer thread, never inline: the loop must keep running
+        # while the fsync hangs, so that the test can look at the state meanwhile
+        eng.inline_commit_records_max = 0
         await eng.start()
         svc = Service(eng, ["k"])
         await svc.put_queue(ADMIN, "q", {})

@@ -283,3 +283,39 @@ def test_log_gap_is_refused(log):
     rec = log_pb2.Record(epoch=1, lsn=log.core.lsn + 2, ts_us=0, queue_delete=log_pb2.QueueDelete(name="x"))
     with pytest.raises(AssertionError):
         log.core.apply(rec)
+
+
+def _run(log, queue, bodies, at, delay=0, entries=()):
+    rec = log_pb2.Record()
+    for q, body in entries:
+        log.ids += 1
+        rec.send.entries.add(queue=q, id=f"m{log.ids}", body=body)
+    rec.send.run_queue, rec.send.run_id_prefix, rec.send.run_id_first = queue, "p", 0x1f
+    rec.send.run_delay_us = delay
+    rec.send.run_bodies.extend(bodies)
+    return log.commit(rec, at)
+
+
+def test_compact_run_is_the_same_as_one_entry_per_body(log):
+    """The compact form of a batch (ids from a prefix and a counter) lands exactly as
+    entries would: after the record's entries, in order, ids as the record says."""
+    log.queue("q", retention_us=100 * S)
+    log.queue("other")
+    res = _run(log, "q", [b"a", b"b", b"c"], at=5, entries=[("other", b"e")])
+    assert res == [("m1", False), ("p0000001f", False), ("p00000020", False), ("p00000021", False)]
+    got = recv(log, "q", 6, 10)
+    assert [(m.id, m.body, m.retry) for m, _ in got] == [("p0000001f", b"a", 0), ("p00000020", b"b", 0),
+                                                          ("p00000021", b"c", 0)]
+    assert got[0][0].expires_at == 5 + 100 * S  # retention from visibility
+    st = log.core.stats("q", 6)
+    assert (st["sentTotal"], st["leased"], st["visible"]) == (3, 3, 0)
+    assert [m.id for m, _ in recv(log, "other", 6)] == ["m1"]
+
+
+def test_compact_run_with_a_delay_and_to_a_missing_queue(log):
+    log.queue("q")
+    _run(log, "q", [b"late"], at=10, delay=5 * S)
+    assert recv(log, "q", 10 + 5 * S - 1) == []
+    [(m, _)] = recv(log, "q", 10 + 5 * S)
+    assert (m.body, m.visible_at) == (b"late", 10 + 5 * S)
+    assert _run(log, "gone", [b"x", b"y"], at=11) == [(None, "queue_not_found")] * 2

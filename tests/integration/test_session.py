@@ -1,0 +1,171 @@
+"""The Session stream (many requests on one gRPC stream) and the compact send form,
+against a real node, plus the SDK's behaviour when a session breaks or is missing."""
+import asyncio
+
+import grpc
+import pytest
+
+from spooler import AsyncClient, errors
+from spooler.pb import api_pb2, api_pb2_grpc
+
+
+def _md(key):
+    return (("authorization", f"Bearer {key}"),)
+
+
+async def _session(node, key, requests):
+    """Open a raw Session, write ``requests``, close our side, return every answer by id."""
+    async with grpc.aio.insecure_channel(node.grpc_target) as ch:
+        call = api_pb2_grpc.SpoolerStub(ch).Session(metadata=_md(key))
+        for r in requests:
+            await call.write(r)
+        await call.done_writing()
+        return {a.id: a async for a in call}
+
+
+def test_session_answers_every_request_by_id(node):
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("s1")
+        reqs = [
+            api_pb2.SessionRequest(id=7, send_batch=api_pb2.SendBatchRequest(queue="s1", bodies=[b"a", b"b"])),
+            api_pb2.SessionRequest(id=8, send_batch=api_pb2.SendBatchRequest(
+                entries=[api_pb2.SendRequest(queue="s1", body=b"c")])),
+            api_pb2.SessionRequest(id=9, send_batch=api_pb2.SendBatchRequest(queue="nope", bodies=[b"x"])),
+            api_pb2.SessionRequest(id=10),  # names no call
+        ]
+        got = await _session(node, node.admin_key, reqs)
+        assert set(got) == {7, 8, 9, 10}
+        assert len(got[7].send_batch.run_ids) == 2 and not got[7].send_batch.results
+        assert got[7].epoch >= 1
+        assert len(got[8].send_batch.results) == 1 and got[8].send_batch.results[0].id
+        # an error of one request is its answer; the stream went on
+        assert got[9].WhichOneof("result") == "error" and got[9].error.kind == "queue_not_found"
+        assert got[10].error.kind == "invalid_argument"
+        # receive and settle on a session too: oldest first, the run's order kept
+        got = await _session(node, node.admin_key, [api_pb2.SessionRequest(
+            id=1, receive=api_pb2.ReceiveRequest(queue="s1", max_messages=10))])
+        bodies = [d.body for d in got[1].receive.messages]
+        assert bodies == [b"a", b"b", b"c"]
+        items = [api_pb2.SettleBatchRequest.Item(token=d.lease_token, action=api_pb2.SETTLE_ACK)
+                 for d in got[1].receive.messages]
+        got = await _session(node, node.admin_key, [api_pb2.SessionRequest(
+            id=2, settle_batch=api_pb2.SettleBatchRequest(items=items))])
+        assert [r.HasField("error") for r in got[2].settle_batch.results] == [False] * 3
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            q = await c.get_queue("s1")
+        assert q["stats"]["ackedTotal"] == 3 and q["stats"]["visible"] == 0
+
+    asyncio.run(main())
+
+
+def test_session_refuses_a_bad_key_and_a_deleted_one(node):
+    async def main():
+        with pytest.raises(grpc.RpcError) as e:
+            await _session(node, "not-a-key", [])
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        async with AsyncClient(node.grpc_target, node.admin_key) as admin:
+            await admin.put_queue("s2")
+            k = await admin.create_key("s2", ["send"])
+            async with grpc.aio.insecure_channel(node.grpc_target) as ch:
+                call = api_pb2_grpc.SpoolerStub(ch).Session(metadata=_md(k.key))
+                send = api_pb2.SendBatchRequest(queue="s2", bodies=[b"x"])
+                await call.write(api_pb2.SessionRequest(id=1, send_batch=send))
+                assert (await call.read()).send_batch.run_ids
+                await admin._call(admin.stub.DeleteKey, api_pb2.DeleteKeyRequest(id=k.id), write=True)
+                await call.write(api_pb2.SessionRequest(id=2, send_batch=send))
+                a = await call.read()  # the open stream does not outlive the key
+                assert a.id == 2 and a.error.kind == "unauthenticated"
+                await call.done_writing()
+
+    asyncio.run(main())
+
+
+def test_sdk_uses_the_session_and_the_compact_form(node):
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("s3")
+            ids = [r.id for r in await c.send_batch("s3", [b"%d" % i for i in range(50)])]
+            assert len(set(ids)) == 50
+            singles = await asyncio.gather(*[c.send("s3", b"single") for _ in range(20)])
+            assert c.session.call is not None and c.session.supported  # all of it went over one stream
+            assert len({r.id for r in singles} | set(ids)) == 70
+            got = await c.receive("s3", max_messages=100)
+            assert [m.id for m in got[:50]] == ids  # a batch keeps its order
+            await c.ack(got[0].token)
+            await c.nack(got[1].token)
+            assert await c.renew(got[2].token)
+            with pytest.raises(errors.StaleLease):
+                await c.ack(got[0].token)
+            with pytest.raises(errors.QueueNotFound):
+                await c.send_batch("nope", [b"x"])
+
+    asyncio.run(main())
+
+
+class _NoSessionServer:
+    """A node stand-in with SendBatch only (an older node): the SDK falls back to unary."""
+
+    async def start(self):
+        async def send_batch(req, ctx):
+            return api_pb2.SendBatchResponse(results=[api_pb2.SendResponse(id=f"u{i}") for i in
+                                                      range(len(req.entries) + len(req.bodies))])
+
+        handler = grpc.method_handlers_generic_handler("spooler.v1.Spooler", {
+            "SendBatch": grpc.unary_unary_rpc_method_handler(
+                send_batch, request_deserializer=api_pb2.SendBatchRequest.FromString,
+                response_serializer=api_pb2.SendBatchResponse.SerializeToString)})
+        self.server = grpc.aio.server()
+        self.server.add_generic_rpc_handlers((handler,))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        return self
+
+
+def test_sdk_falls_back_to_unary_without_a_session():
+    async def main():
+        srv = await _NoSessionServer().start()
+        try:
+            async with AsyncClient(f"127.0.0.1:{srv.port}", "k") as c:
+                assert (await c.send("q", b"x")).id == "u0"
+                assert not c.session.supported
+                assert [r.id for r in await c.send_batch("q", [b"a", b"b"])] == ["u0", "u1"]
+        finally:
+            await srv.server.stop(None)
+
+    asyncio.run(main())
+
+
+class _BreakingServer:
+    """Reads one Session request, then ends the stream with a bare UNAVAILABLE: the
+    request left the client, so a write's outcome is unknown."""
+
+    async def start(self):
+        async def session(requests, ctx):
+            async for _ in requests:
+                await ctx.abort(grpc.StatusCode.UNAVAILABLE, "gone")
+
+        handler = grpc.method_handlers_generic_handler("spooler.v1.Spooler", {
+            "Session": grpc.stream_stream_rpc_method_handler(
+                session, request_deserializer=api_pb2.SessionRequest.FromString,
+                response_serializer=api_pb2.SessionResponse.SerializeToString)})
+        self.server = grpc.aio.server()
+        self.server.add_generic_rpc_handlers((handler,))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        return self
+
+
+def test_a_broken_session_makes_writes_unconfirmed_and_reads_unavailable():
+    async def main():
+        srv = await _BreakingServer().start()
+        try:
+            async with AsyncClient(f"127.0.0.1:{srv.port}", "k", retry_attempts=1) as c:
+                with pytest.raises(errors.OperationUnconfirmed):
+                    await c.send_batch("q", [b"x"])  # may have landed: never silently retried
+                with pytest.raises(errors.Unavailable):
+                    await c.receive("q")
+        finally:
+            await srv.server.stop(None)
+
+    asyncio.run(main())
