@@ -5,10 +5,13 @@ The write path, in the order it is enforced here (``_commit_loop``):
     1. a caller proposes an operation -> it waits in ``_pending``;
     2. the writer takes every pending operation, stamps epoch, lsn and the
        primary's time, chains the checksum and encodes the records;
-    3. the store appends them in ONE transaction: one fsync for the batch;
-    4. (cluster) the records are confirmed by a quorum of replicas;
-    5. only then are they applied to the core, and only then do callers get
-       their results — so a 201/204 always means "durable".
+    3. (cluster) the records are shipped to the replicas, which fsync them
+       while
+    4. the store appends them here in ONE transaction: one fsync for the batch;
+    5. the replication core commits them once this node's fsync is done AND a
+       quorum (this node counted) holds them;
+    6. only then are they applied to the core, and only then do callers get
+       their results — so a 201/204 always means "durable here and on a quorum".
 
 The core therefore only ever holds committed state: a receive can never hand
 out a message whose send is not yet durable.
@@ -292,19 +295,31 @@ class Engine:
                     rows.append((rec.lsn, rec.epoch, self.crc, data))
                     self.unapplied[rec.lsn] = (rec, self.crc, fut)
                     self._remember(rec.lsn, data)
+                meta = [(r[0], r[1], r[2]) for r in rows]
+                if self.cluster:
+                    # 1. ship to the replicas first: they write while we do (the
+                    #    replication core does not count this node yet). A few turns
+                    #    of the loop hand the frames to gRPC, whose own threads send
+                    #    them while this thread waits for the fsync below.
+                    await self.repl.appended(meta, durable=False)
+                    for _ in range(3):
+                        await asyncio.sleep(0)
                 t = time.perf_counter()
                 try:
-                    # 1. fsync (one transaction, one fsync for the whole batch)
+                    # 2. fsync (one transaction, one fsync for the whole batch)
                     await self.store_io(self.store.append, rows, inline=self.small_commit(rows))
                 except Exception as e:  # fsync/IO failure: never confirm, stop serving
                     self._fail(e)
                     return
                 if self.metrics:
                     self.metrics.observe_commit(len(rows), time.perf_counter() - t)
-                # 2. ship to the replicas; the replication core emits Commit once a
-                #    quorum (this node counted only after its own fsync) holds them.
-                # 3. apply_upto() then applies and answers: never before.
-                await self.repl.appended([(r[0], r[1], r[2]) for r in rows])
+                # 3. count this node; the replication core emits Commit once this node
+                #    AND a quorum hold the records, and apply_upto() then applies and
+                #    answers: never before.
+                if self.cluster:
+                    await self.repl.durable(meta[-1][0], meta[-1][1])
+                else:
+                    await self.repl.appended(meta)
 
     def _remember(self, lsn: int, data: bytes) -> None:
         if not self.cluster:

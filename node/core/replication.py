@@ -284,18 +284,39 @@ class Replication:
             self._reset_election_timer(now, fast=True)
         return []
 
-    def appended(self, records: list, now: int) -> list:
-        """Primary only: new local records [(lsn, epoch, crc)], already fsync'd by the shell."""
+    def appended(self, records: list, now: int, durable: bool = True) -> list:
+        """Primary only: new local records [(lsn, epoch, crc)].
+
+        ``durable``: the shell has fsync'd them already. Otherwise they are shipped
+        now, while the shell's own fsync runs (raft thesis 10.2.1: the leader may
+        write its log in parallel with replicating it), and ``durable()`` tells
+        when that fsync is done: until then this node does not count towards a
+        quorum, and nothing commits past it (answers wait for this node AND a
+        quorum)."""
         for lsn, epoch, crc in records:
             assert epoch == self.epoch and lsn == self.log.last_lsn + 1, (lsn, epoch, self.log.last_lsn)
             self.log.entries.append((epoch, crc))
-            self.durable_lsn = lsn
+            if durable:
+                self.durable_lsn = lsn
         out: list = []
         if self.role != PRIMARY:
             return out
         for p in self.peers:
             self._send_append(p, now, out)
         self._advance_commit(out)
+        return out
+
+    def durable(self, lsn: int, epoch: int, now: int) -> list:
+        """Primary: its own fsync of the records it appended up to ``lsn`` in
+        ``epoch`` (``appended(durable=False)``) is done. Ignored unless it is still
+        the primary of that epoch (a primary never truncates its own log, so the
+        records are still those it wrote); elsewhere its view stays conservative."""
+        out: list = []
+        if self.role != PRIMARY or self.epoch != epoch or lsn > self.log.last_lsn:
+            return out
+        if lsn > self.durable_lsn:
+            self.durable_lsn = lsn
+            self._advance_commit(out)
         return out
 
     def stored(self, req: AppendReq, now: int) -> list:
@@ -404,7 +425,9 @@ class Replication:
 
     def _advance_commit(self, out: list) -> None:
         lsns = sorted([self.durable_lsn] + [self.match.get(p, 0) for p in self.peers], reverse=True)
-        n = lsns[self.quorum - 1]
+        # a quorum holds it, and this node too: the primary answers only for what
+        # is on its own disk as well (its fsync may finish after the replicas')
+        n = min(lsns[self.quorum - 1], self.durable_lsn)
         if n > self.commit_lsn:
             e = self.log.at(n)
             # only a record of our own epoch commits by counting (raft's rule);

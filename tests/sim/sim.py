@@ -32,6 +32,14 @@ MS = 1000
 
 
 @dataclass
+class LocalSync:
+    """The primary's own fsync of its records up to ``lsn`` completes (a local event)."""
+    lsn: int
+    epoch: int
+    incarnation: int
+
+
+@dataclass
 class Disk:
     epoch: int = 0
     voted_for: str = ""
@@ -46,6 +54,10 @@ class SimNode:
         self.up = True
         self.core = None
         self.pending = []  # (lsn, epoch, crc) written as primary, not yet known committed
+        # a primary's records shipped before its own fsync completed (appended with
+        # durable=False): on no disk here yet; a crash loses them
+        self.volatile = []  # (lsn, epoch, crc, payload)
+        self.incarnation = 0
 
     def boot(self):
         sim = self.sim
@@ -57,7 +69,23 @@ class SimNode:
         self.run(c.start(sim.now))
 
     def crc_at(self, lsn):
+        if lsn > len(self.disk.log) and self.volatile:
+            return self.volatile[lsn - len(self.disk.log) - 1][2]
         return self.disk.log[lsn - 1][1] if lsn >= 1 else 0
+
+    def flush_volatile(self, upto=None):
+        """The writer thread finishes the pending local writes, in order (it does so
+        before any later store operation: truncation, replica appends)."""
+        while self.volatile and (upto is None or self.volatile[0][0] <= upto):
+            lsn, ep, crc, payload = self.volatile.pop(0)
+            assert lsn == len(self.disk.log) + 1, (self.id, "volatile write out of order", lsn)
+            self.disk.log.append((ep, crc, payload))
+
+    def local_sync(self, m: LocalSync):
+        if not self.up or m.incarnation != self.incarnation:
+            return
+        self.flush_volatile(m.lsn)
+        self.run(self.core.durable(m.lsn, m.epoch, self.sim.now))
 
     def run(self, effects):
         """Carry out effects in order; a crash mid-way drops the rest."""
@@ -69,6 +97,8 @@ class SimNode:
                 sim.trace(f"{self.id} crashes before effect {i}/{len(effects)}")
                 sim.crash(self.id)
                 return
+            if isinstance(eff, (R.Truncate, R.Store, R.Role)):
+                self.flush_volatile()
             if isinstance(eff, R.Persist):
                 self.disk.epoch, self.disk.voted_for = eff.epoch, eff.voted_for
             elif isinstance(eff, R.Truncate):
@@ -107,6 +137,7 @@ class Sim:
         self.p_dup = self.rng.choice([0.0, 0.02])
         self.p_crash_mid_effects = self.rng.choice([0.0, 0.002])
         self.delay_ms = self.rng.choice([(1, 3), (1, 20), (5, 60)])
+        self.p_parallel = self.rng.choice([0.0, 0.5, 1.0])  # primary writes shipped before its fsync
         self.payloads: dict = {}
         self.committed: dict = {}      # lsn -> (epoch, crc): the one committed history
         self.acked: list = []          # (lsn, epoch, crc) of writes a primary answered
@@ -171,6 +202,8 @@ class Sim:
         n.up = False
         n.core = None
         n.pending = []
+        n.volatile = []  # lost: never fsync'd
+        n.incarnation += 1
         self.trace(f"{nid} CRASH")
 
     def restart(self, nid):
@@ -202,9 +235,17 @@ class Sim:
                 payload = f"w{self.writes}".encode()
                 crc = zlib.crc32(payload, n.crc_at(lsn - 1))
                 self.payloads[(lsn, ep, crc)] = payload
-                n.disk.log.append((ep, crc, payload))  # the group commit's fsync
                 n.pending.append((lsn, ep, crc))
-                n.run(c.appended([(lsn, ep, crc)], self.now))
+                if n.volatile or self.rng.random() < self.p_parallel:
+                    # shipped first; the local fsync completes later (or a crash loses it)
+                    n.volatile.append((lsn, ep, crc, payload))
+                    self.seq += 1
+                    heapq.heappush(self.queue, (self.now + self.rng.randint(0, 30) * MS, self.seq, n.id,
+                                                LocalSync(lsn, ep, n.incarnation), n.id))
+                    n.run(c.appended([(lsn, ep, crc)], self.now, durable=False))
+                else:
+                    n.disk.log.append((ep, crc, payload))  # the group commit's fsync
+                    n.run(c.appended([(lsn, ep, crc)], self.now))
 
     def check_leases(self):
         holders = [n.id for n in self.nodes.values() if n.up and n.core.may_lease(self.now)]
@@ -266,7 +307,9 @@ class Sim:
             at, _, to, msg, frm = heapq.heappop(self.queue)
             self.now = max(self.now, at)
             n = self.nodes[to]
-            if n.up:
+            if isinstance(msg, LocalSync):
+                n.local_sync(msg)
+            elif n.up:
                 n.run(n.core.receive(msg, self.now))
             self.flush_noops()
         else:
@@ -301,7 +344,10 @@ class Sim:
             at, _, to, msg, frm = heapq.heappop(self.queue)
             self.now = max(self.now, at)
             n = self.nodes[to]
-            n.run(n.core.receive(msg, self.now))
+            if isinstance(msg, LocalSync):
+                n.local_sync(msg)
+            else:
+                n.run(n.core.receive(msg, self.now))
             self.flush_noops()
         else:
             self.now = tick_at
