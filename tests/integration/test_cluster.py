@@ -1,6 +1,7 @@
 """A real 3-node cluster on 127.0.0.1: election, replication, failover, rejoin."""
 import os
 import signal
+import urllib.request
 
 import pytest
 
@@ -79,6 +80,12 @@ def test_elects_one_primary_and_replicates(cluster):
     assert client(nodes[p]).get_queue("q")["stats"]["sentTotal"] == 20
     d = c.receive("q", wait_s=5)
     assert d.id == ids[0]
+    # a replica's own group commits show in its metrics, like the primary's
+    with urllib.request.urlopen(nodes[replica].http_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    count = next(float(line.split()[-1]) for line in text.splitlines()
+                 if line.startswith("spooler_commit_seconds_count"))
+    assert count >= 20
 
 
 def test_sigkill_primary_fails_over_without_loss(cluster):
