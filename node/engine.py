@@ -68,7 +68,7 @@ class Limits:
         self.retention_s_max = 14 * 86400.0
         self.dedup_window_s_max = 86_400.0
         self.max_retries_max = 1000
-        self.session_requests_in_flight_max = 1024  # per gRPC Session stream
+        self.session_requests_in_flight_max = 1024  # per gRPC Session stream (then it stops reading)
         for k, v in kw.items():
             if not hasattr(self, k):
                 raise TypeError(k)
@@ -270,64 +270,84 @@ class Engine:
         return fut
 
     async def _commit_loop(self) -> None:
-        lim = self.limits
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
-                n = min(len(self._pending), lim.commit_records_max)
-                taken = self._pending[:n]
-                del self._pending[:n]
-                if self.role != "primary":
-                    for _, fut in taken:
-                        if not fut.done():
-                            fut.set_exception(errors.Unavailable("no longer the primary", retry_after_s=0.5))
-                    continue
-                rows = []
-                for rec, fut in taken:
-                    rec.epoch = self.write_epoch
-                    self.appended_lsn += 1
-                    rec.lsn = self.appended_lsn
-                    # the primary's time, stamped once; never goes backwards
-                    self.last_ts = rec.ts_us = max(self.last_ts, self.clock_us())
-                    data = rec.SerializeToString()
-                    self.crc = chain(self.crc, data)
-                    rows.append((rec.lsn, rec.epoch, self.crc, data))
-                    self.unapplied[rec.lsn] = (rec, self.crc, fut)
-                    self._remember(rec.lsn, data)
-                meta = [(r[0], r[1], r[2]) for r in rows]
-                if self.cluster:
-                    # 1. ship to the replicas first: they write while we do (the
-                    #    replication core does not count this node yet). A few turns
-                    #    of the loop hand the frames to gRPC, whose own threads send
-                    #    them while this thread waits for the fsync below.
-                    await self.repl.appended(meta, durable=False)
-                    for _ in range(3):
-                        await asyncio.sleep(0)
-                t = time.perf_counter()
-                try:
-                    # 2. fsync (one transaction, one fsync for the whole batch)
-                    await self.store_io(self.store.append, rows, inline=self.small_commit(rows))
-                except Exception as e:  # fsync/IO failure: never confirm, stop serving
-                    self._fail(e)
-                    return
-                if self.metrics:
-                    self.metrics.observe_commit(len(rows), time.perf_counter() - t)
-                # 3. count this node; the replication core emits Commit once this node
-                #    AND a quorum hold the records, and apply_upto() then applies and
-                #    answers: never before.
-                if self.cluster:
-                    await self.repl.durable(meta[-1][0], meta[-1][1])
-                else:
-                    await self.repl.appended(meta)
+                # One commit is one step under the replication lock: nothing else
+                # (a frame from another primary, a step-down, a vote) can reach the
+                # replication core or the store between stamping these records and
+                # counting them durable here.
+                async with self.repl.lock:
+                    if not await self._commit_some():
+                        return
+
+    async def _commit_some(self) -> bool:
+        """Take, stamp, ship, fsync and count one batch of pending records (under
+        the replication lock). False: the store failed, the node stops."""
+        lim = self.limits
+        n = min(len(self._pending), lim.commit_records_max)
+        taken = self._pending[:n]
+        del self._pending[:n]
+        if self.role != "primary":
+            for _, fut in taken:
+                if not fut.done():
+                    fut.set_exception(errors.Unavailable("no longer the primary", retry_after_s=0.5))
+            return True
+        rows, size = [], 0
+        for i, (rec, fut) in enumerate(taken):
+            if size > lim.commit_bytes_max:  # the rest wait for the next commit
+                self._pending[:0] = taken[i:]
+                break
+            rec.epoch = self.write_epoch
+            self.appended_lsn += 1
+            rec.lsn = self.appended_lsn
+            # the primary's time, stamped once; never goes backwards
+            self.last_ts = rec.ts_us = max(self.last_ts, self.clock_us())
+            data = rec.SerializeToString()
+            size += len(data)
+            self.crc = chain(self.crc, data)
+            rows.append((rec.lsn, rec.epoch, self.crc, data))
+            self.unapplied[rec.lsn] = (rec, self.crc, fut)
+            self._remember(rec.lsn, data)
+        meta = [(r[0], r[1], r[2]) for r in rows]
+        now = mono_us
+        if self.cluster:
+            # 1. ship to the replicas first: they write while we do (the
+            #    replication core does not count this node yet). A few turns of
+            #    the loop hand the frames to gRPC, whose own threads send them
+            #    while this thread waits for the fsync below.
+            await self.repl.run_effects(self.repl.core.appended(meta, now(), durable=False))
+            for _ in range(3):
+                await asyncio.sleep(0)
+        t = time.perf_counter()
+        try:
+            # 2. fsync (one transaction, one fsync for the whole batch)
+            await self.store_io(self.store.append, rows, inline=self.small_commit(rows))
+        except Exception as e:  # fsync/IO failure: never confirm, stop serving
+            self._fail(e)
+            return False
+        if self.metrics:
+            self.metrics.observe_commit(len(rows), time.perf_counter() - t)
+        # 3. count this node; the replication core emits Commit once this node AND
+        #    a quorum hold the records, and apply_upto() then applies and answers:
+        #    never before.
+        if self.cluster:
+            await self.repl.run_effects(self.repl.core.durable(meta[-1][0], meta[-1][1], now()))
+        else:
+            await self.repl.run_effects(self.repl.core.appended(meta, now()))
+        return True
 
     def _remember(self, lsn: int, data: bytes) -> None:
         if not self.cluster:
             return  # nobody to ship to
         self.recent[lsn] = data
         self.recent_bytes += len(data)
-        while self.recent_bytes > self.recent_bytes_max and len(self.recent) > 1:
-            self.recent_bytes -= len(self.recent.popitem(last=False)[1])
+        # evict the oldest, but never a record not yet applied (it may not even
+        # be in the store yet, and the replicas may still need it from here)
+        recent, applied = self.recent, self.core.lsn
+        while self.recent_bytes > self.recent_bytes_max and len(recent) > 1 and next(iter(recent)) <= applied:
+            self.recent_bytes -= len(recent.popitem(last=False)[1])
 
     def record_bytes(self, lsns: list) -> list:
         """Encoded records for shipping: from memory, else from the store's log."""
@@ -338,7 +358,10 @@ class Engine:
             for lsn, _, _, data in self.store.records_after(missing[0] - 1, len(lsns) + 1, reader=True):
                 got[lsn] = bytes(data)
         for lsn in lsns:
-            out.append(self.recent.get(lsn) or got.get(lsn))
+            data = self.recent.get(lsn) or got.get(lsn)
+            if data is None:  # never ship an empty record in its place
+                raise RuntimeError(f"record {lsn} is neither in memory nor in the store")
+            out.append(data)
         return out
 
     def apply_upto(self, lsn: int) -> None:

@@ -155,11 +155,12 @@ def auth_metadata(key: str) -> tuple:
     return (("authorization", f"Bearer {key}"),) if key else ()
 
 
-def batch_request(sends: list) -> api_pb2.SendBatchRequest:
+def batch_request(sends: list, compact: bool = True) -> api_pb2.SendBatchRequest:
     """sends: [(queue, body, delay_s, dedup_key)] -> one SendBatchRequest; in the
-    compact form (one queue, one delay, bodies only) when every send fits it."""
+    compact form (one queue, one delay, bodies only) when every send fits it and
+    ``compact`` (only on a Session: a node that has Session understands it)."""
     q0, _, d0, _ = sends[0]
-    if all(q == q0 and d == d0 and not k for q, _, d, k in sends):
+    if compact and all(q == q0 and d == d0 and not k for q, _, d, k in sends):
         return api_pb2.SendBatchRequest(queue=q0, bodies=[s[1] for s in sends], delay_seconds=d0)
     return api_pb2.SendBatchRequest(entries=[api_pb2.SendRequest(queue=q, body=b, delay_seconds=d, dedup_key=k)
                                              for q, b, d, k in sends])

@@ -21,7 +21,7 @@ import grpc
 
 from spooler import errors
 from spooler._common import (Nodes, Message, SendResult, auth_metadata, batch_request, batch_results, call_with_retries,
-                             is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, send_outcomes,
+                             _has_detail, is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, send_outcomes,
                              settings_pb)
 from spooler.pb import api_pb2, api_pb2_grpc
 
@@ -35,51 +35,71 @@ class _NoSession(Exception):
     """The node has no Session RPC (an older node): use the unary RPCs."""
 
 
+class _Waiter:
+    __slots__ = ("fut", "write", "call")
+
+    def __init__(self, fut, write: bool):
+        self.fut = fut
+        self.write = write
+        self.call = None  # the stream it was written to; None = not written yet
+
+
 class _Session:
     """The client half of the Session stream: many requests on one gRPC stream,
     each answered by id. A message on an open stream costs a fraction of a
     unary call, which is where the SDK's latency and throughput come from.
 
-    When the stream breaks, every request still waiting fails the way a unary
-    call would at that point: not yet written -> ``unavailable`` (retry-safe);
-    written -> ``operation_unconfirmed`` for a write (it may have landed),
-    ``unavailable`` for a read. The next request opens a new stream."""
+    When a stream breaks, every request written to it and still waiting fails
+    the way a unary call would at that point: a write ``operation_unconfirmed``
+    (it may have landed), a read ``unavailable``, or the error the node ended
+    the stream with (e.g. ``unauthenticated``). A request not yet written fails
+    ``unavailable`` (safe to retry) and is never written later. When the client
+    moves to another node, the old stream is closed for writing and still
+    delivers the answers it owes. The next request opens a new stream."""
 
     def __init__(self, client: "AsyncClient"):
         self.c = client
         self.call = None
         self.stub = None
         self.supported = True
-        self.waiting: dict = {}     # id -> (future, write)
-        self.outbox: list = []      # (id, SessionRequest) not yet written
+        self.waiting: dict = {}     # id -> _Waiter
+        self.outbox: list = []      # (id, SessionRequest) for self.call, not yet written
         self.writing = False
         self.next_id = 0
-        self.reader = None
 
     def _open(self) -> None:
         self.stub = self.c.stub
         self.call = self.stub.Session(metadata=self.c.md)
-        self.reader = asyncio.ensure_future(self._read(self.call))
+        asyncio.ensure_future(self._read(self.call))
+
+    def _retire(self) -> None:
+        """Move to a new stream; the old one stops taking requests but answers
+        the ones it has."""
+        old = self.call
+        self._fail_unwritten(errors.Unavailable("moved to another node before the request was sent"))
+        self.call = None
+        if old is not None and not old.done():
+            asyncio.ensure_future(_half_close(old))
 
     async def request(self, which: str, req, *, write: bool, timeout_s: float):
         if not self.supported:
             raise _NoSession()
-        if self.call is None or self.stub is not self.c.stub:
-            if self.call is not None:
-                self._broken(self.call, None)
+        if self.call is not None and self.stub is not self.c.stub:
+            self._retire()
+        if self.call is None:
             self._open()
         loop = asyncio.get_running_loop()
         self.next_id += 1
         rid = self.next_id
-        fut = loop.create_future()
-        self.waiting[rid] = (fut, write)
+        w = _Waiter(loop.create_future(), write)
+        self.waiting[rid] = w
         self.outbox.append((rid, api_pb2.SessionRequest(id=rid, **{which: req})))
         if not self.writing:
             self.writing = True
             asyncio.ensure_future(self._write(self.call))
         timer = loop.call_later(timeout_s, self._expire, rid)
         try:
-            resp = await fut
+            resp = await w.fut
         finally:
             timer.cancel()
             self.waiting.pop(rid, None)
@@ -92,24 +112,27 @@ class _Session:
         return getattr(resp, kind)
 
     def _expire(self, rid: int) -> None:
-        fut, write = self.waiting.pop(rid, (None, False))
-        if fut is not None and not fut.done():
-            fut.set_exception(errors.OperationUnconfirmed("no answer within the timeout") if write
-                              else errors.Unavailable("no answer within the timeout"))
+        w = self.waiting.pop(rid, None)
+        if w is None or w.fut.done():
+            return
+        if w.call is None:  # still in the outbox: take it out, it is never sent
+            self.outbox[:] = [x for x in self.outbox if x[0] != rid]
+            w.fut.set_exception(errors.Unavailable("not sent within the timeout"))
+        else:
+            w.fut.set_exception(errors.OperationUnconfirmed("no answer within the timeout") if w.write
+                                else errors.Unavailable("no answer within the timeout"))
 
     async def _write(self, call) -> None:
         try:
             while self.outbox and call is self.call:
-                batch = self.outbox[:]
-                del self.outbox[:]
-                for i, (rid, msg) in enumerate(batch):
-                    try:
-                        await call.write(msg)
-                    except BaseException:
-                        self.outbox[:0] = batch[i:]  # never written: their outcome is known
-                        raise
-        except Exception as e:
-            self._broken(call, e)
+                rid, msg = self.outbox.pop(0)
+                w = self.waiting.get(rid)
+                if w is None or w.fut.done():
+                    continue  # its caller gave up (timeout): never send it
+                w.call = call  # from here on its outcome is unknown if the stream breaks
+                await call.write(msg)
+        except Exception:  # noqa: BLE001 - the stream is broken: its reader reports how
+            call.cancel()
         finally:
             self.writing = False
             if self.outbox and self.call is not None and not self.call.done():
@@ -121,8 +144,8 @@ class _Session:
         try:
             async for resp in call:
                 w = self.waiting.get(resp.id)
-                if w is not None and not w[0].done():
-                    w[0].set_result(resp)
+                if w is not None and not w.fut.done():
+                    w.fut.set_result(resp)
         except grpc.RpcError as e:
             err = e
         except asyncio.CancelledError:
@@ -131,36 +154,51 @@ class _Session:
             err = e
         self._broken(call, err)
 
+    def _fail_unwritten(self, e: BaseException) -> None:
+        for rid, _ in self.outbox:
+            w = self.waiting.get(rid)
+            if w is not None and not w.fut.done():
+                w.fut.set_exception(e)
+        self.outbox.clear()
+
     def _broken(self, call, e: Optional[BaseException]) -> None:
         """The stream ``call`` is over: fail what waits on it."""
-        if call is not self.call:
-            return
-        self.call = None
-        call.cancel()
-        unwritten = {rid for rid, _ in self.outbox}
-        self.outbox.clear()
+        if call is self.call:
+            self.call = None
+            self._fail_unwritten(errors.Unavailable("session stream closed before the request was sent"))
         if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
             self.supported = False
-            for fut, _ in self.waiting.values():
-                if not fut.done():
-                    fut.set_exception(_NoSession())
+            for w in list(self.waiting.values()):
+                if w.call is call and not w.fut.done():
+                    w.fut.set_exception(_NoSession())
             return
-        if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE:
-            self.c._next_target()
-        for rid, (fut, write) in list(self.waiting.items()):
-            if fut.done():
+        detail = None
+        if isinstance(e, grpc.RpcError):
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.c._next_target()
+            if _has_detail(e):  # the node said why (e.g. unauthenticated): that is the answer
+                detail = map_rpc_error(e)
+        for w in list(self.waiting.values()):
+            if w.call is not call or w.fut.done():
                 continue
-            if rid in unwritten:
-                fut.set_exception(errors.Unavailable("session stream closed before the request was sent"))
-            elif isinstance(e, grpc.RpcError):
-                fut.set_exception(map_rpc_error(e, write=write))
-            else:
-                fut.set_exception(errors.OperationUnconfirmed("session stream closed") if write
-                                  else errors.Unavailable("session stream closed"))
+            if detail is not None:
+                w.fut.set_exception(detail)
+            else:  # a transport failure after the request left: its outcome is unknown
+                w.fut.set_exception(errors.OperationUnconfirmed("session stream broke") if w.write
+                                    else errors.Unavailable("session stream broke"))
 
     def close(self) -> None:
-        if self.call is not None:
-            self._broken(self.call, None)
+        call = self.call
+        if call is not None:
+            self._broken(call, None)
+            call.cancel()
+
+
+async def _half_close(call) -> None:
+    try:
+        await call.done_writing()
+    except Exception:  # noqa: BLE001 - already broken: its reader reports it
+        pass
 
 
 def _fail_all(batch: list, e: BaseException) -> None:
@@ -279,7 +317,7 @@ class AsyncClient(Nodes):
     async def _send_batch_now(self, batch: list) -> None:
         self.send_rpcs += 1
         try:
-            r = await self._pipe("send_batch", self.stub.SendBatch, batch_request([b[0] for b in batch]), write=True)
+            r = await self._send_request([b[0] for b in batch])
         except errors.SpoolerError as e:
             if len(batch) > 1 and is_batch_entry_error(e):
                 # refused before anything was stored: one bad entry fails the whole
@@ -302,8 +340,18 @@ class AsyncClient(Nodes):
 
     async def send_batch(self, queue: str, bodies: list, *, delay_s: float = 0.0) -> list:
         """One RPC, one log record: all stored or none."""
-        req = api_pb2.SendBatchRequest(queue=queue, bodies=bodies, delay_seconds=delay_s)
-        return batch_results(await self._pipe("send_batch", self.stub.SendBatch, req, write=True))
+        return batch_results(await self._send_request([(queue, b, delay_s, "") for b in bodies]))
+
+    async def _send_request(self, sends: list) -> api_pb2.SendBatchResponse:
+        """One send batch: on the Session in the compact form when it fits, else
+        (a node without Session) a unary SendBatch with one entry per message."""
+        if self.session.supported:
+            try:
+                return await self.session.request("send_batch", batch_request(sends), write=True,
+                                                  timeout_s=self.timeout_s)
+            except _NoSession:
+                pass
+        return await self._call(self.stub.SendBatch, batch_request(sends, compact=False), write=True)
 
     # --------------------------------------------------------- receiving
     async def receive(self, queue: str, *, wait_s: float = 0.0, max_messages: int = 1) -> list:

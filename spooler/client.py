@@ -154,7 +154,7 @@ class Client(Nodes):
         self.send_rpcs += 1
         try:
             r = self._call(self.stub.SendBatch, batch_request([(e.queue, e.body, e.delay_seconds, e.dedup_key)
-                                                               for e, _ in batch]), write=True)
+                                                               for e, _ in batch], compact=False), write=True)
         except errors.SpoolerError as e:
             if len(batch) > 1 and is_batch_entry_error(e):
                 # refused before anything was stored: send each alone so only the bad one fails
@@ -174,7 +174,7 @@ class Client(Nodes):
 
     def send_batch(self, queue: str, bodies: list, *, delay_s: float = 0.0) -> list:
         """One RPC, one log record: all stored or none."""
-        req = api_pb2.SendBatchRequest(queue=queue, bodies=bodies, delay_seconds=delay_s)
+        req = batch_request([(queue, b, delay_s, "") for b in bodies], compact=False)
         return batch_results(self._call(self.stub.SendBatch, req, write=True))
 
     # --------------------------------------------------------- receiving

@@ -80,11 +80,10 @@ class Forwarder:
         return (await self.call(a, "Redrive", api_pb2.QueueRequest(name=name), auth, True)).moved
 
     async def send(self, a, auth, entries, run=None):
+        if run:  # forwarded one entry per message: any node version reads that
+            entries = list(entries) + [(run[0], b, run[2], "") for b in run[1]]
         req = api_pb2.SendBatchRequest(entries=[api_pb2.SendRequest(queue=q, body=b, delay_seconds=d or 0.0,
                                                                      dedup_key=k or "") for q, b, d, k in entries])
-        if run:
-            req.queue, req.delay_seconds = run[0], run[2] or 0.0
-            req.bodies.extend(run[1])
         r = await self.call(a, "SendBatch", req, auth, True)
         return [("", False, x) if isinstance(x, errors.SpoolerError) else (x.id, x.duplicate, None)
                 for x in send_outcomes(r)]

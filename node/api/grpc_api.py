@@ -236,6 +236,8 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                                 trailing_metadata=errors.grpc_trailers(e))
         answers: list = []
         wake = asyncio.Event()
+        room = asyncio.Event()  # set while fewer than the limit are in flight
+        room.set()
         tasks: set = set()
         in_flight_max = svc.limits.session_requests_in_flight_max
         reading = True
@@ -256,19 +258,23 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
             except Exception:
                 log.exception("unexpected error in Session %s", which)
                 resp = api_pb2.SessionResponse(id=rid, error=errors.to_detail(errors.Internal("internal error")))
+            tasks.discard(asyncio.current_task())  # before the answer: the writer may look at once
             answer(resp)
 
         async def read() -> None:
+            """Back-pressure, not errors: past the limit (requests running plus
+            answers not yet written) the reader stops reading, and HTTP/2 flow
+            control holds the client."""
             nonlocal reading
             try:
                 async for r in requests:
+                    while len(tasks) + len(answers) >= in_flight_max:
+                        room.clear()
+                        await room.wait()
                     which = r.WhichOneof("call")
                     if which is None:
                         answer(api_pb2.SessionResponse(id=r.id, error=errors.to_detail(
                             errors.InvalidArgument("session request names no call"))))
-                    elif len(tasks) >= in_flight_max:
-                        answer(api_pb2.SessionResponse(id=r.id, error=errors.to_detail(errors.Unavailable(
-                            f"at most {in_flight_max} requests in flight on one session", retry_after_s=0.1))))
                     else:
                         t = asyncio.ensure_future(handle(r.id, which, getattr(r, which)))
                         tasks.add(t)
@@ -287,6 +293,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                     answers.clear()
                     for resp in batch:
                         await context.write(resp)
+                    room.set()
                 if not reading and (not tasks or (not reader.cancelled() and reader.exception() is not None)):
                     break  # the client closed its side and everything is answered, or the stream broke
         finally:

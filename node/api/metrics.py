@@ -34,9 +34,9 @@ class Metrics:
 
     def _on_apply(self, rec, result) -> None:
         op = rec.WhichOneof("op")
-        if op == "send":
+        if op in ("send", "send_compact"):
             # only entries can be duplicates (a run carries no dedup keys)
-            n_run = len(rec.send.run_bodies)
+            n_run = len(getattr(rec, op).run_bodies)
             entries = result[:len(result) - n_run]
             dup = sum(1 for _, d in entries if d is True)
             stored = sum(1 for m, d in entries if m is not None and d is False)

@@ -285,7 +285,7 @@ class Service:
         if n > lim.batch_entries_max:
             raise errors.InvalidArgument(f"at most {lim.batch_entries_max} messages in a batch")
         rec = log_pb2.Record()
-        send = rec.send
+        send = rec.send_compact if run and run[1] else rec.send
         add = send.entries.add
         total = 0
         checked: dict = {}  # queue -> room left; each queue is validated once per batch
@@ -414,13 +414,13 @@ class Service:
             raise errors.InvalidArgument("malformed lease token") from None
         return epoch, lease_id, nonce, queue
 
-    def _live_lease(self, p: Principal, token: str, now: Optional[int] = None):
-        """``now``: given by a caller that has checked serving() for a whole batch."""
+    def _live_lease(self, p: Principal, token: str, now: Optional[int] = None, serving: Optional[bool] = None):
+        """``now``, ``serving``: computed once by a caller that checks a whole batch."""
         epoch, lease_id, nonce, queue = self.decode_token(token)
         self.authorize(p, "receive", queue)
+        if not (self.engine.serving() if serving is None else serving):
+            raise errors.Unavailable("node is not serving", retry_after_s=1.0)
         if now is None:
-            if not self.engine.serving():
-                raise errors.Unavailable("node is not serving", retry_after_s=1.0)
             now = self.engine.now_us()
         try:
             lease = self.core.check_lease(epoch, lease_id, nonce, now)
@@ -458,15 +458,13 @@ class Service:
         rec = log_pb2.Record()
         fenced = []  # (item index, lease), in the record's entry order
         first_error = None
-        if not self.engine.serving():
-            raise errors.Unavailable("node is not serving", retry_after_s=1.0)
-        now = self.engine.now_us()
+        serving, now = self.engine.serving(), self.engine.now_us()
         for i, (token, action, delay_s) in enumerate(items):
             try:
                 if action not in ("ack", "nack", "renew"):
                     raise errors.InvalidArgument(f"unknown action {action!r}")
                 delay_us = round(self._seconds(delay_s or 0.0, "delay", 0.0, self.limits.delay_s_max) * US)
-                lease = self._live_lease(p, token, now)
+                lease = self._live_lease(p, token, now, serving)
                 if action == "renew":
                     out[i] = rfc3339(self.core.renew(lease, now))
                     continue

@@ -135,9 +135,11 @@ class Core:
     def apply(self, rec) -> object:
         assert rec.lsn == self.lsn + 1, f"log gap: applying lsn {rec.lsn} after {self.lsn}"
         assert rec.epoch >= self.epoch, f"epoch went back: {rec.epoch} after {self.epoch}"
+        op = rec.WhichOneof("op")
+        if op is None:  # a record type this build does not know: never skip a change
+            raise ValueError(f"record {rec.lsn} holds an operation this node does not know (an older build?)")
         self.lsn = rec.lsn
         self.epoch = rec.epoch
-        op = rec.WhichOneof("op")
         return getattr(self, "_apply_" + op)(getattr(rec, op), rec.ts_us)
 
     def _apply_epoch_begin(self, op, ts):
@@ -213,6 +215,9 @@ class Core:
         if op.run_bodies:
             self._apply_send_run(op, ts, out)
         return out
+
+    def _apply_send_compact(self, op, ts):
+        return self._apply_send(op, ts)
 
     def _apply_send_run(self, op, ts, out: list) -> None:
         """The compact form: the same as one entry per body without a dedup key,
@@ -451,7 +456,7 @@ class Core:
         out = []
         h = q.ready
         timeout = q.settings["lease_timeout_us"]
-        nonces = self.rand(8 * max_n) if h else b""  # one draw for the whole batch
+        nonces, k0 = b"", 0  # one draw of randomness for the leases of this call
         while h and len(out) < max_n and q.n_leased < leases_max:
             seq, gen, mid = heapq.heappop(h)
             m = q.msgs.get(mid)
@@ -460,7 +465,9 @@ class Core:
             if now >= m.expires_at:
                 # retention over: not handed out; due_drops() proposes its Drop
                 continue
-            k = 8 * len(out)
+            if not nonces:
+                nonces, k0 = self.rand(8 * (max_n - len(out))), len(out)
+            k = 8 * (len(out) - k0)
             lease = Lease(self.next_lease_id, nonces[k:k + 8], q.name, m.id, self.epoch, now + timeout)
             self.next_lease_id += 1
             self.leases[lease.id] = lease

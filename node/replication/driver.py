@@ -111,13 +111,9 @@ class Driver:
                 "commitLsn": c.commit_lsn, "nodes": nodes}
 
     # ------------------------------------------------------------- inputs
-    async def appended(self, rows: list, durable: bool = True) -> None:
-        async with self.lock:
-            await self._run(self.core.appended(rows, mono_us(), durable))
-
-    async def durable(self, lsn: int, epoch: int) -> None:
-        async with self.lock:
-            await self._run(self.core.durable(lsn, epoch, mono_us()))
+    async def run_effects(self, effects: list) -> None:
+        """Carry out effects; the caller holds ``self.lock`` (the engine's commit)."""
+        await self._run(effects)
 
     async def transfer(self, target: str) -> None:
         async with self.lock:

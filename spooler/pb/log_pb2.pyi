@@ -133,7 +133,7 @@ class KeyDelete(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class Record(_message.Message):
-    __slots__ = ("epoch", "lsn", "ts_us", "epoch_begin", "queue_put", "queue_delete", "send", "settle", "drop", "redrive", "key_put", "key_delete")
+    __slots__ = ("epoch", "lsn", "ts_us", "epoch_begin", "queue_put", "queue_delete", "send", "settle", "drop", "redrive", "key_put", "key_delete", "send_compact")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LSN_FIELD_NUMBER: _ClassVar[int]
     TS_US_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class Record(_message.Message):
     REDRIVE_FIELD_NUMBER: _ClassVar[int]
     KEY_PUT_FIELD_NUMBER: _ClassVar[int]
     KEY_DELETE_FIELD_NUMBER: _ClassVar[int]
+    SEND_COMPACT_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     lsn: int
     ts_us: int
@@ -158,4 +159,5 @@ class Record(_message.Message):
     redrive: Redrive
     key_put: KeyPut
     key_delete: KeyDelete
-    def __init__(self, epoch: _Optional[int] = ..., lsn: _Optional[int] = ..., ts_us: _Optional[int] = ..., epoch_begin: _Optional[_Union[EpochBegin, _Mapping]] = ..., queue_put: _Optional[_Union[QueuePut, _Mapping]] = ..., queue_delete: _Optional[_Union[QueueDelete, _Mapping]] = ..., send: _Optional[_Union[Send, _Mapping]] = ..., settle: _Optional[_Union[Settle, _Mapping]] = ..., drop: _Optional[_Union[Drop, _Mapping]] = ..., redrive: _Optional[_Union[Redrive, _Mapping]] = ..., key_put: _Optional[_Union[KeyPut, _Mapping]] = ..., key_delete: _Optional[_Union[KeyDelete, _Mapping]] = ...) -> None: ...
+    send_compact: Send
+    def __init__(self, epoch: _Optional[int] = ..., lsn: _Optional[int] = ..., ts_us: _Optional[int] = ..., epoch_begin: _Optional[_Union[EpochBegin, _Mapping]] = ..., queue_put: _Optional[_Union[QueuePut, _Mapping]] = ..., queue_delete: _Optional[_Union[QueueDelete, _Mapping]] = ..., send: _Optional[_Union[Send, _Mapping]] = ..., settle: _Optional[_Union[Settle, _Mapping]] = ..., drop: _Optional[_Union[Drop, _Mapping]] = ..., redrive: _Optional[_Union[Redrive, _Mapping]] = ..., key_put: _Optional[_Union[KeyPut, _Mapping]] = ..., key_delete: _Optional[_Union[KeyDelete, _Mapping]] = ..., send_compact: _Optional[_Union[Send, _Mapping]] = ...) -> None: ...

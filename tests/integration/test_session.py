@@ -108,8 +108,10 @@ class _NoSessionServer:
 
     async def start(self):
         async def send_batch(req, ctx):
+            # an older node knows only entries: the compact form must not reach it
+            assert not req.bodies and not req.queue
             return api_pb2.SendBatchResponse(results=[api_pb2.SendResponse(id=f"u{i}") for i in
-                                                      range(len(req.entries) + len(req.bodies))])
+                                                      range(len(req.entries))])
 
         handler = grpc.method_handlers_generic_handler("spooler.v1.Spooler", {
             "SendBatch": grpc.unary_unary_rpc_method_handler(
@@ -167,5 +169,115 @@ def test_a_broken_session_makes_writes_unconfirmed_and_reads_unavailable():
                     await c.receive("q")
         finally:
             await srv.server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_a_full_session_holds_the_client_back_instead_of_failing(tmp_path):
+    """Past its in-flight limit a Session stops reading (back-pressure): every
+    request is answered, none fails, and no more than the limit run at once."""
+    from node.api import grpc_api
+    from node.api.metrics import Metrics
+    from node.api.service import Principal, Service
+    from node.engine import Engine, Limits
+
+    async def main():
+        eng = Engine(str(tmp_path / "n"), limits=Limits(session_requests_in_flight_max=4))
+        await eng.start()
+        svc = Service(eng, ["k"])
+        await svc.put_queue(Principal(admin=True), "q", {})
+        running, most = 0, 0
+        receive = svc.receive
+
+        async def counted(*a, **kw):
+            nonlocal running, most
+            running += 1
+            most = max(most, running)
+            try:
+                return await receive(*a, **kw)
+            finally:
+                running -= 1
+
+        svc.receive = counted
+        server, _, port = await grpc_api.build_server(svc, Metrics(eng), "127.0.0.1:0")
+        await server.start()
+        try:
+            node = type("N", (), {"grpc_target": f"127.0.0.1:{port}"})
+            reqs = [api_pb2.SessionRequest(id=i, receive=api_pb2.ReceiveRequest(queue="q", wait_seconds=0.2))
+                    for i in range(1, 13)]
+            got = await _session(node, "k", reqs)
+        finally:
+            await server.stop(None)
+            await eng.stop()
+        assert sorted(got) == list(range(1, 13))
+        assert all(a.WhichOneof("result") == "receive" for a in got.values())
+        assert 1 <= most <= 4
+
+    asyncio.run(main())
+
+
+def test_moving_to_another_node_keeps_the_old_streams_answers(node):
+    """When the client moves on (another node, after an 'unavailable'), requests
+    already written to the old stream still get their own answers."""
+    async def main():
+        async with AsyncClient(f"{node.grpc_target},{node.grpc_target}", node.admin_key) as c:
+            await c.put_queue("s4")
+            polling = asyncio.ensure_future(c.receive("s4", wait_s=1.0))
+            await asyncio.sleep(0.2)  # the long poll is on the first stream
+            first = c.session.call
+            c._next_target()  # what an 'unavailable' answer does
+            sent = await c.send("s4", b"after the move")  # opens a second stream
+            assert c.session.call is not first
+            got = await polling  # answered on the old stream, not failed
+            assert [m.id for m in got] in ([], [sent.id])
+
+    asyncio.run(main())
+
+
+class _CountingBreaker:
+    """Records which request ids arrive on which stream; the first stream is cut
+    after its first request, later ones answer every request with an error."""
+
+    def __init__(self):
+        self.streams = []
+
+    async def start(self):
+        async def session(requests, ctx):
+            seen = []
+            self.streams.append(seen)
+            first = len(self.streams) == 1
+            async for r in requests:
+                seen.append(r.id)
+                if first:
+                    await ctx.abort(grpc.StatusCode.UNAVAILABLE, "gone")
+                yield api_pb2.SessionResponse(id=r.id, error=api_pb2.ErrorDetail(kind="queue_not_found", message="x"))
+
+        handler = grpc.method_handlers_generic_handler("spooler.v1.Spooler", {
+            "Session": grpc.stream_stream_rpc_method_handler(
+                session, request_deserializer=api_pb2.SessionRequest.FromString,
+                response_serializer=api_pb2.SessionResponse.SerializeToString)})
+        self.server = grpc.aio.server()
+        self.server.add_generic_rpc_handlers((handler,))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        return self
+
+
+def test_requests_failed_by_a_break_are_never_sent_later():
+    """A request whose caller was told it failed is never written to a later
+    stream; and a break reports unknown outcomes as such, never as 'internal'."""
+    async def main():
+        srv = await _CountingBreaker().start()
+        try:
+            async with AsyncClient(f"127.0.0.1:{srv.port}", "k", retry_attempts=1) as c:
+                outs = await asyncio.gather(*[c.send_batch("q", [b"x"]) for _ in range(20)],
+                                            *[c.receive("q") for _ in range(5)], return_exceptions=True)
+                assert all(isinstance(o, (errors.OperationUnconfirmed, errors.Unavailable)) for o in outs), outs
+                with pytest.raises(errors.QueueNotFound):  # a new stream, answered normally
+                    await c.send_batch("q", [b"late"])
+        finally:
+            await srv.server.stop(None)
+        assert len(srv.streams) == 2
+        assert len(srv.streams[1]) == 1, srv.streams  # only the request made after the break
 
     asyncio.run(main())

@@ -287,12 +287,13 @@ def test_log_gap_is_refused(log):
 
 def _run(log, queue, bodies, at, delay=0, entries=()):
     rec = log_pb2.Record()
+    send = rec.send_compact
     for q, body in entries:
         log.ids += 1
-        rec.send.entries.add(queue=q, id=f"m{log.ids}", body=body)
-    rec.send.run_queue, rec.send.run_id_prefix, rec.send.run_id_first = queue, "p", 0x1f
-    rec.send.run_delay_us = delay
-    rec.send.run_bodies.extend(bodies)
+        send.entries.add(queue=q, id=f"m{log.ids}", body=body)
+    send.run_queue, send.run_id_prefix, send.run_id_first = queue, "p", 0x1f
+    send.run_delay_us = delay
+    send.run_bodies.extend(bodies)
     return log.commit(rec, at)
 
 
@@ -319,3 +320,15 @@ def test_compact_run_with_a_delay_and_to_a_missing_queue(log):
     [(m, _)] = recv(log, "q", 10 + 5 * S)
     assert (m.body, m.visible_at) == (b"late", 10 + 5 * S)
     assert _run(log, "gone", [b"x", b"y"], at=11) == [(None, "queue_not_found")] * 2
+
+
+def test_a_record_of_an_unknown_kind_stops_apply(log):
+    """A newer primary's record this build cannot read is never skipped: apply refuses
+    it (the node stops) rather than go on without the change."""
+    rec = log_pb2.Record()
+    rec.ParseFromString(b"\xfa\x01\x02\x08\x01")  # field 31, unknown here
+    assert rec.WhichOneof("op") is None
+    lsn = log.core.lsn
+    with pytest.raises(ValueError):
+        log.commit(rec, 1)
+    assert log.core.lsn == lsn  # not applied, not even counted
