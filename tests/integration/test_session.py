@@ -103,6 +103,21 @@ def test_sdk_uses_the_session_and_the_compact_form(node):
     asyncio.run(main())
 
 
+async def _fake_node(**handlers):
+    """A stand-in node serving only ``handlers`` (method name -> grpc handler);
+    returns (server, port). The caller stops the server."""
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("spooler.v1.Spooler", handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+def _session_handler(fn):
+    return grpc.stream_stream_rpc_method_handler(fn, request_deserializer=api_pb2.SessionRequest.FromString,
+                                                 response_serializer=api_pb2.SessionResponse.SerializeToString)
+
+
 class _NoSessionServer:
     """A node stand-in with SendBatch only (an older node): the SDK falls back to unary."""
 
@@ -113,14 +128,9 @@ class _NoSessionServer:
             return api_pb2.SendBatchResponse(results=[api_pb2.SendResponse(id=f"u{i}") for i in
                                                       range(len(req.entries))])
 
-        handler = grpc.method_handlers_generic_handler("spooler.v1.Spooler", {
-            "SendBatch": grpc.unary_unary_rpc_method_handler(
-                send_batch, request_deserializer=api_pb2.SendBatchRequest.FromString,
-                response_serializer=api_pb2.SendBatchResponse.SerializeToString)})
-        self.server = grpc.aio.server()
-        self.server.add_generic_rpc_handlers((handler,))
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        await self.server.start()
+        self.server, self.port = await _fake_node(SendBatch=grpc.unary_unary_rpc_method_handler(
+            send_batch, request_deserializer=api_pb2.SendBatchRequest.FromString,
+            response_serializer=api_pb2.SendBatchResponse.SerializeToString))
         return self
 
 
@@ -147,14 +157,7 @@ class _BreakingServer:
             async for _ in requests:
                 await ctx.abort(grpc.StatusCode.UNAVAILABLE, "gone")
 
-        handler = grpc.method_handlers_generic_handler("spooler.v1.Spooler", {
-            "Session": grpc.stream_stream_rpc_method_handler(
-                session, request_deserializer=api_pb2.SessionRequest.FromString,
-                response_serializer=api_pb2.SessionResponse.SerializeToString)})
-        self.server = grpc.aio.server()
-        self.server.add_generic_rpc_handlers((handler,))
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        await self.server.start()
+        self.server, self.port = await _fake_node(Session=_session_handler(session))
         return self
 
 
@@ -252,14 +255,7 @@ class _CountingBreaker:
                     await ctx.abort(grpc.StatusCode.UNAVAILABLE, "gone")
                 yield api_pb2.SessionResponse(id=r.id, error=api_pb2.ErrorDetail(kind="queue_not_found", message="x"))
 
-        handler = grpc.method_handlers_generic_handler("spooler.v1.Spooler", {
-            "Session": grpc.stream_stream_rpc_method_handler(
-                session, request_deserializer=api_pb2.SessionRequest.FromString,
-                response_serializer=api_pb2.SessionResponse.SerializeToString)})
-        self.server = grpc.aio.server()
-        self.server.add_generic_rpc_handlers((handler,))
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        await self.server.start()
+        self.server, self.port = await _fake_node(Session=_session_handler(session))
         return self
 
 
