@@ -3,12 +3,13 @@
 Figures (each measured ``repeats`` times, each time in a fresh queue on the same node):
 
 * ``send_sequential_*``: ``n_seq`` sends one after another, each awaited before the next
-  (``AsyncClient.send``; a lone send goes out at once as a one-entry SendBatch RPC).
+  (``AsyncClient.send``; a lone send goes out at once as a one-message send batch on the
+  client's Session stream).
   Messages per second, and p50/p99 of the per-send latency in ms.
 * ``send_64_in_flight_per_s``: ``n`` sends with at most 64 awaiting their answer, through the
-  SDK's auto-batching (concurrent sends coalesce into SendBatch RPCs).
+  SDK's auto-batching (concurrent sends coalesce into send batches, all on one Session stream).
 * ``send_batch_100_per_s``: ``n_batches`` calls of ``send_batch`` with 100 bodies each, one
-  RPC at a time (one RPC = one log record = one group commit).
+  request at a time (one request = one log record in the compact form).
 * ``send_batch_100_4_in_flight_per_s``: the same, with up to 4 ``send_batch`` calls awaiting
   their answer at once (extra figure: lets the node's group commit share one fsync between
   batches; the target is judged on ``send_batch_100_per_s``).
