@@ -32,11 +32,12 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''
 
-# Long failover drills: make drill SEEDS=1-100 DURATION=30 [POWER_LOSS=1]
+# Long failover drills: make drill SEEDS=1-100 DURATION=30 [POWER_LOSS=1] [PARTITIONS=1]
 SEEDS ?= 1-5
 DURATION ?= 30
 drill: $(STAMP)
-	$(BIN)/python -m tests.drills.run --seeds $(SEEDS) --duration $(DURATION) $(if $(POWER_LOSS),--power-loss,)
+	$(BIN)/python -m tests.drills.run --seeds $(SEEDS) --duration $(DURATION) $(if $(POWER_LOSS),--power-loss,) \
+		$(if $(PARTITIONS),--partitions,)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run

@@ -8,7 +8,11 @@ Every judgement is made so that an indeterminate outcome can only hide an anomal
 never invent one: a call whose outcome is unknown is assumed to have taken effect when
 that excuses what followed (an unknown nack excuses a retry increment and ends the
 lease), and lease-overlap needs a second receive that *completed* before the first
-lease's expiry. Cost: O(n log n) in the number of events (sorting and bisects).
+lease's expiry. Deliveries of one message are taken in the order their answers arrived;
+an answer held up past its own lease's expiry (a partition) may be an older grant than
+the one before it, which the retry-count and overlap rules allow for. Cost: O(n log n) in
+the number of events (sorting and bisects), times the deliveries of one message for the
+retry-count rule.
 """
 from __future__ import annotations
 
@@ -266,13 +270,43 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
     retry_incr = 0
     retry_details: list = []
     ids_delivered_more_than_once = 0
+
+    def may_end_before(x: _Delivery, t: float) -> bool:
+        """x's lease may have ended by a nack or its expiry (renewals counted) before t."""
+        expiry = x.expires_at
+        for op in settles.get(x.token, ()):
+            if op.inv_t >= t:
+                continue
+            if op.f == "nack" and op.outcome != "fail":
+                return True
+            if op.f == "renew" and op.outcome == "ok":
+                new = op.res.get("expires_at")
+                if new is not None and (expiry is None or new > expiry):
+                    expiry = new
+        return expiry is not None and expiry < t
+
+    def concurrent_ended(chain: list, skip: tuple, lo: float, hi: float, rmin: Any, rmax: Any) -> int:
+        """Deliveries of the same message, other than ``skip``, whose receive was in flight
+        somewhere in (lo, hi), so their lease may have been granted in between although
+        they completed outside it (an answer held up past its own lease's expiry), and whose
+        lease may have ended (+1 to the retry count) before hi. Retry counts only grow in
+        grant order, so one outside [rmin, rmax] was granted before or after that span."""
+        def in_span(x: _Delivery) -> bool:
+            if not isinstance(x.retry, int):
+                return True
+            return (not isinstance(rmin, int) or x.retry >= rmin) and (not isinstance(rmax, int) or x.retry <= rmax)
+        return sum(1 for x in chain if x not in skip and x.ok_t > lo and x.inv_t < hi
+                   and in_span(x) and may_end_before(x, hi))
+
     for mid, chain in chains.items():
         first = chain[0]
-        # First delivery: retry count starts at 0; only a lease nobody saw may have raised it.
+        # First delivery: retry count starts at 0; only a lease nobody saw (or one whose
+        # answer arrived later) may have raised it.
         body = first.body if first.body is not None else body_of_id.get(mid)
         sent_t = body_first_send.get(body)
         if sent_t is not None and isinstance(first.retry, int):
-            allowed = hidden_leases({first.queue, body_send_queue.get(body)}, sent_t, first.ok_t)
+            allowed = hidden_leases({first.queue, body_send_queue.get(body)}, sent_t, first.ok_t) + \
+                concurrent_ended(chain, (first,), sent_t, first.ok_t, None, first.retry)
             if first.retry > allowed:
                 retry_incr += 1
                 _keep(retry_details, {**first.brief(), "previous": None, "allowed": allowed})
@@ -314,9 +348,12 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
             _keep(dup_details, {**d.brief(), "cause": cause, "previous": prev.brief()})
 
             # Overlap: same epoch, granted (received) before the previous lease's expiry, and
-            # no ack/nack of the previous lease that could have settled it first.
+            # no ack/nack of the previous lease that could have settled it first; and the
+            # previous lease granted before this one's expiry (deliveries are in order of
+            # their answers: one held up past its own lease's expiry may be the older grant).
             if (d.epoch is not None and d.epoch == prev.epoch and expiry is not None
-                    and d.ok_t < expiry - slack_s and not nack_possible and not ack_possible):
+                    and d.ok_t < expiry - slack_s and not nack_possible and not ack_possible
+                    and (d.expires_at is None or prev.ok_t < d.expires_at - slack_s)):
                 overlapping += 1
                 _keep(overlap_details, {**d.brief(), "previous": prev.brief(),
                                         "overlap_s": expiry - d.ok_t})
@@ -325,7 +362,8 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
             # a primary change adds nothing. Leases of unknown receives may add one each.
             if isinstance(d.retry, int) and isinstance(prev.retry, int):
                 allowed = (1 if (nack_possible or expired) else 0) + hidden_leases(
-                    {prev.queue, d.queue}, prev.inv_t, d.ok_t)
+                    {prev.queue, d.queue}, prev.inv_t, d.ok_t) + concurrent_ended(
+                    chain, (prev, d), prev.inv_t, d.ok_t, prev.retry, d.retry)
                 if d.retry > prev.retry + allowed:
                     retry_incr += 1
                     _keep(retry_details, {**d.brief(), "previous": prev.brief(), "allowed": allowed})
@@ -351,8 +389,8 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         # first send ok among sends invoked after the nemesis: a send already accepted
         # before it and answered after says nothing about the cluster's availability.
         nxt = suffix_min[bisect.bisect_left(inv_ts, nm["t"])]
-        windows.append({"t": nm["t"], "f": nm.get("f"), "node": nm.get("node"),
-                        "unavailable_s": None if nxt == INF else nxt - nm["t"]})
+        windows.append({"t": nm["t"], "f": nm.get("f"), "node": nm.get("node"), "kind": nm.get("kind"),
+                        "role": nm.get("role"), "unavailable_s": None if nxt == INF else nxt - nm["t"]})
     durations = sorted(w["unavailable_s"] for w in windows if w["unavailable_s"] is not None)
 
     # -- final facts ------------------------------------------------------------------------------

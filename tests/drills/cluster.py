@@ -5,6 +5,16 @@
         c.kill(p); c.restart(p)    # SIGKILL by pid, start again on the same ports and data
         c.stop_proc(p); c.cont(p)  # SIGSTOP / SIGCONT by pid
 
+    with Cluster(workdir, nodes=3, partitions=True) as c:
+        c.proxy.isolate(c.primary(), "drop")   # node-to-node traffic crosses a FaultProxy
+        c.proxy.heal()
+
+With ``partitions=True`` every node-to-node gRPC connection goes through a
+``proxy.FaultProxy`` running in a thread of this process: node a's ``--peers`` names,
+for each other member b, the proxy's port for link (a->b) (its own entry stays its real
+gRPC address). Clients still talk to the nodes' HTTP ports directly. The proxy is
+closed in ``close()`` after the nodes are killed.
+
 Every process this helper started is ended by its pid in ``close()`` (stopped ones get
 SIGCONT first), also when the block raises; on an exception the nodes' logs are dumped
 to stderr. Nothing is ever signalled by name.
@@ -27,12 +37,18 @@ if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 from nodeproc import ADMIN_KEY, NodeProc, free_ports  # noqa: E402
 
+try:  # imported as tests.drills.cluster (python -m) or drills.cluster (pytest rootdir tests/)
+    from .proxy import FaultProxy
+except ImportError:  # pragma: no cover
+    from proxy import FaultProxy  # type: ignore
+
 
 class Cluster:
     def __init__(self, workdir: str, nodes: int = 3, failover_timeout_s: float = 1.0,
-                 admin_key: str = ADMIN_KEY, extra_args=(), power_loss: bool = False):
+                 admin_key: str = ADMIN_KEY, extra_args=(), power_loss: bool = False, partitions: bool = False):
         """power_loss: nodes keep every write in memory until fsync (test VFS), so each
-        SIGKILL is a power cut that loses everything not fsync'd."""
+        SIGKILL is a power cut that loses everything not fsync'd. partitions: route all
+        node-to-node traffic through a FaultProxy (``self.proxy``) that can cut links."""
         self.workdir = os.path.abspath(workdir)
         self.ids = [f"n{i + 1}" for i in range(nodes)]
         self.failover_timeout_s = failover_timeout_s
@@ -44,15 +60,28 @@ class Cluster:
         self.lock = threading.RLock()
         self._pids: set[int] = set()      # every pid this cluster ever started
         self._started_pids: dict[str, int] = {}
+        self.partitions = partitions
+        self.proxy: Optional[FaultProxy] = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "Cluster":
         os.makedirs(self.workdir, exist_ok=True)
+        if self.partitions:  # listening first: the nodes' ports are picked among the free ones left
+            self.proxy = FaultProxy(self.ids).start()
         grpc_ports = free_ports(len(self.ids))
         http_ports = free_ports(len(self.ids))
-        peers = ",".join(f"{nid}=127.0.0.1:{p}" for nid, p in zip(self.ids, grpc_ports))
+        real = dict(zip(self.ids, grpc_ports))
+        if self.proxy is not None:
+            for nid, gp in real.items():
+                self.proxy.set_target(nid, "127.0.0.1", gp)
+
+        def peers(me: str) -> str:
+            """Every member, me included: my own real address, the others through my links."""
+            return ",".join(f"{nid}=127.0.0.1:{gp}" if self.proxy is None or nid == me
+                            else f"{nid}={self.proxy.address(me, nid)}" for nid, gp in real.items())
+
         for nid, gp, hp in zip(self.ids, grpc_ports, http_ports):
-            args = ["--peers", peers, "--failover-timeout", repr(float(self.failover_timeout_s)),
+            args = ["--peers", peers(nid), "--failover-timeout", repr(float(self.failover_timeout_s)),
                     *self.extra_args]
             self.procs[nid] = NodeProc(os.path.join(self.workdir, nid), node_id=nid, admin_key=self.admin_key,
                                        grpc_port=gp, http_port=hp, extra_args=args, env=self.env)
@@ -83,7 +112,15 @@ class Cluster:
                     self._pids.add(p.proc.pid)
 
     def close(self) -> None:
-        """SIGCONT the stopped nodes, then SIGKILL every process this cluster started."""
+        """SIGCONT the stopped nodes, then SIGKILL every process this cluster started; then
+        close the fault proxy (its thread), if any."""
+        try:
+            self._kill_all()
+        finally:
+            if self.proxy is not None:
+                self.proxy.close()
+
+    def _kill_all(self) -> None:
         with self.lock:
             for nid in list(self.stopped):
                 self._signal(nid, signal.SIGCONT)
@@ -243,6 +280,11 @@ class Cluster:
             except OSError:
                 text = ""
             out.append(f"\n----- {nid} log ({p.log_path}), last {tail_chars} chars -----\n{text[-tail_chars:]}")
+        if self.proxy is not None:
+            try:
+                out.append("\n----- fault proxy links -----\n" + json.dumps(self.proxy.stats(), sort_keys=True))
+            except Exception as e:  # noqa: BLE001 - evidence only
+                out.append(f"\n----- fault proxy: no stats ({e!r}) -----")
         return "".join(out) + "\n"
 
 

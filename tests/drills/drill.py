@@ -8,9 +8,11 @@ processes (``cluster.Cluster``), creates a queue, and for ``duration_s`` seconds
   ~1 % abandon the lease (it expires), otherwise ack;
 - a role observer: ``GET /v1/cluster`` on every live node every ~100 ms, recording a
   ``role`` event whenever a node's (role, epoch) changes;
-- a nemesis on a seeded schedule, one node down at a time: SIGKILL the primary and restart
+- a nemesis on a seeded schedule, one fault at a time: SIGKILL the primary and restart
   it later, SIGSTOP the primary past the failover timeout then SIGCONT, SIGKILL+restart a
-  replica.
+  replica; with ``partitions=True`` also network partitions (see ``PARTITION_ACTIONS``)
+  made by a ``proxy.FaultProxy`` that every node-to-node connection crosses, each healed
+  before the next fault.
 
 Every client call talks to a random running node (a new one after an error) and is
 recorded in a :class:`History` (invoke, then ok / fail / unknown as the module docstring
@@ -22,8 +24,10 @@ records the ``final`` event, writes ``history.jsonl`` into the workdir and retur
 """
 from __future__ import annotations
 
+import base64
 import os
 import random
+import struct
 import threading
 import time
 import traceback
@@ -36,10 +40,12 @@ try:  # imported as tests.drills.drill (python -m) or drills.drill (pytest rootd
     from .checker import DEFINITE_FAILURE_KINDS, check
     from .cluster import Cluster, db_digest
     from .history import History, expires_at_monotonic
+    from .proxy import BLACKHOLE, DROP
 except ImportError:  # pragma: no cover
     from checker import DEFINITE_FAILURE_KINDS, check  # type: ignore
     from cluster import Cluster, db_digest  # type: ignore
     from history import History, expires_at_monotonic  # type: ignore
+    from proxy import BLACKHOLE, DROP  # type: ignore
 
 QUEUE = "drill"
 FAILURE_QUEUE = QUEUE + ".failed"
@@ -47,6 +53,31 @@ LEASE_S = 2.0
 MAX_RETRIES = 50
 CLIENT_TIMEOUT_S = 3.0
 RECEIVE_WAIT_S = 0.5
+
+PROCESS_ACTIONS = (("kill_primary", 0.4), ("stop_primary", 0.35), ("restart_replica", 0.25))
+# With partitions=True the nemesis draws from these (about two thirds are partitions):
+#   isolate_primary    the primary cut from both others, both ways (drop: connections reset)
+#                      for longer than the failover timeout
+#   blackhole_primary  the same, but every byte is held (blackhole): only timeouts notice
+#   isolate_replica    one replica cut off both ways (drop or blackhole)
+#   one_way_out        the primary cannot reach the others, they can reach it: either its
+#                      calls to them fail while theirs to it work ("calls"), or every byte it
+#                      sends them is held while theirs reach it ("bytes"; see proxy.py)
+#   one_way_in         the reverse: the others cannot reach the primary, it can reach them
+PARTITION_ACTIONS = (("kill_primary", 0.12), ("stop_primary", 0.10), ("restart_replica", 0.08),
+                     ("isolate_primary", 0.16), ("blackhole_primary", 0.12), ("isolate_replica", 0.12),
+                     ("one_way_out", 0.15), ("one_way_in", 0.15))
+
+
+def lease_token_epoch(token: str) -> Optional[int]:
+    """The epoch a lease token carries (version 1: urlsafe base64 of >BQQ version, epoch,
+    lease id, then nonce and queue), or None if the token is not in that form."""
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+        version, epoch, _ = struct.unpack(">BQQ", raw[:17])
+    except (ValueError, TypeError, struct.error):
+        return None
+    return epoch if version == 1 else None
 
 
 def classify(exc: BaseException) -> tuple[str, dict]:
@@ -87,7 +118,7 @@ class _Client:
 class Drill:
     def __init__(self, seed: int, duration_s: float, nodes: int, workdir: str, producers: int = 3,
                  consumers: int = 2, send_pause_s: float = 0.05, failover_timeout_s: float = 1.0,
-                 log=print, power_loss: bool = False):
+                 log=print, power_loss: bool = False, partitions: bool = False):
         self.seed, self.duration_s, self.workdir = seed, duration_s, os.path.abspath(workdir)
         self.n_producers, self.n_consumers = producers, consumers
         self.send_pause_s = send_pause_s
@@ -95,8 +126,10 @@ class Drill:
         self.log = log
         self.h = History()
         self.power_loss = power_loss
+        self.partitions = partitions
         self.cluster = Cluster(os.path.join(self.workdir, "nodes"), nodes=nodes,
-                               failover_timeout_s=failover_timeout_s, power_loss=power_loss)
+                               failover_timeout_s=failover_timeout_s, power_loss=power_loss,
+                               partitions=partitions)
         self.stop_load = threading.Event()
         self.stop_observer = threading.Event()
         self.thread_errors: list[str] = []
@@ -134,9 +167,13 @@ class Drill:
         def on_ok(d, http):
             if d is None:
                 return {"empty": True, **extra}
-            d.epoch = http.last_epoch  # Spooler-Epoch of the answering node
+            # The epoch of the primary that granted the lease, from the token. Spooler-Epoch is
+            # the answering node's own epoch: when a replica forwarded the receive to a newer
+            # primary before applying that primary's EpochBegin, it names the older epoch.
+            te = lease_token_epoch(d.token)
+            d.epoch = te if te is not None else http.last_epoch
             return {"id": d.id, "body": d.body.decode(errors="replace"), "token": d.token,
-                    "retry": d.retry_count, "epoch": http.last_epoch,
+                    "retry": d.retry_count, "epoch": d.epoch, "node_epoch": http.last_epoch,
                     "expires_at": expires_at_monotonic(d.expires_at), "expires_at_rfc3339": d.expires_at,
                     "queue": queue, **extra}
         return self._call(c, "receive", lambda http: http.receive(queue, wait_s=wait_s),
@@ -249,19 +286,25 @@ class Drill:
     def nemesis(self):
         rng = self.rng("nemesis")
         c, h, ft = self.cluster, self.h, self.failover_timeout_s
+        actions = PARTITION_ACTIONS if self.partitions else PROCESS_ACTIONS
         first = True
         while not self.stop_load.is_set():
             if self.stop_load.wait(rng.uniform(1.0, 2.0) if first else rng.uniform(2.0, 4.0)):
                 break
             first = False
-            action = rng.choices(["kill_primary", "stop_primary", "restart_replica"], [0.4, 0.35, 0.25])[0]
+            action = rng.choices([a for a, _ in actions], [w for _, w in actions])[0]
             down = rng.uniform(1.5, 4.0)
+            # with partitions, every round draws the same numbers whatever the action, so the
+            # n-th fault's kind and parameters depend on the seed alone
+            x1, x2 = (rng.random(), rng.random()) if self.partitions else (None, None)
             cp = c.current_primary()
-            if cp is None or len(c.live()) < len(c.ids):  # one node down at a time
-                self._wait_healthy(5.0)
+            if cp is None or len(c.live()) < len(c.ids) or (c.proxy is not None and c.proxy.faulted()):
+                self._wait_healthy(5.0)  # one fault at a time
                 continue
             p, epoch = cp
-            if action == "kill_primary":
+            if action not in ("kill_primary", "stop_primary", "restart_replica"):
+                self._partition(action, p, epoch, ft + 0.75 * down, x1, x2)
+            elif action == "kill_primary":
                 h.nemesis("power_loss" if self.power_loss else "kill", p, role="primary", epoch=epoch)
                 self.expected_down.add(p)
                 c.kill(p)
@@ -277,7 +320,8 @@ class Drill:
                 h.nemesis("cont", p)
                 c.cont(p)
             else:
-                r = rng.choice([n for n in c.ids if n != p])
+                replicas = [n for n in c.ids if n != p]
+                r = replicas[int(x1 * len(replicas))] if self.partitions else rng.choice(replicas)
                 h.nemesis("power_loss" if self.power_loss else "kill", r, role="replica", epoch=epoch)
                 self.expected_down.add(r)
                 c.kill(r)
@@ -287,9 +331,59 @@ class Drill:
                 h.nemesis("restarted", r)
             self._wait_healthy()
 
+    def _partition(self, action: str, p: str, epoch: int, hold_s: float, x1: float, x2: float) -> None:
+        """One partition of the primary ``p`` (or of a replica) for ``hold_s``, then heal.
+        x1, x2: this round's uniform draws, for the replica and the variant."""
+        c, h, px = self.cluster, self.h, self.cluster.proxy
+        node, role, level = p, "primary", "calls"
+        if action == "isolate_primary":
+            kind, mode, direction = "isolate", DROP, "both"
+        elif action == "blackhole_primary":
+            kind, mode, direction = "blackhole", BLACKHOLE, "both"
+        elif action == "isolate_replica":
+            replicas = [n for n in c.ids if n != p]
+            node, role = replicas[int(x1 * len(replicas))], "replica"
+            kind, mode, direction = "isolate", (DROP if x2 < 0.5 else BLACKHOLE), "both"
+        else:  # one_way_out / one_way_in
+            direction = "out" if action == "one_way_out" else "in"
+            level = "bytes" if x1 < 0.5 else "calls"
+            kind = action + ("_bytes" if level == "bytes" else "")
+            mode = (DROP if x2 < 0.5 else BLACKHOLE) if level == "calls" else "one_way"
+        h.nemesis("partition", node, role=role, epoch=epoch, kind=kind, mode=mode, direction=direction,
+                  level=level, hold_s=round(hold_s, 3))
+        if level == "bytes":
+            links = px.one_way_bytes(node, direction)
+        else:
+            links = px.isolate(node, mode, direction)
+        self.stop_load.wait(hold_s)
+        h.nemesis("heal", node, kind=kind, links=sorted(f"{a}->{b}:{m}" for (a, b), m in links.items()))
+        px.heal()
+        t_heal = time.monotonic()
+        if self._wait_rejoined(30.0):
+            # not a fault: how long until every node follows one primary again (evidence only)
+            h.nemesis("rejoined", node, kind=kind, after_heal_s=round(time.monotonic() - t_heal, 3))
+        else:
+            self.notes.append(f"{node} did not rejoin within 30s of the heal of {kind} at t={t_heal:.3f}")
+
+    def _wait_rejoined(self, timeout_s: float) -> bool:
+        """Every node answers and names the same primary in the same epoch."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            infos = self.cluster.infos(timeout_s=0.5)
+            views = {(d.get("primary"), d.get("epoch")) for d in infos.values()}
+            if len(infos) == len(self.cluster.ids) and len(views) == 1 and next(iter(views))[0] is not None:
+                return True
+            time.sleep(0.05)
+        return False
+
     # -- phases -------------------------------------------------------------------------------------
     def heal(self):
         c = self.cluster
+        if c.proxy is not None and c.proxy.faulted():
+            links = c.proxy.faulted()
+            self.h.nemesis("heal", None, phase="heal",
+                           links=sorted(f"{a}->{b}:{m}" for (a, b), m in links.items()))
+            c.proxy.heal()
         for nid in c.ids:
             if nid in c.stopped:
                 self.h.nemesis("cont", nid, phase="heal")
@@ -397,6 +491,7 @@ class Drill:
         report: dict = {}
         drained = False
         final: dict = {}
+        final_proxy: Optional[dict] = None
         with self.cluster:
             try:
                 self.cluster.primary(timeout_s=30)
@@ -415,6 +510,8 @@ class Drill:
                 self.cluster.primary(timeout_s=30)
                 drained = self.drain()
                 final = self.finish()
+                if self.cluster.proxy is not None:
+                    final_proxy = self.cluster.proxy.stats()
                 obs.join(timeout=10)
             finally:
                 self.stop_observer.set()
@@ -423,13 +520,16 @@ class Drill:
         report = check(self.h)
         nem_counts: dict = {}
         for e in self.h.events:
-            if e.get("type") == "nemesis" and e.get("phase") != "heal" and e["f"] != "restarted":
-                k = e["f"] + (f"_{e['role']}" if e.get("role") else "")
+            if e.get("type") == "nemesis" and e.get("phase") != "heal" and e["f"] not in ("restarted", "rejoined"):
+                k = e["f"] + (f"_{e['kind']}" if e.get("kind") and e["f"] != "heal" else "") + (
+                    f"_{e['role']}" if e.get("role") else "")
                 nem_counts[k] = nem_counts.get(k, 0) + 1
-        report.update(seed=self.seed, duration_s=self.duration_s, wall_s=time.monotonic() - t0,
+        rejoins = [{"kind": e.get("kind"), "node": e.get("node"), "after_heal_s": e["after_heal_s"]}
+                   for e in self.h.events if e.get("type") == "nemesis" and e["f"] == "rejoined"]
+        report.update(seed=self.seed, rejoins=rejoins, duration_s=self.duration_s, wall_s=time.monotonic() - t0,
                       workdir=self.workdir, history=hist_path, drain_complete=drained,
                       nemesis_counts=nem_counts, thread_errors=self.thread_errors, notes=self.notes,
-                      node_counters=final.get("node_counters"))
+                      node_counters=final.get("node_counters"), proxy_links=final_proxy)
         report["unexpected_exits"] = self.unexpected_exits
         if self.thread_errors or not drained or self.unexpected_exits:
             report["required_zeros_ok"] = False

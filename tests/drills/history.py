@@ -17,11 +17,16 @@ Event shapes (fields beyond these are kept and ignored by the checker)::
     {"t", "process", "type": "ok", "f": "receive", "op", "empty": true}
     {"t", "process", "type": "ok", "f": "receive", "op", "id", "body", "token", "retry",
          "epoch", "expires_at", "queue", ["drain": true]}
+         (``epoch``: of the primary that granted the lease, as its token says; the drill
+         also keeps the answering node's Spooler-Epoch as ``node_epoch``)
     {"t", "process", "type": "invoke", "f": "ack"|"nack"|"renew", "op", "id", "token", "epoch"}
     {"t", "process", "type": "ok", "f": "renew", "op", "expires_at"}
     {"t", "process", "type": "fail", "f": "ack", "op", "error": "stale_lease", "reason": "expired"}
     {"t", "type": "nemesis", "f": "kill"|"stop"|"cont"|"partition"|"heal"|"restart"|"power_loss",
          "node": "n1"}
+    {"t", "type": "nemesis", "f": "partition", "node", "role", "epoch", "kind": "isolate"|
+         "blackhole"|"one_way_out"|"one_way_in"|"one_way_out_bytes"|"one_way_in_bytes",
+         "mode", "direction", "level", "hold_s"}   (then "heal" with the links, "rejoined")
     {"t", "type": "role", "node": "n2", "role": "primary", "epoch": 7}
     {"type": "final", "expired_ids": [...], "failed_queue_ids": [...],
          "node_states": {"n1": "<digest>"}, "integrity": {"n1": "ok"}}

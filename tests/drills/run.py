@@ -1,6 +1,6 @@
 """Run many seeded failover drills one after another.
 
-    python -m tests.drills.run --seeds 1-100 --duration 30 [--workdir DIR] [--keep]
+    python -m tests.drills.run --seeds 1-100 --duration 30 [--partitions] [--power-loss] [--workdir DIR] [--keep]
 
 Prints the checker table of each seed, then a summary (totals per field, failing seeds),
 and exits 1 if any seed fails its required zeros. The histories and node logs of
@@ -75,6 +75,27 @@ def summarize(reports: list[dict]) -> str:
         fu.sort()
         lines.append(f"{'failover_unavailability'.ljust(w)}  n={len(fu)} p50={fu[len(fu) // 2]:.3f}s "
                      f"max={fu[-1]:.3f}s never_recovered={never}")
+        by_kind: dict = {}
+        for r in reports:
+            for x in r["failover_unavailability"]["windows"]:
+                k = "_".join(str(v) for v in (x.get("f"), x.get("kind"), x.get("role")) if v)
+                by_kind.setdefault(k, []).append(x["unavailable_s"])
+        for k in sorted(by_kind):
+            got = sorted(v for v in by_kind[k] if v is not None)
+            if not got:
+                lines.append(f"{('  ' + k).ljust(w)}  n=0 (no send invoked after it: {len(by_kind[k])})")
+                continue
+            p99 = got[min(len(got) - 1, max(0, -(-99 * len(got) // 100) - 1))]
+            lines.append(f"{('  ' + k).ljust(w)}  n={len(got)} p50={got[(len(got) - 1) // 2]:.3f}s "
+                         f"p99={p99:.3f}s max={got[-1]:.3f}s no_window={len(by_kind[k]) - len(got)}")
+    rj: dict = {}
+    for r in reports:
+        for x in r.get("rejoins") or ():
+            rj.setdefault(x["kind"], []).append(x["after_heal_s"])
+    for k in sorted(rj):
+        v = sorted(rj[k])
+        lines.append(f"{('rejoin_after_heal ' + k).ljust(w)}  n={len(v)} p50={v[(len(v) - 1) // 2]:.3f}s "
+                     f"max={v[-1]:.3f}s")
     lines.append(f"{'wall_s'.ljust(w)}  {sum(r.get('wall_s', 0) for r in reports):9.1f}")
     lines.append("failing seeds: " + (" ".join(map(str, failing)) if failing else "none"))
     return "\n".join(lines)
@@ -89,13 +110,16 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep passing seeds' histories and logs too")
     ap.add_argument("--power-loss", action="store_true",
                     help="every SIGKILL is a power cut (nodes buffer writes until fsync)")
+    ap.add_argument("--partitions", action="store_true",
+                    help="route node-to-node traffic through a fault proxy; the nemesis also partitions")
     ap.add_argument("--json", default=None, help="also write every report (JSON lines) to this file")
     args = ap.parse_args(argv)
 
     seeds = parse_seeds(args.seeds)
     root = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="spooler-drills-"))
     os.makedirs(root, exist_ok=True)
-    print(f"drills: seeds {args.seeds} ({len(seeds)}), {args.duration:g}s each, {args.nodes} nodes, in {root}",
+    print(f"drills: seeds {args.seeds} ({len(seeds)}), {args.duration:g}s each, {args.nodes} nodes"
+          f"{', power loss' if args.power_loss else ''}{', partitions' if args.partitions else ''}, in {root}",
           flush=True)
     reports = []
     for seed in seeds:
@@ -104,7 +128,8 @@ def main(argv=None) -> int:
             shutil.rmtree(wd)
         t0 = time.monotonic()
         try:
-            r = run_drill(seed, args.duration, nodes=args.nodes, workdir=wd, power_loss=args.power_loss)
+            r = run_drill(seed, args.duration, nodes=args.nodes, workdir=wd, power_loss=args.power_loss,
+                          partitions=args.partitions)
         except Exception as e:  # noqa: BLE001 - a drill that cannot finish is a failing seed
             import traceback
             traceback.print_exc()

@@ -437,3 +437,41 @@ def test_large_history_is_fast():
     elapsed = time.perf_counter() - start
     assert r["confirmed_sends"] == n and r["required_zeros_ok"]
     assert elapsed < 1.0, elapsed
+
+
+def test_answer_held_past_its_lease_expiry_is_the_older_grant():
+    """A partition held a receive's answer until after its lease had expired; the redelivery
+    (retry 1) was answered first. Neither a retry increment nor an overlap."""
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.05, 5.0, "m1", "b1", "t1", lease_s=-2.0)  # expired at 3.0, answered at 5.0
+    s.recv(3.1, 3.11, "m1", "b1", "t2", retry=1)  # redelivered after that expiry
+    s.settle("ack", 5.1, 5.11, "m1", "t1", outcome="fail", error="stale_lease", reason="expired")
+    s.settle("ack", 5.5, 5.51, "m1", "t2")
+    r = s.check()
+    assert_only(r)
+    assert r["ids_delivered_more_than_once"] == 1
+
+
+def test_answer_held_but_its_lease_still_live_is_still_counted():
+    """The same, but the held lease had not expired when the redelivery was answered: the
+    +1 is unexplained and the two leases overlapped."""
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.05, 5.0, "m1", "b1", "t1", lease_s=-0.5)  # expires 4.5
+    s.recv(3.1, 3.11, "m1", "b1", "t2", retry=1)
+    s.settle("ack", 5.5, 5.51, "m1", "t2")
+    assert_only(s.check(), failover_retry_increments=1, overlapping_leases=1)
+
+
+def test_concurrent_long_poll_does_not_excuse_a_double_increment():
+    """A long poll answered after an earlier delivery overlapped it in time, but its smaller
+    retry count shows it was granted first: it excuses nothing later."""
+    s = Sim()
+    s.send(0.5, 0.51, "b1", "m1")
+    s.recv(1.1, 1.11, "m1", "b1", "t1")
+    s.settle("nack", 1.2, 1.21, "m1", "t1")
+    s.recv(1.0, 1.25, "m1", "b1", "t2", retry=1)  # a long poll waiting since 1.0
+    s.settle("nack", 1.3, 1.31, "m1", "t2")
+    s.recv(1.4, 1.41, "m1", "b1", "t3", retry=3)  # +2 after one nack
+    assert_only(s.check(), failover_retry_increments=1)

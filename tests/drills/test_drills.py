@@ -1,6 +1,7 @@
 """Seeded process-failover drills against a real 3-node cluster (see drill.py).
 
-The short drill runs in the normal suite; the long ones are ``@pytest.mark.slow``
+The short drills (plain, power loss, partitions through the fault proxy) run in the normal
+suite; the long ones are ``@pytest.mark.slow``
 (``pytest -m slow tests/drills/test_drills.py``). Many seeds: ``python -m tests.drills.run``.
 """
 import json
@@ -13,8 +14,9 @@ from drills.drill import run_drill
 pytestmark = pytest.mark.integration
 
 
-def _run(seed, duration_s, tmp_path, power_loss=False):
-    report = run_drill(seed, duration_s, nodes=3, workdir=str(tmp_path / f"seed-{seed}"), power_loss=power_loss)
+def _run(seed, duration_s, tmp_path, power_loss=False, partitions=False):
+    report = run_drill(seed, duration_s, nodes=3, workdir=str(tmp_path / f"seed-{seed}"), power_loss=power_loss,
+                       partitions=partitions)
     table = format_table(report)
     print(f"seed {seed}: {report['wall_s']:.1f}s wall, nemeses {json.dumps(report['nemesis_counts'])}\n{table}")
     assert report["drain_complete"], report["notes"]
@@ -36,7 +38,27 @@ def test_short_power_loss_drill(tmp_path):
     assert sum(v for k, v in r["nemesis_counts"].items() if k.startswith("power_loss")) >= 1, r["nemesis_counts"]
 
 
+def test_short_partition_drill(tmp_path):
+    """Node-to-node traffic crosses the fault proxy; seed 18 blackholes the primary, then holds
+    every byte the (new) primary sends to the others while theirs reach it."""
+    r = _run(18, 14.0, tmp_path, partitions=True)
+    parts = {k: v for k, v in r["nemesis_counts"].items() if k.startswith("partition_")}
+    assert parts.get("partition_blackhole_primary", 0) >= 1, r["nemesis_counts"]
+    assert sum(parts.values()) >= 2, r["nemesis_counts"]
+    assert len(r["rejoins"]) == sum(parts.values()), (r["rejoins"], r["notes"])
+    links = r["proxy_links"]
+    assert len(links) == 6 and all(x["mode"] == "ok" for x in links.values()), links
+    # the primary's log shipping crossed the proxy (every node was primary or replica of one)
+    assert sum(1 for x in links.values() if x["bytes_fwd"] > 0 and x["bytes_back"] > 0) >= 4, links
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [2, 3, 4, 5, 6])
 def test_long_failover_drill(seed, tmp_path):
     _run(seed, 60.0, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [3, 8, 20, 29, 37])
+def test_long_partition_drill(seed, tmp_path):
+    _run(seed, 60.0, tmp_path, partitions=True)

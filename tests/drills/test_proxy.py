@@ -1,0 +1,282 @@
+"""The drills' TCP fault proxy (proxy.py) against plain sockets, no node processes.
+
+The test plays both ends of link (a->b): it connects to the proxy as a, and accepts
+the proxied connection on its own listener as b, so it sees exactly which bytes cross.
+Arrivals are waited for with deadlines; that something is *held* is checked by a
+receive that must time out (a bound, not a guess: held bytes cannot arrive).
+"""
+import socket
+import time
+
+import pytest
+
+from drills.proxy import BLACKHOLE, DROP, OK, ONE_WAY, ONE_WAY_REVERSE, FaultProxy
+
+DEADLINE_S = 5.0
+HELD_S = 0.3  # how long a held direction is watched for bytes that must not come
+
+
+@pytest.fixture
+def upstream():
+    """b's listening socket, closed afterwards."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def px(upstream):
+    p = FaultProxy(["a", "b"]).start()
+    p.set_target("b", "127.0.0.1", upstream.getsockname()[1])
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture
+def socks():
+    """Every socket a test opens, closed afterwards."""
+    opened = []
+    try:
+        yield opened
+    finally:
+        for s in opened:
+            s.close()
+
+
+def dial(px, socks, a="a", b="b"):
+    c = socket.create_connection(("127.0.0.1", px.port(a, b)), timeout=DEADLINE_S)
+    socks.append(c)
+    return c
+
+
+def dial_refused(px, socks, a="a", b="b"):
+    """Connect where the proxy resets the connection: the reset may come before connect()
+    returns (ECONNRESET from connect) or right after (the first recv)."""
+    try:
+        c = dial(px, socks, a, b)
+    except ConnectionResetError:
+        return
+    assert_closed(c)
+
+
+def accept(upstream, socks, timeout_s=DEADLINE_S):
+    upstream.settimeout(timeout_s)
+    s, _ = upstream.accept()
+    socks.append(s)
+    return s
+
+
+def pair(px, upstream, socks):
+    c = dial(px, socks)
+    return c, accept(upstream, socks)
+
+
+def recv_exact(s, n, timeout_s=DEADLINE_S):
+    deadline = time.monotonic() + timeout_s
+    buf = b""
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"got {buf!r}, wanted {n} bytes within {timeout_s}s")
+        s.settimeout(left)
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise AssertionError(f"connection closed after {buf!r}")
+        buf += chunk
+    return buf
+
+
+def assert_held(s, timeout_s=HELD_S):
+    s.settimeout(timeout_s)
+    with pytest.raises(socket.timeout):
+        got = s.recv(100)
+        raise AssertionError(f"expected nothing, got {got!r}")
+
+
+def assert_closed(s, timeout_s=DEADLINE_S):
+    """The peer closed or reset the connection (no data may arrive first)."""
+    s.settimeout(timeout_s)
+    try:
+        got = s.recv(100)
+    except ConnectionResetError:
+        return
+    assert got == b"", f"expected a closed connection, got {got!r}"
+
+
+def assert_no_accept(upstream, timeout_s=HELD_S):
+    upstream.settimeout(timeout_s)
+    with pytest.raises(socket.timeout):
+        s, _ = upstream.accept()
+        s.close()
+        raise AssertionError("the proxy connected on to b")
+
+
+def both_ways(c, s, tag=b"1"):
+    c.sendall(b"req" + tag)
+    assert recv_exact(s, 4) == b"req" + tag
+    s.sendall(b"rsp" + tag)
+    assert recv_exact(c, 4) == b"rsp" + tag
+
+
+def test_ok_forwards_both_ways_and_counts(px, upstream, socks):
+    c, s = pair(px, upstream, socks)
+    both_ways(c, s)
+    big = bytes(range(256)) * 4096  # 1 MiB through the proxy, both ways
+    c.sendall(big)
+    assert recv_exact(s, len(big)) == big
+    s.sendall(big)
+    assert recv_exact(c, len(big)) == big
+    st = px.stats()["a->b"]
+    assert st["bytes_fwd"] == 4 + len(big) and st["bytes_back"] == 4 + len(big)
+    assert st["forwarded"] == 1 and st["open_connections"] == 1
+    c.close()  # an EOF is passed on
+    assert_closed(s)
+
+
+def test_drop_resets_existing_and_refuses_new_then_heal(px, upstream, socks):
+    c, s = pair(px, upstream, socks)
+    both_ways(c, s)
+    px.set_link("a", "b", DROP)
+    assert_closed(c)
+    assert_closed(s)
+    dial_refused(px, socks)  # accepted by the proxy, then reset at once
+    assert_no_accept(upstream)
+    assert px.stats()["a->b"]["reset_at_accept"] == 1
+    assert px.heal() == {("a", "b"): DROP}
+    c3, s3 = pair(px, upstream, socks)
+    both_ways(c3, s3, b"3")
+
+
+def test_blackhole_holds_both_directions_until_heal(px, upstream, socks):
+    c, s = pair(px, upstream, socks)
+    both_ways(c, s)
+    px.set_link("a", "b", BLACKHOLE)
+    c.sendall(b"req2")
+    s.sendall(b"rsp2")
+    assert_held(s)
+    assert_held(c)
+    # a new connection is not set up either
+    c2 = dial(px, socks)
+    c2.sendall(b"new1")
+    assert_no_accept(upstream)
+    px.heal()
+    assert recv_exact(s, 4) == b"req2"  # held bytes arrive in order after the heal
+    assert recv_exact(c, 4) == b"rsp2"
+    s2 = accept(upstream, socks)
+    assert recv_exact(s2, 4) == b"new1"
+    both_ways(c, s, b"3")
+    both_ways(c2, s2, b"4")
+
+
+def test_blackhole_holds_a_close_too(px, upstream, socks):
+    c, s = pair(px, upstream, socks)
+    px.set_link("a", "b", BLACKHOLE)
+    s.close()  # b goes away: a must not notice while the link is blackholed
+    assert_held(c)
+    px.heal()
+    assert_closed(c)
+
+
+def test_one_way_passes_only_responses(px, upstream, socks):
+    c, s = pair(px, upstream, socks)
+    px.set_link("a", "b", ONE_WAY)
+    c.sendall(b"req1")
+    s.sendall(b"rsp1")
+    assert recv_exact(c, 4) == b"rsp1"
+    assert_held(s)
+    px.set_link("a", "b", OK)
+    assert recv_exact(s, 4) == b"req1"
+    both_ways(c, s, b"2")
+
+
+def test_one_way_reverse_passes_only_requests(px, upstream, socks):
+    c, s = pair(px, upstream, socks)
+    px.set_link("a", "b", ONE_WAY_REVERSE)
+    c.sendall(b"req1")
+    s.sendall(b"rsp1")
+    assert recv_exact(s, 4) == b"req1"
+    assert_held(c)
+    px.heal()
+    assert recv_exact(c, 4) == b"rsp1"
+    both_ways(c, s, b"2")
+
+
+def test_blackhole_then_drop_resets_held_connections(px, upstream, socks):
+    c, s = pair(px, upstream, socks)
+    px.set_link("a", "b", BLACKHOLE)
+    c.sendall(b"lost")
+    px.set_link("a", "b", DROP)
+    assert_closed(c)
+    assert_closed(s)  # the held bytes never arrive: the connection is reset instead
+
+
+def test_unreachable_target_resets_the_connection(upstream, socks):
+    with FaultProxy(["a", "b"]) as p:
+        p.set_target("b", "127.0.0.1", upstream.getsockname()[1])
+        upstream.close()  # nothing listens on b's port any more
+        dial_refused(p, socks)
+        assert p.stats()["a->b"]["upstream_failed"] == 1
+
+
+def test_links_are_independent_and_node_level_helpers():
+    with FaultProxy(["n1", "n2", "n3"]) as p:
+        ports = {(a, b): p.port(a, b) for a in ("n1", "n2", "n3") for b in ("n1", "n2", "n3") if a != b}
+        assert len(set(ports.values())) == 6
+        assert p.isolate("n1", BLACKHOLE) == {("n1", "n2"): BLACKHOLE, ("n2", "n1"): BLACKHOLE,
+                                              ("n1", "n3"): BLACKHOLE, ("n3", "n1"): BLACKHOLE}
+        assert p.modes()[("n2", "n3")] == OK and p.modes()[("n3", "n2")] == OK
+        p.heal()
+        assert p.isolate("n2", DROP, direction="out") == {("n2", "n1"): DROP, ("n2", "n3"): DROP}
+        p.heal()
+        assert p.isolate("n2", DROP, direction="in") == {("n1", "n2"): DROP, ("n3", "n2"): DROP}
+        p.heal()
+        assert p.one_way_bytes("n3", "out") == {("n3", "n1"): ONE_WAY, ("n3", "n2"): ONE_WAY,
+                                                ("n1", "n3"): ONE_WAY_REVERSE, ("n2", "n3"): ONE_WAY_REVERSE}
+        p.heal()
+        assert p.one_way_bytes("n3", "in") == {("n3", "n1"): ONE_WAY_REVERSE, ("n3", "n2"): ONE_WAY_REVERSE,
+                                               ("n1", "n3"): ONE_WAY, ("n2", "n3"): ONE_WAY}
+        assert set(p.heal()) == {("n3", "n1"), ("n3", "n2"), ("n1", "n3"), ("n2", "n3")}
+        assert p.faulted() == {}
+        with pytest.raises(ValueError):
+            p.set_link("n1", "n2", "sometimes")
+
+
+def test_one_link_fault_leaves_the_reverse_link_alone(socks):
+    la, lb = socket.socket(), socket.socket()
+    socks += [la, lb]
+    for s in (la, lb):
+        s.bind(("127.0.0.1", 0))
+        s.listen(4)
+    with FaultProxy(["a", "b"]) as p:
+        p.set_target("a", "127.0.0.1", la.getsockname()[1])
+        p.set_target("b", "127.0.0.1", lb.getsockname()[1])
+        p.set_link("a", "b", BLACKHOLE)
+        c_ba = dial(p, socks, "b", "a")  # b's calls to a cross link (b->a): still ok
+        s_ba = accept(la, socks)
+        both_ways(c_ba, s_ba)
+        dial(p, socks, "a", "b")
+        assert_no_accept(lb)
+
+
+def test_close_resets_connections_and_stops_listening(upstream, socks):
+    p = FaultProxy(["a", "b"]).start()
+    try:
+        p.set_target("b", "127.0.0.1", upstream.getsockname()[1])
+        port = p.port("a", "b")
+        c, s = pair(p, upstream, socks)
+        p.set_link("a", "b", BLACKHOLE)
+    finally:
+        p.close()
+    assert not p._thread.is_alive()
+    assert_closed(c)
+    assert_closed(s)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S).close()
+    with pytest.raises(RuntimeError):
+        p.set_link("a", "b", OK)
