@@ -173,11 +173,20 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
     @rpc
     async def Receive(self, p, req, ctx):
         got = await self.svc.receive(p, req.queue, req.wait_seconds, 1)
+        self._give_back_if_lost(ctx, [d.token for d in got])
         return api_pb2.ReceiveResponse(messages=[_delivery_pb(d) for d in got])
 
     @rpc
     async def ReceiveBatch(self, p, req, ctx):
-        return await _receive_batch(self.svc, p, req)
+        out = await _receive_batch(self.svc, p, req)
+        self._give_back_if_lost(ctx, [d.lease_token for d in out.messages])
+        return out
+
+    def _give_back_if_lost(self, ctx, tokens: list) -> None:
+        """If this call ends cancelled (the caller's connection broke, its deadline
+        passed) its answer was never delivered: give the leases back."""
+        if tokens:
+            ctx.add_done_callback(lambda c: self.svc.give_back(tokens) if c.cancelled() else None)
 
     @rpc
     async def Ack(self, p, req, ctx):
@@ -300,6 +309,10 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
             reader.cancel()
             for t in list(tasks):
                 t.cancel()
+            # receive answers that were never written: nobody got those messages
+            lost = [d.lease_token for a in answers if a.WhichOneof("result") == "receive" for d in a.receive.messages]
+            if lost:
+                svc.give_back(lost)
 
 
 GRPC_OPTIONS = [

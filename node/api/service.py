@@ -10,6 +10,7 @@ import asyncio
 import base64
 import hashlib
 import hmac
+import logging
 import math
 import os
 import re
@@ -22,6 +23,8 @@ from spooler import errors
 from spooler.pb import log_pb2
 from node.core.spool import US, BadToken, StaleLeaseError, failure_queue_of
 from node.engine import Engine
+
+log = logging.getLogger("spooler.service")
 
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,80}$")
 DERIVED_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,255}$")  # failure queues may be derived: "{queue}.failed"
@@ -413,6 +416,23 @@ class Service:
         except (ValueError, UnicodeDecodeError, struct.error):
             raise errors.InvalidArgument("malformed lease token") from None
         return epoch, lease_id, nonce, queue
+
+    def give_back(self, tokens: list) -> int:
+        """Deliveries whose answer could not be sent: their messages are visible
+        again at once with an unchanged retry count (see Core.release). Only the
+        primary holds leases; elsewhere this does nothing."""
+        now, n = self.engine.now_us(), 0
+        for token in tokens:
+            try:
+                epoch, lease_id, nonce, _ = self.decode_token(token)
+            except errors.SpoolerError:
+                continue
+            if epoch == self.core.epoch and self.core.release(lease_id, nonce, now):
+                n += 1
+        if n:
+            self.engine._wake_receivers()
+            log.info("gave back %d leased message(s) whose delivery could not be sent", n)
+        return n
 
     def _live_lease(self, p: Principal, token: str, now: Optional[int] = None, serving: Optional[bool] = None):
         """``now``, ``serving``: computed once by a caller that checks a whole batch."""

@@ -333,6 +333,19 @@ class Replication:
                 out.append(Commit(c))
         return out
 
+    def replica_stream_lost(self, peer: str, now: int) -> list:
+        """Primary: the stream to ``peer`` broke and was reopened. Frames in flight
+        on it are gone: resend from what the replica acknowledged (resending what
+        it already holds is harmless, it matches and is skipped)."""
+        out: list = []
+        if self.role != PRIMARY or peer not in self.peers:
+            return out
+        if self.match.get(peer, 0) > 0:  # else the next frame's refusal says where to go back to
+            self.next[peer] = min(self.next.get(peer, self.log.last_lsn + 1), self.match[peer] + 1)
+        self.inflight[peer] = 0
+        self._send_append(peer, now, out, heartbeat=True)
+        return out
+
     def snapshot_sent(self, peer: str, lsn: int, now: int) -> list:
         """Primary: ``peer`` installed a copy of our store whose log ends at ``lsn``."""
         out: list = []

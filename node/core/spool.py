@@ -408,6 +408,24 @@ class Core:
                 del q.dedup[key]
                 self.dirty.dedup.add((q.name, key))
 
+    def release(self, lease_id: int, nonce: bytes, now: int) -> bool:
+        """Give a leased message back as if it had never been received: visible at
+        once, retry count unchanged. For a delivery whose answer never left the
+        node (the caller's connection broke before it was sent): no consumer has
+        it, so the lease ending is not the consumer's failure. Only an active
+        lease whose token matches; a later ack of it answers stale (expired)."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.state != ACTIVE or not _same(lease.nonce, nonce):
+            return False
+        q = self.queues.get(lease.queue)
+        m = q.msgs.get(lease.msg_id) if q else None
+        if m is None or m.state != LEASED or m.lease != lease.id:
+            return False
+        self._detach(q, m, "expired")
+        self._make_available(q, m, now)
+        heapq.heappush(q.retention, (m.expires_at, m.seq, m.id))  # skipped while it was leased
+        return True
+
     def _end_lease(self, lease: Optional[Lease], reason: str) -> None:
         if lease is None:
             return

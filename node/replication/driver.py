@@ -180,10 +180,12 @@ class Driver:
                 self._snapshots[to] = asyncio.create_task(self._send_snapshot(to, msg.epoch), name=f"snapshot-{to}")
             return
         if isinstance(msg, R.AppendReq):
-            q = self._outbox.get(to)
-            if q is None or to not in self._stream_tasks or self._stream_tasks[to].done():
-                q = self._outbox[to] = asyncio.Queue()
-                self._stream_tasks[to] = asyncio.create_task(self._stream_to(to, q), name=f"stream-{to}")
+            t = self._stream_tasks.get(to)
+            if t is None or t.done() or to not in self._outbox:
+                self._outbox[to] = asyncio.Queue()
+                self._stream_tasks[to] = asyncio.create_task(self._stream_to(to, self._outbox[to]),
+                                                             name=f"stream-{to}")
+            q = self._outbox[to]
             lsns = [x[0] for x in msg.entries]
             data = self.engine.record_bytes(lsns) if lsns else []
             q.put_nowait(pb.AppendFrame(
@@ -203,14 +205,20 @@ class Driver:
 
     async def _stream_to(self, peer: str, q: asyncio.Queue) -> None:
         """One bidi stream to a replica: frames out, acks in. A broken stream is
-        simply reopened; the core resends what was not acknowledged."""
-        async def frames():
+        reopened, and the core resends from the replica's last acknowledged
+        position. Each attempt has its own frame queue: gRPC may keep a failed
+        call's request iterator waiting, and it must not take frames meant for
+        the next stream (it gets an end marker instead)."""
+        async def frames(q: asyncio.Queue):
             while True:
-                yield await q.get()
+                f = await q.get()
+                if f is None:
+                    return
+                yield f
 
         while not self.stopped:
             try:
-                call = self._stubs[peer].Stream(frames())
+                call = self._stubs[peer].Stream(frames(q))
                 async for ack in call:
                     async with self.lock:
                         await self._run(self.core.receive(R.AppendResp(
@@ -219,7 +227,11 @@ class Driver:
                 raise
             except grpc.RpcError as e:
                 log.debug("stream to %s broke: %s", peer, e.code())
+            q.put_nowait(None)  # ends this attempt's iterator, wherever gRPC left it
+            q = self._outbox[peer] = asyncio.Queue()
             await asyncio.sleep(0.05)
+            async with self.lock:
+                await self._run(self.core.replica_stream_lost(peer, mono_us()))
 
     async def _send_snapshot(self, peer: str, epoch: int) -> None:
         e = self.engine

@@ -277,3 +277,55 @@ def test_requests_failed_by_a_break_are_never_sent_later():
         assert len(srv.streams[1]) == 1, srv.streams  # only the request made after the break
 
     asyncio.run(main())
+
+
+class _FakeContext:
+    """Enough of a grpc.aio ServicerContext to call a servicer method directly."""
+
+    def __init__(self, key):
+        self.md = (("authorization", f"Bearer {key}"),)
+        self.callbacks = []
+
+    def invocation_metadata(self):
+        return self.md
+
+    def set_trailing_metadata(self, md):
+        pass
+
+    def add_done_callback(self, cb):
+        self.callbacks.append(cb)
+
+    def cancelled(self):
+        return True  # the caller went away: the answer was never delivered
+
+
+def test_a_receive_whose_answer_is_lost_gives_its_messages_back(tmp_path):
+    """A receive call that ends cancelled (the caller's connection broke after the
+    leases were granted, e.g. a forwarding replica cut off from the primary) gives
+    the messages back at once, retry count unchanged: nobody received them."""
+    from node.api import grpc_api
+    from node.api.metrics import Metrics
+    from node.api.service import Principal, Service
+    from node.engine import Engine
+
+    async def main():
+        eng = Engine(str(tmp_path / "n"))
+        await eng.start()
+        try:
+            svc = Service(eng, ["k"])
+            admin = Principal(admin=True)
+            await svc.put_queue(admin, "q", {})
+            [(mid, _, _)] = await svc.send(admin, [("q", b"m", 0.0, "")])
+            servicer = grpc_api.SpoolerServicer(svc, Metrics(eng))
+            ctx = _FakeContext("k")
+            out = await servicer.ReceiveBatch(api_pb2.ReceiveRequest(queue="q", max_messages=5), ctx)
+            assert [d.id for d in out.messages] == [mid]
+            assert await svc.receive(admin, "q", 0) == []  # leased
+            for cb in ctx.callbacks:  # the call ends cancelled
+                cb(ctx)
+            [d] = await svc.receive(admin, "q", 0)  # back at once
+            assert (d.id, d.retry_count) == (mid, 0)
+        finally:
+            await eng.stop()
+
+    asyncio.run(main())

@@ -289,6 +289,9 @@ class Sim:
                 for n in self.nodes.values():
                     if n.up and n.core.primary == p:
                         n.run(n.core.primary_stream_broken(self.now))
+                for other in self.members:  # and the primary reopens them
+                    if other != p and prim[0].up:
+                        prim[0].run(prim[0].core.replica_stream_lost(other, self.now))
                 if self.rng.random() < 0.5:  # and sometimes the link stays down a while
                     for other in self.members:
                         if other != p:

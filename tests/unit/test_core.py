@@ -332,3 +332,19 @@ def test_a_record_of_an_unknown_kind_stops_apply(log):
     with pytest.raises(ValueError):
         log.commit(rec, 1)
     assert log.core.lsn == lsn  # not applied, not even counted
+
+
+def test_a_delivery_that_never_left_is_given_back_unchanged(log):
+    """release: the answer carrying a lease could not be sent, so the message is
+    visible again at once with its retry count; the old token is stale."""
+    log.queue("q")
+    mid, _ = log.send("q", b"a", at=1)
+    [(m, lease)] = recv(log, "q", 2)
+    assert not log.core.release(lease.id, b"\x09" * 8, 3)  # the token's nonce must match
+    assert log.core.release(lease.id, lease.nonce, 3)
+    assert not log.core.release(lease.id, lease.nonce, 3)  # once
+    [(m2, lease2)] = recv(log, "q", 4)
+    assert (m2.id, m2.retry) == (mid, 0) and lease2.id != lease.id
+    with pytest.raises(StaleLeaseError):
+        log.core.check_lease(lease.epoch, lease.id, lease.nonce, 5)
+    assert log.core.stats("q", 5)["leased"] == 1
