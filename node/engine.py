@@ -311,13 +311,12 @@ class Engine:
             self.unapplied[rec.lsn] = (rec, self.crc, fut)
             self._remember(rec.lsn, data)
         meta = [(r[0], r[1], r[2]) for r in rows]
-        now = mono_us
         if self.cluster:
             # 1. ship to the replicas first: they write while we do (the
             #    replication core does not count this node yet). A few turns of
             #    the loop hand the frames to gRPC, whose own threads send them
             #    while this thread waits for the fsync below.
-            await self.repl.run_effects(self.repl.core.appended(meta, now(), durable=False))
+            await self.repl.run_effects(self.repl.core.appended(meta, mono_us(), durable=False))
             for _ in range(3):
                 await asyncio.sleep(0)
         t = time.perf_counter()
@@ -333,9 +332,9 @@ class Engine:
         #    a quorum hold the records, and apply_upto() then applies and answers:
         #    never before.
         if self.cluster:
-            await self.repl.run_effects(self.repl.core.durable(meta[-1][0], meta[-1][1], now()))
+            await self.repl.run_effects(self.repl.core.durable(meta[-1][0], meta[-1][1], mono_us()))
         else:
-            await self.repl.run_effects(self.repl.core.appended(meta, now()))
+            await self.repl.run_effects(self.repl.core.appended(meta, mono_us()))
         return True
 
     def _remember(self, lsn: int, data: bytes) -> None:
