@@ -632,14 +632,8 @@ class Engine:
         self.load()
 
     # -------------------------------------------------------------- reading
-    def body_of(self, m) -> bytes:
-        body = m.body
-        if body is not None:
-            return body
-        return self.store.read_body(m.id)
-
     def bodies_of(self, msgs: list) -> list:
-        """body_of for many messages: the checkpointed ones in one store read."""
+        """Bodies of messages: from memory, the checkpointed ones in one store read."""
         missing = [m.id for m in msgs if m.body is None]
         got = self.store.read_bodies(missing) if missing else {}
         out = []

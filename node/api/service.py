@@ -331,13 +331,8 @@ class Service:
         if total > lim.batch_bytes_max:
             raise errors.MessageTooLarge(f"batch of {total} bytes; the limit is {lim.batch_bytes_max}")
         results = await self.engine.propose(rec)
-        out = []
-        for mid, dup_or_error in results:
-            if mid is None:
-                out.append(("", False, errors.make(dup_or_error, "queue was deleted while the send was committed")))
-            else:
-                out.append((mid, dup_or_error, None))
-        return out
+        return [("", False, errors.make(d, "queue was deleted while the send was committed")) if mid is None
+                else (mid, d, None) for mid, d in results]
 
     def _room(self, p: Principal, queue: str) -> int:
         """Validate a queue a batch sends to (once per batch): its name, the caller's

@@ -1,7 +1,9 @@
 """The node's durable store: one SQLite file (apsw, WAL, synchronous=FULL).
 
-Two writes, both from the single writer thread (``Store`` is not shared
-across threads except :meth:`read_body`, which uses its own connection):
+Two writes, both through the engine's one store gate (``Engine.store_io``: the
+writer thread, or the event loop while that thread is idle; never both at once).
+Reads from the event loop (:meth:`read_bodies`, ``records_after(reader=True)``)
+use a connection of their own:
 
 * :meth:`append` — group commit of log records: one transaction, one fsync
   for every record that arrived while the previous commit was syncing. A
@@ -194,12 +196,6 @@ class Store:
         if self._reader is None:
             self._reader = self._connect()
         return self._reader
-
-    def read_body(self, msg_id: str) -> bytes:
-        """Body of a checkpointed message, on the read connection."""
-        for (body,) in self._read_db().execute("SELECT body FROM messages WHERE id=?", (msg_id,)):
-            return bytes(body)
-        raise KeyError(msg_id)
 
     def read_bodies(self, ids: list) -> dict:
         """Bodies of checkpointed messages, id -> bytes, in one query per 500 ids."""
