@@ -69,6 +69,8 @@ class Limits:
         self.dedup_window_s_max = 86_400.0
         self.max_retries_max = 1000
         self.session_requests_in_flight_max = 1024  # per gRPC Session stream (then it stops reading)
+        self.receipts_max = 16_384          # named receives remembered for a lost-answer release
+        self.receipt_age_s_max = 120.0
         for k, v in kw.items():
             if not hasattr(self, k):
                 raise TypeError(k)

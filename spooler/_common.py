@@ -1,6 +1,7 @@
 """What the sync and asyncio gRPC clients share: types, error mapping, retry policy."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Optional
@@ -149,6 +150,22 @@ def call_with_retries_sync(fn, attempts: int, **kw):
             raise
     retrying, _ = retry_policy(attempts - 1, **kw)
     return retrying(fn)
+
+
+# A receive that failed with one of these leased nothing (the node answered it);
+# after any other failure its answer may have been lost on the way, holding leases.
+RECEIVE_DEFINITE = (errors.InvalidArgument, errors.Unauthenticated, errors.Forbidden, errors.QueueNotFound)
+RELEASE_TIMEOUT_S = 2.0
+
+
+def receive_request(queue: str, wait_s: float, max_messages: int) -> api_pb2.ReceiveRequest:
+    """Named with a fresh receive id, so that a lost answer can be given back."""
+    return api_pb2.ReceiveRequest(queue=queue, wait_seconds=wait_s, max_messages=max_messages,
+                                  receive_id=os.urandom(12).hex())
+
+
+def release_request(req: api_pb2.ReceiveRequest) -> api_pb2.ReleaseReceiveRequest:
+    return api_pb2.ReleaseReceiveRequest(queue=req.queue, receive_id=req.receive_id)
 
 
 def auth_metadata(key: str) -> tuple:

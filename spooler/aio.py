@@ -22,8 +22,8 @@ import grpc
 from spooler import errors
 from spooler._common import (Nodes, Message, SendResult, auth_metadata, batch_request, batch_results, call_with_retries,
                              _has_detail, is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, send_outcomes,
-                             settings_pb)
-from spooler.pb import api_pb2, api_pb2_grpc
+                             settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, receive_request, release_request)
+from spooler.pb import api_pb2
 
 log = logging.getLogger("spooler.aio")
 
@@ -355,9 +355,24 @@ class AsyncClient(Nodes):
 
     # --------------------------------------------------------- receiving
     async def receive(self, queue: str, *, wait_s: float = 0.0, max_messages: int = 1) -> list:
-        req = api_pb2.ReceiveRequest(queue=queue, wait_seconds=wait_s, max_messages=max_messages)
-        r = await self._pipe("receive", self.stub.ReceiveBatch, req, write=False, timeout_s=self.timeout_s + wait_s)
+        req = receive_request(queue, wait_s, max_messages)
+        try:
+            r = await self._pipe("receive", self.stub.ReceiveBatch, req, write=False,
+                                 timeout_s=self.timeout_s + wait_s)
+        except errors.SpoolerError as e:
+            if not isinstance(e, RECEIVE_DEFINITE):
+                await self._release(req)
+            raise
         return [message_of(d) for d in r.messages]
+
+    async def _release(self, req) -> None:
+        """The answer of receive ``req`` may have been lost on the way: ask the node
+        to give back whatever it leased for it (retry counts kept). One attempt; if it
+        fails too, those leases expire as they would have."""
+        try:
+            await self.stub.ReleaseReceive(release_request(req), metadata=self.md, timeout=RELEASE_TIMEOUT_S)
+        except grpc.RpcError as e:
+            log.info("could not release a receive whose answer was lost: %s", e.code())
 
     async def _settle_one(self, action: str, token: str, delay_s: float = 0.0):
         """One ack/nack/renew: a one-item SettleBatch on the session (the unary

@@ -21,8 +21,8 @@ import grpc
 from spooler import errors
 from spooler._common import (Nodes, Message, SendResult, auth_metadata, batch_request, batch_results, call_with_retries_sync,
                              is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, send_outcomes,
-                             settings_pb)
-from spooler.pb import api_pb2, api_pb2_grpc
+                             settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, receive_request, release_request)
+from spooler.pb import api_pb2
 
 log = logging.getLogger("spooler.client")
 
@@ -179,9 +179,22 @@ class Client(Nodes):
 
     # --------------------------------------------------------- receiving
     def receive(self, queue: str, *, wait_s: float = 0.0, max_messages: int = 1) -> list:
-        req = api_pb2.ReceiveRequest(queue=queue, wait_seconds=wait_s, max_messages=max_messages)
+        req = receive_request(queue, wait_s, max_messages)
         rpc = self.stub.ReceiveBatch if max_messages > 1 else self.stub.Receive
-        return [message_of(d) for d in self._call(rpc, req, write=False, timeout_s=self.timeout_s + wait_s).messages]
+        try:
+            r = self._call(rpc, req, write=False, timeout_s=self.timeout_s + wait_s)
+        except errors.SpoolerError as e:
+            if not isinstance(e, RECEIVE_DEFINITE):
+                self._release(req)
+            raise
+        return [message_of(d) for d in r.messages]
+
+    def _release(self, req) -> None:
+        """As AsyncClient._release: one attempt to give back a lost answer's leases."""
+        try:
+            self.stub.ReleaseReceive(release_request(req), metadata=self.md, timeout=RELEASE_TIMEOUT_S)
+        except grpc.RpcError as e:
+            log.info("could not release a receive whose answer was lost: %s", e.code())
 
     def _settle(self, rpc, req):
         state = {"maybe_landed": False}  # an earlier attempt's outcome is unknown

@@ -8,6 +8,8 @@ forwarded call carries ``spooler-forwarded``; a node never forwards it again
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 
 import grpc
 
@@ -16,6 +18,9 @@ from spooler._common import GRPC_OPTIONS, map_rpc_error, queue_dict, send_outcom
 from spooler.pb import api_pb2, api_pb2_grpc
 
 FORWARDED = "spooler-forwarded"
+log = logging.getLogger("spooler.forward")
+# errors with which the primary answered a receive: it leased nothing
+_DEFINITE = (errors.InvalidArgument, errors.Unauthenticated, errors.Forbidden, errors.QueueNotFound)
 _ACTIONS = {"ack": api_pb2.SETTLE_ACK, "nack": api_pb2.SETTLE_NACK, "renew": api_pb2.SETTLE_RENEW}
 
 
@@ -27,6 +32,7 @@ class Forwarder:
         self.tls = tls
         self.current_primary = current_primary or (lambda: None)
         self._stubs: dict = {}
+        self._releases: set = set()  # running release_soon tasks (held: asyncio keeps weak refs)
 
     def stub(self, address: str):
         s = self._stubs.get(address)
@@ -36,9 +42,11 @@ class Forwarder:
             s = self._stubs[address] = api_pb2_grpc.SpoolerStub(ch)
         return s
 
-    async def call(self, address: str, method: str, req, auth: str, write: bool, extra_s: float = 0.0):
+    async def call(self, address: str, method: str, req, auth: str, write: bool, extra_s: float = 0.0,
+                   timeout_s: float | None = None):
         md = ((FORWARDED, "1"),) + ((("authorization", auth),) if auth else ())
-        call = getattr(self.stub(address), method)(req, metadata=md, timeout=self.timeout_s + extra_s)
+        call = getattr(self.stub(address), method)(
+            req, metadata=md, timeout=(self.timeout_s if timeout_s is None else timeout_s) + extra_s)
         task = asyncio.ensure_future(call)
         try:
             while True:
@@ -88,11 +96,55 @@ class Forwarder:
         return [("", False, x) if isinstance(x, errors.SpoolerError) else (x.id, x.duplicate, None)
                 for x in send_outcomes(r)]
 
-    async def receive(self, a, auth, queue, wait_s, max_n):
+    async def receive(self, a, auth, queue, wait_s, max_n, receive_id="", release_for_s=30.0):
+        """Named (a receive id: the caller's, else a new one), so that when the answer
+        does not come back, whatever the primary leased for it is given back
+        (release_soon) instead of expiring into a retry."""
         from node.api.service import Delivery
-        r = await self.call(a, "ReceiveBatch", api_pb2.ReceiveRequest(queue=queue, wait_seconds=wait_s,
-                                                                     max_messages=max_n), auth, False, extra_s=wait_s)
+        rid = receive_id or os.urandom(12).hex()
+        try:
+            r = await self.call(a, "ReceiveBatch", api_pb2.ReceiveRequest(
+                queue=queue, wait_seconds=wait_s, max_messages=max_n, receive_id=rid), auth, False, extra_s=wait_s)
+        except BaseException as e:  # CancelledError too: our own caller went away
+            if not isinstance(e, _DEFINITE):
+                self.release_soon(a, auth, queue, rid, (), release_for_s)
+            raise
         return [Delivery(d.id, d.body, d.lease_token, d.retry_count, d.lease_expires_at, d.queue) for d in r.messages]
+
+    async def release_receive(self, a, auth, queue, receive_id, tokens):
+        r = await self.call(a, "ReleaseReceive", api_pb2.ReleaseReceiveRequest(
+            queue=queue, receive_id=receive_id, lease_tokens=tokens), auth, False)
+        return r.released
+
+    def release_soon(self, a, auth, queue, receive_id, tokens, for_s: float) -> None:
+        """In the background, tell primary ``a`` to give back a receive's leases, retrying
+        until it answers, another primary takes over (its leases are then stale and the
+        messages visible again anyway) or ``for_s`` (the queue's lease timeout: by then
+        the leases have expired) has passed."""
+        t = asyncio.ensure_future(self._release(a, auth, queue, receive_id, list(tokens), for_s))
+        self._releases.add(t)
+        t.add_done_callback(self._releases.discard)
+
+    async def _release(self, a, auth, queue, receive_id, tokens, for_s) -> None:
+        loop = asyncio.get_running_loop()
+        end, pause = loop.time() + for_s, 0.02
+        while self.current_primary() == a:
+            try:
+                n = await self.call(a, "ReleaseReceive", api_pb2.ReleaseReceiveRequest(
+                    queue=queue, receive_id=receive_id, lease_tokens=tokens), auth, False,
+                    timeout_s=max(0.05, min(2.0, end - loop.time())))
+                if n.released:
+                    log.info("primary gave back %d lease(s) of a receive whose answer was lost", n.released)
+                return
+            except errors.SpoolerError as e:
+                if isinstance(e, _DEFINITE):
+                    log.warning("release of a lost receive answer refused: %s", e)
+                    return
+            if loop.time() + pause >= end:
+                log.warning("could not give back a lost receive answer's leases before they expire")
+                return
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.5)
 
     async def settle(self, a, auth, items, per_item_errors):
         req = api_pb2.SettleBatchRequest(items=[api_pb2.SettleBatchRequest.Item(

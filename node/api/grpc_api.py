@@ -73,7 +73,7 @@ async def _send_batch(svc: Service, p, req, out=None) -> api_pb2.SendBatchRespon
 
 
 async def _receive_batch(svc: Service, p, req, out=None) -> api_pb2.ReceiveResponse:
-    got = await svc.receive(p, req.queue, req.wait_seconds, req.max_messages or 1)
+    got = await svc.receive(p, req.queue, req.wait_seconds, req.max_messages or 1, req.receive_id)
     out = api_pb2.ReceiveResponse() if out is None else out
     out.messages.extend([_delivery_pb(d) for d in got])
     return out
@@ -172,21 +172,26 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
 
     @rpc
     async def Receive(self, p, req, ctx):
-        got = await self.svc.receive(p, req.queue, req.wait_seconds, 1)
-        self._give_back_if_lost(ctx, [d.token for d in got])
+        got = await self.svc.receive(p, req.queue, req.wait_seconds, 1, req.receive_id)
+        self._give_back_if_lost(ctx, p, [d.token for d in got])
         return api_pb2.ReceiveResponse(messages=[_delivery_pb(d) for d in got])
 
     @rpc
     async def ReceiveBatch(self, p, req, ctx):
         out = await _receive_batch(self.svc, p, req)
-        self._give_back_if_lost(ctx, [d.lease_token for d in out.messages])
+        self._give_back_if_lost(ctx, p, [d.lease_token for d in out.messages])
         return out
 
-    def _give_back_if_lost(self, ctx, tokens: list) -> None:
+    @rpc
+    async def ReleaseReceive(self, p, req, ctx):
+        n = await self.svc.release_receive(p, req.queue, req.receive_id, tuple(req.lease_tokens))
+        return api_pb2.ReleaseReceiveResponse(released=n)
+
+    def _give_back_if_lost(self, ctx, p, tokens: list) -> None:
         """If this call ends cancelled (the caller's connection broke, its deadline
         passed) its answer was never delivered: give the leases back."""
         if tokens:
-            ctx.add_done_callback(lambda c: self.svc.give_back(tokens) if c.cancelled() else None)
+            ctx.add_done_callback(lambda c: self.svc.give_back(tokens, p.auth) if c.cancelled() else None)
 
     @rpc
     async def Ack(self, p, req, ctx):
@@ -312,7 +317,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
             # receive answers that were never written: nobody got those messages
             lost = [d.lease_token for a in answers if a.WhichOneof("result") == "receive" for d in a.receive.messages]
             if lost:
-                svc.give_back(lost)
+                svc.give_back(lost, auth or "")
 
 
 GRPC_OPTIONS = [

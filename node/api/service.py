@@ -15,6 +15,7 @@ import math
 import os
 import re
 import struct
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Optional
@@ -30,6 +31,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,80}$")
 DERIVED_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,255}$")  # failure queues may be derived: "{queue}.failed"
 KEY_ID_RE = re.compile(r"^[a-f0-9]{12}$")
 SCOPES = ("send", "receive", "admin")
+RECEIVE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 # API setting name -> (internal field, to-internal, from-internal)
 SETTINGS = {
@@ -84,6 +86,10 @@ class Service:
         self.fwd = Forwarder(tls=engine.tls, current_primary=self._primary_address)
         self._id_prefix = os.urandom(8).hex()
         self._id_counter = 0
+        # (queue, receive id) -> (tokens it leased, or None once released; when, in us):
+        # what a receive that named itself handed out, so that a caller whose answer
+        # was lost can give it back (release_receive). Bounded by count and age.
+        self._receipts: OrderedDict = OrderedDict()
 
     @property
     def core(self):
@@ -361,15 +367,22 @@ class Service:
         return [Delivery(m.id, body, self.encode_token(lease), m.retry, expires, queue)
                 for (m, lease), body in zip(got, bodies)]
 
-    async def receive(self, p: Principal, queue: str, wait_s: float, max_n: int = 1) -> list:
+    async def receive(self, p: Principal, queue: str, wait_s: float, max_n: int = 1, receive_id: str = "") -> list:
+        """``receive_id``: optional, chosen by the caller and unique to this call; it
+        lets the caller give back what the call leased if the answer is lost on the
+        way (``release_receive``). A forwarding node always sets one."""
         if (a := self._remote(p)):
-            return await self.fwd.receive(a, p.auth, queue, wait_s, max_n)
+            return await self.fwd.receive(a, p.auth, queue, wait_s, max_n, receive_id,
+                                          release_for_s=self._lease_timeout_s(queue))
         self.check_name_any(queue)
         self.authorize(p, "receive", queue)
         self._queue(queue)
         wait_s = self._seconds(wait_s, "wait", 0.0, self.limits.wait_s_max)
         if not 1 <= max_n <= self.limits.batch_entries_max:
             raise errors.InvalidArgument(f"max messages must be 1..{self.limits.batch_entries_max}")
+        key = (queue, self._check_receive_id(receive_id)) if receive_id else None
+        if key is not None and key in self._receipts:
+            return []  # released (or answered) already: the caller gave up on this call
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
@@ -378,6 +391,9 @@ class Service:
             ev = self.engine.queue_event(queue)
             out = self._lease_out(queue, max_n) if self.engine.may_lease() else []
             if out:
+                if key is not None and not self._note_receipt(key, out):
+                    self.give_back([d.token for d in out])  # its caller released it while it waited
+                    return []
                 return out
             left = deadline - loop.time()
             if left <= 0:
@@ -412,10 +428,76 @@ class Service:
             raise errors.InvalidArgument("malformed lease token") from None
         return epoch, lease_id, nonce, queue
 
-    def give_back(self, tokens: list) -> int:
+    # ---------------------------------------------------- lost receive answers
+    def _check_receive_id(self, rid: str) -> str:
+        if not isinstance(rid, str) or not RECEIVE_ID_RE.match(rid):
+            raise errors.InvalidArgument("receive id must be 1-64 characters of [A-Za-z0-9._-]")
+        return rid
+
+    def _lease_timeout_s(self, queue: str) -> float:
+        q = self.core.queues.get(queue)
+        return q.settings["lease_timeout_us"] / US if q is not None else 30.0
+
+    def _trim_receipts(self, now: int) -> None:
+        r, lim = self._receipts, self.limits
+        cutoff = now - int(lim.receipt_age_s_max * US)
+        while r and (len(r) > lim.receipts_max or next(iter(r.values()))[1] < cutoff):
+            r.popitem(last=False)
+
+    def _note_receipt(self, key: tuple, out: list) -> bool:
+        """Remember what a named receive leased; False if it was released first."""
+        if key in self._receipts:
+            return False
+        now = self.engine.now_us()
+        self._receipts[key] = ([d.token for d in out], now)
+        self._trim_receipts(now)
+        return True
+
+    async def release_receive(self, p: Principal, queue: str, receive_id: str = "", tokens: tuple = ()) -> int:
+        """Give back what a receive handed out when its answer was lost on the way
+        (a connection that broke with the answer in flight, a forwarding node cut
+        off from the primary): by the receive's id, and/or by lease tokens. The
+        messages are visible again at once with their retry count unchanged. A
+        receive id released before its receive answered makes that receive give
+        back what it leases and answer empty. Only meant for answers that never
+        reached a consumer (a consumer that has a message nacks it)."""
+        if (a := self._remote(p)):
+            return await self.fwd.release_receive(a, p.auth, queue, receive_id, tokens)
+        self.check_name_any(queue)
+        self.authorize(p, "receive", queue)
+        if len(tokens) > self.limits.batch_entries_max:
+            raise errors.InvalidArgument(f"at most {self.limits.batch_entries_max} lease tokens")
+        give = list(tokens)
+        for t in give:
+            if self.decode_token(t)[3] != queue:
+                raise errors.InvalidArgument("lease token does not match the queue")
+        if receive_id:
+            key = (queue, self._check_receive_id(receive_id))
+            got = self._receipts.pop(key, None)
+            if got is not None and got[0]:
+                give += got[0]
+            now = self.engine.now_us()
+            self._receipts[key] = (None, now)  # a receive still waiting under this id gives back
+            self._trim_receipts(now)
+        return self.give_back(give)
+
+    def give_back(self, tokens: list, auth: Optional[str] = None) -> int:
         """Deliveries whose answer could not be sent: their messages are visible
         again at once with an unchanged retry count (see Core.release). Only the
-        primary holds leases; elsewhere this does nothing."""
+        primary holds leases: a node that forwarded the receive passes the tokens on
+        to the primary (when it has the caller's ``auth``)."""
+        e = self.engine
+        if e.cluster and e.role != "primary":
+            if auth is not None and tokens and (a := self._primary_address()):
+                by_queue: dict = {}
+                for t in tokens:
+                    try:
+                        by_queue.setdefault(self.decode_token(t)[3], []).append(t)
+                    except errors.SpoolerError:
+                        continue
+                for q, ts in by_queue.items():
+                    self.fwd.release_soon(a, auth, q, "", ts, self._lease_timeout_s(q))
+            return 0
         now, n = self.engine.now_us(), 0
         for token in tokens:
             try:

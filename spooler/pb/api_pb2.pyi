@@ -172,14 +172,32 @@ class SendBatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[SendResponse, _Mapping]]] = ..., run_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReceiveRequest(_message.Message):
-    __slots__ = ("queue", "wait_seconds", "max_messages")
+    __slots__ = ("queue", "wait_seconds", "max_messages", "receive_id")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_ID_FIELD_NUMBER: _ClassVar[int]
     queue: str
     wait_seconds: float
     max_messages: int
-    def __init__(self, queue: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., max_messages: _Optional[int] = ...) -> None: ...
+    receive_id: str
+    def __init__(self, queue: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., max_messages: _Optional[int] = ..., receive_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseReceiveRequest(_message.Message):
+    __slots__ = ("queue", "receive_id", "lease_tokens")
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    queue: str
+    receive_id: str
+    lease_tokens: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, queue: _Optional[str] = ..., receive_id: _Optional[str] = ..., lease_tokens: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseReceiveResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class Delivery(_message.Message):
     __slots__ = ("id", "body", "lease_token", "retry_count", "lease_expires_at", "queue")

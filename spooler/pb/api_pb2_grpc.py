@@ -79,6 +79,11 @@ class SpoolerStub:
                 request_serializer=spooler_dot_pb_dot_api__pb2.ReceiveRequest.SerializeToString,
                 response_deserializer=spooler_dot_pb_dot_api__pb2.ReceiveResponse.FromString,
                 _registered_method=True)
+        self.ReleaseReceive = channel.unary_unary(
+                '/spooler.v1.Spooler/ReleaseReceive',
+                request_serializer=spooler_dot_pb_dot_api__pb2.ReleaseReceiveRequest.SerializeToString,
+                response_deserializer=spooler_dot_pb_dot_api__pb2.ReleaseReceiveResponse.FromString,
+                _registered_method=True)
         self.Ack = channel.unary_unary(
                 '/spooler.v1.Spooler/Ack',
                 request_serializer=spooler_dot_pb_dot_api__pb2.LeaseRequest.SerializeToString,
@@ -183,6 +188,12 @@ class SpoolerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReceiveBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseReceive(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -295,6 +306,11 @@ def add_SpoolerServicer_to_server(servicer, server):
                     servicer.ReceiveBatch,
                     request_deserializer=spooler_dot_pb_dot_api__pb2.ReceiveRequest.FromString,
                     response_serializer=spooler_dot_pb_dot_api__pb2.ReceiveResponse.SerializeToString,
+            ),
+            'ReleaseReceive': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseReceive,
+                    request_deserializer=spooler_dot_pb_dot_api__pb2.ReleaseReceiveRequest.FromString,
+                    response_serializer=spooler_dot_pb_dot_api__pb2.ReleaseReceiveResponse.SerializeToString,
             ),
             'Ack': grpc.unary_unary_rpc_method_handler(
                     servicer.Ack,
@@ -590,6 +606,33 @@ class Spooler:
             '/spooler.v1.Spooler/ReceiveBatch',
             spooler_dot_pb_dot_api__pb2.ReceiveRequest.SerializeToString,
             spooler_dot_pb_dot_api__pb2.ReceiveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseReceive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spooler.v1.Spooler/ReleaseReceive',
+            spooler_dot_pb_dot_api__pb2.ReleaseReceiveRequest.SerializeToString,
+            spooler_dot_pb_dot_api__pb2.ReleaseReceiveResponse.FromString,
             options,
             channel_credentials,
             insecure,
