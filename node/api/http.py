@@ -96,6 +96,10 @@ def build_app(svc: Service, metrics) -> web.Application:
         raw = request.query.get("wait", "0")
         wait = svc.parse_seconds_header(raw, "wait", lim.wait_s_max)
         got = await svc.receive(p, request.match_info["queue"], wait, 1)
+        if got and (request.transport is None or request.transport.is_closing()):
+            # the client went away while it waited: nobody will read this answer
+            svc.give_back([d.token for d in got], p.auth)
+            return web.Response(status=204)
         if not got:
             return web.Response(status=204)
         d = got[0]

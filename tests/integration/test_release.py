@@ -204,3 +204,40 @@ def test_sdk_gives_back_a_receive_whose_answer_was_lost(node, sdk):
     with ch:
         got = stub.Receive(api_pb2.ReceiveRequest(queue="sdk"), metadata=_md(node.admin_key)).messages
         assert [(d.body, d.retry_count) for d in got] == [(b"lost", 0)]
+
+
+def _node_has_read(client: "socket.socket") -> bool:
+    """The node's end of ``client``'s connection has nothing left unread (its kernel
+    receive queue is empty, /proc/net/tcp), so the node has taken the request in."""
+    lport, rport = client.getsockname()[1], client.getpeername()[1]
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            local, remote, queues = cols[1], cols[2], cols[4]
+            if int(local.split(":")[1], 16) == rport and int(remote.split(":")[1], 16) == lport:
+                return int(queues.split(":")[1], 16) == 0
+    return False
+
+
+def test_http_receive_whose_client_went_away_gives_the_message_back(node):
+    """An HTTP long poll whose client disconnected while it waited: when a message
+    arrives the receive leases it, sees the connection gone, and gives it back."""
+    import socket
+
+    from nodeproc import wait_until
+
+    ch, stub = _stub(node)
+    with ch:
+        md = _md(node.admin_key)
+        _setup(stub, node.admin_key, "gone", [])
+        host, port = node.http_url[len("http://"):].rsplit(":", 1)
+        s = socket.create_connection((host, int(port)))
+        s.sendall(f"POST /v1/queues/gone/receive?wait=10 HTTP/1.1\r\nHost: x\r\n"
+                  f"Authorization: Bearer {node.admin_key}\r\nContent-Length: 0\r\n\r\n".encode())
+        wait_until(lambda: _node_has_read(s), 5, what="the node to read the request")
+        s.close()
+        stub.Send(api_pb2.SendRequest(queue="gone", body=b"m"), metadata=md)
+        wait_until(lambda: "gave back 1 leased message" in node.read_log(), 15, what="the give-back")
+        got = stub.Receive(api_pb2.ReceiveRequest(queue="gone"), metadata=md).messages
+        assert [(d.body, d.retry_count) for d in got] == [(b"m", 0)]
+        assert stub.GetQueue(api_pb2.QueueRequest(name="gone"), metadata=md).stats.lease_expired_total == 0
