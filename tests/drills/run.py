@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -114,6 +115,8 @@ def main(argv=None) -> int:
                     help="route node-to-node traffic through a fault proxy; the nemesis also partitions")
     ap.add_argument("--json", default=None, help="also write every report (JSON lines) to this file")
     args = ap.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the running drill's finally blocks end its nodes by pid
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     seeds = parse_seeds(args.seeds)
     root = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="spooler-drills-"))
