@@ -70,7 +70,9 @@ class Limits:
         self.max_retries_max = 1000
         self.session_requests_in_flight_max = 1024  # per gRPC Session stream (then it stops reading)
         self.receipts_max = 16_384          # named receives remembered for a lost-answer release
+        self.receipt_tokens_max = 65_536    # leases those remember, in all
         self.receipt_age_s_max = 120.0
+        self.releases_in_flight_max = 1024  # lost-answer releases a forwarding node retries at once
         for k, v in kw.items():
             if not hasattr(self, k):
                 raise TypeError(k)

@@ -225,8 +225,12 @@ class AsyncClient(Nodes):
         self._in_flight = 0
         self.send_rpcs = 0           # SendBatch RPCs made by auto-batching (observability, tests)
         self.session = _Session(self)
+        self._releases: set = set()   # releases of cancelled receives, still going
+        self._release_supported = True
 
     async def close(self) -> None:
+        if self._releases:  # each is one call with a short deadline
+            await asyncio.wait(list(self._releases), timeout=RELEASE_TIMEOUT_S + 0.5)
         self.session.close()
         for ch in self._old_channels + [self.channel]:
             await ch.close()
@@ -363,15 +367,24 @@ class AsyncClient(Nodes):
             if not isinstance(e, RECEIVE_DEFINITE):
                 await self._release(req)
             raise
+        except asyncio.CancelledError:  # our caller gave up: an answer may still come, unread
+            t = asyncio.ensure_future(self._release(req))
+            self._releases.add(t)
+            t.add_done_callback(self._releases.discard)
+            raise
         return [message_of(d) for d in r.messages]
 
     async def _release(self, req) -> None:
         """The answer of receive ``req`` may have been lost on the way: ask the node
         to give back whatever it leased for it (retry counts kept). One attempt; if it
         fails too, those leases expire as they would have."""
+        if not self._release_supported:
+            return
         try:
             await self.stub.ReleaseReceive(release_request(req), metadata=self.md, timeout=RELEASE_TIMEOUT_S)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._release_supported = False  # an older node: do not ask again
             log.info("could not release a receive whose answer was lost: %s", e.code())
 
     async def _settle_one(self, action: str, token: str, delay_s: float = 0.0):

@@ -56,6 +56,7 @@ class Client(Nodes):
         self._in_flight = 0
         self.send_rpcs = 0           # SendBatch RPCs made by auto-batching (observability, tests)
         self._pool = ThreadPoolExecutor(max_workers=batches_in_flight_max, thread_name_prefix="spooler-send")
+        self._release_supported = True
 
 
 
@@ -191,9 +192,13 @@ class Client(Nodes):
 
     def _release(self, req) -> None:
         """As AsyncClient._release: one attempt to give back a lost answer's leases."""
+        if not self._release_supported:
+            return
         try:
             self.stub.ReleaseReceive(release_request(req), metadata=self.md, timeout=RELEASE_TIMEOUT_S)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._release_supported = False  # an older node: do not ask again
             log.info("could not release a receive whose answer was lost: %s", e.code())
 
     def _settle(self, rpc, req):

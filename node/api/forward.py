@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import OrderedDict
 
 import grpc
 
@@ -21,11 +22,20 @@ FORWARDED = "spooler-forwarded"
 log = logging.getLogger("spooler.forward")
 # errors with which the primary answered a receive: it leased nothing
 _DEFINITE = (errors.InvalidArgument, errors.Unauthenticated, errors.Forbidden, errors.QueueNotFound)
+# answers after which retrying a release is pointless (an older primary has no ReleaseReceive)
+_FINAL = _DEFINITE + (errors.MethodNotAllowed, errors.NotFound)
+NAMES_MAX = 16_384  # forwarded receive names remembered (by caller name, by token)
+
+
+def _put(d: OrderedDict, k, v, cap: int) -> None:
+    d[k] = v
+    while len(d) > cap:
+        d.popitem(last=False)
 _ACTIONS = {"ack": api_pb2.SETTLE_ACK, "nack": api_pb2.SETTLE_NACK, "renew": api_pb2.SETTLE_RENEW}
 
 
 class Forwarder:
-    def __init__(self, timeout_s: float = 10.0, tls=None, current_primary=None):
+    def __init__(self, timeout_s: float = 10.0, tls=None, current_primary=None, releases_max: int = 1024):
         """current_primary: callable -> the address this node now takes for the primary's
         (a forwarded call to a primary that was replaced meanwhile is cut short)."""
         self.timeout_s = timeout_s
@@ -33,6 +43,9 @@ class Forwarder:
         self.current_primary = current_primary or (lambda: None)
         self._stubs: dict = {}
         self._releases: set = set()  # running release_soon tasks (held: asyncio keeps weak refs)
+        self.releases_max = releases_max
+        self._caller_names: OrderedDict = OrderedDict()  # (auth, queue, caller's name) -> ours
+        self._token_names: OrderedDict = OrderedDict()   # lease token -> (queue, our name)
 
     def stub(self, address: str):
         s = self._stubs.get(address)
@@ -97,51 +110,66 @@ class Forwarder:
                 for x in send_outcomes(r)]
 
     async def receive(self, a, auth, queue, wait_s, max_n, receive_id="", release_for_s=30.0):
-        """Named (a receive id: the caller's, else a new one), so that when the answer
-        does not come back, whatever the primary leased for it is given back
-        (release_soon) instead of expiring into a retry."""
+        """Named with a name of this node's own (never the caller's: a caller that
+        resends the same request elsewhere must not have its new leases released
+        by ours), so that when the answer does not come back, whatever the primary
+        leased for it is given back (release_soon) instead of expiring into a
+        retry. The caller's name maps to ours, for its own release through us."""
         from node.api.service import Delivery
-        rid = receive_id or os.urandom(12).hex()
+        rid = os.urandom(12).hex()
+        if receive_id:
+            _put(self._caller_names, (auth, queue, receive_id), rid, NAMES_MAX)
         try:
             r = await self.call(a, "ReceiveBatch", api_pb2.ReceiveRequest(
                 queue=queue, wait_seconds=wait_s, max_messages=max_n, receive_id=rid), auth, False, extra_s=wait_s)
         except BaseException as e:  # CancelledError too: our own caller went away
             if not isinstance(e, _DEFINITE):
-                self.release_soon(a, auth, queue, rid, (), release_for_s)
+                self.release_soon(a, auth, queue, rid, release_for_s)
             raise
+        for d in r.messages:
+            _put(self._token_names, d.lease_token, (queue, rid), NAMES_MAX)
         return [Delivery(d.id, d.body, d.lease_token, d.retry_count, d.lease_expires_at, d.queue) for d in r.messages]
 
-    async def release_receive(self, a, auth, queue, receive_id, tokens):
+    def names_of(self, tokens) -> set:
+        """The (queue, name) of the forwarded receives that handed out ``tokens``."""
+        return {n for t in tokens if (n := self._token_names.get(t)) is not None}
+
+    async def release_receive(self, a, auth, queue, receive_id):
+        rid = self._caller_names.pop((auth, queue, receive_id), receive_id)
         r = await self.call(a, "ReleaseReceive", api_pb2.ReleaseReceiveRequest(
-            queue=queue, receive_id=receive_id, lease_tokens=tokens), auth, False)
+            queue=queue, receive_id=rid), auth, False)
         return r.released
 
-    def release_soon(self, a, auth, queue, receive_id, tokens, for_s: float) -> None:
+    def release_soon(self, a, auth, queue, receive_id, for_s: float) -> None:
         """In the background, tell primary ``a`` to give back a receive's leases, retrying
         until it answers, another primary takes over (its leases are then stale and the
-        messages visible again anyway) or ``for_s`` (the queue's lease timeout: by then
-        the leases have expired) has passed."""
-        t = asyncio.ensure_future(self._release(a, auth, queue, receive_id, list(tokens), for_s))
+        messages visible again anyway) or ``for_s`` has passed (by then the leases
+        have expired, or the primary has forgotten the name)."""
+        if len(self._releases) >= self.releases_max:
+            log.warning("%d lost-answer releases already pending: this one is dropped (its leases will expire)",
+                        len(self._releases))
+            return
+        t = asyncio.ensure_future(self._release(a, auth, queue, receive_id, for_s))
         self._releases.add(t)
         t.add_done_callback(self._releases.discard)
 
-    async def _release(self, a, auth, queue, receive_id, tokens, for_s) -> None:
+    async def _release(self, a, auth, queue, receive_id, for_s) -> None:
         loop = asyncio.get_running_loop()
         end, pause = loop.time() + for_s, 0.02
         while self.current_primary() == a:
             try:
                 n = await self.call(a, "ReleaseReceive", api_pb2.ReleaseReceiveRequest(
-                    queue=queue, receive_id=receive_id, lease_tokens=tokens), auth, False,
+                    queue=queue, receive_id=receive_id), auth, False,
                     timeout_s=max(0.05, min(2.0, end - loop.time())))
                 if n.released:
                     log.info("primary gave back %d lease(s) of a receive whose answer was lost", n.released)
                 return
             except errors.SpoolerError as e:
-                if isinstance(e, _DEFINITE):
+                if isinstance(e, _FINAL):
                     log.warning("release of a lost receive answer refused: %s", e)
                     return
             if loop.time() + pause >= end:
-                log.warning("could not give back a lost receive answer's leases before they expire")
+                log.warning("could not give back a lost receive answer's leases in time")
                 return
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.5)

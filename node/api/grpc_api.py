@@ -184,7 +184,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
 
     @rpc
     async def ReleaseReceive(self, p, req, ctx):
-        n = await self.svc.release_receive(p, req.queue, req.receive_id, tuple(req.lease_tokens))
+        n = await self.svc.release_receive(p, req.queue, req.receive_id)
         return api_pb2.ReleaseReceiveResponse(released=n)
 
     def _give_back_if_lost(self, ctx, p, tokens: list) -> None:

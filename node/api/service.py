@@ -83,13 +83,16 @@ class Service:
         self.limits = engine.limits
         self._admin = [hashlib.sha256(k.encode()).digest() for k in admin_keys if k]
         from node.api.forward import Forwarder
-        self.fwd = Forwarder(tls=engine.tls, current_primary=self._primary_address)
+        self.fwd = Forwarder(tls=engine.tls, current_primary=self._primary_address,
+                             releases_max=engine.limits.releases_in_flight_max)
         self._id_prefix = os.urandom(8).hex()
         self._id_counter = 0
-        # (queue, receive id) -> (tokens it leased, or None once released; when, in us):
-        # what a receive that named itself handed out, so that a caller whose answer
-        # was lost can give it back (release_receive). Bounded by count and age.
+        # (caller, queue, receive id) -> (tokens it leased, or None once released;
+        # when, in us): what a receive that named itself handed out, so that the
+        # caller, if the answer was lost, can give it back (release_receive).
+        # Bounded by names, tokens and age.
         self._receipts: OrderedDict = OrderedDict()
+        self._receipt_tokens = 0
 
     @property
     def core(self):
@@ -373,16 +376,18 @@ class Service:
         way (``release_receive``). A forwarding node always sets one."""
         if (a := self._remote(p)):
             return await self.fwd.receive(a, p.auth, queue, wait_s, max_n, receive_id,
-                                          release_for_s=self._lease_timeout_s(queue))
+                                          release_for_s=self._release_for_s(queue))
         self.check_name_any(queue)
         self.authorize(p, "receive", queue)
         self._queue(queue)
         wait_s = self._seconds(wait_s, "wait", 0.0, self.limits.wait_s_max)
         if not 1 <= max_n <= self.limits.batch_entries_max:
             raise errors.InvalidArgument(f"max messages must be 1..{self.limits.batch_entries_max}")
-        key = (queue, self._check_receive_id(receive_id)) if receive_id else None
+        key = (self._caller(p), queue, self._check_receive_id(receive_id)) if receive_id else None
         if key is not None and key in self._receipts:
-            return []  # released (or answered) already: the caller gave up on this call
+            if self._receipts[key][0] is not None:
+                raise errors.InvalidArgument("receive id already used: name every receive afresh")
+            return []  # released before it got here: its caller gave up on it
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
@@ -434,15 +439,26 @@ class Service:
             raise errors.InvalidArgument("receive id must be 1-64 characters of [A-Za-z0-9._-]")
         return rid
 
-    def _lease_timeout_s(self, queue: str) -> float:
+    def _release_for_s(self, queue: str) -> float:
+        """How long a forwarding node keeps trying to release a lost answer: until
+        the leases would have expired anyway, and no longer than a primary
+        remembers a receive's name."""
         q = self.core.queues.get(queue)
-        return q.settings["lease_timeout_us"] / US if q is not None else 30.0
+        lease_s = q.settings["lease_timeout_us"] / US if q is not None else 30.0
+        return min(lease_s, self.limits.receipt_age_s_max)
+
+    @staticmethod
+    def _caller(p: Principal) -> str:
+        """Whose receive names are whose: a key's id, else a digest of the key."""
+        return p.key_id or hashlib.sha256(p.auth.encode()).hexdigest()[:24]
 
     def _trim_receipts(self, now: int) -> None:
         r, lim = self._receipts, self.limits
         cutoff = now - int(lim.receipt_age_s_max * US)
-        while r and (len(r) > lim.receipts_max or next(iter(r.values()))[1] < cutoff):
-            r.popitem(last=False)
+        while r and (len(r) > lim.receipts_max or self._receipt_tokens > lim.receipt_tokens_max
+                     or next(iter(r.values()))[1] < cutoff):
+            tokens, _ = r.popitem(last=False)[1]
+            self._receipt_tokens -= len(tokens or ())
 
     def _note_receipt(self, key: tuple, out: list) -> bool:
         """Remember what a named receive leased; False if it was released first."""
@@ -450,53 +466,40 @@ class Service:
             return False
         now = self.engine.now_us()
         self._receipts[key] = ([d.token for d in out], now)
+        self._receipt_tokens += len(out)
         self._trim_receipts(now)
         return True
 
-    async def release_receive(self, p: Principal, queue: str, receive_id: str = "", tokens: tuple = ()) -> int:
-        """Give back what a receive handed out when its answer was lost on the way
-        (a connection that broke with the answer in flight, a forwarding node cut
-        off from the primary): by the receive's id, and/or by lease tokens. The
-        messages are visible again at once with their retry count unchanged. A
-        receive id released before its receive answered makes that receive give
-        back what it leases and answer empty. Only meant for answers that never
-        reached a consumer (a consumer that has a message nacks it)."""
+    async def release_receive(self, p: Principal, queue: str, receive_id: str) -> int:
+        """Give back what a named receive handed out when its answer was lost on the
+        way (a connection that broke with the answer in flight, a forwarding node
+        cut off from the primary): its messages are visible again at once with
+        their retry count unchanged. Only the caller that made the receive can
+        release it. A name released before its receive answered makes that receive
+        give back what it leases and answer empty. Only for answers that never
+        reached a consumer: a consumer that has a message nacks it."""
         if (a := self._remote(p)):
-            return await self.fwd.release_receive(a, p.auth, queue, receive_id, tokens)
+            return await self.fwd.release_receive(a, p.auth, queue, receive_id)
         self.check_name_any(queue)
         self.authorize(p, "receive", queue)
-        if len(tokens) > self.limits.batch_entries_max:
-            raise errors.InvalidArgument(f"at most {self.limits.batch_entries_max} lease tokens")
-        give = list(tokens)
-        for t in give:
-            if self.decode_token(t)[3] != queue:
-                raise errors.InvalidArgument("lease token does not match the queue")
-        if receive_id:
-            key = (queue, self._check_receive_id(receive_id))
-            got = self._receipts.pop(key, None)
-            if got is not None and got[0]:
-                give += got[0]
-            now = self.engine.now_us()
-            self._receipts[key] = (None, now)  # a receive still waiting under this id gives back
-            self._trim_receipts(now)
-        return self.give_back(give)
+        key = (self._caller(p), queue, self._check_receive_id(receive_id))
+        tokens, _ = self._receipts.pop(key, (None, 0))
+        self._receipt_tokens -= len(tokens or ())
+        now = self.engine.now_us()
+        self._receipts[key] = (None, now)  # a receive still on its way under this name gives back
+        self._trim_receipts(now)
+        return self.give_back(tokens or [])
 
     def give_back(self, tokens: list, auth: Optional[str] = None) -> int:
         """Deliveries whose answer could not be sent: their messages are visible
         again at once with an unchanged retry count (see Core.release). Only the
-        primary holds leases: a node that forwarded the receive passes the tokens on
-        to the primary (when it has the caller's ``auth``)."""
+        primary holds leases: a node that forwarded the receive releases it there
+        by the name it gave it (when it has the caller's ``auth``)."""
         e = self.engine
         if e.cluster and e.role != "primary":
             if auth is not None and tokens and (a := self._primary_address()):
-                by_queue: dict = {}
-                for t in tokens:
-                    try:
-                        by_queue.setdefault(self.decode_token(t)[3], []).append(t)
-                    except errors.SpoolerError:
-                        continue
-                for q, ts in by_queue.items():
-                    self.fwd.release_soon(a, auth, q, "", ts, self._lease_timeout_s(q))
+                for queue, rid in self.fwd.names_of(tokens):
+                    self.fwd.release_soon(a, auth, queue, rid, self._release_for_s(queue))
             return 0
         now, n = self.engine.now_us(), 0
         for token in tokens:

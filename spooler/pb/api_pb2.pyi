@@ -184,14 +184,12 @@ class ReceiveRequest(_message.Message):
     def __init__(self, queue: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., max_messages: _Optional[int] = ..., receive_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseReceiveRequest(_message.Message):
-    __slots__ = ("queue", "receive_id", "lease_tokens")
+    __slots__ = ("queue", "receive_id")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_ID_FIELD_NUMBER: _ClassVar[int]
-    LEASE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     queue: str
     receive_id: str
-    lease_tokens: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, queue: _Optional[str] = ..., receive_id: _Optional[str] = ..., lease_tokens: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, queue: _Optional[str] = ..., receive_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseReceiveResponse(_message.Message):
     __slots__ = ("released",)

@@ -34,31 +34,43 @@ def _kind(e: grpc.RpcError) -> str:
 def test_release_by_receive_id_gives_back_with_the_retry_count_kept(node):
     ch, stub = _stub(node)
     with ch:
+        md = _md(node.admin_key)
         _setup(stub, node.admin_key, "rel", [b"a", b"b"])
         got = stub.ReceiveBatch(api_pb2.ReceiveRequest(queue="rel", max_messages=2, receive_id="r-1"),
-                                metadata=_md(node.admin_key)).messages
+                                metadata=md).messages
         assert [d.body for d in got] == [b"a", b"b"]
-        r = stub.ReleaseReceive(api_pb2.ReleaseReceiveRequest(queue="rel", receive_id="r-1"),
-                                metadata=_md(node.admin_key))
+        # another key with the receive scope cannot release this caller's receive
+        other = stub.CreateKey(api_pb2.CreateKeyRequest(queue="rel", scopes=["receive"]), metadata=md).key
+        r = stub.ReleaseReceive(api_pb2.ReleaseReceiveRequest(queue="rel", receive_id="r-1"), metadata=_md(other))
+        assert r.released == 0
+        r = stub.ReleaseReceive(api_pb2.ReleaseReceiveRequest(queue="rel", receive_id="r-1"), metadata=md)
         assert r.released == 2
         # visible again at once (the lease timeout is 60 s), with no retry counted
-        again = stub.ReceiveBatch(api_pb2.ReceiveRequest(queue="rel", max_messages=2),
-                                  metadata=_md(node.admin_key)).messages
+        again = stub.ReceiveBatch(api_pb2.ReceiveRequest(queue="rel", max_messages=2), metadata=md).messages
         assert [(d.body, d.retry_count) for d in again] == [(b"a", 0), (b"b", 0)]
         # the old tokens are dead: an ack with one is stale
         with pytest.raises(grpc.RpcError) as ei:
-            stub.Ack(api_pb2.LeaseRequest(token=got[0].lease_token), metadata=_md(node.admin_key))
+            stub.Ack(api_pb2.LeaseRequest(token=got[0].lease_token), metadata=md)
         assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         # releasing again finds nothing (the leases of `again` are not that receive's)
-        r = stub.ReleaseReceive(api_pb2.ReleaseReceiveRequest(queue="rel", receive_id="r-1"),
-                                metadata=_md(node.admin_key))
+        r = stub.ReleaseReceive(api_pb2.ReleaseReceiveRequest(queue="rel", receive_id="r-1"), metadata=md)
         assert r.released == 0
-        # by tokens
-        r = stub.ReleaseReceive(api_pb2.ReleaseReceiveRequest(queue="rel", lease_tokens=[again[1].lease_token]),
-                                metadata=_md(node.admin_key))
-        assert r.released == 1
-        last = stub.Receive(api_pb2.ReceiveRequest(queue="rel"), metadata=_md(node.admin_key)).messages
-        assert [(d.body, d.retry_count) for d in last] == [(b"b", 0)]
+        stub.Ack(api_pb2.LeaseRequest(token=again[0].lease_token), metadata=md)
+
+
+def test_a_receive_name_is_for_one_call(node):
+    ch, stub = _stub(node)
+    with ch:
+        md = _md(node.admin_key)
+        _setup(stub, node.admin_key, "once", [b"a", b"b"])
+        got = stub.Receive(api_pb2.ReceiveRequest(queue="once", receive_id="n-1"), metadata=md).messages
+        assert [d.body for d in got] == [b"a"]
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.Receive(api_pb2.ReceiveRequest(queue="once", receive_id="n-1"), metadata=md)
+        assert _kind(ei.value) == "invalid_argument"
+        # the refused call leased nothing: b is still there
+        got = stub.Receive(api_pb2.ReceiveRequest(queue="once"), metadata=md).messages
+        assert [(d.body, d.retry_count) for d in got] == [(b"b", 0)]
 
 
 def test_a_receive_released_before_it_answers_leases_nothing(node):
@@ -97,8 +109,8 @@ def test_release_checks_its_input_and_scope(node):
         got = stub.Receive(api_pb2.ReceiveRequest(queue="chk"), metadata=md).messages
         for bad in (api_pb2.ReleaseReceiveRequest(queue="chk", receive_id="no spaces"),
                     api_pb2.ReleaseReceiveRequest(queue="chk", receive_id="x" * 65),
-                    api_pb2.ReleaseReceiveRequest(queue="other", lease_tokens=[got[0].lease_token]),
-                    api_pb2.ReleaseReceiveRequest(queue="chk", lease_tokens=["garbage"])):
+                    api_pb2.ReleaseReceiveRequest(queue="chk"),
+                    api_pb2.ReleaseReceiveRequest(queue="bad queue", receive_id="x")):
             with pytest.raises(grpc.RpcError) as ei:
                 stub.ReleaseReceive(bad, metadata=md)
             assert _kind(ei.value) == "invalid_argument", bad
@@ -107,8 +119,7 @@ def test_release_checks_its_input_and_scope(node):
         assert _kind(ei.value) == "invalid_argument"
         key = stub.CreateKey(api_pb2.CreateKeyRequest(queue="chk", scopes=["send"]), metadata=md).key
         with pytest.raises(grpc.RpcError) as ei:
-            stub.ReleaseReceive(api_pb2.ReleaseReceiveRequest(queue="chk", lease_tokens=[got[0].lease_token]),
-                                metadata=_md(key))
+            stub.ReleaseReceive(api_pb2.ReleaseReceiveRequest(queue="chk", receive_id="x"), metadata=_md(key))
         assert _kind(ei.value) == "forbidden"
         # nothing was given back by the refused calls: the lease still holds
         assert stub.Receive(api_pb2.ReceiveRequest(queue="chk"), metadata=md).messages == []
@@ -134,7 +145,7 @@ def test_forwarder_gives_back_a_receive_whose_answer_was_lost(node):
             assert (await f.get_queue(via, f"Bearer {node.admin_key}", "fw"))["name"] == "fw"
             px.set_link("fwd", "primary", "one_way_reverse")
             with pytest.raises((errors.Unavailable, errors.OperationUnconfirmed)):
-                await f.receive(via, f"Bearer {node.admin_key}", "fw", 0.0, 1, release_for_s=30.0)
+                await f.receive(via, f"Bearer {node.admin_key}", "fw", 0.0, 1, "caller-1", release_for_s=30.0)
             assert len(f._releases) == 1  # retrying in the background through the faulted link
             px.heal()
             await asyncio.wait_for(asyncio.gather(*f._releases), 20)
@@ -142,15 +153,38 @@ def test_forwarder_gives_back_a_receive_whose_answer_was_lost(node):
         asyncio.run(main())
     ch, stub = _stub(node)
     with ch:
-        got = stub.Receive(api_pb2.ReceiveRequest(queue="fw"), metadata=_md(node.admin_key)).messages
+        # the forwarder released a name of its own: the caller's name is untouched, so the
+        # caller resending its request straight to the primary gets the message (and no
+        # late release of the forwarder's can take it away)
+        got = stub.Receive(api_pb2.ReceiveRequest(queue="fw", receive_id="caller-1"),
+                           metadata=_md(node.admin_key)).messages
         assert [(d.body, d.retry_count) for d in got] == [(b"lost", 0)]
 
 
-def test_a_replica_passes_given_back_tokens_on_to_the_primary():
+def test_forwarder_release_gives_up_on_a_final_answer_and_is_bounded():
+    calls = []
+
+    async def main():
+        f = Forwarder(current_primary=lambda: "p:1", releases_max=2)
+
+        async def refuse(*a, **kw):
+            calls.append(a[1])
+            raise errors.MethodNotAllowed("unknown method")  # an older primary: no ReleaseReceive
+        f.call = refuse
+        for i in range(3):
+            f.release_soon("p:1", "Bearer k", "q", f"n{i}", 30.0)
+        assert len(f._releases) == 2  # the third was dropped
+        await asyncio.wait_for(asyncio.gather(*f._releases), 5)
+    asyncio.run(main())
+    assert calls == ["ReleaseReceive", "ReleaseReceive"]  # one call each: no retrying
+
+
+def test_a_replica_releases_given_back_tokens_on_the_primary_by_its_names():
     """A receive forwarded by a replica whose own caller went away: the leases live on
-    the primary, so the replica sends the tokens there (grouped by queue)."""
+    the primary, so the replica releases there the names it gave those receives."""
     from types import SimpleNamespace
 
+    from node.api.forward import NAMES_MAX, _put
     from node.api.service import Service
     from node.engine import Limits
 
@@ -160,13 +194,41 @@ def test_a_replica_passes_given_back_tokens_on_to_the_primary():
     svc = Service(engine, ["k"])
     calls = []
     svc.fwd.release_soon = lambda *a: calls.append(a)
-    lease = lambda q, i: SimpleNamespace(epoch=3, id=i, nonce=b"n" * 8, queue=q)  # noqa: E731
-    tokens = [svc.encode_token(lease("a", 1)), svc.encode_token(lease("b", 2)), svc.encode_token(lease("a", 3))]
-    assert svc.give_back(tokens + ["garbage"], "Bearer k") == 0
-    assert sorted((c[0], c[1], c[2], c[4]) for c in calls) == [
-        ("10.0.0.1:1", "Bearer k", "a", [tokens[0], tokens[2]]), ("10.0.0.1:1", "Bearer k", "b", [tokens[1]])]
+    for token, name in (("t1", ("a", "f1")), ("t2", ("b", "f2")), ("t3", ("a", "f1"))):
+        _put(svc.fwd._token_names, token, name, NAMES_MAX)
+    assert svc.give_back(["t1", "t2", "t3", "unknown"], "Bearer k") == 0
+    assert sorted(c[:4] for c in calls) == [("10.0.0.1:1", "Bearer k", "a", "f1"),
+                                            ("10.0.0.1:1", "Bearer k", "b", "f2")]
     calls.clear()
-    assert svc.give_back(tokens) == 0 and calls == []  # without the caller's key: nothing to send it with
+    assert svc.give_back(["t1"]) == 0 and calls == []  # without the caller's key: nothing to send it with
+
+
+def test_async_sdk_releases_a_receive_its_caller_cancelled(node):
+    """A receive cancelled by its caller (asyncio.wait_for) whose answer is on its way:
+    the SDK releases it in the background; close() waits for that."""
+    from spooler import AsyncClient
+
+    ch, stub = _stub(node)
+    with ch:
+        _setup(stub, node.admin_key, "cancel", [])
+    host, port = node.grpc_target.rsplit(":", 1)
+    with FaultProxy(["sdk", "node"]) as px:
+        px.set_target("node", host, int(port))
+        via = f"127.0.0.1:{px.port('sdk', 'node')}"
+
+        async def main():
+            async with AsyncClient(via, node.admin_key, timeout_s=5.0, retry_attempts=1) as c:
+                assert await c.receive("cancel") == []
+                await c.send("cancel", b"m")
+                px.set_link("sdk", "node", "one_way_reverse")  # the answer will not arrive
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(c.receive("cancel"), 0.5)
+                assert len(c._releases) == 1
+        asyncio.run(main())
+    ch, stub = _stub(node)
+    with ch:
+        got = stub.Receive(api_pb2.ReceiveRequest(queue="cancel"), metadata=_md(node.admin_key)).messages
+        assert [(d.body, d.retry_count) for d in got] == [(b"m", 0)]
 
 
 @pytest.mark.parametrize("sdk", ["async", "sync"])
