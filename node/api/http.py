@@ -38,8 +38,37 @@ async def _read_json(request: web.Request):
         raise errors.InvalidArgument("body is not valid JSON") from None
 
 
+def json_protocol_errors() -> None:
+    """Requests aiohttp cannot parse (a malformed request line, oversized headers)
+    never reach a route: aiohttp answers them itself, in plain text. Make those
+    answers speak the contract too: a JSON body of the error table's kinds (400
+    ``invalid_argument``; anything else ``internal``). aiohttp has no hook for
+    this, so its protocol handler's error method is wrapped, once per process."""
+    from aiohttp import web_protocol
+
+    cls = web_protocol.RequestHandler
+    if getattr(cls.handle_error, "_spooler", False):
+        return
+    plain = cls.handle_error
+
+    def handle_error(self, request, status=500, exc=None, message=None):
+        resp = plain(self, request, status, exc, message)
+        if 400 <= resp.status < 500:
+            e = errors.InvalidArgument(f"malformed HTTP request: {message or resp.reason}"[:300])
+        else:
+            e = errors.Internal("internal error")
+        out = web.Response(status=resp.status if resp.status in (400, 413, 431) else e.http_status,
+                           body=errors.http_body(e), content_type=JSON)
+        out.force_close()
+        return out
+
+    handle_error._spooler = True
+    cls.handle_error = handle_error
+
+
 def build_app(svc: Service, metrics) -> web.Application:
     lim = svc.limits
+    json_protocol_errors()
     # Bodies beyond this never reach a handler (413); a single message is
     # checked against body_bytes_max before it is read.
     app = web.Application(client_max_size=lim.body_bytes_max + 1, middlewares=[_errors_mw(metrics)])

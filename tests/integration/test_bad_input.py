@@ -282,6 +282,10 @@ def test_raw_socket_garbage(seeded, payload):
     if data:
         status = int(data.split(b" ", 2)[1])
         assert 400 <= status < 500, data[:300]
+        # even what aiohttp answers before any route runs speaks the error table
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert b"application/json" in head.lower(), data[:300]
+        assert json.loads(body)["kind"] in KINDS, data[:300]
     assert_alive(node, api)
 
 
