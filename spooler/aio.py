@@ -227,10 +227,12 @@ class AsyncClient(Nodes):
         self.session = _Session(self)
         self._releases: set = set()   # releases of cancelled receives, still going
         self._release_supported = True
+        self._closed = False
 
     async def close(self) -> None:
         if self._releases:  # each is one call with a short deadline
             await asyncio.wait(list(self._releases), timeout=RELEASE_TIMEOUT_S + 0.5)
+        self._closed = True
         self.session.close()
         for ch in self._old_channels + [self.channel]:
             await ch.close()
@@ -378,7 +380,7 @@ class AsyncClient(Nodes):
         """The answer of receive ``req`` may have been lost on the way: ask the node
         to give back whatever it leased for it (retry counts kept). One attempt; if it
         fails too, those leases expire as they would have."""
-        if not self._release_supported:
+        if not self._release_supported or self._closed:
             return
         try:
             await self.stub.ReleaseReceive(release_request(req), metadata=self.md, timeout=RELEASE_TIMEOUT_S)
@@ -386,6 +388,8 @@ class AsyncClient(Nodes):
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self._release_supported = False  # an older node: do not ask again
             log.info("could not release a receive whose answer was lost: %s", e.code())
+        except Exception as e:  # noqa: BLE001 - e.g. the channel closed meanwhile: never replace the receive's error
+            log.info("could not release a receive whose answer was lost: %r", e)
 
     async def _settle_one(self, action: str, token: str, delay_s: float = 0.0):
         """One ack/nack/renew: a one-item SettleBatch on the session (the unary

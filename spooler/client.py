@@ -200,6 +200,8 @@ class Client(Nodes):
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self._release_supported = False  # an older node: do not ask again
             log.info("could not release a receive whose answer was lost: %s", e.code())
+        except Exception as e:  # noqa: BLE001 - e.g. the channel closed meanwhile: never replace the receive's error
+            log.info("could not release a receive whose answer was lost: %r", e)
 
     def _settle(self, rpc, req):
         state = {"maybe_landed": False}  # an earlier attempt's outcome is unknown

@@ -24,7 +24,7 @@ log = logging.getLogger("spooler.forward")
 _DEFINITE = (errors.InvalidArgument, errors.Unauthenticated, errors.Forbidden, errors.QueueNotFound)
 # answers after which retrying a release is pointless (an older primary has no ReleaseReceive)
 _FINAL = _DEFINITE + (errors.MethodNotAllowed, errors.NotFound)
-NAMES_MAX = 16_384  # forwarded receive names remembered (by caller name, by token)
+NAMES_MAX = 65_536  # tokens of forwarded answers remembered with the name of their receive
 
 
 def _put(d: OrderedDict, k, v, cap: int) -> None:
@@ -44,7 +44,6 @@ class Forwarder:
         self._stubs: dict = {}
         self._releases: set = set()  # running release_soon tasks (held: asyncio keeps weak refs)
         self.releases_max = releases_max
-        self._caller_names: OrderedDict = OrderedDict()  # (auth, queue, caller's name) -> ours
         self._token_names: OrderedDict = OrderedDict()   # lease token -> (queue, our name)
 
     def stub(self, address: str):
@@ -114,14 +113,14 @@ class Forwarder:
         resends the same request elsewhere must not have its new leases released
         by ours), so that when the answer does not come back, whatever the primary
         leased for it is given back (release_soon) instead of expiring into a
-        retry. The caller's name maps to ours, for its own release through us."""
+        retry. The caller's own name goes along: the primary names the call by
+        both, so the caller can release it at any node."""
         from node.api.service import Delivery
         rid = os.urandom(12).hex()
-        if receive_id:
-            _put(self._caller_names, (auth, queue, receive_id), rid, NAMES_MAX)
         try:
             r = await self.call(a, "ReceiveBatch", api_pb2.ReceiveRequest(
-                queue=queue, wait_seconds=wait_s, max_messages=max_n, receive_id=rid), auth, False, extra_s=wait_s)
+                queue=queue, wait_seconds=wait_s, max_messages=max_n, receive_id=rid,
+                caller_receive_id=receive_id), auth, False, extra_s=wait_s)
         except BaseException as e:  # CancelledError too: our own caller went away
             if not isinstance(e, _DEFINITE):
                 self.release_soon(a, auth, queue, rid, release_for_s)
@@ -135,9 +134,11 @@ class Forwarder:
         return {n for t in tokens if (n := self._token_names.get(t)) is not None}
 
     async def release_receive(self, a, auth, queue, receive_id):
-        rid = self._caller_names.pop((auth, queue, receive_id), receive_id)
-        r = await self.call(a, "ReleaseReceive", api_pb2.ReleaseReceiveRequest(
-            queue=queue, receive_id=rid), auth, False)
+        try:
+            r = await self.call(a, "ReleaseReceive", api_pb2.ReleaseReceiveRequest(
+                queue=queue, receive_id=receive_id), auth, False)
+        except errors.MethodNotAllowed:  # an older primary: not this caller's failure for good
+            raise errors.Unavailable("the primary cannot release receives yet", retry_after_s=1.0) from None
         return r.released
 
     def release_soon(self, a, auth, queue, receive_id, for_s: float) -> None:

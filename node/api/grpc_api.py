@@ -73,7 +73,8 @@ async def _send_batch(svc: Service, p, req, out=None) -> api_pb2.SendBatchRespon
 
 
 async def _receive_batch(svc: Service, p, req, out=None) -> api_pb2.ReceiveResponse:
-    got = await svc.receive(p, req.queue, req.wait_seconds, req.max_messages or 1, req.receive_id)
+    got = await svc.receive(p, req.queue, req.wait_seconds, req.max_messages or 1, req.receive_id,
+                            req.caller_receive_id)
     out = api_pb2.ReceiveResponse() if out is None else out
     out.messages.extend([_delivery_pb(d) for d in got])
     return out
@@ -172,7 +173,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
 
     @rpc
     async def Receive(self, p, req, ctx):
-        got = await self.svc.receive(p, req.queue, req.wait_seconds, 1, req.receive_id)
+        got = await self.svc.receive(p, req.queue, req.wait_seconds, 1, req.receive_id, req.caller_receive_id)
         self._give_back_if_lost(ctx, p, [d.token for d in got])
         return api_pb2.ReceiveResponse(messages=[_delivery_pb(d) for d in got])
 

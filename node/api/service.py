@@ -370,11 +370,16 @@ class Service:
         return [Delivery(m.id, body, self.encode_token(lease), m.retry, expires, queue)
                 for (m, lease), body in zip(got, bodies)]
 
-    async def receive(self, p: Principal, queue: str, wait_s: float, max_n: int = 1, receive_id: str = "") -> list:
+    async def receive(self, p: Principal, queue: str, wait_s: float, max_n: int = 1, receive_id: str = "",
+                      caller_receive_id: str = "") -> list:
         """``receive_id``: optional, chosen by the caller and unique to this call; it
         lets the caller give back what the call leased if the answer is lost on the
-        way (``release_receive``). A forwarding node always sets one."""
+        way (``release_receive``). A forwarding node names the call with a name of
+        its own and passes the caller's on as ``caller_receive_id``."""
         if (a := self._remote(p)):
+            self.check_name_any(queue)
+            if receive_id:
+                self._check_receive_id(receive_id)
             return await self.fwd.receive(a, p.auth, queue, wait_s, max_n, receive_id,
                                           release_for_s=self._release_for_s(queue))
         self.check_name_any(queue)
@@ -383,11 +388,12 @@ class Service:
         wait_s = self._seconds(wait_s, "wait", 0.0, self.limits.wait_s_max)
         if not 1 <= max_n <= self.limits.batch_entries_max:
             raise errors.InvalidArgument(f"max messages must be 1..{self.limits.batch_entries_max}")
-        key = (self._caller(p), queue, self._check_receive_id(receive_id)) if receive_id else None
-        if key is not None and key in self._receipts:
-            if self._receipts[key][0] is not None:
-                raise errors.InvalidArgument("receive id already used: name every receive afresh")
-            return []  # released before it got here: its caller gave up on it
+        keys = [(self._caller(p), queue, self._check_receive_id(n)) for n in (receive_id, caller_receive_id) if n]
+        for key in keys:
+            if key in self._receipts:
+                if self._receipts[key][0] is not None:
+                    raise errors.InvalidArgument("receive id already used: name every receive afresh")
+                return []  # released before it got here: its caller gave up on it
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
@@ -396,7 +402,7 @@ class Service:
             ev = self.engine.queue_event(queue)
             out = self._lease_out(queue, max_n) if self.engine.may_lease() else []
             if out:
-                if key is not None and not self._note_receipt(key, out):
+                if keys and not self._note_receipt(keys, out):
                     self.give_back([d.token for d in out])  # its caller released it while it waited
                     return []
                 return out
@@ -460,13 +466,16 @@ class Service:
             tokens, _ = r.popitem(last=False)[1]
             self._receipt_tokens -= len(tokens or ())
 
-    def _note_receipt(self, key: tuple, out: list) -> bool:
-        """Remember what a named receive leased; False if it was released first."""
-        if key in self._receipts:
+    def _note_receipt(self, keys: list, out: list) -> bool:
+        """Remember what a named receive leased, under each of its names; False if
+        one of them was released first."""
+        if any(k in self._receipts for k in keys):
             return False
         now = self.engine.now_us()
-        self._receipts[key] = ([d.token for d in out], now)
-        self._receipt_tokens += len(out)
+        tokens = [d.token for d in out]
+        for key in keys:
+            self._receipts[key] = (tokens, now)
+            self._receipt_tokens += len(tokens)
         self._trim_receipts(now)
         return True
 

@@ -172,16 +172,18 @@ class SendBatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[SendResponse, _Mapping]]] = ..., run_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReceiveRequest(_message.Message):
-    __slots__ = ("queue", "wait_seconds", "max_messages", "receive_id")
+    __slots__ = ("queue", "wait_seconds", "max_messages", "receive_id", "caller_receive_id")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_ID_FIELD_NUMBER: _ClassVar[int]
+    CALLER_RECEIVE_ID_FIELD_NUMBER: _ClassVar[int]
     queue: str
     wait_seconds: float
     max_messages: int
     receive_id: str
-    def __init__(self, queue: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., max_messages: _Optional[int] = ..., receive_id: _Optional[str] = ...) -> None: ...
+    caller_receive_id: str
+    def __init__(self, queue: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., max_messages: _Optional[int] = ..., receive_id: _Optional[str] = ..., caller_receive_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseReceiveRequest(_message.Message):
     __slots__ = ("queue", "receive_id")

@@ -126,26 +126,37 @@ def test_release_checks_its_input_and_scope(node):
         stub.Ack(api_pb2.LeaseRequest(token=got[0].lease_token), metadata=md)
 
 
+def _via_proxy(node, px):
+    host, port = node.grpc_target.rsplit(":", 1)
+    px.set_target("primary", host, int(port))
+    return f"127.0.0.1:{px.port('fwd', 'primary')}"
+
+
+async def _failing_forward(px, via, auth, queue, mode, name) -> Forwarder:
+    """A forwarder whose receive (named ``name`` by its caller) fails because the link
+    to the primary is in ``mode``; it has connected before, so only the fault matters."""
+    f = Forwarder(timeout_s=1.0, current_primary=lambda: via)
+    assert (await f.get_queue(via, auth, queue))["name"] == queue
+    px.set_link("fwd", "primary", mode)
+    with pytest.raises((errors.Unavailable, errors.OperationUnconfirmed)):
+        await f.receive(via, auth, queue, 0.0, 1, name, release_for_s=30.0)
+    return f
+
+
 def test_forwarder_gives_back_a_receive_whose_answer_was_lost(node):
     """The primary runs the forwarded receive and answers, but the answer is held on the
     way back (the link passes requests only) until the forwarder's deadline; the primary
-    saw a completed call. The forwarder must then release the receive by its id, so the
+    saw a completed call. The forwarder must then release the receive by its name, so the
     message is visible again long before its 60 s lease would expire, retry count 0."""
     ch, stub = _stub(node)
     with ch:
         _setup(stub, node.admin_key, "fw", [b"lost"])
-    host, port = node.grpc_target.rsplit(":", 1)
+    auth = f"Bearer {node.admin_key}"
     with FaultProxy(["fwd", "primary"]) as px:
-        px.set_target("primary", host, int(port))
-        via = f"127.0.0.1:{px.port('fwd', 'primary')}"
+        via = _via_proxy(node, px)
 
         async def main():
-            f = Forwarder(timeout_s=1.0, current_primary=lambda: via)
-            # connect first, so the held answer is the only thing the fault affects
-            assert (await f.get_queue(via, f"Bearer {node.admin_key}", "fw"))["name"] == "fw"
-            px.set_link("fwd", "primary", "one_way_reverse")
-            with pytest.raises((errors.Unavailable, errors.OperationUnconfirmed)):
-                await f.receive(via, f"Bearer {node.admin_key}", "fw", 0.0, 1, "caller-1", release_for_s=30.0)
+            f = await _failing_forward(px, via, auth, "fw", "one_way_reverse", "caller-1")
             assert len(f._releases) == 1  # retrying in the background through the faulted link
             px.heal()
             await asyncio.wait_for(asyncio.gather(*f._releases), 20)
@@ -153,12 +164,64 @@ def test_forwarder_gives_back_a_receive_whose_answer_was_lost(node):
         asyncio.run(main())
     ch, stub = _stub(node)
     with ch:
-        # the forwarder released a name of its own: the caller's name is untouched, so the
-        # caller resending its request straight to the primary gets the message (and no
-        # late release of the forwarder's can take it away)
-        got = stub.Receive(api_pb2.ReceiveRequest(queue="fw", receive_id="caller-1"),
-                           metadata=_md(node.admin_key)).messages
+        md = _md(node.admin_key)
+        # the primary knows the call by the caller's name too: one call per name
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.Receive(api_pb2.ReceiveRequest(queue="fw", receive_id="caller-1"), metadata=md)
+        assert _kind(ei.value) == "invalid_argument"
+        got = stub.Receive(api_pb2.ReceiveRequest(queue="fw"), metadata=md).messages
         assert [(d.body, d.retry_count) for d in got] == [(b"lost", 0)]
+
+
+def test_a_forwarders_late_release_never_takes_a_resent_calls_leases(node):
+    """The forwarded call never reaches the primary (blackhole); the caller resends it
+    under the same name straight to the primary and gets the message; then the link heals
+    and the forwarder's release (and the held original call) arrive. The resent call's
+    lease must hold: the forwarder released only its own name."""
+    ch, stub = _stub(node)
+    with ch:
+        _setup(stub, node.admin_key, "late", [b"m"])
+    auth = f"Bearer {node.admin_key}"
+    md = _md(node.admin_key)
+    with FaultProxy(["fwd", "primary"]) as px:
+        via = _via_proxy(node, px)
+
+        async def main():
+            f = await _failing_forward(px, via, auth, "late", "blackhole", "caller-2")
+            ch2, stub2 = _stub(node)
+            with ch2:
+                got = stub2.Receive(api_pb2.ReceiveRequest(queue="late", receive_id="caller-2"), metadata=md).messages
+            assert [(d.body, d.retry_count) for d in got] == [(b"m", 0)]
+            px.heal()
+            await asyncio.wait_for(asyncio.gather(*f._releases), 20)
+            return got[0].lease_token
+
+        token = asyncio.run(main())
+    ch, stub = _stub(node)
+    with ch:
+        assert stub.Receive(api_pb2.ReceiveRequest(queue="late"), metadata=md).messages == []
+        stub.Ack(api_pb2.LeaseRequest(token=token), metadata=md)  # the lease still held: the ack lands
+
+
+def test_a_caller_releases_a_forwarded_receive_by_its_own_name(node):
+    """Through a forwarding node the call is named by the node, but the primary also knows
+    it by the caller's name: the caller's release, at any node, gives it back."""
+    ch, stub = _stub(node)
+    with ch:
+        _setup(stub, node.admin_key, "own", [b"m"])
+
+    async def main():
+        f = Forwarder(timeout_s=5.0, current_primary=lambda: node.grpc_target)
+        got = await f.receive(node.grpc_target, f"Bearer {node.admin_key}", "own", 0.0, 1, "mine-1")
+        assert [d.body for d in got] == [b"m"]
+    asyncio.run(main())
+    ch, stub = _stub(node)
+    with ch:
+        md = _md(node.admin_key)
+        r = stub.ReleaseReceive(api_pb2.ReleaseReceiveRequest(queue="own", receive_id="mine-1"), metadata=md)
+        assert r.released == 1
+        got = stub.Receive(api_pb2.ReceiveRequest(queue="own"), metadata=md).messages
+        assert [(d.body, d.retry_count) for d in got] == [(b"m", 0)]
 
 
 def test_forwarder_release_gives_up_on_a_final_answer_and_is_bounded():
@@ -303,3 +366,88 @@ def test_http_receive_whose_client_went_away_gives_the_message_back(node):
         got = stub.Receive(api_pb2.ReceiveRequest(queue="gone"), metadata=md).messages
         assert [(d.body, d.retry_count) for d in got] == [(b"m", 0)]
         assert stub.GetQueue(api_pb2.QueueRequest(name="gone"), metadata=md).stats.lease_expired_total == 0
+
+
+def test_receipts_stay_within_their_bounds_and_count_exactly():
+    """The primary's memory of named receives: bounded by names, leases and age; the
+    lease count it keeps matches what it holds after any mix of receipts, releases and
+    trims (oldest first)."""
+    import random
+    from types import SimpleNamespace
+
+    from node.api.service import Principal, Service
+    from node.engine import Limits
+
+    lim = Limits()
+    lim.receipts_max, lim.receipt_tokens_max, lim.receipt_age_s_max = 50, 120, 5.0
+    clock = {"us": 0}
+    engine = SimpleNamespace(limits=lim, tls=None, cluster=False, role="primary", now_us=lambda: clock["us"],
+                             core=SimpleNamespace(queues={}))
+    svc = Service(engine, ["k"])
+    svc.give_back = lambda tokens, auth=None: len(tokens)
+    p = Principal(admin=True, auth="Bearer k")
+    rng = random.Random(7)
+    for i in range(3000):
+        clock["us"] += rng.randrange(0, 20_000)
+        name = f"n{rng.randrange(400)}"
+        if rng.random() < 0.7:
+            out = [SimpleNamespace(token=f"t{i}.{j}") for j in range(rng.randrange(1, 9))]
+            svc._note_receipt([(svc._caller(p), "q", name)], out)
+        else:
+            asyncio.run(svc.release_receive(p, "q", name))
+        held = sum(len(t or ()) for t, _ in svc._receipts.values())
+        assert svc._receipt_tokens == held
+        assert len(svc._receipts) <= lim.receipts_max and held <= lim.receipt_tokens_max
+        ages = [clock["us"] - at for _, at in svc._receipts.values()]
+        assert max(ages) <= 5_000_000
+        assert ages == sorted(ages, reverse=True)  # oldest first, so trimming drops the oldest
+
+
+def test_sdk_stops_releasing_at_a_node_without_release_and_keeps_the_receive_error():
+    """An older node: ReceiveBatch fails (the answer counts as lost), ReleaseReceive is
+    UNIMPLEMENTED. The SDK raises the receive's own error, asks once, then never again."""
+    from spooler import AsyncClient
+
+    from tests.integration.test_session import _fake_node
+
+    calls = []
+
+    async def main():
+        async def receive_batch(req, ctx):
+            calls.append(("receive", req.receive_id))
+            await ctx.abort(grpc.StatusCode.UNAVAILABLE, "going away")
+
+        server, port = await _fake_node(ReceiveBatch=grpc.unary_unary_rpc_method_handler(
+            receive_batch, request_deserializer=api_pb2.ReceiveRequest.FromString,
+            response_serializer=api_pb2.ReceiveResponse.SerializeToString))
+        try:
+            async with AsyncClient(f"127.0.0.1:{port}", "k", retry_attempts=1) as c:
+                c.session.supported = False  # unary, as against a node without Session
+                for _ in range(3):
+                    with pytest.raises(errors.Unavailable):
+                        await c.receive("q")
+                assert not c._release_supported
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
+    assert [k for k, _ in calls] == ["receive"] * 3
+    assert len({rid for _, rid in calls}) == 3 and all(rid for _, rid in calls)  # a fresh name each call
+
+
+def test_closing_the_async_client_fails_a_waiting_receive_with_a_spooler_error(node):
+    from spooler import AsyncClient
+
+    async def main():
+        c = AsyncClient(node.grpc_target, node.admin_key)
+        await c.put_queue("closing")
+        t = asyncio.ensure_future(c.receive("closing", wait_s=10))
+        deadline = asyncio.get_running_loop().time() + 5
+        while not any(w.call is not None for w in c.session.waiting.values()):  # written to the stream
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
+        await c.close()
+        with pytest.raises(errors.SpoolerError):
+            await asyncio.wait_for(t, 5)
+
+    asyncio.run(main())
