@@ -503,13 +503,32 @@ class Engine:
         return ev
 
     # -------------------------------------------------------------- timers
+    def _lost_contact(self, via) -> bool:
+        """A lease granted to a receive forwarded by node ``via[0]`` at ``via[1]``
+        (mono us) is expiring. If that node has acknowledged nothing the primary
+        sent since the grant, for at least the failover timeout, it was cut off
+        around then: the answer most likely never got through it (its own release
+        cannot get through either), so nobody had the message and the expiry is
+        not the consumer's failure. A node in contact answers a frame within a
+        heartbeat; a lease shorter than the failover timeout is not judged."""
+        node, granted = via
+        c = self.repl.core
+        if not self.cluster or c.role != "primary" or node not in c.peers:
+            return False
+        return mono_us() - granted >= c.timeout and c.acked_sent.get(node, -1) < granted
+
     async def _lease_timer(self, tick_s: float = 0.02) -> None:
         """Lease expiry is the server's nack: a Settle(EXPIRE) record."""
         while True:
             await asyncio.sleep(tick_s)
             if not self.serving():
                 continue
-            due = self.core.due_expiries(self.clock_us())
+            spared = self.core.spared
+            due = self.core.due_expiries(self.clock_us(), spare=self._lost_contact)
+            if self.core.spared != spared:
+                self._wake_receivers()
+                log.info("gave back %d expired lease(s) of receives forwarded by a node that lost contact",
+                         self.core.spared - spared)
             if due:
                 rec = log_pb2.Record()
                 for queue, mid in due:

@@ -35,7 +35,8 @@ _ACTIONS = {"ack": api_pb2.SETTLE_ACK, "nack": api_pb2.SETTLE_NACK, "renew": api
 
 
 class Forwarder:
-    def __init__(self, timeout_s: float = 10.0, tls=None, current_primary=None, releases_max: int = 1024):
+    def __init__(self, timeout_s: float = 10.0, tls=None, current_primary=None, releases_max: int = 1024,
+                 node_id: str = "1"):
         """current_primary: callable -> the address this node now takes for the primary's
         (a forwarded call to a primary that was replaced meanwhile is cut short)."""
         self.timeout_s = timeout_s
@@ -44,6 +45,7 @@ class Forwarder:
         self._stubs: dict = {}
         self._releases: set = set()  # running release_soon tasks (held: asyncio keeps weak refs)
         self.releases_max = releases_max
+        self.node_id = node_id  # sent with every forwarded call (the primary notes where leases went)
         self._token_names: OrderedDict = OrderedDict()   # lease token -> (queue, our name)
 
     def stub(self, address: str):
@@ -56,7 +58,7 @@ class Forwarder:
 
     async def call(self, address: str, method: str, req, auth: str, write: bool, extra_s: float = 0.0,
                    timeout_s: float | None = None):
-        md = ((FORWARDED, "1"),) + ((("authorization", auth),) if auth else ())
+        md = ((FORWARDED, self.node_id),) + ((("authorization", auth),) if auth else ())
         call = getattr(self.stub(address), method)(
             req, metadata=md, timeout=(self.timeout_s if timeout_s is None else timeout_s) + extra_s)
         task = asyncio.ensure_future(call)

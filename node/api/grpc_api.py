@@ -97,12 +97,14 @@ _SESSION_CALLS = {"send_batch": _send_batch, "receive": _receive_batch, "settle_
 
 
 def _caller(context) -> tuple:
-    auth, forwarded = None, False
+    """-> (Authorization, forwarded): forwarded is "" for a call from a client, else
+    the forwarding node's id ("1" from a node that does not say)."""
+    auth, forwarded = None, ""
     for k, v in context.invocation_metadata() or ():
         if k == "authorization":
             auth = v
         elif k == FORWARDED:
-            forwarded = True
+            forwarded = v or "1"
     return auth, forwarded
 
 

@@ -23,7 +23,7 @@ from typing import Optional
 from spooler import errors
 from spooler.pb import log_pb2
 from node.core.spool import US, BadToken, StaleLeaseError, failure_queue_of
-from node.engine import Engine
+from node.engine import Engine, mono_us
 
 log = logging.getLogger("spooler.service")
 
@@ -55,6 +55,7 @@ class Principal:
     key_id: str = ""
     auth: str = ""       # the Authorization value, for forwarding to the primary
     forwarded: bool = False  # this call was forwarded to us: never forward it again
+    via: str = ""            # the node that forwarded it, when it said
 
     def allows(self, scope: str, queue: Optional[str]) -> bool:
         if self.admin:
@@ -84,7 +85,7 @@ class Service:
         self._admin = [hashlib.sha256(k.encode()).digest() for k in admin_keys if k]
         from node.api.forward import Forwarder
         self.fwd = Forwarder(tls=engine.tls, current_primary=self._primary_address,
-                             releases_max=engine.limits.releases_in_flight_max)
+                             releases_max=engine.limits.releases_in_flight_max, node_id=engine.node_id)
         self._id_prefix = os.urandom(8).hex()
         self._id_counter = 0
         # (caller, queue, receive id) -> (tokens it leased, or None once released;
@@ -99,7 +100,8 @@ class Service:
         return self.engine.core  # a replica that installs a snapshot gets a new core
 
     # -------------------------------------------------------------- auth
-    def authenticate(self, authorization: Optional[str], forwarded: bool = False) -> Principal:
+    def authenticate(self, authorization: Optional[str], forwarded: str = "") -> Principal:
+        """``forwarded``: "" for a client's call, else the forwarding node's id (or "1")."""
         try:
             p = self._authenticate(authorization)
         except errors.Unauthenticated:
@@ -109,7 +111,8 @@ class Service:
                 # the primary decides (every call from here is forwarded)
                 return Principal(admin=False, auth=authorization)
             raise
-        return Principal(p.admin, p.queue, p.scopes, p.key_id, authorization or "", forwarded)
+        via = forwarded if forwarded in self.engine.repl.addresses else ""
+        return Principal(p.admin, p.queue, p.scopes, p.key_id, authorization or "", bool(forwarded), via)
 
     def _primary_address(self) -> Optional[str]:
         e = self.engine
@@ -360,9 +363,13 @@ class Service:
         self._id_counter += 1
         return f"{self._id_prefix}{self._id_counter:08x}"
 
-    def _lease_out(self, queue: str, max_n: int) -> list:
+    def _lease_out(self, queue: str, max_n: int, via: str = "") -> list:
+        """``via``: the node that forwarded this receive; its leases carry (node, when)
+        so that one expiring after that node lost contact is given back, not counted
+        (Engine._lost_contact)."""
         now = self.engine.now_us()
-        got = self.core.receive(queue, now, max_n, self.limits.leases_per_queue_max)
+        got = self.core.receive(queue, now, max_n, self.limits.leases_per_queue_max,
+                                (via, mono_us()) if via else None)
         if not got:
             return []
         bodies = self.engine.bodies_of([m for m, _ in got])
@@ -400,7 +407,7 @@ class Service:
             if not self.engine.serving():
                 raise errors.Unavailable("node is not serving", retry_after_s=1.0)
             ev = self.engine.queue_event(queue)
-            out = self._lease_out(queue, max_n) if self.engine.may_lease() else []
+            out = self._lease_out(queue, max_n, p.via) if self.engine.may_lease() else []
             if out:
                 if keys and not self._note_receipt(keys, out):
                     self.give_back([d.token for d in out])  # its caller released it while it waited

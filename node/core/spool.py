@@ -71,9 +71,9 @@ class Msg:
 
 
 class Lease:
-    __slots__ = ("id", "nonce", "queue", "msg_id", "epoch", "expires_at", "state")
+    __slots__ = ("id", "nonce", "queue", "msg_id", "epoch", "expires_at", "state", "via")
 
-    def __init__(self, id, nonce, queue, msg_id, epoch, expires_at):
+    def __init__(self, id, nonce, queue, msg_id, epoch, expires_at, via=None):
         self.id = id
         self.nonce = nonce
         self.queue = queue
@@ -81,6 +81,7 @@ class Lease:
         self.epoch = epoch
         self.expires_at = expires_at
         self.state = ACTIVE
+        self.via = via             # opaque: how the lease left (the edge's, for due_expiries' spare)
 
 
 class Queue:
@@ -126,6 +127,7 @@ class Core:
         self.leases: dict[int, Lease] = {}
         self.lease_heap: list = []       # (expires_at, lease id)
         self.next_lease_id = 1
+        self.spared = 0                  # leases given back at expiry by due_expiries(spare=)
         self.ended: OrderedDict[int, str] = OrderedDict()  # lease id -> reason, bounded
         self.ended_leases_max = ended_leases_max
         self.dirty = Dirty()
@@ -417,6 +419,9 @@ class Core:
         lease = self.leases.get(lease_id)
         if lease is None or lease.state != ACTIVE or not _same(lease.nonce, nonce):
             return False
+        return self._give_back(lease, now)
+
+    def _give_back(self, lease: Lease, now: int) -> bool:
         q = self.queues.get(lease.queue)
         m = q.msgs.get(lease.msg_id) if q else None
         if m is None or m.state != LEASED or m.lease != lease.id:
@@ -464,10 +469,11 @@ class Core:
         return None
 
     # --------------------------------------------------------- leases (primary)
-    def receive(self, queue: str, now: int, max_n: int = 1, leases_max: int = 1 << 62) -> list:
+    def receive(self, queue: str, now: int, max_n: int = 1, leases_max: int = 1 << 62, via=None) -> list:
         """Lease up to ``max_n`` of the oldest visible messages. Returns [(Msg, Lease)].
 
         Only the primary calls this; the caller has checked that the queue exists.
+        ``via``: kept on the leases for ``due_expiries``' ``spare`` (opaque here).
         """
         q = self.queues[queue]
         self.promote(q, now)
@@ -486,7 +492,7 @@ class Core:
             if not nonces:
                 nonces, k0 = self.rand(8 * (max_n - len(out))), len(out)
             k = 8 * (len(out) - k0)
-            lease = Lease(self.next_lease_id, nonces[k:k + 8], q.name, m.id, self.epoch, now + timeout)
+            lease = Lease(self.next_lease_id, nonces[k:k + 8], q.name, m.id, self.epoch, now + timeout, via)
             self.next_lease_id += 1
             self.leases[lease.id] = lease
             heapq.heappush(self.lease_heap, (lease.expires_at, lease.id))
@@ -541,8 +547,13 @@ class Core:
                 lease.state = ACTIVE
                 heapq.heappush(self.lease_heap, (lease.expires_at, lease.id))
 
-    def due_expiries(self, now: int) -> list:
-        """Leases whose time ran out: [(queue, message id)] for a Settle(EXPIRE) record."""
+    def due_expiries(self, now: int, spare=None) -> list:
+        """Leases whose time ran out: [(queue, message id)] for a Settle(EXPIRE) record.
+
+        ``spare(via) -> bool``: a lease whose ``via`` it accepts is given back
+        instead (as ``release``: visible now, retry count kept), because nobody
+        could have had it: the edge knows its answer went to a node that lost
+        contact (see Engine._lost_contact). Counted in ``spared``."""
         out = []
         h = self.lease_heap
         while h and h[0][0] <= now:
@@ -550,6 +561,10 @@ class Core:
             lease = self.leases.get(lid)
             if lease is None or lease.state != ACTIVE or lease.expires_at != exp:
                 continue
+            if spare is not None and lease.via is not None and spare(lease.via):
+                if self._give_back(lease, now):
+                    self.spared += 1
+                    continue
             lease.state = EXPIRING
             out.append((lease.queue, lease.msg_id))
         return out

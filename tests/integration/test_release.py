@@ -251,7 +251,7 @@ def test_a_replica_releases_given_back_tokens_on_the_primary_by_its_names():
     from node.api.service import Service
     from node.engine import Limits
 
-    engine = SimpleNamespace(limits=Limits(), tls=None, cluster=True, role="replica", primary_id="n1",
+    engine = SimpleNamespace(limits=Limits(), tls=None, cluster=True, role="replica", primary_id="n1", node_id="n2",
                              repl=SimpleNamespace(addresses={"n1": "10.0.0.1:1"}),
                              core=SimpleNamespace(queues={}))
     svc = Service(engine, ["k"])
@@ -381,7 +381,7 @@ def test_receipts_stay_within_their_bounds_and_count_exactly():
     lim = Limits()
     lim.receipts_max, lim.receipt_tokens_max, lim.receipt_age_s_max = 50, 120, 5.0
     clock = {"us": 0}
-    engine = SimpleNamespace(limits=lim, tls=None, cluster=False, role="primary", now_us=lambda: clock["us"],
+    engine = SimpleNamespace(limits=lim, tls=None, cluster=False, role="primary", node_id="n1", now_us=lambda: clock["us"],
                              core=SimpleNamespace(queues={}))
     svc = Service(engine, ["k"])
     svc.give_back = lambda tokens, auth=None: len(tokens)
@@ -451,3 +451,40 @@ def test_closing_the_async_client_fails_a_waiting_receive_with_a_spooler_error(n
             await asyncio.wait_for(t, 5)
 
     asyncio.run(main())
+
+
+def test_a_lease_forwarded_by_a_node_that_lost_contact_expires_uncounted(tmp_path):
+    """A replica forwards a receive; the primary leases and answers, but the replica is
+    cut off (its calls reach the primary, nothing comes back, and the primary hears
+    nothing from it) for longer than the lease. Its own release cannot get through, so
+    at expiry the primary, seeing that the forwarding node acknowledged nothing since the
+    grant, gives the lease back uncounted."""
+    import threading
+
+    from nodeproc import wait_until
+    from spooler.http import HttpClient
+    from tests.drills.cluster import Cluster
+
+    with Cluster(str(tmp_path / "c"), partitions=True) as c:
+        prim = c.primary()
+        rep = next(n for n in c.ids if n != prim)
+        direct = HttpClient(c.url(prim), c.admin_key, timeout_s=5)
+        direct.put_queue("cut", leaseTimeoutSeconds=2)
+        forwarded = HttpClient(c.url(rep), c.admin_key, timeout_s=1)
+        wait_until(lambda: forwarded.send("cut", b"m"), 10, what="a send through the replica")  # connects it
+        c.wait_converged()
+        c.proxy.set_links({(rep, prim): "one_way_reverse", (prim, rep): "blackhole"})
+
+        def lost_receive():
+            try:
+                forwarded.receive("cut")
+            except Exception:  # noqa: BLE001 - its answer is held: it fails, as it should
+                pass
+        t = threading.Thread(target=lost_receive)
+        t.start()
+        wait_until(lambda: "gave back 1 expired lease(s)" in c.procs[prim].read_log(), 15,
+                   what="the primary to give the lease back")
+        d = wait_until(lambda: direct.receive("cut"), 10, what="the message to be visible again")
+        assert (d.body, d.retry_count) == (b"m", 0)
+        t.join(10)
+        c.proxy.heal()

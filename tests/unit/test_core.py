@@ -348,3 +348,28 @@ def test_a_delivery_that_never_left_is_given_back_unchanged(log):
     with pytest.raises(StaleLeaseError):
         log.core.check_lease(lease.epoch, lease.id, lease.nonce, 5)
     assert log.core.stats("q", 5)["leased"] == 1
+
+
+def test_an_expiry_the_edge_spares_gives_the_message_back_uncounted(log):
+    """due_expiries(spare=): a lease whose ``via`` the edge says nobody could have had
+    (forwarded through a node that lost contact) is given back at expiry, not expired;
+    others expire as always, and a lease without ``via`` is never asked about."""
+    log.queue("q", lease_timeout_us=10 * S)
+    a, _ = log.send("q", b"a", at=1)
+    b, _ = log.send("q", b"b", at=1)
+    c, _ = log.send("q", b"c", at=1)
+    [(ma, la)] = log.core.receive("q", 2, 1, via=("n2", 1))
+    [(mb, lb)] = log.core.receive("q", 2, 1, via=("n3", 1))
+    [(mc, lc)] = log.core.receive("q", 2, 1)
+    asked = []
+
+    def spare(via):
+        asked.append(via)
+        return via[0] == "n2"
+    due = log.core.due_expiries(20 * S, spare=spare)
+    assert sorted(due) == [("q", b), ("q", c)] and sorted(asked) == [("n2", 1), ("n3", 1)]
+    assert log.core.spared == 1
+    with pytest.raises(StaleLeaseError):
+        log.core.check_lease(la.epoch, la.id, la.nonce, 21 * S)
+    [(m, _)] = recv(log, "q", 21 * S)
+    assert (m.id, m.retry) == (a, 0)
