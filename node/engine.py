@@ -90,6 +90,10 @@ class Engine:
                  grpc_options=(), tls=None, log_keep_records: int = 100_000):
         """peers: member id -> gRPC address, this node included (None: a cluster of one)."""
         self.node_id = node_id
+        # lost-answer releases the forwarder is retrying: (primary address, queue, name) -> auth;
+        # sent along on replication acks too (Driver._pending_releases)
+        self.pending_releases: dict = {}
+        self.release_hook = None  # primary: releases that arrived on acks (Service._release_from_peer)
         self.limits = limits or Limits()
         self.clock_us = clock_us
         self.data_dir = data_dir

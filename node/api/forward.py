@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 from collections import OrderedDict
+from typing import Optional
 
 import grpc
 
@@ -36,7 +37,7 @@ _ACTIONS = {"ack": api_pb2.SETTLE_ACK, "nack": api_pb2.SETTLE_NACK, "renew": api
 
 class Forwarder:
     def __init__(self, timeout_s: float = 10.0, tls=None, current_primary=None, releases_max: int = 1024,
-                 node_id: str = "1"):
+                 node_id: str = "1", pending: Optional[dict] = None):
         """current_primary: callable -> the address this node now takes for the primary's
         (a forwarded call to a primary that was replaced meanwhile is cut short)."""
         self.timeout_s = timeout_s
@@ -46,6 +47,7 @@ class Forwarder:
         self._releases: set = set()  # running release_soon tasks (held: asyncio keeps weak refs)
         self.releases_max = releases_max
         self.node_id = node_id  # sent with every forwarded call (the primary notes where leases went)
+        self.pending = {} if pending is None else pending  # releases being retried (also sent on acks)
         self._token_names: OrderedDict = OrderedDict()   # lease token -> (queue, our name)
 
     def stub(self, address: str):
@@ -157,6 +159,14 @@ class Forwarder:
         t.add_done_callback(self._releases.discard)
 
     async def _release(self, a, auth, queue, receive_id, for_s) -> None:
+        key = (a, queue, receive_id)
+        self.pending[key] = auth
+        try:
+            await self._release_by_call(a, auth, queue, receive_id, for_s)
+        finally:
+            self.pending.pop(key, None)
+
+    async def _release_by_call(self, a, auth, queue, receive_id, for_s) -> None:
         loop = asyncio.get_running_loop()
         end, pause = loop.time() + for_s, 0.02
         while self.current_primary() == a:

@@ -85,7 +85,9 @@ class Service:
         self._admin = [hashlib.sha256(k.encode()).digest() for k in admin_keys if k]
         from node.api.forward import Forwarder
         self.fwd = Forwarder(tls=engine.tls, current_primary=self._primary_address,
-                             releases_max=engine.limits.releases_in_flight_max, node_id=engine.node_id)
+                             releases_max=engine.limits.releases_in_flight_max, node_id=engine.node_id,
+                             pending=engine.pending_releases)
+        engine.release_hook = self._release_from_peer
         self._id_prefix = os.urandom(8).hex()
         self._id_counter = 0
         # (caller, queue, receive id) -> (tokens it leased, or None once released;
@@ -496,6 +498,19 @@ class Service:
         reached a consumer: a consumer that has a message nacks it."""
         if (a := self._remote(p)):
             return await self.fwd.release_receive(a, p.auth, queue, receive_id)
+        return self._release_here(p, queue, receive_id)
+
+    def _release_from_peer(self, releases: list) -> None:
+        """Releases a replica sent along on its replication acks (its calls to us fail)."""
+        for r in releases:
+            try:
+                p = self.authenticate(r.authorization)
+                if self.engine.role == "primary":
+                    self._release_here(p, r.queue, r.receive_id)
+            except errors.SpoolerError as e:
+                log.info("a release sent on a replication ack was refused: %s", e)
+
+    def _release_here(self, p: Principal, queue: str, receive_id: str) -> int:
         self.check_name_any(queue)
         self.authorize(p, "receive", queue)
         key = (self._caller(p), queue, self._check_receive_id(receive_id))

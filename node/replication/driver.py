@@ -220,6 +220,8 @@ class Driver:
             try:
                 call = self._stubs[peer].Stream(frames(q))
                 async for ack in call:
+                    if ack.releases and self.engine.release_hook is not None:
+                        self.engine.release_hook(list(ack.releases))
                     async with self.lock:
                         await self._run(self.core.receive(R.AppendResp(
                             ack.epoch, ack.sender, ack.ok, ack.match_lsn, ack.sent_us), mono_us()))
@@ -312,13 +314,23 @@ class Driver:
                 # the frame's store-and-bookkeeping must still finish as one step, or
                 # the log on disk and the core's view of it would part ways.
                 replies = await asyncio.shield(self._handle_frame(f))
+                rel = self._pending_releases(f.primary)
                 for r in replies:
+                    if rel:
+                        r.releases.extend(rel)
                     yield r
         finally:
             # the primary's end of the stream is gone: it may have died
             if sender is not None and sender == self.core.primary and not self.stopped:
                 async with self.lock:
                     await self._run(self.core.primary_stream_broken(mono_us()))
+
+    def _pending_releases(self, primary: str) -> list:
+        """Lost-answer releases this node's forwarder is still trying to deliver to
+        ``primary``: they ride along on the acks of the primary's own stream."""
+        pending, a = self.engine.pending_releases, self.addresses.get(primary)
+        return [pb.PendingRelease(queue=q, receive_id=rid, authorization=auth)
+                for (addr, q, rid), auth in pending.items() if addr == a] if pending else []
 
     async def _handle_frame(self, f) -> list:
         async with self.lock:

@@ -251,7 +251,7 @@ def test_a_replica_releases_given_back_tokens_on_the_primary_by_its_names():
     from node.api.service import Service
     from node.engine import Limits
 
-    engine = SimpleNamespace(limits=Limits(), tls=None, cluster=True, role="replica", primary_id="n1", node_id="n2",
+    engine = SimpleNamespace(limits=Limits(), tls=None, cluster=True, role="replica", primary_id="n1", node_id="n2", pending_releases={},
                              repl=SimpleNamespace(addresses={"n1": "10.0.0.1:1"}),
                              core=SimpleNamespace(queues={}))
     svc = Service(engine, ["k"])
@@ -381,7 +381,7 @@ def test_receipts_stay_within_their_bounds_and_count_exactly():
     lim = Limits()
     lim.receipts_max, lim.receipt_tokens_max, lim.receipt_age_s_max = 50, 120, 5.0
     clock = {"us": 0}
-    engine = SimpleNamespace(limits=lim, tls=None, cluster=False, role="primary", node_id="n1", now_us=lambda: clock["us"],
+    engine = SimpleNamespace(limits=lim, tls=None, cluster=False, role="primary", node_id="n1", pending_releases={}, now_us=lambda: clock["us"],
                              core=SimpleNamespace(queues={}))
     svc = Service(engine, ["k"])
     svc.give_back = lambda tokens, auth=None: len(tokens)
@@ -487,4 +487,42 @@ def test_a_lease_forwarded_by_a_node_that_lost_contact_expires_uncounted(tmp_pat
         d = wait_until(lambda: direct.receive("cut"), 10, what="the message to be visible again")
         assert (d.body, d.retry_count) == (b"m", 0)
         t.join(10)
+        c.proxy.heal()
+
+
+def test_a_release_the_forwarder_cannot_call_in_rides_on_its_replication_acks(tmp_path):
+    """The primary answered a forwarded receive, then the replica's calls to the primary
+    started failing (reset) while the primary's replication stream to the replica kept
+    working. The replica's release goes along on its acks, and the primary gives the
+    message back long before its 30 s lease would expire."""
+    import threading
+
+    from nodeproc import wait_until
+    from spooler.http import HttpClient
+    from tests.drills.cluster import Cluster
+
+    with Cluster(str(tmp_path / "c"), partitions=True) as c:
+        prim = c.primary()
+        rep = next(n for n in c.ids if n != prim)
+        direct = HttpClient(c.url(prim), c.admin_key, timeout_s=5)
+        direct.put_queue("ride", leaseTimeoutSeconds=30)
+        forwarded = HttpClient(c.url(rep), c.admin_key, timeout_s=15)
+        wait_until(lambda: forwarded.send("ride", b"m"), 10, what="a send through the replica")
+        c.wait_converged()
+        c.proxy.set_link(rep, prim, "one_way_reverse")  # the replica's calls arrive, answers are held
+
+        def lost_receive():
+            try:
+                forwarded.receive("ride")
+            except Exception:  # noqa: BLE001 - its answer never arrives
+                pass
+        t = threading.Thread(target=lost_receive)
+        t.start()
+        wait_until(lambda: direct.get_queue("ride")["stats"]["leased"] == 1, 10, what="the lease")
+        c.proxy.set_link(rep, prim, "drop")  # the forwarded call fails; no call of the replica gets through
+        wait_until(lambda: "gave back 1 leased message" in c.procs[prim].read_log(), 10,
+                   what="the release to arrive on an ack")
+        d = direct.receive("ride")
+        assert d is not None and (d.body, d.retry_count) == (b"m", 0)
+        t.join(20)
         c.proxy.heal()
