@@ -453,35 +453,50 @@ def test_closing_the_async_client_fails_a_waiting_receive_with_a_spooler_error(n
     asyncio.run(main())
 
 
+def _forwarding_setup(c, queue, lease_s, forward_timeout_s):
+    """In a proxied cluster: a queue holding one message sent through a replica (so the
+    replica's link to the primary is connected) -> (primary, replica, HttpClient to the
+    primary, HttpClient to the replica)."""
+    from nodeproc import wait_until
+    from spooler.http import HttpClient
+
+    prim = c.primary()
+    rep = next(n for n in c.ids if n != prim)
+    direct = HttpClient(c.url(prim), c.admin_key, timeout_s=5)
+    direct.put_queue(queue, leaseTimeoutSeconds=lease_s)
+    forwarded = HttpClient(c.url(rep), c.admin_key, timeout_s=forward_timeout_s)
+    wait_until(lambda: forwarded.send(queue, b"m"), 10, what="a send through the replica")
+    c.wait_converged()
+    return prim, rep, direct, forwarded
+
+
+def _lost_receive_in_background(client, queue):
+    """A receive whose answer will not arrive, in a thread (joined by the caller)."""
+    import threading
+
+    def run():
+        try:
+            client.receive(queue)
+        except Exception:  # noqa: BLE001 - its answer is held: it fails, as it should
+            pass
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
 def test_a_lease_forwarded_by_a_node_that_lost_contact_expires_uncounted(tmp_path):
     """A replica forwards a receive; the primary leases and answers, but the replica is
     cut off (its calls reach the primary, nothing comes back, and the primary hears
     nothing from it) for longer than the lease. Its own release cannot get through, so
     at expiry the primary, seeing that the forwarding node acknowledged nothing since the
     grant, gives the lease back uncounted."""
-    import threading
-
     from nodeproc import wait_until
-    from spooler.http import HttpClient
     from tests.drills.cluster import Cluster
 
     with Cluster(str(tmp_path / "c"), partitions=True) as c:
-        prim = c.primary()
-        rep = next(n for n in c.ids if n != prim)
-        direct = HttpClient(c.url(prim), c.admin_key, timeout_s=5)
-        direct.put_queue("cut", leaseTimeoutSeconds=2)
-        forwarded = HttpClient(c.url(rep), c.admin_key, timeout_s=1)
-        wait_until(lambda: forwarded.send("cut", b"m"), 10, what="a send through the replica")  # connects it
-        c.wait_converged()
+        prim, rep, direct, forwarded = _forwarding_setup(c, "cut", lease_s=2, forward_timeout_s=1)
         c.proxy.set_links({(rep, prim): "one_way_reverse", (prim, rep): "blackhole"})
-
-        def lost_receive():
-            try:
-                forwarded.receive("cut")
-            except Exception:  # noqa: BLE001 - its answer is held: it fails, as it should
-                pass
-        t = threading.Thread(target=lost_receive)
-        t.start()
+        t = _lost_receive_in_background(forwarded, "cut")
         wait_until(lambda: "gave back 1 expired lease(s)" in c.procs[prim].read_log(), 15,
                    what="the primary to give the lease back")
         d = wait_until(lambda: direct.receive("cut"), 10, what="the message to be visible again")
@@ -495,29 +510,13 @@ def test_a_release_the_forwarder_cannot_call_in_rides_on_its_replication_acks(tm
     started failing (reset) while the primary's replication stream to the replica kept
     working. The replica's release goes along on its acks, and the primary gives the
     message back long before its 30 s lease would expire."""
-    import threading
-
     from nodeproc import wait_until
-    from spooler.http import HttpClient
     from tests.drills.cluster import Cluster
 
     with Cluster(str(tmp_path / "c"), partitions=True) as c:
-        prim = c.primary()
-        rep = next(n for n in c.ids if n != prim)
-        direct = HttpClient(c.url(prim), c.admin_key, timeout_s=5)
-        direct.put_queue("ride", leaseTimeoutSeconds=30)
-        forwarded = HttpClient(c.url(rep), c.admin_key, timeout_s=15)
-        wait_until(lambda: forwarded.send("ride", b"m"), 10, what="a send through the replica")
-        c.wait_converged()
+        prim, rep, direct, forwarded = _forwarding_setup(c, "ride", lease_s=30, forward_timeout_s=15)
         c.proxy.set_link(rep, prim, "one_way_reverse")  # the replica's calls arrive, answers are held
-
-        def lost_receive():
-            try:
-                forwarded.receive("ride")
-            except Exception:  # noqa: BLE001 - its answer never arrives
-                pass
-        t = threading.Thread(target=lost_receive)
-        t.start()
+        t = _lost_receive_in_background(forwarded, "ride")
         wait_until(lambda: direct.get_queue("ride")["stats"]["leased"] == 1, 10, what="the lease")
         c.proxy.set_link(rep, prim, "drop")  # the forwarded call fails; no call of the replica gets through
         wait_until(lambda: "gave back 1 leased message" in c.procs[prim].read_log(), 10,
