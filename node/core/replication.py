@@ -553,6 +553,11 @@ class Replication:
                     self.pre_votes = {}
                     out += self._campaign(now, pre=False)
             return
+        if self.role == CANDIDATE and m.epoch == self.epoch and not m.granted and not m.pre:
+            # refused: most likely a split vote (the other replica campaigned at the same
+            # moment and voted for itself). Retry after a short random pause instead of
+            # a whole failover timeout; the spread decides the next round.
+            self.election_at = min(self.election_at, now + int(self.rand() * self.timeout * 0.5))
         if self.role != CANDIDATE or m.epoch != self.epoch or not m.granted:
             return
         # a planned switchover's old primary stopped leasing before it sent
