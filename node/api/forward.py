@@ -47,7 +47,8 @@ class Forwarder:
         self._releases: set = set()  # running release_soon tasks (held: asyncio keeps weak refs)
         self.releases_max = releases_max
         self.node_id = node_id  # sent with every forwarded call (the primary notes where leases went)
-        self.pending = {} if pending is None else pending  # releases being retried (also sent on acks)
+        # releases being retried: (primary address, queue, name) -> [auth, last sent on an ack]
+        self.pending = {} if pending is None else pending
         self._token_names: OrderedDict = OrderedDict()   # lease token -> (queue, our name)
 
     def stub(self, address: str):
@@ -160,7 +161,7 @@ class Forwarder:
 
     async def _release(self, a, auth, queue, receive_id, for_s) -> None:
         key = (a, queue, receive_id)
-        self.pending[key] = auth
+        self.pending[key] = [auth, float("-inf")]  # [caller's key, when last sent on an ack]
         try:
             await self._release_by_call(a, auth, queue, receive_id, for_s)
         finally:

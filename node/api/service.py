@@ -96,6 +96,7 @@ class Service:
         # Bounded by names, tokens and age.
         self._receipts: OrderedDict = OrderedDict()
         self._receipt_tokens = 0
+        self._peer_releases: OrderedDict = OrderedDict()  # releases that came on acks, done
 
     @property
     def core(self):
@@ -501,8 +502,15 @@ class Service:
         return self._release_here(p, queue, receive_id)
 
     def _release_from_peer(self, releases: list) -> None:
-        """Releases a replica sent along on its replication acks (its calls to us fail)."""
+        """Releases a replica sent along on its replication acks (its calls to us fail).
+        It repeats them until its own call gets through: each is done once here."""
         for r in releases:
+            seen = (r.queue, r.receive_id, r.authorization)
+            if seen in self._peer_releases:
+                continue
+            self._peer_releases[seen] = None
+            while len(self._peer_releases) > 4096:
+                self._peer_releases.popitem(last=False)
             try:
                 p = self.authenticate(r.authorization)
                 if self.engine.role == "primary":

@@ -23,6 +23,8 @@ from spooler.pb import replication_pb2 as pb
 from spooler.pb import replication_pb2_grpc as pb_grpc
 
 log = logging.getLogger("spooler.replication")
+RELEASE_RESEND_S = 0.25  # a pending lost-answer release rides on an ack at most this often
+RELEASES_PER_ACK = 64
 
 
 class Driver:
@@ -327,10 +329,19 @@ class Driver:
 
     def _pending_releases(self, primary: str) -> list:
         """Lost-answer releases this node's forwarder is still trying to deliver to
-        ``primary``: they ride along on the acks of the primary's own stream."""
-        pending, a = self.engine.pending_releases, self.addresses.get(primary)
-        return [pb.PendingRelease(queue=q, receive_id=rid, authorization=auth)
-                for (addr, q, rid), auth in pending.items() if addr == a] if pending else []
+        ``primary``: they ride along on the acks of the primary's own stream, each at
+        most every RELEASE_RESEND_S and at most RELEASES_PER_ACK on one ack."""
+        pending = self.engine.pending_releases
+        if not pending:
+            return []
+        a, now, out = self.addresses.get(primary), time.monotonic(), []
+        for (addr, q, rid), entry in pending.items():
+            if addr == a and now - entry[1] >= RELEASE_RESEND_S:
+                entry[1] = now
+                out.append(pb.PendingRelease(queue=q, receive_id=rid, authorization=entry[0]))
+                if len(out) >= RELEASES_PER_ACK:
+                    break
+        return out
 
     async def _handle_frame(self, f) -> list:
         async with self.lock:

@@ -525,3 +525,32 @@ def test_a_release_the_forwarder_cannot_call_in_rides_on_its_replication_acks(tm
         assert d is not None and (d.body, d.retry_count) == (b"m", 0)
         t.join(20)
         c.proxy.heal()
+
+
+def test_releases_ride_on_acks_bounded_and_each_is_done_once():
+    """A replica puts at most RELEASES_PER_ACK pending releases on one ack and each at most
+    every RELEASE_RESEND_S; the primary acts on a repeated one only once."""
+    from types import SimpleNamespace
+
+    from node.api.service import Service
+    from node.engine import Limits
+    from node.replication import driver as D
+
+    pending = {("p:1", "q", f"n{i}"): ["Bearer k", float("-inf")] for i in range(D.RELEASES_PER_ACK + 6)}
+    pending[("other:2", "q", "x")] = ["Bearer k", float("-inf")]  # meant for another primary
+    fake = SimpleNamespace(engine=SimpleNamespace(pending_releases=pending), addresses={"n1": "p:1"})
+    first = D.Driver._pending_releases(fake, "n1")
+    second = D.Driver._pending_releases(fake, "n1")
+    assert len(first) == D.RELEASES_PER_ACK and len(second) == 6
+    assert not {r.receive_id for r in first} & {r.receive_id for r in second}
+    assert D.Driver._pending_releases(fake, "n1") == []  # all sent within RELEASE_RESEND_S
+    assert all(r.receive_id != "x" for r in first + second)
+
+    engine = SimpleNamespace(limits=Limits(), tls=None, cluster=True, role="primary", node_id="n1",
+                             pending_releases={}, repl=SimpleNamespace(addresses={"n1": ""}))
+    svc = Service(engine, ["k"])
+    done = []
+    svc._release_here = lambda p, q, rid: done.append(rid) or 0
+    svc._release_from_peer(first[:3] + first[:3])
+    svc._release_from_peer(first[:3])
+    assert done == [r.receive_id for r in first[:3]]
