@@ -158,6 +158,14 @@ RECEIVE_DEFINITE = (errors.InvalidArgument, errors.Unauthenticated, errors.Forbi
 RELEASE_TIMEOUT_S = 2.0
 
 
+def note_release_failure(client, e: Exception, log) -> None:
+    """After a failed ReleaseReceive: stop asking a node that has no such call (an
+    older one); otherwise only log (the leases expire as they would have)."""
+    if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
+        client._release_supported = False
+    log.info("could not release a receive whose answer was lost: %r", e)
+
+
 def receive_request(queue: str, wait_s: float, max_messages: int) -> api_pb2.ReceiveRequest:
     """Named with a fresh receive id, so that a lost answer can be given back."""
     return api_pb2.ReceiveRequest(queue=queue, wait_seconds=wait_s, max_messages=max_messages,

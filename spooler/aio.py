@@ -22,7 +22,8 @@ import grpc
 from spooler import errors
 from spooler._common import (Nodes, Message, SendResult, auth_metadata, batch_request, batch_results, call_with_retries,
                              _has_detail, is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, send_outcomes,
-                             settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, receive_request, release_request)
+                             settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
+                             release_request)
 from spooler.pb import api_pb2
 
 log = logging.getLogger("spooler.aio")
@@ -384,12 +385,8 @@ class AsyncClient(Nodes):
             return
         try:
             await self.stub.ReleaseReceive(release_request(req), metadata=self.md, timeout=RELEASE_TIMEOUT_S)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                self._release_supported = False  # an older node: do not ask again
-            log.info("could not release a receive whose answer was lost: %s", e.code())
         except Exception as e:  # noqa: BLE001 - e.g. the channel closed meanwhile: never replace the receive's error
-            log.info("could not release a receive whose answer was lost: %r", e)
+            note_release_failure(self, e, log)
 
     async def _settle_one(self, action: str, token: str, delay_s: float = 0.0):
         """One ack/nack/renew: a one-item SettleBatch on the session (the unary

@@ -21,7 +21,8 @@ import grpc
 from spooler import errors
 from spooler._common import (Nodes, Message, SendResult, auth_metadata, batch_request, batch_results, call_with_retries_sync,
                              is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, send_outcomes,
-                             settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, receive_request, release_request)
+                             settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
+                             release_request)
 from spooler.pb import api_pb2
 
 log = logging.getLogger("spooler.client")
@@ -196,12 +197,8 @@ class Client(Nodes):
             return
         try:
             self.stub.ReleaseReceive(release_request(req), metadata=self.md, timeout=RELEASE_TIMEOUT_S)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                self._release_supported = False  # an older node: do not ask again
-            log.info("could not release a receive whose answer was lost: %s", e.code())
         except Exception as e:  # noqa: BLE001 - e.g. the channel closed meanwhile: never replace the receive's error
-            log.info("could not release a receive whose answer was lost: %r", e)
+            note_release_failure(self, e, log)
 
     def _settle(self, rpc, req):
         state = {"maybe_landed": False}  # an earlier attempt's outcome is unknown

@@ -1,6 +1,7 @@
 """Lost receive answers: ReleaseReceive gives back what a named receive leased (retry
 count kept), and a forwarding node does so when the primary's answer never reaches it."""
 import asyncio
+import socket
 
 import grpc
 import pytest
@@ -58,6 +59,15 @@ def test_release_by_receive_id_gives_back_with_the_retry_count_kept(node):
         stub.Ack(api_pb2.LeaseRequest(token=again[0].lease_token), metadata=md)
 
 
+def _reuse_refused_then_next_is(stub, md, queue, name, body):
+    """A receive under ``name`` again is refused; a plain receive then gets ``body``, uncounted."""
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.Receive(api_pb2.ReceiveRequest(queue=queue, receive_id=name), metadata=md)
+    assert _kind(ei.value) == "invalid_argument"
+    got = stub.Receive(api_pb2.ReceiveRequest(queue=queue), metadata=md).messages
+    assert [(d.body, d.retry_count) for d in got] == [(body, 0)]
+
+
 def test_a_receive_name_is_for_one_call(node):
     ch, stub = _stub(node)
     with ch:
@@ -65,12 +75,8 @@ def test_a_receive_name_is_for_one_call(node):
         _setup(stub, node.admin_key, "once", [b"a", b"b"])
         got = stub.Receive(api_pb2.ReceiveRequest(queue="once", receive_id="n-1"), metadata=md).messages
         assert [d.body for d in got] == [b"a"]
-        with pytest.raises(grpc.RpcError) as ei:
-            stub.Receive(api_pb2.ReceiveRequest(queue="once", receive_id="n-1"), metadata=md)
-        assert _kind(ei.value) == "invalid_argument"
         # the refused call leased nothing: b is still there
-        got = stub.Receive(api_pb2.ReceiveRequest(queue="once"), metadata=md).messages
-        assert [(d.body, d.retry_count) for d in got] == [(b"b", 0)]
+        _reuse_refused_then_next_is(stub, md, "once", "n-1", b"b")
 
 
 def test_a_receive_released_before_it_answers_leases_nothing(node):
@@ -166,11 +172,7 @@ def test_forwarder_gives_back_a_receive_whose_answer_was_lost(node):
     with ch:
         md = _md(node.admin_key)
         # the primary knows the call by the caller's name too: one call per name
-        with pytest.raises(grpc.RpcError) as ei:
-            stub.Receive(api_pb2.ReceiveRequest(queue="fw", receive_id="caller-1"), metadata=md)
-        assert _kind(ei.value) == "invalid_argument"
-        got = stub.Receive(api_pb2.ReceiveRequest(queue="fw"), metadata=md).messages
-        assert [(d.body, d.retry_count) for d in got] == [(b"lost", 0)]
+        _reuse_refused_then_next_is(stub, md, "fw", "caller-1", b"lost")
 
 
 def test_a_forwarders_late_release_never_takes_a_resent_calls_leases(node):
@@ -331,7 +333,7 @@ def test_sdk_gives_back_a_receive_whose_answer_was_lost(node, sdk):
         assert [(d.body, d.retry_count) for d in got] == [(b"lost", 0)]
 
 
-def _node_has_read(client: "socket.socket") -> bool:
+def _node_has_read(client: socket.socket) -> bool:
     """The node's end of ``client``'s connection has nothing left unread (its kernel
     receive queue is empty, /proc/net/tcp), so the node has taken the request in."""
     lport, rport = client.getsockname()[1], client.getpeername()[1]
@@ -347,8 +349,6 @@ def _node_has_read(client: "socket.socket") -> bool:
 def test_http_receive_whose_client_went_away_gives_the_message_back(node):
     """An HTTP long poll whose client disconnected while it waited: when a message
     arrives the receive leases it, sees the connection gone, and gives it back."""
-    import socket
-
     from nodeproc import wait_until
 
     ch, stub = _stub(node)
