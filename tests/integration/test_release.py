@@ -1,6 +1,7 @@
 """Lost receive answers: ReleaseReceive gives back what a named receive leased (retry
 count kept), and a forwarding node does so when the primary's answer never reaches it."""
 import asyncio
+import contextlib
 import socket
 
 import grpc
@@ -132,10 +133,25 @@ def test_release_checks_its_input_and_scope(node):
         stub.Ack(api_pb2.LeaseRequest(token=got[0].lease_token), metadata=md)
 
 
-def _via_proxy(node, px):
+@contextlib.contextmanager
+def _behind_proxy(node, queue, bodies, a="fwd", b="primary"):
+    """A queue on ``node`` holding ``bodies``, and a fault proxy link a -> b in front of
+    the node: yields (proxy, the address to reach the node through that link)."""
+    ch, stub = _stub(node)
+    with ch:
+        _setup(stub, node.admin_key, queue, bodies)
     host, port = node.grpc_target.rsplit(":", 1)
-    px.set_target("primary", host, int(port))
-    return f"127.0.0.1:{px.port('fwd', 'primary')}"
+    with FaultProxy([a, b]) as px:
+        px.set_target(b, host, int(port))
+        yield px, f"127.0.0.1:{px.port(a, b)}"
+
+
+def _next_is(node, queue, body):
+    """A plain receive straight at the node gets ``body``, its retry count unchanged."""
+    ch, stub = _stub(node)
+    with ch:
+        got = stub.Receive(api_pb2.ReceiveRequest(queue=queue), metadata=_md(node.admin_key)).messages
+    assert [(d.body, d.retry_count) for d in got] == [(body, 0)]
 
 
 async def _failing_forward(px, via, auth, queue, mode, name) -> Forwarder:
@@ -154,13 +170,8 @@ def test_forwarder_gives_back_a_receive_whose_answer_was_lost(node):
     way back (the link passes requests only) until the forwarder's deadline; the primary
     saw a completed call. The forwarder must then release the receive by its name, so the
     message is visible again long before its 60 s lease would expire, retry count 0."""
-    ch, stub = _stub(node)
-    with ch:
-        _setup(stub, node.admin_key, "fw", [b"lost"])
     auth = f"Bearer {node.admin_key}"
-    with FaultProxy(["fwd", "primary"]) as px:
-        via = _via_proxy(node, px)
-
+    with _behind_proxy(node, "fw", [b"lost"]) as (px, via):
         async def main():
             f = await _failing_forward(px, via, auth, "fw", "one_way_reverse", "caller-1")
             assert len(f._releases) == 1  # retrying in the background through the faulted link
@@ -180,14 +191,9 @@ def test_a_forwarders_late_release_never_takes_a_resent_calls_leases(node):
     under the same name straight to the primary and gets the message; then the link heals
     and the forwarder's release (and the held original call) arrive. The resent call's
     lease must hold: the forwarder released only its own name."""
-    ch, stub = _stub(node)
-    with ch:
-        _setup(stub, node.admin_key, "late", [b"m"])
     auth = f"Bearer {node.admin_key}"
     md = _md(node.admin_key)
-    with FaultProxy(["fwd", "primary"]) as px:
-        via = _via_proxy(node, px)
-
+    with _behind_proxy(node, "late", [b"m"]) as (px, via):
         async def main():
             f = await _failing_forward(px, via, auth, "late", "blackhole", "caller-2")
             ch2, stub2 = _stub(node)
@@ -273,14 +279,7 @@ def test_async_sdk_releases_a_receive_its_caller_cancelled(node):
     the SDK releases it in the background; close() waits for that."""
     from spooler import AsyncClient
 
-    ch, stub = _stub(node)
-    with ch:
-        _setup(stub, node.admin_key, "cancel", [])
-    host, port = node.grpc_target.rsplit(":", 1)
-    with FaultProxy(["sdk", "node"]) as px:
-        px.set_target("node", host, int(port))
-        via = f"127.0.0.1:{px.port('sdk', 'node')}"
-
+    with _behind_proxy(node, "cancel", [], "sdk", "node") as (px, via):
         async def main():
             async with AsyncClient(via, node.admin_key, timeout_s=5.0, retry_attempts=1) as c:
                 assert await c.receive("cancel") == []
@@ -290,10 +289,7 @@ def test_async_sdk_releases_a_receive_its_caller_cancelled(node):
                     await asyncio.wait_for(c.receive("cancel"), 0.5)
                 assert len(c._releases) == 1
         asyncio.run(main())
-    ch, stub = _stub(node)
-    with ch:
-        got = stub.Receive(api_pb2.ReceiveRequest(queue="cancel"), metadata=_md(node.admin_key)).messages
-        assert [(d.body, d.retry_count) for d in got] == [(b"m", 0)]
+    _next_is(node, "cancel", b"m")
 
 
 @pytest.mark.parametrize("sdk", ["async", "sync"])
@@ -303,13 +299,7 @@ def test_sdk_gives_back_a_receive_whose_answer_was_lost(node, sdk):
     receive by its id (the release request gets through; its answer does not)."""
     from spooler import AsyncClient, Client
 
-    ch, stub = _stub(node)
-    with ch:
-        _setup(stub, node.admin_key, "sdk", [])
-    host, port = node.grpc_target.rsplit(":", 1)
-    with FaultProxy(["sdk", "node"]) as px:
-        px.set_target("node", host, int(port))
-        via = f"127.0.0.1:{px.port('sdk', 'node')}"
+    with _behind_proxy(node, "sdk", [], "sdk", "node") as (px, via):
         if sdk == "async":
             async def main():
                 async with AsyncClient(via, node.admin_key, timeout_s=1.0, retry_attempts=1) as c:
@@ -327,10 +317,7 @@ def test_sdk_gives_back_a_receive_whose_answer_was_lost(node, sdk):
                 px.set_link("sdk", "node", "one_way_reverse")
                 with pytest.raises(errors.SpoolerError):
                     c.receive("sdk")
-    ch, stub = _stub(node)
-    with ch:
-        got = stub.Receive(api_pb2.ReceiveRequest(queue="sdk"), metadata=_md(node.admin_key)).messages
-        assert [(d.body, d.retry_count) for d in got] == [(b"lost", 0)]
+    _next_is(node, "sdk", b"lost")
 
 
 def _node_has_read(client: socket.socket) -> bool:
