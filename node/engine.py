@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import json
 import logging
 import os
+import sys
 import time
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -36,6 +39,21 @@ from node.core.spool import Core
 from node.store.sqlite import CheckpointData, Store, chain
 
 log = logging.getLogger("spooler.engine")
+
+
+def _offsets(blob: bytes) -> array:
+    a = array("I")
+    a.frombytes(blob)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a
+
+
+def _offsets_bytes(a: array) -> bytes:
+    if sys.byteorder != "little":
+        a = array("I", a)
+        a.byteswap()
+    return a.tobytes()
 
 
 def wall_us() -> int:
@@ -145,6 +163,8 @@ class Engine:
         applied = st.applied_position()
         for name, settings, counters in st.load_queues():
             core.load_queue(name, settings, counters)
+        for queue, seq0, prefix, first, n, vis, exp, offs, gone in st.load_segments():
+            core.load_segment(queue, seq0, prefix, first, n, vis, exp, _offsets(offs), bytes(gone), now)
         for queue, mid, seq, retry, vis, exp in st.load_messages():
             core.load_message(queue, mid, seq, retry, vis, exp, now)
         for queue, key, mid, until in st.load_dedup():
@@ -565,18 +585,27 @@ class Engine:
             await asyncio.sleep(self.checkpoint_interval_s)
             if not len(self.core.dirty):
                 continue
-            c = self._take_checkpoint()
             try:
-                await self.store_io(self._checkpoint_now_sync, c)
+                await self.checkpoint_now()
             except Exception as e:
                 self._fail(e)
                 return
-            # the replication core's view of the log forgets what the store compacted
-            self.repl.core.log.compact(c.lsn - self.store.log_keep_records)
-            # Bodies now live in the store: drop them from memory.
-            for mid, m in c.persisted_msgs:
-                if not m.removed:
-                    m.body = None
+
+    async def checkpoint_now(self) -> None:
+        """Write what changed since the last checkpoint, then let memory go of what
+        the store now holds (bodies, segments' bodies)."""
+        c = self._take_checkpoint()
+        await self.store_io(self._checkpoint_now_sync, c)
+        # the replication core's view of the log forgets what the store compacted
+        self.repl.core.log.compact(c.lsn - self.store.log_keep_records)
+        # Bodies now live in the store: drop them from memory.
+        for mid, m in c.persisted_msgs:
+            if not m.removed:
+                m.body = None
+        for m in c.out_of_segments:
+            m.src = None  # its own row (or none) speaks for it now
+        for seg in c.persisted_segs:
+            seg.bodies = None
 
     def _take_checkpoint(self) -> CheckpointData:
         """Copy what changed, on the loop thread, consistent at the applied lsn."""
@@ -589,18 +618,45 @@ class Engine:
                 queues.append((name, None, None))
             else:
                 queues.append((name, json.dumps(q.settings), json.dumps(q.counters)))
-        put, dele, persisted = [], [], []
+        put, dele, persisted, out_of_segs = [], [], [], []
+        segs = d.segs
         for mid, m in d.msgs.items():
+            src = m.src
+            body = m.body
+            if src is not None:  # changed since it left its segment: record it as gone from there
+                seg, i = src
+                if not seg.gone[i]:
+                    seg.gone[i] = 1
+                    seg.n_gone += 1
+                    segs[seg.seq0] = seg
+                    out_of_segs.append(m)
+                if body is None and not m.persisted:
+                    body = (seg.seq0, seg.offs[i], seg.offs[i + 1] - seg.offs[i])
             if m.removed:
                 if m.persisted:
                     dele.append(mid)
                     m.persisted = False
                 continue
             put.append((mid, m.queue, m.seq, m.retry, m.visible_at, m.expires_at,
-                        None if m.persisted else bytes(m.body)))
+                        None if m.persisted else body if type(body) is tuple else bytes(body)))
             if not m.persisted:
                 m.persisted = True
                 persisted.append((mid, m))
+        segs_put, segs_gone, segs_del, persisted_segs = [], [], [], []
+        for seq0, seg in segs.items():
+            if seg.removed or seg.n_gone == seg.n:
+                if seg.persisted:
+                    segs_del.append(seq0)
+                    seg.persisted = False
+            elif not seg.persisted:
+                bodies = seg.bodies
+                seg.offs = offs = array("I", itertools.accumulate(map(len, bodies), initial=0))
+                segs_put.append((seq0, seg.queue, seg.prefix, seg.first, seg.n, seg.visible_at, seg.expires_at,
+                                 _offsets_bytes(offs), bytes(seg.gone), b"".join(bodies)))
+                seg.persisted = True
+                persisted_segs.append(seg)
+            else:
+                segs_gone.append((bytes(seg.gone), seq0))
         dedup = []
         for qname, key in d.dedup:
             q = core.queues.get(qname)
@@ -611,8 +667,11 @@ class Engine:
             k = core.keys.get(kid)
             keys.append((kid, k[0], k[1], json.dumps(list(k[2]))) if k else (kid, None, "", ""))
         c = CheckpointData(lsn=core.lsn, epoch=core.epoch, crc=self.applied_crc, next_seq=core.next_seq,
-                           queues=queues, msgs_put=put, msgs_del=dele, dedup=dedup, keys=keys)
+                           queues=queues, msgs_put=put, msgs_del=dele, segs_put=segs_put, segs_gone=segs_gone,
+                           segs_del=segs_del, dedup=dedup, keys=keys)
         c.persisted_msgs = persisted
+        c.out_of_segments = out_of_segs
+        c.persisted_segs = persisted_segs
         c.generation = self.store_generation
         return c
 
@@ -660,9 +719,24 @@ class Engine:
 
     # -------------------------------------------------------------- reading
     def bodies_of(self, msgs: list) -> list:
-        """Bodies of messages: from memory, the checkpointed ones in one store read."""
-        missing = [m.id for m in msgs if m.body is None]
-        got = self.store.read_bodies(missing) if missing else {}
+        """Bodies of messages: from memory, else from the store: out of their
+        segment's row (one read per segment) or from their own rows (one query)."""
+        got = {}
+        spans: dict = {}
+        for m in msgs:
+            if m.body is None and m.src is not None and m.src[0].offs is not None:
+                seg, i = m.src
+                spans.setdefault(seg.seq0, []).append((m.id, seg.offs[i], seg.offs[i + 1] - seg.offs[i]))
+        if spans:
+            read = self.store.read_segment_bodies([(k, [(o, n) for _, o, n in v]) for k, v in spans.items()])
+            for parts, bodies in zip(spans.values(), read):
+                for (mid, _, _), body in zip(parts, bodies):
+                    if body is not None:
+                        got[mid] = body
+        # own rows; also a message whose segment row a checkpoint has just replaced by its own
+        missing = [m.id for m in msgs if m.body is None and m.id not in got]
+        if missing:
+            got.update(self.store.read_bodies(missing))
         out = []
         for m in msgs:
             body = m.body if m.body is not None else got.get(m.id)

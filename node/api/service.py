@@ -354,7 +354,7 @@ class Service:
         scope, that it exists; -> how many more messages it may hold."""
         self.check_name_any(queue)
         self.authorize(p, "send", queue)
-        return self.limits.messages_per_queue_max - len(self._queue(queue).msgs)
+        return self.limits.messages_per_queue_max - self._queue(queue).size
 
     def _full(self, queue: str) -> errors.SpoolerError:
         return errors.Unavailable(f"queue {queue} holds its maximum of {self.limits.messages_per_queue_max} messages",

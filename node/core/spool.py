@@ -20,6 +20,7 @@ of truth until then.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_right
 from hmac import compare_digest
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ def failure_queue_of(name: str, settings: dict) -> str:
 
 class Msg:
     __slots__ = ("id", "queue", "seq", "body", "retry", "visible_at", "expires_at", "state",
-                 "lease", "gen", "persisted", "removed")
+                 "lease", "gen", "persisted", "removed", "src")
 
     def __init__(self, id, queue, seq, body, retry, visible_at, expires_at):
         self.id = id
@@ -68,6 +69,50 @@ class Msg:
         self.gen = 0               # heap entries carry gen; a stale entry is skipped
         self.persisted = False     # a row exists in the store's messages table
         self.removed = False
+        self.src = None            # (Segment, index) while its segment's row still speaks for it
+
+
+class Segment:
+    """The messages of one compact send (``SendBatch.run_*``), kept as ONE object
+    while they sit untouched: one queue, consecutive seqs, one visibility time, one
+    expiry, retry count 0, bodies together. This is what makes a batch cost one
+    object on every node instead of one per message (DESIGN.md, "Segments").
+
+    A message leaves its segment (``Core._take``) when it is leased or when a
+    record changes it; from then on it is an ordinary ``Msg`` whose ``src`` points
+    back here until a checkpoint records it as ``gone`` (then it has a row of its
+    own, or none because it was removed). Durably a segment is one row: bodies,
+    offsets and the ``gone`` flags; the row goes when every message is gone."""
+
+    __slots__ = ("seq0", "queue", "prefix", "first", "n", "visible_at", "expires_at", "bodies", "offs",
+                 "taken", "left", "cur", "state", "gen", "gone", "n_gone", "persisted", "removed")
+
+    def __init__(self, seq0, queue, prefix, first, n, visible_at, expires_at, bodies):
+        self.seq0 = seq0
+        self.queue = queue
+        self.prefix = prefix
+        self.first = first
+        self.n = n
+        self.visible_at = visible_at
+        self.expires_at = expires_at
+        self.bodies = bodies       # the record's bodies; None once checkpointed (read from the store)
+        self.offs = None           # body offsets in the stored blob (n + 1), set at checkpoint
+        self.taken = bytearray(n)  # 1: left the segment (an Msg now speaks for it)
+        self.left = n              # not taken
+        self.cur = 0               # every index below it is taken
+        self.state = READY
+        self.gen = 0
+        self.gone = bytearray(n)   # 1: a checkpoint recorded it as out of the segment
+        self.n_gone = 0
+        self.persisted = False     # its row exists in the store
+        self.removed = False       # its queue was deleted
+
+    def id_of(self, i: int) -> str:
+        return f"{self.prefix}{self.first + i:08x}"
+
+    def untaken(self):
+        taken = self.taken
+        return [i for i in range(self.cur, self.n) if not taken[i]]
 
 
 class Lease:
@@ -97,6 +142,16 @@ class Queue:
                          "lease_expired": 0}
         self.dedup: dict[str, tuple] = {}  # key -> (message id, until_us)
         self.dedup_heap: list = []         # (until_us, key)
+        # segments (see Segment): their untaken messages count in n_ready/n_delayed
+        self.seg_ready: list = []          # (seq of its next untaken message, gen, Segment)
+        self.seg_delayed: list = []        # (visible_at, seq0, gen, Segment)
+        self.seg_retention: list = []      # (expires_at, seq0, Segment)
+        self.segs: dict[str, list] = {}    # id prefix -> segments with untaken messages, by first id
+
+    @property
+    def size(self) -> int:
+        """Messages in the queue (in segments or not)."""
+        return self.n_ready + self.n_delayed + self.n_leased
 
     @property
     def failure_queue(self) -> str:
@@ -111,9 +166,10 @@ class Dirty:
     queues: set = field(default_factory=set)     # names (present or deleted)
     dedup: set = field(default_factory=set)      # (queue, key)
     keys: set = field(default_factory=set)       # key ids
+    segs: dict = field(default_factory=dict)     # seq0 -> Segment (new, gone flags, or removed)
 
     def __len__(self):
-        return len(self.msgs) + len(self.queues) + len(self.dedup) + len(self.keys)
+        return len(self.msgs) + len(self.queues) + len(self.dedup) + len(self.keys) + len(self.segs)
 
 
 class Core:
@@ -178,6 +234,10 @@ class Core:
         for m in list(q.msgs.values()):
             self._detach(q, m, "settled")
             self._remove(m)
+        for lst in q.segs.values():  # segments with untaken messages (the others end with their Msgs)
+            for seg in lst:
+                seg.removed = True
+                self.dirty.segs[seg.seq0] = seg
         for key in q.dedup:
             self.dirty.dedup.add((q.name, key))
         self.dirty.queues.add(op.name)
@@ -223,7 +283,7 @@ class Core:
 
     def _apply_send_run(self, op, ts, out: list) -> None:
         """The compact form: the same as one entry per body without a dedup key,
-        in one tight loop (this is the hot path of batched sends)."""
+        held as one Segment (this is the hot path of batched sends)."""
         bodies = op.run_bodies
         n = len(bodies)
         q = self.queues.get(op.run_queue)
@@ -232,42 +292,93 @@ class Core:
             return
         prefix, first, name = op.run_id_prefix, op.run_id_first, q.name
         visible_at = ts + op.run_delay_us if op.run_delay_us > 0 else ts
-        expires_at = visible_at + q.settings["retention_us"]
-        delayed = visible_at > ts
-        seq0 = self.next_seq
+        seg = Segment(self.next_seq, name, prefix, first, n, visible_at,
+                      visible_at + q.settings["retention_us"], bodies)
         self.next_seq += n
-        msgs, dirty, retention = q.msgs, self.dirty.msgs, q.retention
-        target = q.delayed if delayed else q.ready
-        push = heapq.heappush
-        for i, body in enumerate(bodies):
-            mid = f"{prefix}{first + i:08x}"
-            seq = seq0 + i
-            m = Msg(mid, name, seq, body, 0, visible_at, expires_at)
-            m.gen = 1
-            msgs[mid] = m
-            dirty[mid] = m
-            if delayed:
-                m.state = DELAYED
-                push(target, (visible_at, seq, 1, mid))
-            else:
-                m.state = READY
-                push(target, (seq, 1, mid))
-            push(retention, (expires_at, seq, mid))
-            out.append((mid, False))
-        if delayed:
-            q.n_delayed += n
-        else:
-            q.n_ready += n
-            self.woken.add(name)
+        self._add_segment(q, seg, ts)
+        self.dirty.segs[seg.seq0] = seg
+        out.extend([(f"{prefix}{c:08x}", False) for c in range(first, first + n)])
         q.counters["sent"] += n
         self.dirty.queues.add(name)
+
+    def _add_segment(self, q: Queue, seg: Segment, now: int) -> None:
+        """Index a segment's untaken messages and place them (ready or delayed)."""
+        lst = q.segs.setdefault(seg.prefix, [])
+        if lst and lst[-1].first > seg.first:
+            lst.insert(bisect_right(lst, seg.first, key=_first), seg)
+        else:
+            lst.append(seg)
+        heapq.heappush(q.seg_retention, (seg.expires_at, seg.seq0, seg))
+        seg.gen += 1
+        if seg.visible_at > now:
+            seg.state = DELAYED
+            q.n_delayed += seg.left
+            heapq.heappush(q.seg_delayed, (seg.visible_at, seg.seq0, seg.gen, seg))
+        else:
+            seg.state = READY
+            q.n_ready += seg.left
+            heapq.heappush(q.seg_ready, (seg.seq0 + seg.cur, seg.gen, seg))
+            self.woken.add(q.name)
+
+    def _seg_of(self, q: Queue, mid: str):
+        """(Segment, index) holding the untaken message ``mid``, else None."""
+        for prefix, lst in q.segs.items():
+            if not mid.startswith(prefix):
+                continue
+            try:
+                c = int(mid[len(prefix):], 16)
+            except ValueError:
+                continue
+            k = bisect_right(lst, c, key=_first) - 1
+            if k < 0:
+                continue
+            seg = lst[k]
+            i = c - seg.first
+            if i < seg.n and not seg.taken[i] and seg.id_of(i) == mid:
+                return seg, i
+        return None
+
+    def _find(self, q: Queue, mid: str) -> Optional[Msg]:
+        """The message ``mid`` as an Msg (taken out of its segment if it sits in one)."""
+        m = q.msgs.get(mid)
+        if m is None:
+            s = self._seg_of(q, mid)
+            if s is not None:
+                m = self._take(q, *s)
+        return m
+
+    def _take(self, q: Queue, seg: Segment, i: int) -> Msg:
+        """Message ``i`` leaves its segment as an Msg in the segment's state (still
+        counted there: ready or delayed) but in no heap: the caller leases or
+        detaches it at once."""
+        seg.taken[i] = 1
+        seg.left -= 1
+        if i == seg.cur:
+            taken, n, c = seg.taken, seg.n, i + 1
+            while c < n and taken[c]:
+                c += 1
+            seg.cur = c
+        if not seg.left:
+            lst = q.segs.get(seg.prefix)
+            if lst is not None:
+                lst.remove(seg)
+                if not lst:
+                    del q.segs[seg.prefix]
+        m = Msg(seg.id_of(i), q.name, seg.seq0 + i, seg.bodies[i] if seg.bodies is not None else None,
+                0, seg.visible_at, seg.expires_at)
+        m.state = seg.state
+        m.gen = 1
+        m.src = (seg, i)
+        q.msgs[m.id] = m
+        heapq.heappush(q.retention, (m.expires_at, m.seq, m.id))  # its segment's entry no longer covers it
+        return m
 
     def _apply_settle(self, op, ts):
         """Per entry: True if it changed a message, False if the message was gone."""
         out = []
         for e in op.entries:
             q = self.queues.get(e.queue)
-            m = q.msgs.get(e.id) if q else None
+            m = self._find(q, e.id) if q else None
             if m is None:
                 out.append(False)
                 continue
@@ -288,6 +399,10 @@ class Core:
         n = 0
         for mid in op.ids:
             m = q.msgs.get(mid) if q else None
+            if m is None and q is not None:
+                s = self._seg_of(q, mid)
+                if s is not None and ts >= s[0].expires_at:
+                    m = self._take(q, *s)
             if m is None or ts < m.expires_at:
                 continue
             self._detach(q, m, "expired")
@@ -306,6 +421,10 @@ class Core:
         if fq is None or fq is q:
             return 0
         moved = 0
+        for lst in list(fq.segs.values()):
+            for seg in list(lst):
+                for i in seg.untaken():
+                    self._take(fq, seg, i)
         for m in sorted(fq.msgs.values(), key=lambda m: m.seq):
             self._detach(fq, m, "settled")
             self._move(fq, m, q, ts)
@@ -454,6 +573,18 @@ class Core:
             q.n_ready += 1
             heapq.heappush(q.ready, (m.seq, m.gen, m.id))
             self.woken.add(q.name)
+        h = q.seg_delayed
+        while h and h[0][0] <= now:
+            _, _, gen, seg = heapq.heappop(h)
+            if seg.gen != gen or seg.state != DELAYED or seg.removed:
+                continue
+            seg.gen += 1
+            seg.state = READY
+            q.n_delayed -= seg.left
+            q.n_ready += seg.left
+            if seg.left:
+                heapq.heappush(q.seg_ready, (seg.seq0 + seg.cur, seg.gen, seg))
+                self.woken.add(q.name)
 
     def next_visible_at(self, queue: str) -> Optional[int]:
         q = self.queues.get(queue)
@@ -464,9 +595,16 @@ class Core:
             vis, _, gen, mid = h[0]
             m = q.msgs.get(mid)
             if m is not None and m.gen == gen and m.state == DELAYED:
-                return vis
+                break
             heapq.heappop(h)
-        return None
+        sh = q.seg_delayed
+        while sh:
+            seg = sh[0][3]
+            if seg.gen == sh[0][2] and seg.state == DELAYED and seg.left and not seg.removed:
+                break
+            heapq.heappop(sh)
+        times = ([h[0][0]] if h else []) + ([sh[0][0]] if sh else [])
+        return min(times) if times else None
 
     # --------------------------------------------------------- leases (primary)
     def receive(self, queue: str, now: int, max_n: int = 1, leases_max: int = 1 << 62, via=None) -> list:
@@ -481,14 +619,30 @@ class Core:
         h = q.ready
         timeout = q.settings["lease_timeout_us"]
         nonces, k0 = b"", 0  # one draw of randomness for the leases of this call
-        while h and len(out) < max_n and q.n_leased < leases_max:
-            seq, gen, mid = heapq.heappop(h)
-            m = q.msgs.get(mid)
-            if m is None or m.gen != gen or m.state != READY:
-                continue
-            if now >= m.expires_at:
-                # retention over: not handed out; due_drops() proposes its Drop
-                continue
+        sh = q.seg_ready
+        while (h or sh) and len(out) < max_n and q.n_leased < leases_max:
+            if sh and (not h or sh[0][0] < h[0][0]):
+                # the oldest visible message sits in a segment: take it out
+                seq, gen, seg = sh[0]
+                if seg.gen != gen or seg.state != READY or not seg.left or seg.removed or now >= seg.expires_at:
+                    heapq.heappop(sh)  # stale, or retention over (due_drops proposes its Drop)
+                    continue
+                if seq != seg.seq0 + seg.cur:  # its head was taken meanwhile (a drop, a settle)
+                    heapq.heapreplace(sh, (seg.seq0 + seg.cur, gen, seg))
+                    continue
+                m = self._take(q, seg, seg.cur)
+                if seg.left:
+                    heapq.heapreplace(sh, (seg.seq0 + seg.cur, gen, seg))
+                else:
+                    heapq.heappop(sh)
+            else:
+                seq, gen, mid = heapq.heappop(h)
+                m = q.msgs.get(mid)
+                if m is None or m.gen != gen or m.state != READY:
+                    continue
+                if now >= m.expires_at:
+                    # retention over: not handed out; due_drops() proposes its Drop
+                    continue
             if not nonces:
                 nonces, k0 = self.rand(8 * (max_n - len(out))), len(out)
             k = 8 * (len(out) - k0)
@@ -583,16 +737,27 @@ class Core:
                 if m.state == LEASED:
                     continue  # dropped when its lease ends (see _retry_or_fail)
                 ids.append(mid)
+            sh = q.seg_retention
+            while sh and sh[0][0] <= now and len(ids) < max_n:
+                seg = heapq.heappop(sh)[2]
+                if seg.left and not seg.removed:
+                    ids.extend([seg.id_of(i) for i in seg.untaken()])
             if ids:
                 out.append((q.name, ids))
         return out
 
     def requeue_drops(self, queue: str, ids: list) -> None:
         q = self.queues.get(queue)
+        again = set()
         for mid in ids:
             m = q.msgs.get(mid) if q else None
             if m is not None:
                 heapq.heappush(q.retention, (m.expires_at, m.seq, m.id))
+            elif q is not None:
+                s = self._seg_of(q, mid)
+                if s is not None and s[0].seq0 not in again:
+                    again.add(s[0].seq0)
+                    heapq.heappush(q.seg_retention, (s[0].expires_at, s[0].seq0, s[0]))
 
     # ------------------------------------------------------------- reading
     def stats(self, queue: str, now: int) -> dict:
@@ -619,6 +784,31 @@ class Core:
         heapq.heappush(q.retention, (expires_at, seq, id))
         self.next_seq = max(self.next_seq, seq + 1)
 
+    def load_segment(self, queue, seq0, prefix, first, n, visible_at, expires_at, offs, gone, now) -> None:
+        """A stored segment: bodies stay in the store; ``gone`` ones have rows of their own or none."""
+        q = self.queues[queue]
+        seg = Segment(seq0, queue, prefix, first, n, visible_at, expires_at, None)
+        seg.offs = offs
+        seg.gone[:] = gone
+        seg.taken[:] = gone
+        seg.n_gone = seg.n - seg.gone.count(0)
+        seg.left = n - seg.n_gone
+        seg.cur = seg.taken.find(0) if seg.left else n
+        seg.persisted = True
+        if seg.left:
+            self._add_segment(q, seg, now)
+        self.next_seq = max(self.next_seq, seq0 + n)
+
+    def messages(self, queue: str):
+        """Every message of a queue as (id, seq, retry, visible_at, expires_at), in
+        segments or not: the logical state, for tests and checks."""
+        q = self.queues[queue]
+        out = [(m.id, m.seq, m.retry, m.visible_at, m.expires_at) for m in q.msgs.values()]
+        for lst in q.segs.values():
+            for seg in lst:
+                out.extend((seg.id_of(i), seg.seq0 + i, 0, seg.visible_at, seg.expires_at) for i in seg.untaken())
+        return sorted(out, key=lambda t: t[1])
+
     def load_dedup(self, queue, key, msg_id, until) -> None:
         q = self.queues[queue]
         q.dedup[key] = (msg_id, until)
@@ -633,6 +823,10 @@ class StaleLeaseError(Exception):
 
 class BadToken(Exception):
     pass
+
+
+def _first(seg: Segment) -> int:
+    return seg.first
 
 
 def _same(a: bytes, b: bytes) -> bool:

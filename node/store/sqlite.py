@@ -36,11 +36,16 @@ CREATE TABLE IF NOT EXISTS messages(id TEXT PRIMARY KEY, queue TEXT NOT NULL, se
                                     expires_at INTEGER NOT NULL, body BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS dedup(queue TEXT NOT NULL, key TEXT NOT NULL, msg_id TEXT NOT NULL,
                                  until INTEGER NOT NULL, PRIMARY KEY(queue, key)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS segments(seq0 INTEGER PRIMARY KEY, queue TEXT NOT NULL, prefix TEXT NOT NULL,
+                                    first INTEGER NOT NULL, n INTEGER NOT NULL, visible_at INTEGER NOT NULL,
+                                    expires_at INTEGER NOT NULL, offs BLOB NOT NULL, gone BLOB NOT NULL,
+                                    bodies BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS keys(id TEXT PRIMARY KEY, sha256 BLOB NOT NULL, queue TEXT NOT NULL,
                                 scopes TEXT NOT NULL) WITHOUT ROWID;
 """
 
-SCHEMA_VERSION = 1
+# 2 added the segments table; a store of version 1 simply has none yet
+SCHEMA_VERSION = 2
 
 
 def chain(crc: int, data: bytes) -> int:
@@ -64,8 +69,12 @@ class CheckpointData:
     crc: int
     next_seq: int
     queues: list      # (name, settings json, counters json) or (name, None, None) = deleted
-    msgs_put: list    # (id, queue, seq, retry, visible_at, expires_at, body or None = keep)
+    msgs_put: list    # (id, queue, seq, retry, visible_at, expires_at, body): bytes, None = keep,
+                      # or (seq0, offset, length) = copy it out of that segment's row
     msgs_del: list    # ids
+    segs_put: list    # (seq0, queue, prefix, first, n, visible_at, expires_at, offs, gone, bodies) new rows
+    segs_gone: list   # (gone, seq0): messages that left these segments
+    segs_del: list    # seq0s
     dedup: list       # (queue, key, msg_id or None = deleted, until)
     keys: list        # (id, sha256 or None = deleted, queue, scopes json)
 
@@ -84,7 +93,7 @@ class Store:
         self._reader: Optional[apsw.Connection] = None
         self.db.execute(SCHEMA)
         v = self.get_meta("schema_version")
-        if v is None:
+        if v is None or int(v) == 1:
             self.set_meta("schema_version", SCHEMA_VERSION)
         elif int(v) != SCHEMA_VERSION:
             raise RuntimeError(f"store schema {v} is not {SCHEMA_VERSION}")
@@ -151,12 +160,22 @@ class Store:
                 db.executemany("DELETE FROM messages WHERE id=?", ((i,) for i in c.msgs_del))
             new = [r for r in c.msgs_put if r[6] is not None]
             upd = [r[:6] for r in c.msgs_put if r[6] is None]
+            if any(type(r[6]) is tuple for r in new):  # bodies still in their segment's row
+                new = [r[:6] + (self._seg_body(db, *r[6]),) if type(r[6]) is tuple else r for r in new]
             if new:
                 db.executemany("INSERT OR REPLACE INTO messages(id, queue, seq, retry, visible_at, expires_at, body) "
                                "VALUES(?, ?, ?, ?, ?, ?, ?)", new)
             if upd:
                 db.executemany("UPDATE messages SET queue=?2, seq=?3, retry=?4, visible_at=?5, expires_at=?6 "
                                "WHERE id=?1", upd)
+            # after the messages: a row copied a body out of a segment deleted here
+            if c.segs_put:
+                db.executemany("INSERT INTO segments(seq0, queue, prefix, first, n, visible_at, expires_at, offs, "
+                               "gone, bodies) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", c.segs_put)
+            if c.segs_gone:
+                db.executemany("UPDATE segments SET gone=? WHERE seq0=?", c.segs_gone)
+            if c.segs_del:
+                db.executemany("DELETE FROM segments WHERE seq0=?", ((k,) for k in c.segs_del))
             for queue, key, msg_id, until in c.dedup:
                 if msg_id is None:
                     db.execute("DELETE FROM dedup WHERE queue=? AND key=?", (queue, key))
@@ -184,6 +203,10 @@ class Store:
     def load_messages(self) -> Iterable:
         return self.db.execute("SELECT queue, id, seq, retry, visible_at, expires_at FROM messages ORDER BY seq")
 
+    def load_segments(self) -> Iterable:
+        return self.db.execute("SELECT queue, seq0, prefix, first, n, visible_at, expires_at, offs, gone "
+                               "FROM segments ORDER BY seq0")
+
     def load_dedup(self) -> Iterable:
         return self.db.execute("SELECT queue, key, msg_id, until FROM dedup")
 
@@ -206,6 +229,30 @@ class Store:
             q = "SELECT id, body FROM messages WHERE id IN (" + ",".join("?" * len(chunk)) + ")"
             for mid, body in db.execute(q, chunk):
                 out[mid] = bytes(body)
+        return out
+
+    @staticmethod
+    def _seg_body(db: apsw.Connection, seq0: int, off: int, length: int) -> bytes:
+        with db.blob_open("main", "segments", "bodies", seq0, False) as blob:
+            blob.seek(off)
+            return blob.read(length)
+
+    def read_segment_bodies(self, spans: list) -> list:
+        """Bodies out of segment rows: spans are (seq0, [(offset, length)]); -> a list of
+        lists of bytes (None where the row is gone). One blob read per segment."""
+        db = self._read_db()
+        out = []
+        for seq0, parts in spans:
+            lo = min(o for o, _ in parts)
+            hi = max(o + n for o, n in parts)
+            try:
+                with db.blob_open("main", "segments", "bodies", seq0, False) as blob:
+                    blob.seek(lo)
+                    data = blob.read(hi - lo)
+            except apsw.SQLError:  # no such row (any more)
+                out.append([None] * len(parts))
+                continue
+            out.append([data[o - lo:o - lo + n] for o, n in parts])
         return out
 
     def integrity_check(self) -> str:

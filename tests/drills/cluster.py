@@ -288,6 +288,22 @@ class Cluster:
         return "".join(out) + "\n"
 
 
+def _messages_of(db) -> list:
+    """Every stored message as (id, queue, seq, retry, visible_at, expires_at, body), sorted
+    by id: the rows of the messages table plus the messages still inside segment rows
+    (which of the two holds a message differs between nodes; the message does not)."""
+    from array import array
+    out = [tuple(r) for r in db.execute("SELECT id, queue, seq, retry, visible_at, expires_at, body FROM messages")]
+    for queue, seq0, prefix, first, n, vis, exp, offs, gone, bodies in db.execute(
+            "SELECT queue, seq0, prefix, first, n, visible_at, expires_at, offs, gone, bodies FROM segments"):
+        o = array("I")
+        o.frombytes(offs)
+        out.extend((f"{prefix}{first + i:08x}", queue, seq0 + i, 0, vis, exp, bytes(bodies[o[i]:o[i + 1]]))
+                   for i in range(n) if not gone[i])
+    out.sort(key=lambda r: r[0])
+    return out
+
+
 def db_digest(data_dir: str) -> dict:
     """Integrity check and a digest of the replicated state of a *stopped* node's store.
 
@@ -302,12 +318,11 @@ def db_digest(data_dir: str) -> dict:
         integrity = "ok" if rows == [("ok",)] else "; ".join(str(r[0]) for r in rows)[:500]
         h = hashlib.sha256()
         counts = {}
-        for table, sql in (("queues", "SELECT name, settings, counters FROM queues ORDER BY name"),
-                           ("messages", "SELECT id, queue, seq, retry, visible_at, expires_at, body "
-                                        "FROM messages ORDER BY id"),
-                           ("keys", "SELECT id, sha256, queue, scopes FROM keys ORDER BY id")):
+        for table, rows in (("queues", db.execute("SELECT name, settings, counters FROM queues ORDER BY name")),
+                            ("messages", _messages_of(db)),
+                            ("keys", db.execute("SELECT id, sha256, queue, scopes FROM keys ORDER BY id"))):
             n = 0
-            for row in db.execute(sql):
+            for row in rows:
                 h.update(repr((table, row)).encode())
                 n += 1
             counts[table] = n

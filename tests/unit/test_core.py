@@ -373,3 +373,110 @@ def test_an_expiry_the_edge_spares_gives_the_message_back_uncounted(log):
         log.core.check_lease(la.epoch, la.id, la.nonce, 21 * S)
     [(m, _)] = recv(log, "q", 21 * S)
     assert (m.id, m.retry) == (a, 0)
+
+
+# ----------------------------------------------------------------- segments
+# A compact batch is held as one Segment until its messages leave it (DESIGN.md,
+# "Segments"); whatever happens, it must behave exactly like one message per body.
+
+def _segment_count(core, queue):
+    return sum(len(lst) for lst in core.queues[queue].segs.values())
+
+
+def test_a_batch_stays_one_segment_until_its_messages_are_taken(log):
+    log.queue("q")
+    _run(log, "q", [b"a", b"b", b"c"], at=1)
+    q = log.core.queues["q"]
+    assert q.msgs == {} and _segment_count(log.core, "q") == 1  # no per-message object yet
+    assert [t[0] for t in log.core.messages("q")] == ["p0000001f", "p00000020", "p00000021"]
+    [(m, _)] = recv(log, "q", 2)
+    assert (m.id, m.body, m.retry) == ("p0000001f", b"a", 0)
+    assert list(q.msgs) == ["p0000001f"]  # only the leased one left the segment
+    st = log.core.stats("q", 2)
+    assert (st["visible"], st["leased"], q.size) == (2, 1, 3)
+    got = recv(log, "q", 2, 10)
+    assert [m.body for m, _ in got] == [b"b", b"c"]
+    assert _segment_count(log.core, "q") == 0 and recv(log, "q", 2) == []
+
+
+def test_a_nacked_message_of_a_segment_keeps_its_place_oldest_first(log):
+    """Order is by send across segments and single messages: a message nacked back to
+    ready sits before the rest of its batch and before later sends."""
+    log.queue("q")
+    _run(log, "q", [b"a", b"b"], at=1)
+    log.send("q", b"single", at=2)
+    [(a, _)] = recv(log, "q", 3)
+    log.settle(log_pb2.NACK, "q", a.id, 4)
+    got = recv(log, "q", 5, 10)
+    assert [(m.body, m.retry) for m, _ in got] == [(b"a", 1), (b"b", 0), (b"single", 0)]
+
+
+def test_a_replica_settles_messages_it_still_holds_in_segments(log):
+    """Receives are not logged: a replica applies acks and nacks of messages that, on
+    it, never left their segment. Both end in the same logical state."""
+    log.queue("q", max_retries=1)
+    _run(log, "q", [bytes([i]) for i in range(10)], at=1)
+    got = recv(log, "q", 2, 6)
+    for k, (m, _) in enumerate(got):
+        log.settle((log_pb2.ACK, log_pb2.NACK, log_pb2.NACK)[k % 3], "q", m.id, 3, delay=(k % 2) * S)
+    [(m, _)] = recv(log, "q", 4)  # the first nacked one (no delay), back in place
+    log.settle(log_pb2.NACK, "q", m.id, 5)  # past max_retries: to q.failed
+    replica = Core(rand=lambda n: b"\x02" * n)
+    for data in log.records:
+        replica.apply(log_pb2.Record.FromString(data))
+    for name in ("q", "q.failed"):
+        assert replica.messages(name) == log.core.messages(name)
+        assert replica.stats(name, 6) == log.core.stats(name, 6)
+    assert [t[2] for t in replica.messages("q.failed")] == [0]
+    # the replica, elected, hands them out in the same order the old primary would
+    Log(replica).new_epoch(7)
+    log.new_epoch(7)
+    assert [m.id for m, _ in replica.receive("q", 8 * S, 20)] == [m.id for m, _ in log.core.receive("q", 8 * S, 20)]
+
+
+def test_retention_drops_the_untaken_messages_of_a_segment(log):
+    log.queue("q", retention_us=10 * S)
+    _run(log, "q", [b"a", b"b", b"c"], at=0)
+    [(a, _)] = recv(log, "q", 1)
+    assert log.core.due_drops(10 * S - 1) == []
+    [(queue, ids)] = log.core.due_drops(10 * S)
+    assert (queue, sorted(ids)) == ("q", ["p00000020", "p00000021"])  # the leased one waits for its lease
+    log.core.requeue_drops("q", ids)  # as when the Drop could not be proposed: asked again later
+    [(_, again)] = log.core.due_drops(10 * S)
+    assert sorted(again) == sorted(ids)
+    assert log.commit(log_pb2.Record(drop=log_pb2.Drop(queue="q", ids=again)), 10 * S) == 2
+    st = log.core.stats("q", 10 * S)
+    assert (st["expiredTotal"], st["visible"], st["leased"]) == (2, 0, 1)
+    assert [t[0] for t in log.core.messages("q")] == [a.id]
+
+
+def test_a_drop_before_retention_ends_leaves_the_segment_whole(log):
+    log.queue("q", retention_us=10 * S)
+    _run(log, "q", [b"a"], at=0)
+    assert log.commit(log_pb2.Record(drop=log_pb2.Drop(queue="q", ids=["p0000001f"])), 5 * S) == 0
+    assert _segment_count(log.core, "q") == 1 and log.core.queues["q"].msgs == {}
+    assert [m.body for m, _ in recv(log, "q", 6 * S)] == [b"a"]
+
+
+def test_a_delayed_segment_becomes_visible_at_its_time(log):
+    log.queue("q")
+    _run(log, "q", [b"a", b"b"], at=10, delay=5 * S)
+    assert log.core.stats("q", 11)["delayed"] == 2
+    assert log.core.next_visible_at("q") == 10 + 5 * S
+    assert recv(log, "q", 10 + 5 * S - 1) == []
+    assert [m.body for m, _ in recv(log, "q", 10 + 5 * S, 5)] == [b"a", b"b"]
+    assert log.core.next_visible_at("q") is None
+
+
+def test_redrive_and_delete_reach_messages_inside_segments(log):
+    log.queue("q")
+    log.queue("q.failed")
+    _run(log, "q.failed", [b"x", b"y"], at=1)  # sent straight to the failure queue
+    assert log.commit(log_pb2.Record(redrive=log_pb2.Redrive(queue="q")), 2) == 2
+    assert log.core.messages("q.failed") == []
+    assert [m.body for m, _ in recv(log, "q", 3, 5)] == [b"x", b"y"]
+    _run(log, "q.failed", [b"z"], at=4)
+    assert log.commit(log_pb2.Record(queue_delete=log_pb2.QueueDelete(name="q.failed")), 5) is True
+    # the emptied segment ends with its messages (each goes at the next checkpoint); the other with its queue
+    segs = [seg for seg in log.core.dirty.segs.values() if seg.queue == "q.failed"]
+    assert [(seg.left, seg.removed) for seg in segs] == [(0, False), (1, True)]
