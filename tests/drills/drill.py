@@ -4,6 +4,10 @@
 processes (``cluster.Cluster``), creates a queue, and for ``duration_s`` seconds runs
 
 - producers (3 threads): send unique bodies ``s<seed>-p<i>-<n>``;
+- a batch producer (1 thread): sends batches of 2-6 unique bodies ``s<seed>-b0-<n>`` over
+  gRPC in the compact form (a batch sent to the primary is held there as one segment;
+  one sent to a replica is forwarded as entries); each body is recorded as its own send,
+  all with the batch's outcome;
 - consumers (2 threads): receive (wait 0.5 s), then ~5 % nack, ~5 % renew-then-ack,
   ~1 % abandon the lease (it expires), otherwise ack;
 - a role observer: ``GET /v1/cluster`` on every live node every ~100 ms, recording a
@@ -221,6 +225,36 @@ class Drill:
             if typ != "ok":
                 self.stop_load.wait(0.05 + rng.random() * 0.1)
             elif self.send_pause_s:
+                self.stop_load.wait(rng.random() * 2 * self.send_pause_s)
+
+    def batch_producer(self, name: str = "b0"):
+        from spooler.client import Client
+        from spooler._common import batch_request, batch_results
+        rng = self.rng(name)
+        c = _Client(self.cluster, rng, name)
+        n = 0
+        while not self.stop_load.is_set():
+            c.client()
+            bodies = []
+            for _ in range(rng.randint(2, 6)):
+                n += 1
+                bodies.append(f"s{self.seed}-{name}-{n}")
+            ops = [self.h.invoke(name, "send", node=c.node, queue=QUEUE, body=b, batch=bodies[0]) for b in bodies]
+            try:
+                with Client(self.cluster.procs[c.node].grpc_target, self.cluster.admin_key,
+                            timeout_s=CLIENT_TIMEOUT_S, retry_attempts=1) as g:
+                    req = batch_request([(QUEUE, b.encode(), 0.0, "") for b in bodies])  # the compact form
+                    res = batch_results(g._call(g.stub.SendBatch, req, write=True))
+            except Exception as e:  # noqa: BLE001
+                typ, fields = classify(e)
+                for op in ops:
+                    getattr(op, typ)(**fields)
+                c.pick()
+                self.stop_load.wait(0.05 + rng.random() * 0.1)
+                continue
+            for op, r in zip(ops, res):
+                op.ok(id=r.id, duplicate=r.duplicate)
+            if self.send_pause_s:
                 self.stop_load.wait(rng.random() * 2 * self.send_pause_s)
 
     def consumer(self, i: int):
@@ -498,6 +532,7 @@ class Drill:
                 self.setup_queue()
                 obs = self._guard("observer", self.observer)
                 load = [self._guard(f"p{i}", lambda i=i: self.producer(i)) for i in range(self.n_producers)]
+                load.append(self._guard("b0", self.batch_producer))
                 load += [self._guard(f"c{i}", lambda i=i: self.consumer(i)) for i in range(self.n_consumers)]
                 nem = self._guard("nemesis", self.nemesis)
                 self.stop_load.wait(self.duration_s)
