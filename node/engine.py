@@ -645,6 +645,7 @@ class Engine:
         segs_put, segs_gone, segs_del, persisted_segs = [], [], [], []
         for seq0, seg in segs.items():
             if seg.removed or seg.n_gone == seg.n:
+                seg.bodies = None  # every message of it has left (with its own copy of its body)
                 if seg.persisted:
                     segs_del.append(seq0)
                     seg.persisted = False

@@ -300,6 +300,7 @@ class Core:
         out.extend([(f"{prefix}{c:08x}", False) for c in range(first, first + n)])
         q.counters["sent"] += n
         self.dirty.queues.add(name)
+        self._tidy(q)
 
     def _add_segment(self, q: Queue, seg: Segment, now: int) -> None:
         """Index a segment's untaken messages and place them (ready or delayed)."""
@@ -319,6 +320,27 @@ class Core:
             q.n_ready += seg.left
             heapq.heappush(q.seg_ready, (seg.seq0 + seg.cur, seg.gen, seg))
             self.woken.add(q.name)
+
+    def _tidy(self, q: Queue) -> None:
+        """Heaps delete lazily: an entry goes stale when its message or segment moves
+        on, and is skipped when popped. A replica never pops (it neither receives nor
+        drops), and a primary pops a retention entry only when it is due, so stale
+        entries are swept here once a queue's heaps hold over twice what is live
+        (amortised O(1) per push)."""
+        live = q.size + 1024
+        if len(q.retention) + len(q.ready) + len(q.delayed) + len(q.seg_retention) + len(q.seg_ready) \
+                + len(q.seg_delayed) <= 2 * live:
+            return
+        msgs = q.msgs
+        q.retention = [e for e in q.retention if (m := msgs.get(e[2])) is not None and m.expires_at == e[0]]
+        q.ready = [e for e in q.ready if (m := msgs.get(e[2])) is not None and m.gen == e[1] and m.state == READY]
+        q.delayed = [e for e in q.delayed
+                     if (m := msgs.get(e[3])) is not None and m.gen == e[2] and m.state == DELAYED]
+        q.seg_retention = [e for e in q.seg_retention if e[2].left and not e[2].removed]
+        q.seg_ready = [e for e in q.seg_ready if e[2].gen == e[1] and e[2].state == READY and e[2].left]
+        q.seg_delayed = [e for e in q.seg_delayed if e[3].gen == e[2] and e[3].state == DELAYED and e[3].left]
+        for h in (q.retention, q.ready, q.delayed, q.seg_retention, q.seg_ready, q.seg_delayed):
+            heapq.heapify(h)
 
     def _seg_of(self, q: Queue, mid: str):
         """(Segment, index) holding the untaken message ``mid``, else None."""
@@ -392,6 +414,10 @@ class Core:
                 self._retry_or_fail(q, m, ts, delay)
             self.dirty.queues.add(q.name)
             out.append(True)
+        for name in {e.queue for e in op.entries}:
+            q = self.queues.get(name)
+            if q is not None:
+                self._tidy(q)
         return out
 
     def _apply_drop(self, op, ts):
@@ -411,6 +437,7 @@ class Core:
             n += 1
         if n:
             self.dirty.queues.add(q.name)
+            self._tidy(q)
         return n
 
     def _apply_redrive(self, op, ts):

@@ -480,3 +480,22 @@ def test_redrive_and_delete_reach_messages_inside_segments(log):
     # the emptied segment ends with its messages (each goes at the next checkpoint); the other with its queue
     segs = [seg for seg in log.core.dirty.segs.values() if seg.queue == "q.failed"]
     assert [(seg.left, seg.removed) for seg in segs] == [(0, False), (1, True)]
+
+
+def test_a_replica_heaps_stay_bounded(log):
+    """A replica never receives or drops, so nothing pops its heaps: stale entries
+    (messages acked, nacked back, dropped) are swept once they outnumber the live."""
+    log.queue("q")
+    for r in range(40):
+        ids = [mid for mid, _ in _run(log, "q", [b"x"] * 100, at=r)]
+        ids += [log.send("q", b"one", at=r)[0] for _ in range(20)]
+        for m, _ in recv(log, "q", r, 200):
+            log.settle(log_pb2.ACK, "q", m.id, r)
+    replica = Core(rand=lambda n: b"\x02" * n)
+    for data in log.records:
+        replica.apply(log_pb2.Record.FromString(data))
+    for core in (log.core, replica):
+        q = core.queues["q"]
+        held = (len(q.retention) + len(q.ready) + len(q.delayed) + len(q.seg_retention) + len(q.seg_ready)
+                + len(q.seg_delayed))
+        assert q.size == 0 and held <= 2 * (q.size + 1024)  # 40 x 120 sends went through
