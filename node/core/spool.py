@@ -369,10 +369,20 @@ class Core:
                 m = self._take(q, *s)
         return m
 
-    def _take(self, q: Queue, seg: Segment, i: int) -> Msg:
-        """Message ``i`` leaves its segment as an Msg in the segment's state (still
-        counted there: ready or delayed) but in no heap: the caller leases or
-        detaches it at once."""
+    def _ack_untaken(self, q: Queue, seg: Segment, i: int) -> None:
+        """An ack of a message still inside its segment: it leaves as gone (no row)."""
+        self._leave(q, seg, i)
+        if seg.state == READY:
+            q.n_ready -= 1
+        else:
+            q.n_delayed -= 1
+        q.counters["acked"] += 1
+        seg.gone[i] = 1
+        seg.n_gone += 1
+        self.dirty.segs[seg.seq0] = seg
+
+    def _leave(self, q: Queue, seg: Segment, i: int) -> None:
+        """Message ``i`` is no longer inside ``seg`` (taken or acked)."""
         seg.taken[i] = 1
         seg.left -= 1
         if i == seg.cur:
@@ -386,6 +396,12 @@ class Core:
                 lst.remove(seg)
                 if not lst:
                     del q.segs[seg.prefix]
+
+    def _take(self, q: Queue, seg: Segment, i: int) -> Msg:
+        """Message ``i`` leaves its segment as an Msg in the segment's state (still
+        counted there: ready or delayed) but in no heap: the caller leases or
+        detaches it at once."""
+        self._leave(q, seg, i)
         m = Msg(seg.id_of(i), q.name, seg.seq0 + i, seg.bodies[i] if seg.bodies is not None else None,
                 0, seg.visible_at, seg.expires_at)
         m.state = seg.state
@@ -398,12 +414,26 @@ class Core:
     def _apply_settle(self, op, ts):
         """Per entry: True if it changed a message, False if the message was gone."""
         out = []
+        ACK = log_pb2.ACK
         for e in op.entries:
             q = self.queues.get(e.queue)
-            m = self._find(q, e.id) if q else None
-            if m is None:
+            if q is None:
                 out.append(False)
                 continue
+            m = q.msgs.get(e.id)
+            if m is None:
+                s = self._seg_of(q, e.id)
+                if s is None:
+                    out.append(False)
+                    continue
+                if e.kind == ACK:
+                    # the usual case on a replica (receives are not logged): the
+                    # message goes without ever becoming an Msg of its own
+                    self._ack_untaken(q, *s)
+                    self.dirty.queues.add(q.name)
+                    out.append(True)
+                    continue
+                m = self._take(q, *s)
             self._detach(q, m, "settled" if e.kind != log_pb2.EXPIRE else "expired")
             if e.kind == log_pb2.ACK:
                 q.counters["acked"] += 1
