@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import hashlib
 import hmac
 import logging
@@ -29,6 +30,9 @@ log = logging.getLogger("spooler.service")
 
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,80}$")
 DERIVED_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,255}$")  # failure queues may be derived: "{queue}.failed"
+# lease tokens are URL-safe base64 without padding (what base64.urlsafe_b64* do, minus their wrappers)
+_TO_URLSAFE = bytes.maketrans(b"+/", b"-_")
+_FROM_URLSAFE = str.maketrans("-_", "+/")
 KEY_ID_RE = re.compile(r"^[a-f0-9]{12}$")
 SCOPES = ("send", "receive", "admin")
 RECEIVE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -434,18 +438,18 @@ class Service:
     # -------------------------------------------------------------- leases
     def encode_token(self, lease) -> str:
         raw = struct.pack(">BQQ", 1, lease.epoch, lease.id) + lease.nonce + lease.queue.encode()
-        return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+        return binascii.b2a_base64(raw, newline=False).translate(_TO_URLSAFE).rstrip(b"=").decode()
 
     def decode_token(self, token: str) -> tuple:
         try:
             if not isinstance(token, str) or not 27 <= len(token) <= 400:
                 raise ValueError
-            raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+            raw = binascii.a2b_base64((token + "=" * (-len(token) % 4)).translate(_FROM_URLSAFE))
             version, epoch, lease_id = struct.unpack(">BQQ", raw[:17])
             nonce, queue = raw[17:25], raw[25:].decode()
             if version != 1 or len(nonce) != 8 or not DERIVED_NAME_RE.match(queue):
                 raise ValueError
-        except (ValueError, UnicodeDecodeError, struct.error):
+        except (ValueError, UnicodeError, struct.error, binascii.Error):
             raise errors.InvalidArgument("malformed lease token") from None
         return epoch, lease_id, nonce, queue
 
@@ -602,7 +606,7 @@ class Service:
             try:
                 if action not in ("ack", "nack", "renew"):
                     raise errors.InvalidArgument(f"unknown action {action!r}")
-                delay_us = round(self._seconds(delay_s or 0.0, "delay", 0.0, self.limits.delay_s_max) * US)
+                delay_us = round(self._seconds(delay_s, "delay", 0.0, self.limits.delay_s_max) * US) if delay_s else 0
                 lease = self._live_lease(p, token, now, serving)
                 if action == "renew":
                     out[i] = rfc3339(self.core.renew(lease, now))
