@@ -29,6 +29,9 @@ async def _confirm_then_cut_power(tmp_path, synchronous):
     await svc.put_queue(ADMIN, "q", {"leaseTimeoutSeconds": 60})
     sent = []
     for i in range(40):  # concurrent bursts: several group commits of several records
+        if i % 4 == 0:  # and batches in the compact form: segments, checkpointed as one row each
+            sent += [r[0] for r in await svc.send(ADMIN, [], ("q", [f"{i}-{j}".encode() for j in range(5)], 0.0))]
+            continue
         res = await asyncio.gather(*[svc.send(ADMIN, [("q", f"{i}-{j}".encode(), 0.0, "")]) for j in range(5)])
         sent += [r[0][0] for r in res]
     acked = set()
@@ -38,6 +41,7 @@ async def _confirm_then_cut_power(tmp_path, synchronous):
     await asyncio.sleep(0.12)  # let checkpoints run too: they must not lose anything either
     for i in range(10):
         sent += [x[0] for x in await svc.send(ADMIN, [("q", f"late-{i}".encode(), 0.0, "")])]
+    sent += [x[0] for x in await svc.send(ADMIN, [], ("q", [b"late-batch-1", b"late-batch-2"], 0.0))]
     vfs.crash_image(str(tmp_path / "after"))  # the power goes out here
     abandon(eng)
     vfs.unregister()
