@@ -69,7 +69,6 @@ class Cluster:
         if self.partitions:  # listening first: the nodes' ports are picked among the free ones left
             self.proxy = FaultProxy(self.ids).start()
         grpc_ports = free_ports(len(self.ids))
-        http_ports = free_ports(len(self.ids))
         real = dict(zip(self.ids, grpc_ports))
         if self.proxy is not None:
             for nid, gp in real.items():
@@ -80,11 +79,11 @@ class Cluster:
             return ",".join(f"{nid}=127.0.0.1:{gp}" if self.proxy is None or nid == me
                             else f"{nid}={self.proxy.address(me, nid)}" for nid, gp in real.items())
 
-        for nid, gp, hp in zip(self.ids, grpc_ports, http_ports):
+        for nid, gp in zip(self.ids, grpc_ports):
             args = ["--peers", peers(nid), "--failover-timeout", repr(float(self.failover_timeout_s)),
                     *self.extra_args]
             self.procs[nid] = NodeProc(os.path.join(self.workdir, nid), node_id=nid, admin_key=self.admin_key,
-                                       grpc_port=gp, http_port=hp, extra_args=args, env=self.env)
+                                       grpc_port=gp, extra_args=args, env=self.env)
         errs: list = []
 
         def go(nid):
@@ -104,6 +103,10 @@ class Cluster:
 
     def _start(self, nid: str) -> None:
         p = self.procs[nid]
+        # HTTP on a port the kernel picks at bind time (clients read it from the node's
+        # ready line): a port picked beforehand can be taken by another process in between.
+        # The gRPC port stays fixed, since every peer is configured with it.
+        p.http_port = 0
         try:
             p.start()
         finally:
@@ -179,7 +182,7 @@ class Cluster:
             self.stopped.discard(nid)
 
     def restart(self, nid: str) -> None:
-        """Kill (if running) and start again with the same data dir and ports."""
+        """Kill (if running) and start again with the same data dir and gRPC port."""
         with self.lock:
             if nid in self.stopped:
                 self.cont(nid)
