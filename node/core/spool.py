@@ -360,15 +360,6 @@ class Core:
                 return seg, i
         return None
 
-    def _find(self, q: Queue, mid: str) -> Optional[Msg]:
-        """The message ``mid`` as an Msg (taken out of its segment if it sits in one)."""
-        m = q.msgs.get(mid)
-        if m is None:
-            s = self._seg_of(q, mid)
-            if s is not None:
-                m = self._take(q, *s)
-        return m
-
     def _ack_untaken(self, q: Queue, seg: Segment, i: int) -> None:
         """An ack of a message still inside its segment: it leaves as gone (no row)."""
         self._leave(q, seg, i)
@@ -435,7 +426,7 @@ class Core:
                     continue
                 m = self._take(q, *s)
             self._detach(q, m, "settled" if e.kind != log_pb2.EXPIRE else "expired")
-            if e.kind == log_pb2.ACK:
+            if e.kind == ACK:
                 q.counters["acked"] += 1
                 self._remove(m)
             else:

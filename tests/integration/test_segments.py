@@ -1,11 +1,23 @@
 """Segments in the store: a batch is one row until its messages leave it, and a
 restart rebuilds exactly the messages that were there (in-process engine)."""
 import asyncio
+import contextlib
 
 from node.api.service import Principal, Service
 from node.engine import Engine
 
 ADMIN = Principal(admin=True)
+
+
+@contextlib.asynccontextmanager
+async def _node(tmp_path):
+    """A node on ``tmp_path/n`` that checkpoints only when a test says so."""
+    eng = Engine(str(tmp_path / "n"), checkpoint_interval_s=3600)
+    await eng.start()  # on existing data: a restart, so a new epoch
+    try:
+        yield eng, Service(eng, ["k"])
+    finally:
+        await eng.stop()
 
 
 def _segment_rows(eng):
@@ -16,10 +28,7 @@ def test_segment_rows_survive_a_restart_with_every_change_that_left_them(tmp_pat
     bodies = [f"body-{i}".encode() * (i + 1) for i in range(10)]
 
     async def first():
-        eng = Engine(str(tmp_path / "n"), checkpoint_interval_s=3600)
-        await eng.start()
-        svc = Service(eng, ["k"])
-        try:
+        async with _node(tmp_path) as (eng, svc):
             await svc.put_queue(ADMIN, "q", {"maxRetries": 5})
             await svc.send(ADMIN, [], ("q", bodies, 0.0))
             await eng.checkpoint_now()
@@ -38,14 +47,9 @@ def test_segment_rows_survive_a_restart_with_every_change_that_left_them(tmp_pat
             assert eng.store.db.execute("SELECT id, retry, body FROM messages").fetchall() == [
                 (got[1].id, 1, bodies[1])]
             return [d.id for d in got]
-        finally:
-            await eng.stop()
 
     async def again(ids):
-        eng = Engine(str(tmp_path / "n"), checkpoint_interval_s=3600)
-        await eng.start()  # a restart is a new epoch: the lease on ids[2] is gone
-        svc = Service(eng, ["k"])
-        try:
+        async with _node(tmp_path) as (eng, svc):  # a restart: a new epoch, the lease on ids[2] is gone
             got = await svc.receive(ADMIN, "q", 0, 20)
             assert [(d.body, d.retry_count) for d in got] == [(bodies[1], 1)] + [(b, 0) for b in bodies[2:]]
             assert [d.id for d in got[:2]] == ids[1:]
@@ -56,8 +60,6 @@ def test_segment_rows_survive_a_restart_with_every_change_that_left_them(tmp_pat
             await eng.checkpoint_now()
             assert _segment_rows(eng) == []  # every message gone: the row goes too
             assert eng.store.db.execute("SELECT count(*) FROM messages").fetchall() == [(0,)]
-        finally:
-            await eng.stop()
 
     ids = asyncio.run(first())
     asyncio.run(again(ids))
@@ -67,10 +69,7 @@ def test_a_message_taken_while_its_segment_is_checkpointed_keeps_its_body(tmp_pa
     """The checkpoint copies a changed message's body out of its segment's row in the
     same transaction that may delete that row."""
     async def main():
-        eng = Engine(str(tmp_path / "n"), checkpoint_interval_s=3600)
-        await eng.start()
-        svc = Service(eng, ["k"])
-        try:
+        async with _node(tmp_path) as (eng, svc):
             await svc.put_queue(ADMIN, "q", {})
             await svc.send(ADMIN, [], ("q", [b"a", b"b"], 0.0))
             await eng.checkpoint_now()
@@ -81,8 +80,6 @@ def test_a_message_taken_while_its_segment_is_checkpointed_keeps_its_body(tmp_pa
             assert _segment_rows(eng) == []
             [again] = await svc.receive(ADMIN, "q", 0, 2)
             assert (again.body, again.retry_count) == (b"a", 1)
-        finally:
-            await eng.stop()
     asyncio.run(main())
 
 
@@ -91,10 +88,7 @@ def test_a_batch_consumed_between_checkpoints_leaves_no_bodies_in_memory(tmp_pat
     written; the checkpoint still lets go of its bodies (each taken message had its
     own copy)."""
     async def main():
-        eng = Engine(str(tmp_path / "n"), checkpoint_interval_s=3600)
-        await eng.start()
-        svc = Service(eng, ["k"])
-        try:
+        async with _node(tmp_path) as (eng, svc):
             await svc.put_queue(ADMIN, "q", {})
             for _ in range(5):
                 await svc.send(ADMIN, [], ("q", [b"x" * 1000] * 10, 0.0))
@@ -106,6 +100,4 @@ def test_a_batch_consumed_between_checkpoints_leaves_no_bodies_in_memory(tmp_pat
             await eng.checkpoint_now()
             assert [seg for seg in segs if seg.bodies is not None] == []
             assert _segment_rows(eng) == []
-        finally:
-            await eng.stop()
     asyncio.run(main())
