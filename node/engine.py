@@ -27,7 +27,6 @@ import itertools
 import json
 import logging
 import os
-import sys
 import time
 from array import array
 from concurrent.futures import ThreadPoolExecutor
@@ -39,21 +38,6 @@ from node.core.spool import Core
 from node.store.sqlite import CheckpointData, Store, chain
 
 log = logging.getLogger("spooler.engine")
-
-
-def _offsets(blob: bytes) -> array:
-    a = array("I")
-    a.frombytes(blob)
-    if sys.byteorder != "little":
-        a.byteswap()
-    return a
-
-
-def _offsets_bytes(a: array) -> bytes:
-    if sys.byteorder != "little":
-        a = array("I", a)
-        a.byteswap()
-    return a.tobytes()
 
 
 def wall_us() -> int:
@@ -164,7 +148,7 @@ class Engine:
         for name, settings, counters in st.load_queues():
             core.load_queue(name, settings, counters)
         for queue, seq0, prefix, first, n, vis, exp, offs, gone in st.load_segments():
-            core.load_segment(queue, seq0, prefix, first, n, vis, exp, _offsets(offs), bytes(gone), now)
+            core.load_segment(queue, seq0, prefix, first, n, vis, exp, offs, gone, now)
         for queue, mid, seq, retry, vis, exp in st.load_messages():
             core.load_message(queue, mid, seq, retry, vis, exp, now)
         for queue, key, mid, until in st.load_dedup():
@@ -653,7 +637,7 @@ class Engine:
                 bodies = seg.bodies
                 seg.offs = offs = array("I", itertools.accumulate(map(len, bodies), initial=0))
                 segs_put.append((seq0, seg.queue, seg.prefix, seg.first, seg.n, seg.visible_at, seg.expires_at,
-                                 _offsets_bytes(offs), bytes(seg.gone), b"".join(bodies)))
+                                 offs, bytes(seg.gone), b"".join(bodies)))
                 seg.persisted = True
                 persisted_segs.append(seg)
             else:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import zlib
+from array import array
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -53,6 +55,22 @@ def chain(crc: int, data: bytes) -> int:
     return zlib.crc32(data, crc)
 
 
+def offsets_from_blob(blob: bytes) -> array:
+    """A segment row's body offsets (n + 1 of them, uint32 little-endian)."""
+    a = array("I")
+    a.frombytes(blob)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a
+
+
+def offsets_to_blob(a: array) -> bytes:
+    if sys.byteorder != "little":
+        a = array("I", a)
+        a.byteswap()
+    return a.tobytes()
+
+
 @dataclass
 class Position:
     epoch: int = 0
@@ -72,7 +90,7 @@ class CheckpointData:
     msgs_put: list    # (id, queue, seq, retry, visible_at, expires_at, body): bytes, None = keep,
                       # or (seq0, offset, length) = copy it out of that segment's row
     msgs_del: list    # ids
-    segs_put: list    # (seq0, queue, prefix, first, n, visible_at, expires_at, offs, gone, bodies) new rows
+    segs_put: list    # (seq0, queue, prefix, first, n, visible_at, expires_at, offs array, gone, bodies)
     segs_gone: list   # (gone, seq0): messages that left these segments
     segs_del: list    # seq0s
     dedup: list       # (queue, key, msg_id or None = deleted, until)
@@ -171,7 +189,8 @@ class Store:
             # after the messages: a row copied a body out of a segment deleted here
             if c.segs_put:
                 db.executemany("INSERT INTO segments(seq0, queue, prefix, first, n, visible_at, expires_at, offs, "
-                               "gone, bodies) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", c.segs_put)
+                               "gone, bodies) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                               (r[:7] + (offsets_to_blob(r[7]),) + r[8:] for r in c.segs_put))
             if c.segs_gone:
                 db.executemany("UPDATE segments SET gone=? WHERE seq0=?", c.segs_gone)
             if c.segs_del:
@@ -204,8 +223,10 @@ class Store:
         return self.db.execute("SELECT queue, id, seq, retry, visible_at, expires_at FROM messages ORDER BY seq")
 
     def load_segments(self) -> Iterable:
-        return self.db.execute("SELECT queue, seq0, prefix, first, n, visible_at, expires_at, offs, gone "
-                               "FROM segments ORDER BY seq0")
+        """(queue, seq0, prefix, first, n, visible_at, expires_at, offsets array, gone bytes)"""
+        for row in self.db.execute("SELECT queue, seq0, prefix, first, n, visible_at, expires_at, offs, gone "
+                                   "FROM segments ORDER BY seq0"):
+            yield row[:7] + (offsets_from_blob(row[7]), bytes(row[8]))
 
     def load_dedup(self) -> Iterable:
         return self.db.execute("SELECT queue, key, msg_id, until FROM dedup")
@@ -233,6 +254,8 @@ class Store:
 
     @staticmethod
     def _seg_body(db: apsw.Connection, seq0: int, off: int, length: int) -> bytes:
+        """Bytes ``off`` to ``off + length`` of a segment row's bodies (incremental blob
+        I/O: only those pages are read). apsw.SQLError if the row is gone."""
         with db.blob_open("main", "segments", "bodies", seq0, False) as blob:
             blob.seek(off)
             return blob.read(length)
@@ -246,9 +269,7 @@ class Store:
             lo = min(o for o, _ in parts)
             hi = max(o + n for o, n in parts)
             try:
-                with db.blob_open("main", "segments", "bodies", seq0, False) as blob:
-                    blob.seek(lo)
-                    data = blob.read(hi - lo)
+                data = self._seg_body(db, seq0, lo, hi - lo)
             except apsw.SQLError:  # no such row (any more)
                 out.append([None] * len(parts))
                 continue

@@ -295,12 +295,11 @@ def _messages_of(db) -> list:
     """Every stored message as (id, queue, seq, retry, visible_at, expires_at, body), sorted
     by id: the rows of the messages table plus the messages still inside segment rows
     (which of the two holds a message differs between nodes; the message does not)."""
-    from array import array
+    from node.store.sqlite import offsets_from_blob
     out = [tuple(r) for r in db.execute("SELECT id, queue, seq, retry, visible_at, expires_at, body FROM messages")]
     for queue, seq0, prefix, first, n, vis, exp, offs, gone, bodies in db.execute(
             "SELECT queue, seq0, prefix, first, n, visible_at, expires_at, offs, gone, bodies FROM segments"):
-        o = array("I")
-        o.frombytes(offs)
+        o = offsets_from_blob(offs)
         out.extend((f"{prefix}{first + i:08x}", queue, seq0 + i, 0, vis, exp, bytes(bodies[o[i]:o[i + 1]]))
                    for i in range(n) if not gone[i])
     out.sort(key=lambda r: r[0])
