@@ -560,9 +560,19 @@ class Engine:
                 continue
             for queue, ids in self.core.due_drops(self.clock_us()):
                 try:
-                    self.propose(log_pb2.Record(drop=log_pb2.Drop(queue=queue, ids=ids)), internal=True)
+                    fut = self.propose(log_pb2.Record(drop=log_pb2.Drop(queue=queue, ids=ids)), internal=True)
                 except errors.SpoolerError:
                     self.core.requeue_drops(queue, ids)  # not serving now; try again later
+                else:
+                    fut.add_done_callback(lambda f, q=queue, i=ids: self._drop_ended(f, q, i))
+
+    def _drop_ended(self, fut: asyncio.Future, queue: str, ids: list) -> None:
+        """A Drop that was taken but not confirmed (the node stepped down before its
+        commit, or the quorum did not answer) goes back to the retention heap, so a
+        later tick proposes it again. Should the first one commit after all, the
+        second finds those messages gone: a Drop of a missing id is a no-op."""
+        if fut.cancelled() or fut.exception() is not None:
+            self.core.requeue_drops(queue, ids)
 
     async def _checkpoint_loop(self) -> None:
         while True:

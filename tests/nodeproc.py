@@ -125,10 +125,45 @@ def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.02, what: st
         time.sleep(interval_s)
 
 
-def free_ports(n: int) -> list:
-    """n distinct free TCP ports on 127.0.0.1 (bound together, then released)."""
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(n: int, lowest: int = 10000, highest: int = 0) -> list:
+    """n distinct free TCP ports on 127.0.0.1, for nodes that must know each other's
+    ports before any of them starts.
+
+    They are drawn at random from below the kernel's ephemeral range and checked
+    with a bind, so no connect() or bind to port 0 elsewhere on the machine can take
+    one between this choice and the node's own bind (a port from bind(0) could be:
+    that race once cost a drill seed its start). Only a process that picks an
+    explicit port in the same range at the same moment still could."""
+    import random
     import socket
-    socks = [socket.socket() for _ in range(n)]
+    rng = random.SystemRandom()
+    high = highest or _ephemeral_low()
+    ports: list = []
+    for _ in range(1000 if high - lowest >= n else 0):
+        if len(ports) == n:
+            return ports
+        p = rng.randrange(lowest, high)
+        if p in ports:
+            continue
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", p))
+        except OSError:
+            continue  # someone has it (or it is in TIME_WAIT): draw again
+        finally:
+            s.close()
+        ports.append(p)
+    if len(ports) == n:
+        return ports
+    socks = [socket.socket() for _ in range(n)]  # no room below the range: the kernel's picks
     for s in socks:
         s.bind(("127.0.0.1", 0))
     ports = [s.getsockname()[1] for s in socks]

@@ -109,3 +109,28 @@ def test_sync_client_survives_a_cancelled_send(node):
         done = [f.result(timeout=10) for i, f in enumerate(futs) if i != 5 and not f.cancelled()]
         assert len(done) >= 19
         assert c.send("cx", b"after").id  # the client is not wedged
+
+
+def test_drop_taken_but_never_committed_is_proposed_again(tmp_path):
+    """Retention: a Drop that the commit loop took but that did not commit (as when the
+    node steps down first) must not leave its messages undropped for good."""
+    async def body(eng, svc):
+        await svc.put_queue(ADMIN, "q", {"retentionSeconds": 0.2})
+        await svc.send(ADMIN, [("q", b"a", 0.0, "")])
+        real, failed = eng.propose, []
+
+        def propose(rec, internal=False):
+            if rec.WhichOneof("op") == "drop" and not failed:
+                failed.append(rec)  # accepted, then lost: its future fails as on a step-down
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_exception(errors.Unavailable("no longer the primary"))
+                return fut
+            return real(rec, internal)
+        eng.propose = propose
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 6
+        while loop.time() < deadline and eng.core.stats("q", eng.now_us())["expiredTotal"] == 0:
+            await asyncio.sleep(0.05)
+        assert failed, "the first Drop was never proposed"
+        assert eng.core.stats("q", eng.now_us())["expiredTotal"] == 1
+    run(body, tmp_path)
