@@ -228,7 +228,17 @@ class Engine:
 
     @property
     def epoch(self) -> int:
+        """The epoch of the records applied here (leases are checked against it)."""
         return self.core.epoch
+
+    @property
+    def known_epoch(self) -> int:
+        """The newest epoch this node knows of: what its answers name (Spooler-Epoch,
+        the gRPC trailer) and what GET /v1/cluster says. A replica learns a new
+        primary's epoch from its first message, before that epoch's first record is
+        committed and applied, so an answer it forwards to that primary names the
+        same epoch as the leases in it."""
+        return max(self.core.epoch, self.repl.core.epoch)
 
     # ------------------------------------------------------------- store
     async def store_io(self, fn, *args, inline: bool = False):

@@ -113,7 +113,7 @@ def rpc(method):
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
-        epoch_md = ("spooler-epoch", str(self.svc.engine.epoch))
+        epoch_md = ("spooler-epoch", str(self.svc.engine.known_epoch))
         try:
             p = self.svc.authenticate(*_caller(context))
             resp = await method(self, p, request, context)
@@ -260,7 +260,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
         reading = True
 
         def answer(resp) -> None:
-            resp.epoch = svc.engine.epoch
+            resp.epoch = svc.engine.known_epoch
             answers.append(resp)
             wake.set()
 

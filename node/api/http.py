@@ -74,7 +74,7 @@ def build_app(svc: Service, metrics) -> web.Application:
     app = web.Application(client_max_size=lim.body_bytes_max + 1, middlewares=[_errors_mw(metrics)])
 
     async def add_epoch(request, response):
-        response.headers["Spooler-Epoch"] = str(svc.engine.epoch)
+        response.headers["Spooler-Epoch"] = str(svc.engine.known_epoch)
 
     app.on_response_prepare.append(add_epoch)
 
