@@ -210,6 +210,31 @@ def test_max_crashes_exhausted_goes_dead(store, procs):
     assert job["failure_count"] == 0, "crashes must not spend the job's own retry budget"
 
 
+def test_orphan_without_recorded_pid_is_found_by_its_token(store, procs):
+    """A worker that dies within 50 ms of spawning its command never wrote the
+    command's pid: the reaper finds the command by its attempt token alone, and
+    leaves a process carrying another attempt's token alone."""
+    from spooler.jobs import executor
+    job_id, _ = store.submit(["sleep", "60"])
+    _, c = claim_as(store, dead_pid(procs))
+    assert store.get(job_id)["attempts"][0]["pid"] is None
+    mine, other = [subprocess.Popen(["sleep", "60"], start_new_session=True, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, executor.ATTEMPT_ENV: tok})
+                   for tok in (f"{job_id}:{c.n}", f"{job_id}:{c.n + 1}")]
+    try:
+        wait_until(lambda: all(executor.ATTEMPT_ENV.encode() in open(f"/proc/{p.pid}/environ", "rb").read()
+                               for p in (mine, other)), 5, what="both processes exec'd with their tokens")
+        [r] = reaper.reap_pass(store, now=T0 + 31)
+        assert r.new_state == states.QUEUED
+        wait_until(lambda: mine.poll() is not None, 5, what="the orphan killed by its token")
+        assert other.poll() is None, "a process of another attempt was killed"
+    finally:
+        for p in (mine, other):
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+
+
 # --- the whole cycle with real processes ---------------------------------------------
 
 def test_sigkilled_worker_job_is_reaped_and_rerun(spool, tmp_path):

@@ -52,12 +52,15 @@ def _group_members(pgid: int) -> Optional[int]:
 ATTEMPT_ENV = "SPOOLCTL_ATTEMPT_TOKEN"   # "<job id>:<attempt n>" in every attempt's environment
 
 
-def kill_orphans(pgid: int, token: str) -> int:
-    """SIGKILL the members of ``pgid`` that carry ``SPOOLCTL_ATTEMPT_TOKEN=token``.
+def kill_orphans(pgid: Optional[int], token: str) -> int:
+    """SIGKILL the members of ``pgid`` that carry ``SPOOLCTL_ATTEMPT_TOKEN=token``;
+    with ``pgid`` None (the worker died before it wrote the command's pid), every
+    process on the machine that carries it.
 
     Used by the reaper on the attempt of a dead worker: the group id alone could
-    have been reused since, the token in the environment cannot. Best effort:
-    a process that replaced its environment is not found. Returns how many."""
+    have been reused since, the token in the environment cannot (it names the job
+    and the attempt, and the command's descendants inherit it). Best effort: a
+    process that replaced its environment is not found. Returns how many."""
     if not os.path.isdir("/proc"):
         return 0
     needle = f"{ATTEMPT_ENV}={token}".encode()
@@ -69,7 +72,7 @@ def kill_orphans(pgid: int, token: str) -> int:
             with open(f"/proc/{name}/stat", "rb") as f:
                 stat = f.read()
             rest = stat[stat.rfind(b")") + 2:].split()
-            if len(rest) < 3 or rest[0] == b"Z" or int(rest[2]) != pgid:
+            if len(rest) < 3 or rest[0] == b"Z" or (pgid is not None and int(rest[2]) != pgid):
                 continue
             with open(f"/proc/{name}/environ", "rb") as f:
                 if needle not in f.read().split(b"\0"):

@@ -113,11 +113,12 @@ def reap_pass(store: Store, threshold_override_s: Optional[float] = None, now: O
                   f"last heartbeat {age:.1f}s ago")
         # the clock inside reap() is read again: the candidate scan and the liveness
         # probe took time, and the re-check must use the time of the transaction
-        if cand.pgid:
-            # The dead worker's command may still run (it has its own session).
-            # Stop it BEFORE the requeue commits, so no new attempt can start while
-            # it runs; only processes carrying this attempt's token are touched.
-            executor.kill_orphans(cand.pgid, f"{cand.job_id}:{cand.n}")
+        # The dead worker's command may still run (it has its own session). Stop it
+        # BEFORE the requeue commits, so no new attempt can start while it runs; only
+        # processes carrying this attempt's token are touched. A command whose pid
+        # was never written (its worker died within PID_RECORD_AFTER_S of the spawn)
+        # is looked for by the token alone.
+        executor.kill_orphans(cand.pgid or None, f"{cand.job_id}:{cand.n}")
         new_state = store.reap(cand, detail, None if now is None else now, threshold_override_s)
         results.append(ReapResult(cand.job_id, verdict, new_state))
     return results

@@ -448,8 +448,7 @@ class Store:
         if orphans:
             from spooler.jobs import executor
             for pgid, token in orphans:
-                if pgid:
-                    executor.kill_orphans(pgid, token)
+                executor.kill_orphans(pgid or None, token)
         return Claim(job_id, n, command, cwd, timeout_s, out, err, worker.worker_id)
 
     def finish_remote(self, claim: Claim, reason: Optional[str], exit_code: Optional[int], state: str,
