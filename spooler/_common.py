@@ -77,14 +77,27 @@ def queue_dict(q: api_pb2.Queue) -> dict:
                       "leaseExpiredTotal": st.lease_expired_total}}
 
 
+# What gRPC says when the channel could not connect, so the call never left this
+# process (the pick of a connection failed before anything was written).
+_NOT_SENT = ("failed to connect to all addresses", "dns resolution failed")
+
+
 def map_rpc_error(e: grpc.RpcError, write: bool = False) -> errors.SpoolerError:
     """The client half of the error table. ``write``: the call changes state, so a
-    transport failure after it left us means the outcome is unknown."""
+    transport failure after it left us means the outcome is unknown; one before it
+    left (no connection to be had) is a plain ``unavailable``: nothing was accepted."""
     err = errors.from_grpc_trailers(e.code(), e.details(), e.trailing_metadata())
     if write and isinstance(err, errors.Unavailable) and not _has_detail(e):
+        if never_sent(e):
+            return errors.Unavailable(f"no connection to the node: {e.details()}", retry_after_s=1.0)
         # no node answered "not accepted": the request may have been applied
         return errors.OperationUnconfirmed(f"transport failure: {e.details()}")
     return err
+
+
+def never_sent(e: grpc.RpcError) -> bool:
+    """The call failed because no connection could be had: nothing reached a node."""
+    return e.code() == grpc.StatusCode.UNAVAILABLE and any(s in (e.details() or "").lower() for s in _NOT_SENT)
 
 
 def _has_detail(e: grpc.RpcError) -> bool:

@@ -21,7 +21,7 @@ import grpc
 
 from spooler import errors
 from spooler._common import (Nodes, Message, SendResult, auth_metadata, batch_request, batch_results, call_with_retries,
-                             _has_detail, is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, send_outcomes,
+                             _has_detail, is_batch_entry_error, map_rpc_error, message_of, never_sent, queue_dict, renew_delay_s, send_outcomes,
                              settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request)
 from spooler.pb import api_pb2
@@ -184,6 +184,8 @@ class _Session:
                 continue
             if detail is not None:
                 w.fut.set_exception(detail)
+            elif isinstance(e, grpc.RpcError) and never_sent(e):  # no connection: nothing left us
+                w.fut.set_exception(errors.Unavailable(f"no connection to the node: {e.details()}"))
             else:  # a transport failure after the request left: its outcome is unknown
                 w.fut.set_exception(errors.OperationUnconfirmed("session stream broke") if w.write
                                     else errors.Unavailable("session stream broke"))

@@ -201,7 +201,7 @@ class Forwarder:
         return out
 
     async def create_key(self, a, auth, queue, scopes):
-        r = await self.call(a, "CreateKey", api_pb2.CreateKeyRequest(queue=queue if isinstance(queue, str) else "",
+        r = await self.call(a, "CreateKey", api_pb2.CreateKeyRequest(queue=queue,
                                                                      scopes=scopes), auth, True)
         return {"id": r.id, "key": r.key, "queue": r.queue, "scopes": list(r.scopes)}
 

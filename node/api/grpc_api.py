@@ -108,6 +108,42 @@ def _caller(context) -> tuple:
     return auth, forwarded
 
 
+class Malformed:
+    """A request body that does not decode: what the service's deserializers give
+    instead of raising, so the answer is the error table's ``invalid_argument``
+    (status and kind trailer) rather than grpc's bare UNKNOWN."""
+    __slots__ = ("why",)
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def error(self) -> errors.InvalidArgument:
+        return errors.InvalidArgument(f"request does not decode as protobuf: {self.why}"[:300])
+
+
+def _lenient(parse):
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, and whatever upb raises
+            return Malformed(str(e) or type(e).__name__)
+    return deserialize
+
+
+_HANDLER = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+def add_spooler_service(servicer, server) -> None:
+    """The generated ``add_SpoolerServicer_to_server``, with lenient request
+    deserializers (see Malformed); built from the service's descriptor."""
+    desc = api_pb2.DESCRIPTOR.services_by_name["Spooler"]
+    handlers = {m.name: _HANDLER[(m.client_streaming, m.server_streaming)](
+        getattr(servicer, m.name), request_deserializer=_lenient(getattr(api_pb2, m.input_type.name).FromString),
+        response_serializer=getattr(api_pb2, m.output_type.name).SerializeToString) for m in desc.methods}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
+
+
 def rpc(method):
     """Authenticate, call, map SpoolerError to a status with the kind in trailers."""
 
@@ -116,6 +152,8 @@ def rpc(method):
         epoch_md = ("spooler-epoch", str(self.svc.engine.known_epoch))
         try:
             p = self.svc.authenticate(*_caller(context))
+            if isinstance(request, Malformed):
+                raise request.error()
             resp = await method(self, p, request, context)
             context.set_trailing_metadata((epoch_md,))
             return resp
@@ -288,6 +326,9 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                     while len(tasks) + len(answers) >= in_flight_max:
                         room.clear()
                         await room.wait()
+                    if isinstance(r, Malformed):  # no id to answer by: id 0, and the stream goes on
+                        answer(api_pb2.SessionResponse(id=0, error=errors.to_detail(r.error())))
+                        continue
                     which = r.WhichOneof("call")
                     if which is None:
                         answer(api_pb2.SessionResponse(id=r.id, error=errors.to_detail(
@@ -343,7 +384,7 @@ GRPC_OPTIONS = [
 
 async def build_server(svc: Service, metrics, address: str, tls=None) -> tuple:
     server = grpc.aio.server(options=GRPC_OPTIONS, maximum_concurrent_rpcs=10_000)
-    api_pb2_grpc.add_SpoolerServicer_to_server(SpoolerServicer(svc, metrics), server)
+    add_spooler_service(SpoolerServicer(svc, metrics), server)
     from node.replication.driver import ReplicationServicer
     from spooler.pb import replication_pb2_grpc
     replication_pb2_grpc.add_ReplicationServicer_to_server(ReplicationServicer(svc.engine.repl), server)

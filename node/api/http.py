@@ -38,6 +38,9 @@ async def _read_json(request: web.Request):
         raise errors.InvalidArgument("body is not valid JSON") from None
 
 
+EPOCH_OF = web.AppKey("spooler_epoch_of", object)  # () -> the epoch answers name
+
+
 def json_protocol_errors() -> None:
     """Requests aiohttp cannot parse (a malformed request line, oversized headers)
     never reach a route: aiohttp answers them itself, in plain text. Make those
@@ -59,6 +62,12 @@ def json_protocol_errors() -> None:
             e = errors.Internal("internal error")
         out = web.Response(status=resp.status if resp.status in (400, 413, 431) else e.http_status,
                            body=errors.http_body(e), content_type=JSON)
+        # this answer skips on_response_prepare: name the epoch here (the app that
+        # owns this connection says how; aiohttp's Server keeps its handler)
+        app = getattr(getattr(getattr(self, "_manager", None), "request_handler", None), "__self__", None)
+        epoch_of = app.get(EPOCH_OF) if isinstance(app, web.Application) else None
+        if epoch_of is not None:
+            out.headers["Spooler-Epoch"] = str(epoch_of())
         out.force_close()
         return out
 
@@ -72,6 +81,8 @@ def build_app(svc: Service, metrics) -> web.Application:
     # Bodies beyond this never reach a handler (413); a single message is
     # checked against body_bytes_max before it is read.
     app = web.Application(client_max_size=lim.body_bytes_max + 1, middlewares=[_errors_mw(metrics)])
+
+    app[EPOCH_OF] = lambda: svc.engine.known_epoch
 
     async def add_epoch(request, response):
         response.headers["Spooler-Epoch"] = str(svc.engine.known_epoch)
@@ -157,7 +168,10 @@ def build_app(svc: Service, metrics) -> web.Application:
         body = await _read_json(request)
         if not isinstance(body, dict):
             raise errors.InvalidArgument("body must be a JSON object")
-        return _json(await svc.create_key(p, body.get("queue", "*"), body.get("scopes")), 201)
+        queue = body.get("queue", "*")
+        if queue == "":  # "*" is how a JSON caller asks for every queue
+            raise errors.InvalidArgument('queue must be a queue name or "*"')
+        return _json(await svc.create_key(p, queue, body.get("scopes")), 201)
 
     async def list_keys(request):
         return _json({"keys": await svc.list_keys(principal(request))})

@@ -36,6 +36,7 @@ _FROM_URLSAFE = str.maketrans("-_", "+/")
 KEY_ID_RE = re.compile(r"^[a-f0-9]{12}$")
 SCOPES = ("send", "receive", "admin")
 RECEIVE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+SECONDS_RE = re.compile(r"^\s*(\d+(\.\d*)?|\.\d+)\s*$")  # a header's or a query's seconds, e.g. "5", "0.25"
 
 # API setting name -> (internal field, to-internal, from-internal)
 SETTINGS = {
@@ -195,9 +196,11 @@ class Service:
     def parse_seconds_header(self, v: Optional[str], what: str, hi: float) -> float:
         if v is None or v == "":
             return 0.0
+        if not SECONDS_RE.match(v):  # float() alone would also take "1_0", "1e3", "+5"
+            raise errors.InvalidArgument(f"{what} must be a number of seconds (digits, an optional fraction)")
         try:
             f = float(v.strip())
-        except ValueError:
+        except (ValueError, OverflowError):
             raise errors.InvalidArgument(f"{what} must be a number of seconds") from None
         return self._seconds(f, what, 0.0, hi)
 
@@ -254,17 +257,25 @@ class Service:
         return created, self.queue_doc(name)
 
     async def get_queue(self, p: Principal, name: str) -> dict:
+        self.check_name_any(name)
         if (a := self._remote(p)):
             return await self.fwd.get_queue(a, p.auth, name)
-        self.check_name_any(name)
         if not p.any_scope(name):
             raise errors.Forbidden(f"key has no scope on queue {name}")
         return self.queue_doc(name)
 
     def check_name_any(self, name: str) -> str:
-        if not isinstance(name, str) or not DERIVED_NAME_RE.match(name):
-            raise errors.InvalidArgument("queue name must match [A-Za-z0-9._-]{1,80}")
-        return name
+        """A name a queue may have: one a PUT may give ([A-Za-z0-9._-]{1,80}), or a
+        failure queue derived from one ("{queue}.failed", its own "{queue}.failed.failed",
+        ...), which may be longer than 80 (up to 255)."""
+        if isinstance(name, str) and DERIVED_NAME_RE.match(name):
+            base = name
+            while len(base) > 80 and base.endswith(".failed"):
+                base = base[:-len(".failed")]
+            if NAME_RE.match(base):
+                return name
+        raise errors.InvalidArgument("queue name must match [A-Za-z0-9._-]{1,80}"
+                                     " (or be a failure queue derived from one: \"{queue}.failed\")")
 
     async def list_queues(self, p: Principal) -> list:
         if (a := self._remote(p)):
@@ -272,17 +283,17 @@ class Service:
         return [self.queue_doc(n) for n in sorted(self.core.queues) if p.any_scope(n)]
 
     async def delete_queue(self, p: Principal, name: str) -> None:
+        self.check_name_any(name)
         if (a := self._remote(p)):
             return await self.fwd.delete_queue(a, p.auth, name)
-        self.check_name_any(name)
         self.authorize(p, "admin", name)
         self._queue(name)
         await self.engine.propose(log_pb2.Record(queue_delete=log_pb2.QueueDelete(name=name)))
 
     async def redrive(self, p: Principal, name: str) -> int:
+        self.check_name_any(name)
         if (a := self._remote(p)):
             return await self.fwd.redrive(a, p.auth, name)
-        self.check_name_any(name)
         self.authorize(p, "admin", name)
         q = self._queue(name)
         self.authorize(p, "admin", q.failure_queue)  # redrive empties the failure queue
@@ -379,6 +390,8 @@ class Service:
                                 (via, mono_us()) if via else None)
         if not got:
             return []
+        if self.engine.metrics:  # leases live in memory, not in the log: counted here
+            self.engine.metrics.receives.inc(len(got))
         bodies = self.engine.bodies_of([m for m, _ in got])
         expires = rfc3339(got[0][1].expires_at)  # one receive: one lease timeout, one expiry
         return [Delivery(m.id, body, self.encode_token(lease), m.retry, expires, queue)
@@ -642,16 +655,20 @@ class Service:
 
     # ---------------------------------------------------------------- keys
     async def create_key(self, p: Principal, queue: str, scopes: list) -> dict:
-        if (a := self._remote(p)):
-            return await self.fwd.create_key(a, p.auth, queue, scopes)
-        self._global_admin(p)
+        """``queue``: a queue name, or "*" ("" too: gRPC's unset field) for every queue."""
+        # the request's shape first, on whichever node it reaches: a replica answers
+        # a malformed request as the primary would, and forwards only what is well formed
         if not isinstance(queue, str):
             raise errors.InvalidArgument('queue must be a queue name or "*"')
         queue = queue or "*"
         if queue != "*":
             self.check_name(queue)
-        if not isinstance(scopes, list) or not scopes or any(s not in SCOPES for s in scopes):
+        if (not isinstance(scopes, list) or not scopes
+                or any(not isinstance(s, str) or s not in SCOPES for s in scopes)):
             raise errors.InvalidArgument(f"scopes: a non-empty list of {', '.join(SCOPES)}")
+        if (a := self._remote(p)):
+            return await self.fwd.create_key(a, p.auth, queue, scopes)
+        self._global_admin(p)
         if len(self.core.keys) >= self.limits.keys_max:
             raise errors.InvalidArgument(f"at most {self.limits.keys_max} keys")
         kid = os.urandom(6).hex()
@@ -687,14 +704,14 @@ class Service:
                 "commitLsn": st["commitLsn"], "appliedLsn": e.core.lsn, "nodes": nodes}
 
     async def promote(self, p: Principal, node: str) -> dict:
+        e = self.engine
+        if not isinstance(node, str) or not node:  # checked before forwarding, as in create_key
+            raise errors.InvalidArgument("body must be {\"node\": \"<id>\"}")
+        if node not in e.repl.addresses:  # every member has the same --peers
+            raise errors.InvalidArgument(f"unknown node {node}")
         if (a := self._remote(p)):
             return await self.fwd.promote(a, p.auth, node)
         self._global_admin(p)
-        if not isinstance(node, str) or not node:
-            raise errors.InvalidArgument("body must be {\"node\": \"<id>\"}")
-        e = self.engine
-        if node not in e.repl.addresses:
-            raise errors.InvalidArgument(f"unknown node {node}")
         if node == e.node_id and e.role == "primary":
             return self.cluster(p)  # already the primary
         if e.role != "primary":

@@ -502,6 +502,12 @@ class Replication:
         if not self.peers:
             pre = False
         if pre:
+            if self.role == REPLICA and self.primary is not None:
+                # a failover timeout without a word from it: it is no longer a primary
+                # to forward to or to call ready behind (etcd's pre-candidate drops its
+                # leader too); its next append, if it is alive after all, restores it
+                self.primary = None
+                out.append(Role(REPLICA, self.epoch, None))
             self.pre_votes = {self.id: self._since_contact(now)}
             for p in self.peers:
                 out.append(Send(p, VoteReq(self.epoch + 1, self.id, self.log.last_epoch, self.log.last_lsn, pre=True)))

@@ -1,6 +1,8 @@
 """A real 3-node cluster on 127.0.0.1: election, replication, failover, rejoin."""
+import json
 import os
 import signal
+import urllib.error
 import urllib.request
 
 import pytest
@@ -185,6 +187,64 @@ def test_a_minority_confirms_nothing(cluster):
             c.send("q", b"during")
     with pytest.raises(errors.Unavailable):
         c.receive("q")  # and it hands out no leases
+
+
+def test_a_replica_left_alone_is_not_ready_and_forwards_nothing(cluster):
+    """The primary and the other replica gone: within a failover timeout the survivor
+    stops naming the dead primary, answers /readyz 503 and every call 503 unavailable
+    (with Retry-After), never 500 and never a 200 'ready' behind a primary it cannot reach."""
+    nodes, _ = cluster
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    c = client(nodes[p])
+    until_ok(lambda: c.put_queue("q"))
+    send_until_ok(c, "q", b"before")
+    r = next(i for i in nodes if i != p)
+    wait_until(lambda: (view(nodes[r]) or {}).get("primary") == p, 10, what="the replica to follow the primary")
+    for i, n in nodes.items():
+        if i != r:
+            n.kill()
+
+    def readyz():
+        try:
+            with urllib.request.urlopen(nodes[r].http_url + "/readyz", timeout=5) as resp:
+                return resp.status
+        except urllib.error.HTTPError as e:
+            return e.code
+    wait_until(lambda: readyz() == 503, 10, what="the lone replica to stop calling itself ready")
+    assert view(nodes[r])["primary"] is None
+    key = nodes[r].admin_key
+    for method, path, body in (("POST", "/v1/queues/q/messages", b"during"), ("PUT", "/v1/queues/q2", b"{}"),
+                               ("GET", "/v1/queues/q", None)):
+        req = urllib.request.Request(nodes[r].http_url + path, data=body, method=method,
+                                     headers={"Authorization": f"Bearer {key}"})
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(req, timeout=10)
+        assert ei.value.code == 503, (method, path, ei.value.code, ei.value.read())
+        assert json.loads(ei.value.read())["kind"] == "unavailable"
+        assert float(ei.value.headers["Retry-After"]) > 0
+
+
+def test_a_replica_refuses_malformed_keys_and_promotes_as_the_primary_does(cluster):
+    """Forwarding must not change an answer: a malformed body is 400 on a replica as on
+    the primary (never a 500, never a key silently widened to every queue)."""
+    nodes, _ = cluster
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    r = next(i for i in nodes if i != p)
+    wait_until(lambda: (view(nodes[r]) or {}).get("primary") == p, 10, what="the replica to follow the primary")
+    bad = [("/v1/keys", {"queue": 5, "scopes": ["send"]}), ("/v1/keys", {"queue": None, "scopes": ["send"]}),
+           ("/v1/keys", {"queue": "", "scopes": ["send"]}), ("/v1/keys", {"queue": "q", "scopes": [5]}),
+           ("/v1/keys", {"queue": "q", "scopes": "send"}), ("/v1/cluster/promote", {"node": 5}),
+           ("/v1/cluster/promote", {"node": "nobody"})]
+    for node in (p, r):
+        for path, body in bad:
+            req = urllib.request.Request(nodes[node].http_url + path, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Authorization": f"Bearer {nodes[node].admin_key}"})
+            with pytest.raises(urllib.error.HTTPError) as ei:
+                urllib.request.urlopen(req, timeout=10)
+            assert ei.value.code == 400, (node, path, body, ei.value.code, ei.value.read())
+            assert json.loads(ei.value.read())["kind"] == "invalid_argument"
+    keys = nodes[p].get("/v1/keys")[1]["keys"]
+    assert keys == [], keys  # nothing was created on the way
 
 
 def test_sdk_with_every_node_follows_the_cluster(cluster):

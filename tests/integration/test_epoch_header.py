@@ -42,7 +42,7 @@ def test_answers_name_the_newest_epoch_the_node_knows(tmp_path):
                 assert (await cluster.json())["epoch"] == applied + 1 == int(cluster.headers["Spooler-Epoch"])
 
             server = grpc.aio.server()
-            api_pb2_grpc.add_SpoolerServicer_to_server(grpc_api.SpoolerServicer(svc, metrics), server)
+            grpc_api.add_spooler_service(grpc_api.SpoolerServicer(svc, metrics), server)
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:

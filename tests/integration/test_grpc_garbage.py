@@ -131,12 +131,24 @@ def test_malformed_protobuf_fails_with_grpc_error(gnode, method, junk):
         with pytest.raises(grpc.RpcError) as ei:
             call(JUNK_BODIES[junk], metadata=md(gnode), timeout=TIMEOUT_S)
         code = ei.value.code()
-        # the request does not decode: grpc.aio answers UNKNOWN ("Unexpected DecodeError");
-        # INTERNAL (the gRPC convention for an unparsable request) or INVALID_ARGUMENT would
-        # do too. Never OK, never a hang (DEADLINE_EXCEEDED), never UNAVAILABLE (a crash).
-        assert code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT), \
-            f"{code}: {ei.value.details()}"
+        # the request does not decode: the error table's invalid_argument, status and kind
+        # trailer, as for any other bad input (never OK, a hang, or UNKNOWN / UNAVAILABLE)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, f"{code}: {ei.value.details()}"
+        assert dict(ei.value.trailing_metadata() or ()).get("spooler-error-kind") == "invalid_argument"
     assert gnode.alive()
+
+
+def test_malformed_frame_on_a_session_is_answered_and_the_stream_goes_on(gnode):
+    """A Session frame that does not decode gets an invalid_argument answer (id 0: it
+    has no id to answer by); the requests after it on the same stream are served."""
+    good = api_pb2.SessionRequest(id=7, send_batch=api_pb2.SendBatchRequest(queue="nope-" + "x" * 100)).SerializeToString()
+    with grpc.insecure_channel(gnode.grpc_target) as ch:
+        call = ch.stream_stream("/spooler.v1.Spooler/Session", request_serializer=None,
+                                response_deserializer=api_pb2.SessionResponse.FromString)
+        answers = list(call(iter([JUNK_BODIES["truncated_varint"], good]), metadata=md(gnode), timeout=TIMEOUT_S))
+    assert [a.id for a in answers] == [0, 7], answers
+    assert answers[0].error.kind == "invalid_argument"
+    assert answers[1].error.kind == "invalid_argument"  # its queue name is too long: a real answer to it
 
 
 def test_malformed_protobuf_without_auth_fails_too(gnode):

@@ -158,6 +158,28 @@ def test_bad_queue_name_400(api, name):
     assert r.json()["kind"] == "invalid_argument"
 
 
+@pytest.mark.parametrize("name", ["x" * 81, "x" * 100, "x" * 76 + ".faile", "x" * 81 + ".failed"])
+def test_overlong_name_is_400_on_every_route(api, name):
+    """Past 80 characters a name is malformed on every route, not just PUT; the one
+    exception is a failure queue derived from a legal name (next test)."""
+    for r in (api.put_queue(name, {}), api.get_queue(name), api.req("DELETE", f"/v1/queues/{name}"),
+              api.req("POST", f"/v1/queues/{name}/receive"), api.req("POST", f"/v1/queues/{name}/redrive"),
+              api.req("POST", f"/v1/queues/{name}/messages", body=b"m")):
+        assert r.status == 400 and r.json()["kind"] == "invalid_argument", r
+
+
+def test_failure_queue_of_an_80_char_name_is_reachable(api):
+    name = uuid.uuid4().hex * 2 + "x" * 16  # 80 characters
+    assert api.put_queue(name, {"maxRetries": 0}).status == 201
+    fq = f"{name}.failed"  # 87 characters, derived: readable though PUT could not name it
+    assert api.get_queue(fq).status == 404  # well formed; created on demand only
+    assert api.req("POST", f"/v1/queues/{name}/messages", body=b"m").status == 201
+    tok = api.req("POST", f"/v1/queues/{name}/receive").h("Spooler-Lease-Token")
+    assert api.req("POST", f"/v1/leases/{tok}/nack").status == 204  # past maxRetries 0: to the failure queue
+    r = api.get_queue(fq)
+    assert r.status == 200 and r.json()["stats"]["visible"] == 1, r
+
+
 def test_name_of_80_chars_and_all_allowed_characters(api):
     for name in ["A" * 80, "a.b_c-D.9", "-", "_", "x.failed"]:
         r = api.put_queue(name, {})
@@ -261,7 +283,7 @@ def test_delay_header_hides_message_until_due(api, queue):
     assert got.h("Spooler-Retry-Count") == "0"
 
 
-@pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf", "1209601", "1e400", "0x10"])
+@pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf", "1209601", "1e400", "0x10", "1_0", "+5", "1e1", "5s", "1.2.3"])
 def test_bad_delay_header_400(api, queue, value):
     r = api.send(queue, b"x", headers={"Spooler-Delay-Seconds": value})
     assert r.status == 400, r
@@ -756,17 +778,21 @@ def test_healthz_readyz_metrics(api, queue):
     r = api.req("GET", "/readyz", key=None)
     assert r.status == 200 and r.json()["status"] == "ready"
 
-    def sends_total():
+    def total(name):
         m = api.req("GET", "/metrics", key=None)
         assert m.status == 200 and m.h("Content-Type").startswith("text/plain")
-        found = re.search(rb"^spooler_sends_total ([0-9.e+]+)$", m.body, re.M)
+        found = re.search(rb"^spooler_" + name.encode() + rb"_total ([0-9.e+]+)$", m.body, re.M)
         assert found, m.body[:2000]
         return float(found.group(1))
 
-    n0 = sends_total()
+    n0, r0, a0 = total("sends"), total("receives"), total("acks")
     api.send(queue, b"x")
     api.send(queue, b"y")
-    assert sends_total() == n0 + 2
+    assert total("sends") == n0 + 2
+    tok = received(api, queue).h("Spooler-Lease-Token")
+    assert total("receives") == r0 + 1  # leases are not log records: counted where they are made
+    assert api.ack(tok).status == 204
+    assert total("acks") == a0 + 1
 
 
 def test_cluster_shape(api, shared_node):
