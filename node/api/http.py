@@ -199,7 +199,7 @@ def build_app(svc: Service, metrics) -> web.Application:
         e = svc.engine
         if e.failed is not None or (e.role != "primary" and e.primary_id is None):
             raise errors.Unavailable("not ready", retry_after_s=1.0)
-        return _json({"status": "ready", "role": e.role, "epoch": e.epoch, "primary": e.primary_id})
+        return _json({"status": "ready", "role": e.role, "epoch": e.known_epoch, "primary": e.primary_id})
 
     async def metrics_route(request):
         return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})

@@ -75,8 +75,8 @@ class _StateCollector:
             for state in ("visible", "leased", "delayed"):
                 depth.add_metric([name, state], s[state])
         yield depth
-        g = GaugeMetricFamily("spooler_epoch", "Current epoch")
-        g.add_metric([], e.epoch)
+        g = GaugeMetricFamily("spooler_epoch", "Newest epoch this node knows (as Spooler-Epoch)")
+        g.add_metric([], e.known_epoch)
         yield g
         g = GaugeMetricFamily("spooler_applied_lsn", "Last applied log sequence number")
         g.add_metric([], e.core.lsn)

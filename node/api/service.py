@@ -36,7 +36,7 @@ _FROM_URLSAFE = str.maketrans("-_", "+/")
 KEY_ID_RE = re.compile(r"^[a-f0-9]{12}$")
 SCOPES = ("send", "receive", "admin")
 RECEIVE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-SECONDS_RE = re.compile(r"^\s*(\d+(\.\d*)?|\.\d+)\s*$")  # a header's or a query's seconds, e.g. "5", "0.25"
+SECONDS_RE = re.compile(r"[ \t]*([0-9]+(\.[0-9]*)?|\.[0-9]+)[ \t]*\Z")  # a header's or a query's seconds, e.g. "5", "0.25"
 
 # API setting name -> (internal field, to-internal, from-internal)
 SETTINGS = {
@@ -114,10 +114,13 @@ class Service:
             p = self._authenticate(authorization)
         except errors.Unauthenticated:
             e = self.engine
-            if authorization and not forwarded and e.cluster and e.role != "primary" and e.primary_id:
+            if authorization and not forwarded and e.cluster and e.role != "primary":
                 # keys are replicated, but a new one may not have reached us yet:
-                # the primary decides (every call from here is forwarded)
-                return Principal(admin=False, auth=authorization)
+                # the primary decides (every call from here is forwarded) and, while
+                # no primary is known, nobody can: not now, rather than "unknown key"
+                if e.primary_id:
+                    return Principal(admin=False, auth=authorization)
+                raise errors.Unavailable("no primary is known to check this key against", retry_after_s=0.5) from None
             raise
         via = forwarded if forwarded in self.engine.repl.addresses else ""
         return Principal(p.admin, p.queue, p.scopes, p.key_id, authorization or "", bool(forwarded), via)

@@ -502,10 +502,12 @@ class Replication:
         if not self.peers:
             pre = False
         if pre:
-            if self.role == REPLICA and self.primary is not None:
+            if self.role == REPLICA and self.primary is not None and self._since_contact(now) >= self.timeout:
                 # a failover timeout without a word from it: it is no longer a primary
                 # to forward to or to call ready behind (etcd's pre-candidate drops its
-                # leader too); its next append, if it is alive after all, restores it
+                # leader too); its next append, if it is alive after all, restores it.
+                # Not sooner: a broken stream alone (primary_stream_broken) campaigns
+                # early, but a live primary reconnects within that time.
                 self.primary = None
                 out.append(Role(REPLICA, self.epoch, None))
             self.pre_votes = {self.id: self._since_contact(now)}

@@ -222,6 +222,13 @@ def test_a_replica_left_alone_is_not_ready_and_forwards_nothing(cluster):
         assert ei.value.code == 503, (method, path, ei.value.code, ei.value.read())
         assert json.loads(ei.value.read())["kind"] == "unavailable"
         assert float(ei.value.headers["Retry-After"]) > 0
+    # a key it does not know may be one the primary created a moment ago: with no
+    # primary to ask, that is "not now" (503), not "unknown key" (401)
+    req = urllib.request.Request(nodes[r].http_url + "/v1/queues/q", headers={
+        "Authorization": "Bearer spk_0123456789ab_not-replicated-here"})
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        urllib.request.urlopen(req, timeout=10)
+    assert ei.value.code == 503, ei.value.read()
 
 
 def test_a_replica_refuses_malformed_keys_and_promotes_as_the_primary_does(cluster):

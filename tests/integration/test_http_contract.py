@@ -382,7 +382,7 @@ def test_long_poll_returns_early_on_send(api, queue):
     assert out["elapsed"] < 5, f"long poll did not return early: {out['elapsed']:.2f}s of 15"
 
 
-@pytest.mark.parametrize("wait", ["20.5", "21", "-1", "abc", "nan", "inf"])
+@pytest.mark.parametrize("wait", ["20.5", "21", "-1", "abc", "nan", "inf", "1_0", "1e1", "%D9%A5", "%EF%BC%95", "5%0A"])
 def test_bad_wait_400(api, queue, wait):
     r = api.receive(queue, wait=wait)
     assert r.status == 400 and r.json()["kind"] == "invalid_argument"

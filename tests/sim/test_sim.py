@@ -61,3 +61,33 @@ def test_a_split_vote_is_retried_soon_not_after_a_whole_timeout():
     for n in (a, b):
         assert n.role == R.CANDIDATE
         assert n.election_at - (now + 2) <= T // 2
+
+
+def test_a_replica_drops_its_primary_only_after_a_failover_timeout_without_it():
+    """A broken stream makes a replica campaign early (a pre-vote, which a live primary's
+    other replica refuses), but a live primary reconnects within that time: the replica
+    keeps naming it (keeps forwarding to it, stays ready). Only a whole failover timeout
+    without a word from it makes the replica drop it."""
+    import random
+
+    from node.core import replication as R
+
+    T = 2_000_000
+    b = R.Replication("b", ["a", "b", "c"], failover_timeout_us=T, rand=random.Random(5).random)
+    b.start(0)
+    now = 1_000
+    b.receive(R.AppendReq(1, "a", 0, 0, 0, [], 0, now), now)
+    assert (b.role, b.primary) == (R.REPLICA, "a")
+
+    b.primary_stream_broken(now + 1)
+    soon = b.election_at
+    assert soon - now < T // 4  # the early campaign is armed
+    out = b.tick(soon)
+    assert any(isinstance(e, R.Send) and isinstance(e.msg, R.VoteReq) and e.msg.pre for e in out), out
+    assert b.primary == "a", "dropped a primary heard from a moment ago"
+    assert not any(isinstance(e, R.Role) for e in out), out
+
+    late = now + T
+    out = b.tick(max(late, b.election_at))
+    assert b.primary is None
+    assert R.Role(R.REPLICA, 1, None) in out, out
