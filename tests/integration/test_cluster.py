@@ -2,11 +2,11 @@
 import json
 import os
 import signal
-import urllib.error
 import urllib.request
 
 import pytest
 
+from contract_client import Api
 from nodeproc import start_cluster, wait_until
 from spooler import errors
 from spooler.http import HttpClient
@@ -204,31 +204,19 @@ def test_a_replica_left_alone_is_not_ready_and_forwards_nothing(cluster):
         if i != r:
             n.kill()
 
-    def readyz():
-        try:
-            with urllib.request.urlopen(nodes[r].http_url + "/readyz", timeout=5) as resp:
-                return resp.status
-        except urllib.error.HTTPError as e:
-            return e.code
-    wait_until(lambda: readyz() == 503, 10, what="the lone replica to stop calling itself ready")
+    lone = Api(nodes[r].http_url, nodes[r].admin_key)
+    wait_until(lambda: lone.req("GET", "/readyz", key=None).status == 503, 10,
+               what="the lone replica to stop calling itself ready")
     assert view(nodes[r])["primary"] is None
-    key = nodes[r].admin_key
     for method, path, body in (("POST", "/v1/queues/q/messages", b"during"), ("PUT", "/v1/queues/q2", b"{}"),
-                               ("GET", "/v1/queues/q", None)):
-        req = urllib.request.Request(nodes[r].http_url + path, data=body, method=method,
-                                     headers={"Authorization": f"Bearer {key}"})
-        with pytest.raises(urllib.error.HTTPError) as ei:
-            urllib.request.urlopen(req, timeout=10)
-        assert ei.value.code == 503, (method, path, ei.value.code, ei.value.read())
-        assert json.loads(ei.value.read())["kind"] == "unavailable"
-        assert float(ei.value.headers["Retry-After"]) > 0
+                               ("GET", "/v1/queues/q", b"")):
+        resp = lone.req(method, path, body)  # invariants: an unavailable carries Retry-After
+        assert resp.status == 503 and resp.json()["kind"] == "unavailable", (method, path, resp)
+        assert float(resp.h("Retry-After")) > 0, resp
     # a key it does not know may be one the primary created a moment ago: with no
     # primary to ask, that is "not now" (503), not "unknown key" (401)
-    req = urllib.request.Request(nodes[r].http_url + "/v1/queues/q", headers={
-        "Authorization": "Bearer spk_0123456789ab_not-replicated-here"})
-    with pytest.raises(urllib.error.HTTPError) as ei:
-        urllib.request.urlopen(req, timeout=10)
-    assert ei.value.code == 503, ei.value.read()
+    resp = lone.req("GET", "/v1/queues/q", key="spk_0123456789ab_not-replicated-here")
+    assert resp.status == 503, resp
 
 
 def test_a_replica_refuses_malformed_keys_and_promotes_as_the_primary_does(cluster):
@@ -243,13 +231,10 @@ def test_a_replica_refuses_malformed_keys_and_promotes_as_the_primary_does(clust
            ("/v1/keys", {"queue": "q", "scopes": "send"}), ("/v1/cluster/promote", {"node": 5}),
            ("/v1/cluster/promote", {"node": "nobody"})]
     for node in (p, r):
+        api = Api(nodes[node].http_url, nodes[node].admin_key)
         for path, body in bad:
-            req = urllib.request.Request(nodes[node].http_url + path, data=json.dumps(body).encode(), method="POST",
-                                         headers={"Authorization": f"Bearer {nodes[node].admin_key}"})
-            with pytest.raises(urllib.error.HTTPError) as ei:
-                urllib.request.urlopen(req, timeout=10)
-            assert ei.value.code == 400, (node, path, body, ei.value.code, ei.value.read())
-            assert json.loads(ei.value.read())["kind"] == "invalid_argument"
+            resp = api.req("POST", path, json.dumps(body).encode())
+            assert resp.status == 400 and resp.json()["kind"] == "invalid_argument", (node, path, body, resp)
     keys = nodes[p].get("/v1/keys")[1]["keys"]
     assert keys == [], keys  # nothing was created on the way
 
