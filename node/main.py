@@ -24,6 +24,11 @@ from node.engine import Engine, Limits
 
 log = logging.getLogger("spooler.node")
 
+# The exit status of a node that stopped because its store failed (a write or
+# fsync error): restarting it on the same disk would not help, and
+# deploy/systemd/spooler-node.service tells systemd not to loop on it.
+EXIT_STORE_FAILED = 70
+
 
 def _env(name, default=None):
     return os.environ.get(name, default)
@@ -126,7 +131,7 @@ async def serve(args) -> int:
 
     def fatal(e):
         nonlocal exit_code
-        exit_code = 70
+        exit_code = EXIT_STORE_FAILED
         stop.set()
 
     engine.on_fatal = fatal

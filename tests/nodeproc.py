@@ -19,7 +19,11 @@ ADMIN_KEY = "test-admin-key"
 
 class NodeProc:
     def __init__(self, data_dir: str, node_id: str = "n1", admin_key: str = ADMIN_KEY, extra_args=(),
-                 http_port: int = 0, grpc_port: int = 0, env: Optional[dict] = None):
+                 http_port: int = 0, grpc_port: int = 0, env: Optional[dict] = None, env_only: bool = False):
+        """``env_only``: start ``spooler-node`` with no flags at all; ``env`` carries
+        every setting (SPOOLER_ID, SPOOLER_DATA, ...), as a container's manifest
+        does, and the test's own SPOOLER_* variables are not passed on."""
+        self.env_only = env_only
         self.data_dir = data_dir
         self.node_id = node_id
         self.admin_key = admin_key
@@ -35,12 +39,15 @@ class NodeProc:
 
     def start(self, timeout_s: float = 20.0) -> "NodeProc":
         os.makedirs(self.data_dir, exist_ok=True)
-        cmd = [sys.executable, "-m", "node.main", "--id", self.node_id, "--data", self.data_dir,
-               "--http", f"127.0.0.1:{self.http_port}", "--grpc", f"127.0.0.1:{self.grpc_port}",
-               "--admin-key", self.admin_key, *self.extra_args]
+        cmd = [sys.executable, "-m", "node.main"]
+        env = {**os.environ, **(self.env or {})}
+        if self.env_only:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLER_")} | (self.env or {})
+        else:
+            cmd += ["--id", self.node_id, "--data", self.data_dir, "--http", f"127.0.0.1:{self.http_port}",
+                    "--grpc", f"127.0.0.1:{self.grpc_port}", "--admin-key", self.admin_key, *self.extra_args]
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log,
-                                     env={**os.environ, **(self.env or {})})
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, env=env)
         deadline = time.monotonic() + timeout_s
         line = b""
         while time.monotonic() < deadline:

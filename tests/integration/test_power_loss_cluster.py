@@ -1,6 +1,7 @@
 """Power loss of whole node processes (SPOOLER_TEST_VFS=buffered: nothing reaches
 the disk before fsync, so SIGKILL = power cut), single node and cluster."""
 from integration.test_cluster import primary_of, send_until_ok, until_ok, view
+from node.main import EXIT_STORE_FAILED
 from nodeproc import NodeProc, start_cluster, wait_until
 from spooler import errors
 from spooler.http import HttpClient
@@ -70,7 +71,7 @@ def test_fsync_error_stops_a_node_and_it_rejoins(tmp_path):
             raise AssertionError("a send was confirmed although fsync failed")
         except errors.SpoolerError:
             pass
-        assert n.proc.wait(timeout=10) == 70  # it stopped instead of serving on
+        assert n.proc.wait(timeout=10) == EXIT_STORE_FAILED  # it stopped instead of serving on
         fail.unlink()
         n.start()
         c = HttpClient(n.http_url, n.admin_key)
