@@ -14,6 +14,17 @@ from typing import Optional
 from spooler import errors
 
 
+def seconds(x: float) -> str:
+    """Seconds as the contract writes them: digits and an optional fraction, never
+    an exponent (``1e-07``) or a sign, to the microsecond the node keeps."""
+    x = float(x)
+    if x != x or x in (float("inf"), float("-inf")):
+        raise errors.InvalidArgument(f"seconds must be a finite number, not {x}")
+    if x < 0:
+        raise errors.InvalidArgument(f"seconds must not be negative, not {x}")
+    return f"{x:.6f}".rstrip("0").rstrip(".") or "0"
+
+
 @dataclass
 class Delivery:
     id: str
@@ -29,6 +40,12 @@ class HttpClient:
         u = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
         if u.scheme not in ("http", "https"):
             raise errors.InvalidArgument(f"unsupported server URL scheme: {u.scheme}")
+        try:
+            u.port  # noqa: B018 - parses it: "host:notaport" is refused here, not mid-request
+        except ValueError:
+            raise errors.InvalidArgument(f"server URL {url!r}: the port is not a number") from None
+        if not u.hostname:
+            raise errors.InvalidArgument(f"server URL {url!r} names no host")
         self.scheme, self.netloc = u.scheme, u.netloc
         self.prefix = u.path.rstrip("/")
         self.key = key
@@ -46,14 +63,29 @@ class HttpClient:
             h["Authorization"] = f"Bearer {self.key}"
         h.update(headers or {})
         try:
-            conn.request(method, self.prefix + path, body=body, headers=h)
-            resp = conn.getresponse()
-            data = resp.read()
-        except (ConnectionError, OSError) as e:
-            # We cannot know whether a write reached the node.
-            if method == "GET":
-                raise errors.Unavailable(f"cannot reach {self.netloc}: {e}") from e
-            raise errors.OperationUnconfirmed(f"connection to {self.netloc} failed: {e}") from e
+            try:
+                conn.connect()
+            except (OSError, http.client.HTTPException) as e:
+                # refused, unresolvable, timed out: nothing was sent, so safe to retry
+                raise errors.Unavailable(f"cannot connect to {self.netloc}: {e}") from e
+            try:
+                # http.client sends nothing until the request line and every header are
+                # encoded, so a value it cannot encode fails here with nothing sent
+                conn.putrequest(method, self.prefix + path)
+                for k, v in h.items():
+                    conn.putheader(k, v)
+            except (UnicodeError, ValueError) as e:
+                raise errors.InvalidArgument(f"request cannot be encoded: {e}") from e
+            try:
+                conn.endheaders(body)
+                resp = conn.getresponse()
+                data = resp.read()
+            except (OSError, http.client.HTTPException) as e:
+                # The request left: a write may have reached the node.
+                if method == "GET":
+                    raise errors.Unavailable(f"no answer from {self.netloc}: {e}") from e
+                raise errors.OperationUnconfirmed(f"connection to {self.netloc} failed after the request "
+                                                  f"was sent: {e}") from e
         finally:
             conn.close()
         rh = {k.title(): v for k, v in resp.getheaders()}
@@ -71,7 +103,15 @@ class HttpClient:
 
     @staticmethod
     def _q(name: str) -> str:
-        return urllib.parse.quote(name, safe="")
+        # surrogateescape: a name from a command line that is not UTF-8 goes out as
+        # its bytes, and the node refuses it as a malformed name
+        return urllib.parse.quote(name.encode("utf-8", "surrogateescape"), safe="")
+
+    @staticmethod
+    def _token(token: str) -> str:
+        if not token:
+            raise errors.InvalidArgument("malformed lease token: it is empty")
+        return HttpClient._q(token)
 
     # --- queues -----------------------------------------------------------
     def put_queue(self, name: str, **settings) -> dict:
@@ -97,14 +137,14 @@ class HttpClient:
              dedup_key: Optional[str] = None) -> dict:
         h = {"Content-Type": "application/octet-stream"}
         if delay_s is not None:
-            h["Spooler-Delay-Seconds"] = repr(float(delay_s))
-        if dedup_key:
+            h["Spooler-Delay-Seconds"] = seconds(delay_s)
+        if dedup_key is not None:  # "" too: the node answers invalid_argument, not a send without a key
             h["Spooler-Dedup-Key"] = dedup_key
         _, _, data = self.request("POST", f"/v1/queues/{self._q(queue)}/messages", body, h)
         return json.loads(data)
 
     def receive(self, queue: str, wait_s: float = 0.0) -> Optional[Delivery]:
-        path = f"/v1/queues/{self._q(queue)}/receive?wait={wait_s:g}"
+        path = f"/v1/queues/{self._q(queue)}/receive?wait={seconds(wait_s)}"
         status, h, data = self.request("POST", path, timeout_s=self.timeout_s + wait_s)
         if status == 204:
             return None
@@ -113,14 +153,14 @@ class HttpClient:
                         expires_at=h["Spooler-Lease-Expires-At"], queue=queue)
 
     def ack(self, token: str) -> None:
-        self.request("POST", f"/v1/leases/{self._q(token)}/ack")
+        self.request("POST", f"/v1/leases/{self._token(token)}/ack")
 
     def nack(self, token: str, delay_s: Optional[float] = None) -> None:
-        h = {"Spooler-Delay-Seconds": repr(float(delay_s))} if delay_s is not None else {}
-        self.request("POST", f"/v1/leases/{self._q(token)}/nack", headers=h)
+        h = {"Spooler-Delay-Seconds": seconds(delay_s)} if delay_s is not None else {}
+        self.request("POST", f"/v1/leases/{self._token(token)}/nack", headers=h)
 
     def renew(self, token: str) -> str:
-        return self._json("POST", f"/v1/leases/{self._q(token)}/renew")[1]["expiresAt"]
+        return self._json("POST", f"/v1/leases/{self._token(token)}/renew")[1]["expiresAt"]
 
     # --- keys and cluster -------------------------------------------------
     def create_key(self, queue: str = "*", scopes=("send", "receive")) -> dict:

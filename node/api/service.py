@@ -720,8 +720,11 @@ class Service:
         if e.role != "primary":
             raise errors.Unavailable("promote must be sent to the primary", retry_after_s=0.5)
         await e.repl.transfer(node)
+        # answer with the cluster as it is after the switchover: this node has
+        # stepped down AND heard from the new primary (its first heartbeat), so
+        # the answer names it instead of "primary": null
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 2 * e.repl.core.timeout / 1e6
-        while loop.time() < deadline and e.repl.core.role == "primary":
+        while loop.time() < deadline and (e.repl.core.role == "primary" or self.cluster(p)["primary"] is None):
             await asyncio.sleep(0.01)
         return self.cluster(p)

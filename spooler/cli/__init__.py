@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import traceback
 
 from spooler import __version__
 from spooler.errors import SpoolerError
@@ -29,10 +31,33 @@ def add_json(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that a usage error under --json is also a JSON error on
+    stdout (exit status 2, as for any usage error)."""
+
+    json_errors = False
+
+    def error(self, message):
+        if _Parser.json_errors:
+            print(json.dumps({"error": {"kind": "invalid_argument", "message": message}}), file=sys.stdout)
+        super().error(message)
+
+
+def seconds_arg(text: str) -> float:
+    """An argparse type for seconds: a finite number, not negative."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"seconds must be finite and not negative: {text!r}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     from spooler.cli import jobs, spool
 
-    p = argparse.ArgumentParser(prog="spoolctl", description="Spooler client and job runner")
+    p = _Parser(prog="spoolctl", description="Spooler client and job runner")
     p.add_argument("--version", action="version", version=f"spoolctl {__version__}")
     p.add_argument("--spool", default=os.environ.get("SPOOLCTL_DIR", "./.spoolctl"),
                    help="job runner spool directory (env SPOOLCTL_DIR, default ./.spoolctl)")
@@ -48,17 +73,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _Parser.json_errors = "--json" in argv
     parser = build_parser()
     args = parser.parse_args(argv)
+    as_json = getattr(args, "json", False)
     try:
         rc = args.func(args)
     except SpoolerError as e:
-        if getattr(args, "json", False):
+        if as_json:
             print(json.dumps({"error": e.to_dict()}), file=sys.stdout)
-        print(f"spoolctl: {e.kind}: {e.message}" + (f" ({e.reason})" if e.reason else ""), file=sys.stderr)
+        reason = f" ({e.reason})" if e.reason and not e.message.endswith(e.reason) else ""
+        print(f"spoolctl: {e.kind}: {e.message}{reason}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (`spoolctl ... | head`): nothing more to say to it
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 1
+    except Exception as e:  # noqa: BLE001 - a bug of ours: still one error, in the promised shape
+        traceback.print_exc()
+        if as_json:
+            print(json.dumps({"error": {"kind": "internal", "message": f"{type(e).__name__}: {e}"}}), file=sys.stdout)
+        return 1
     return int(rc or 0)
 
 

@@ -10,7 +10,9 @@ import base64
 import json
 import sys
 
-from spooler.cli import add_json, emit
+import os
+
+from spooler.cli import add_json, emit, seconds_arg
 from spooler.http import HttpClient
 
 SETTING_FLAGS = (("--lease-timeout", "leaseTimeoutSeconds", float), ("--max-retries", "maxRetries", int),
@@ -38,7 +40,7 @@ def _queue_line(d: dict) -> str:
 def cmd_queue_create(args):
     settings = {api: getattr(args, api) for _, api, _ in SETTING_FLAGS if getattr(args, api) is not None}
     d = _client(args).put_queue(args.name, **settings)
-    emit(args, d, f"{'created' if d.pop('created') else 'updated'} {_queue_line(d)}")
+    emit(args, d, f"{'created' if d['created'] else 'updated'} {_queue_line(d)}")
 
 
 def cmd_queue_get(args):
@@ -57,7 +59,8 @@ def cmd_queue_delete(args):
 
 
 def cmd_send(args):
-    body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
+    # os.fsencode: the argument's own bytes, also when they are not UTF-8
+    body = sys.stdin.buffer.read() if args.body == "-" else os.fsencode(args.body)
     r = _client(args).send(args.queue, body, delay_s=args.delay, dedup_key=args.dedup_key)
     emit(args, r, r["id"] + (" (duplicate)" if r["duplicate"] else ""))
 
@@ -75,7 +78,12 @@ def cmd_receive(args):
     if args.json:
         emit(args, out)
     else:
-        sys.stdout.buffer.write(d.body + (b"" if d.body.endswith(b"\n") else b"\n"))
+        # the body exactly as sent (a pipe gets every byte and nothing more); only a
+        # terminal gets a line break after a body that lacks one
+        sys.stdout.buffer.write(d.body)
+        if sys.stdout.isatty() and not d.body.endswith(b"\n"):
+            sys.stdout.buffer.write(b"\n")
+        sys.stdout.buffer.flush()
         print(f"id={d.id} retry={d.retry_count} expires={d.expires_at}" + ("" if args.ack else f"\ntoken={d.token}"),
               file=sys.stderr)
 
@@ -109,7 +117,7 @@ def cmd_stats(args):
 
 def cmd_keys_create(args):
     scopes = [s.strip() for s in args.scope.split(",") if s.strip()]
-    k = _client(args).create_key(args.queue or "*", scopes)
+    k = _client(args).create_key(args.queue, scopes)  # "" is the node's to refuse, never "every queue"
     emit(args, k, k["key"])
 
 
@@ -157,18 +165,18 @@ def register(sub) -> None:
     p = cmd(sub, "send", cmd_send, "send a message (BODY, or - for stdin)")
     p.add_argument("queue")
     p.add_argument("body")
-    p.add_argument("--delay", type=float, default=None, help="seconds before it becomes visible")
+    p.add_argument("--delay", type=seconds_arg, default=None, help="seconds before it becomes visible")
     p.add_argument("--dedup-key", default=None)
 
     p = cmd(sub, "receive", cmd_receive, "lease one message (body to stdout, token to stderr)")
     p.add_argument("queue")
-    p.add_argument("--wait", type=float, default=0.0, help="long poll up to 20 s")
+    p.add_argument("--wait", type=seconds_arg, default=0.0, help="long poll up to 20 s")
     p.add_argument("--ack", action="store_true", help="ack it at once")
 
     cmd(sub, "ack", cmd_ack, "ack a lease").add_argument("token")
     p = cmd(sub, "nack", cmd_nack, "nack a lease (redelivered, retry count +1)")
     p.add_argument("token")
-    p.add_argument("--delay", type=float, default=None)
+    p.add_argument("--delay", type=seconds_arg, default=None)
     cmd(sub, "renew", cmd_renew, "renew a lease").add_argument("token")
     cmd(sub, "redrive", cmd_redrive, "move the failure queue's messages back").add_argument("queue")
     cmd(sub, "stats", cmd_stats, "queue statistics").add_argument("queue", nargs="?")

@@ -87,10 +87,8 @@ def lease_token_epoch(token: str) -> Optional[int]:
 def classify(exc: BaseException) -> tuple[str, dict]:
     """("fail" | "unknown", fields) for an exception of a client call."""
     if isinstance(exc, errors.SpoolerError):
-        cause = exc.__cause__
-        if isinstance(exc, errors.OperationUnconfirmed) and isinstance(cause, ConnectionRefusedError):
-            # refused at connect: the request never left this process
-            return "fail", {"error": "unavailable", "detail": "connection_refused"}
+        # (a connection that could not be made is "unavailable": HttpClient knows
+        # nothing was sent, so it is a definite failure)
         fields = {"error": exc.kind, "message": str(exc)[:160]}
         if exc.reason:
             fields["reason"] = exc.reason

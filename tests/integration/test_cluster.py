@@ -155,7 +155,8 @@ def test_planned_switchover(cluster):
         send_until_ok(c, "q", f"{i}".encode())
     target = next(i for i in nodes if i != p)
     d = c.promote(target)
-    assert d["epoch"] >= epoch
+    # the answer already names the new primary and its epoch (not "primary": null)
+    assert d["primary"] == target and d["epoch"] > epoch and d["role"] == "replica"
     new, epoch2 = wait_until(lambda: primary_of(nodes), 10, what="the new primary")
     assert new == target and epoch2 > epoch
     c2 = client(nodes[target])
