@@ -87,12 +87,20 @@ def map_rpc_error(e: grpc.RpcError, write: bool = False) -> errors.SpoolerError:
     transport failure after it left us means the outcome is unknown; one before it
     left (no connection to be had) is a plain ``unavailable``: nothing was accepted."""
     err = errors.from_grpc_trailers(e.code(), e.details(), e.trailing_metadata())
+    if not write and isinstance(err, errors.OperationUnconfirmed) and not _has_detail(e):
+        # a read that timed out changed nothing: plain unavailable (retry-safe)
+        return errors.Unavailable(f"no answer in time: {e.details()}")
     if write and isinstance(err, errors.Unavailable) and not _has_detail(e):
         if never_sent(e):
             return errors.Unavailable(f"no connection to the node: {e.details()}", retry_after_s=1.0)
         # no node answered "not accepted": the request may have been applied
         return errors.OperationUnconfirmed(f"transport failure: {e.details()}")
     return err
+
+
+# gRPC codes after which a client tries its next node: none reachable, or no
+# answer in time (a hung node must not pin the client)
+MOVE_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def never_sent(e: grpc.RpcError) -> bool:
@@ -126,7 +134,7 @@ def retry_policy(attempts: int, *, send_with_key: bool = False, settle: bool = F
 
     return tenacity.Retrying(
         stop=tenacity.stop_after_attempt(attempts),
-        wait=tenacity.wait_exponential(multiplier=0.05, max=2.0),
+        wait=tenacity.wait_exponential(multiplier=0.1, max=2.0),
         retry=tenacity.retry_if_exception(check),
         reraise=True,
     ), check
@@ -136,7 +144,7 @@ def async_retry_policy(attempts: int, **kw):
     _, check = retry_policy(attempts, **kw)
     return tenacity.AsyncRetrying(
         stop=tenacity.stop_after_attempt(attempts),
-        wait=tenacity.wait_exponential(multiplier=0.05, max=2.0),
+        wait=tenacity.wait_exponential(multiplier=0.1, max=2.0),
         retry=tenacity.retry_if_exception(check),
         reraise=True,
     )
@@ -181,6 +189,9 @@ def note_release_failure(client, e: Exception, log) -> None:
 
 def receive_request(queue: str, wait_s: float, max_messages: int) -> api_pb2.ReceiveRequest:
     """Named with a fresh receive id, so that a lost answer can be given back."""
+    if not isinstance(max_messages, int) or max_messages < 1:
+        # (0 would reach the node as "unset", which it reads as 1)
+        raise errors.InvalidArgument(f"max_messages must be at least 1, not {max_messages!r}")
     return api_pb2.ReceiveRequest(queue=queue, wait_seconds=wait_s, max_messages=max_messages,
                                   receive_id=os.urandom(12).hex())
 
@@ -191,6 +202,34 @@ def release_request(req: api_pb2.ReceiveRequest) -> api_pb2.ReleaseReceiveReques
 
 def auth_metadata(key: str) -> tuple:
     return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+# Bodies in one auto-batched request: half the node's default limit for a send
+# batch (8 MiB) and far under gRPC's 16 MiB message limit, so that a burst of
+# large messages goes out as several batches instead of one that is refused.
+BATCH_BYTES_MAX = 4 * 1024 * 1024
+
+
+def batch_size(pending: list, batch_max: int, body_of) -> int:
+    """How many of the ``pending`` sends the next auto-batch takes: at most
+    ``batch_max``, and no more bodies than BATCH_BYTES_MAX (but always one)."""
+    total = 0
+    for i, item in enumerate(pending[:batch_max]):
+        total += len(body_of(item))
+        if total > BATCH_BYTES_MAX and i:
+            return i
+    return min(batch_max, len(pending))
+
+
+def check_send_types(queue, body, delay_s, dedup_key) -> None:
+    if not isinstance(queue, str):
+        raise TypeError(f"queue must be a str, not {type(queue).__name__}")
+    if not isinstance(body, (bytes, bytearray)):
+        raise TypeError(f"body must be bytes, not {type(body).__name__}")
+    if not isinstance(delay_s, (int, float)) or isinstance(delay_s, bool):
+        raise TypeError(f"delay_s must be a number, not {type(delay_s).__name__}")
+    if not isinstance(dedup_key, str):
+        raise TypeError(f"dedup_key must be a str, not {type(dedup_key).__name__}")
 
 
 def batch_request(sends: list, compact: bool = True) -> api_pb2.SendBatchRequest:

@@ -20,7 +20,7 @@ from typing import Awaitable, Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (Nodes, Message, SendResult, auth_metadata, batch_request, batch_results, call_with_retries,
+from spooler._common import (MOVE_ON, Nodes, Message, batch_size, check_send_types, SendResult, auth_metadata, batch_request, batch_results, call_with_retries,
                              _has_detail, is_batch_entry_error, map_rpc_error, message_of, never_sent, queue_dict, renew_delay_s, send_outcomes,
                              settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request)
@@ -105,6 +105,8 @@ class _Session:
             timer.cancel()
             self.waiting.pop(rid, None)
         kind = resp.WhichOneof("result")
+        if kind is None:
+            raise errors.Internal(f"the node's answer to a {which} names no result")
         if kind == "error":
             err = errors.from_detail(resp.error)
             if isinstance(err, errors.Unavailable):
@@ -116,6 +118,7 @@ class _Session:
         w = self.waiting.pop(rid, None)
         if w is None or w.fut.done():
             return
+        self.c._next_target()  # a node that does not answer in time must not pin the client
         if w.call is None:  # still in the outbox: take it out, it is never sent
             self.outbox[:] = [x for x in self.outbox if x[0] != rid]
             w.fut.set_exception(errors.Unavailable("not sent within the timeout"))
@@ -214,7 +217,7 @@ class AsyncClient(Nodes):
     _grpc = grpc.aio
 
     def __init__(self, target: str = "127.0.0.1:50051", key: str = "", *, timeout_s: float = 30.0,
-                 batch_max: int = 100, batches_in_flight_max: int = 4, retry_attempts: int = 5,
+                 batch_max: int = 100, batches_in_flight_max: int = 4, retry_attempts: int = 6,
                  credentials=None):
         """credentials: grpc channel credentials for a node running mTLS
         (``grpc.ssl_channel_credentials(ca, key, cert)``); None = plaintext."""
@@ -226,13 +229,22 @@ class AsyncClient(Nodes):
         self.retry_attempts = retry_attempts
         self._pending: list = []     # (SendRequest, Future)
         self._in_flight = 0
+        self._flushes: set = set()   # the flush tasks running
         self.send_rpcs = 0           # SendBatch RPCs made by auto-batching (observability, tests)
         self.session = _Session(self)
         self._releases: set = set()   # releases of cancelled receives, still going
         self._release_supported = True
         self._closed = False
+        self._closing = False
 
     async def close(self) -> None:
+        """Sends already handed to the client still go out (within its timeout);
+        then the channels close."""
+        self._closing = True  # no new sends from here on
+        if self._flushes:
+            await asyncio.wait(list(self._flushes), timeout=self.timeout_s)
+        _fail_all(self._pending, errors.Unavailable("the client closed before the send left"))
+        self._pending.clear()
         if self._releases:  # each is one call with a short deadline
             await asyncio.wait(list(self._releases), timeout=RELEASE_TIMEOUT_S + 0.5)
         self._closed = True
@@ -251,7 +263,7 @@ class AsyncClient(Nodes):
             return await rpc(req, metadata=self.md, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as e:
             err = map_rpc_error(e, write=write)
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
+            if e.code() in MOVE_ON:
                 self._next_target()
             raise err from None
 
@@ -287,14 +299,17 @@ class AsyncClient(Nodes):
     # ----------------------------------------------------------- sending
     async def send(self, queue: str, body: bytes, *, delay_s: float = 0.0, dedup_key: str = "") -> SendResult:
         """Auto-batched send. Retried only where a retry is safe (see _common.retry_policy)."""
+        # checked here, so that a wrong type fails this caller alone, not the batch it would join
+        check_send_types(queue, body, delay_s, dedup_key)
+        if self._closing:
+            raise RuntimeError("the client is closed")
         req = (queue, body, delay_s, dedup_key)
 
         def enqueue():
             fut = asyncio.get_running_loop().create_future()
             self._pending.append((req, fut))
             if self._in_flight < self.batches_in_flight_max:
-                self._in_flight += 1
-                asyncio.ensure_future(self._flush())
+                self._start_flush()
             return fut
 
         try:
@@ -303,25 +318,42 @@ class AsyncClient(Nodes):
             # a resend is harmless only with a key on a queue that deduplicates
             if not dedup_key or self.retry_attempts <= 1 or not await self._dedups(queue):
                 raise
+            keyed = True
         except errors.Unavailable:
             if self.retry_attempts <= 1:
                 raise
-        return await call_with_retries(enqueue, self.retry_attempts - 1, send_with_key=True)
+            # not accepted: a resend is safe. Whether a LATER unconfirmed attempt may be
+            # resent too depends, as above, on a key and a queue that deduplicates.
+            keyed = bool(dedup_key) and await self._dedups(queue)
+        return await call_with_retries(enqueue, self.retry_attempts - 1, send_with_key=keyed)
 
     async def _dedups(self, queue: str) -> bool:
+        """Does ``queue`` deduplicate? A read, retried while the cluster is between
+        primaries; if it cannot be known, no (the caller then does not resend)."""
         try:
-            return (await self.get_queue(queue))["settings"]["dedupWindowSeconds"] > 0
+            q = await call_with_retries(lambda: self.get_queue(queue), self.retry_attempts)
+            return q["settings"]["dedupWindowSeconds"] > 0
         except errors.SpoolerError:
             return False
+
+    def _start_flush(self) -> None:
+        self._in_flight += 1
+        t = asyncio.ensure_future(self._flush())
+        self._flushes.add(t)
+        t.add_done_callback(self._flushes.discard)
 
     async def _flush(self) -> None:
         try:
             while self._pending:
-                batch = self._pending[:self.batch_max]
-                del self._pending[:self.batch_max]
+                n = batch_size(self._pending, self.batch_max, lambda x: x[0][1])
+                batch = self._pending[:n]
+                del self._pending[:n]
                 await self._send_batch_now(batch)
         finally:
             self._in_flight -= 1
+            # sends queued while this flush was ending (or after it failed) still go out
+            if self._pending and self._in_flight < self.batches_in_flight_max:
+                self._start_flush()
 
     async def _send_batch_now(self, batch: list) -> None:
         self.send_rpcs += 1
@@ -336,9 +368,12 @@ class AsyncClient(Nodes):
                 return
             _fail_all(batch, e)
             return
-        except BaseException as e:  # never leave a caller waiting (closed channel, cancellation)
-            _fail_all(batch, e if isinstance(e, Exception) else errors.Unavailable("send was cancelled"))
+        except asyncio.CancelledError:  # never leave a caller waiting
+            _fail_all(batch, errors.Unavailable("send was cancelled"))
             raise
+        except Exception as e:  # noqa: BLE001 - e.g. the channel was closed under it: its callers hear of it
+            _fail_all(batch, e)
+            return
         for (_, fut), res in zip(batch, send_outcomes(r)):
             if fut.done():
                 continue

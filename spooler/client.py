@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (Nodes, Message, SendResult, auth_metadata, batch_request, batch_results, call_with_retries_sync,
+from spooler._common import (MOVE_ON, Nodes, batch_size, Message, SendResult, auth_metadata, batch_request, batch_results, call_with_retries_sync,
                              is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, send_outcomes,
                              settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request)
@@ -42,7 +42,7 @@ class Client(Nodes):
     _grpc = grpc
 
     def __init__(self, target: str = "127.0.0.1:50051", key: str = "", *, timeout_s: float = 30.0,
-                 batch_max: int = 100, batches_in_flight_max: int = 4, retry_attempts: int = 5,
+                 batch_max: int = 100, batches_in_flight_max: int = 4, retry_attempts: int = 6,
                  credentials=None):
         """credentials: grpc channel credentials for a node running mTLS
         (``grpc.ssl_channel_credentials(ca, key, cert)``); None = plaintext."""
@@ -77,7 +77,7 @@ class Client(Nodes):
             return rpc(req, metadata=self.md, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as e:
             err = map_rpc_error(e, write=write)
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
+            if e.code() in MOVE_ON:
                 with self._lock:
                     self._next_target()
             raise err from None
@@ -111,15 +111,21 @@ class Client(Nodes):
             # a resend is harmless only with a key on a queue that deduplicates
             if not dedup_key or self.retry_attempts <= 1 or not self._dedups(queue):
                 raise
+            keyed = True
         except errors.Unavailable:
             if self.retry_attempts <= 1:
                 raise
+            # not accepted: a resend is safe. Whether a LATER unconfirmed attempt may be
+            # resent too depends, as above, on a key and a queue that deduplicates.
+            keyed = bool(dedup_key) and self._dedups(queue)
         return call_with_retries_sync(lambda: self.send_async(req).result(), self.retry_attempts - 1,
-                                      send_with_key=True)
+                                      send_with_key=keyed)
 
     def _dedups(self, queue: str) -> bool:
+        """As AsyncClient._dedups."""
         try:
-            return self.get_queue(queue)["settings"]["dedupWindowSeconds"] > 0
+            q = call_with_retries_sync(lambda: self.get_queue(queue), self.retry_attempts)
+            return q["settings"]["dedupWindowSeconds"] > 0
         except errors.SpoolerError:
             return False
 
@@ -140,8 +146,9 @@ class Client(Nodes):
                 with self._lock:
                     if not self._pending:
                         return
-                    batch = self._pending[:self.batch_max]
-                    del self._pending[:self.batch_max]
+                    n = batch_size(self._pending, self.batch_max, lambda x: x[0].body)
+                    batch = self._pending[:n]
+                    del self._pending[:n]
                 self._send_batch_now(batch)
         finally:
             with self._lock:
@@ -182,7 +189,9 @@ class Client(Nodes):
     # --------------------------------------------------------- receiving
     def receive(self, queue: str, *, wait_s: float = 0.0, max_messages: int = 1) -> list:
         req = receive_request(queue, wait_s, max_messages)
-        rpc = self.stub.ReceiveBatch if max_messages > 1 else self.stub.Receive
+        # exactly 1: the unary Receive; any other number (0 and negatives too) goes to
+        # ReceiveBatch, whose node checks it as the async client's does
+        rpc = self.stub.Receive if max_messages == 1 else self.stub.ReceiveBatch
         try:
             r = self._call(rpc, req, write=False, timeout_s=self.timeout_s + wait_s)
         except errors.SpoolerError as e:
@@ -200,12 +209,14 @@ class Client(Nodes):
         except Exception as e:  # noqa: BLE001 - e.g. the channel closed meanwhile: never replace the receive's error
             note_release_failure(self, e, log)
 
-    def _settle(self, rpc, req):
+    def _settle(self, method: str, req):
+        """``method``: the stub's method name, looked up for every attempt, so that a
+        retry after a move to another node goes there, not to the node that failed."""
         state = {"maybe_landed": False}  # an earlier attempt's outcome is unknown
 
         def once():
             try:
-                return self._call(rpc, req, write=True)
+                return self._call(getattr(self.stub, method), req, write=True)
             except errors.StaleLease as e:
                 if state["maybe_landed"] and e.reason == errors.StaleLease.SETTLED:
                     return None  # our earlier attempt landed
@@ -217,10 +228,10 @@ class Client(Nodes):
         return call_with_retries_sync(once, self.retry_attempts, settle=True)
 
     def ack(self, token: str) -> None:
-        self._settle(self.stub.Ack, api_pb2.LeaseRequest(token=token))
+        self._settle("Ack", api_pb2.LeaseRequest(token=token))
 
     def nack(self, token: str, *, delay_s: float = 0.0) -> None:
-        self._settle(self.stub.Nack, api_pb2.LeaseRequest(token=token, delay_seconds=delay_s))
+        self._settle("Nack", api_pb2.LeaseRequest(token=token, delay_seconds=delay_s))
 
     def renew(self, token: str) -> str:
         return call_with_retries_sync(

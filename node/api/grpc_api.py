@@ -76,7 +76,10 @@ async def _receive_batch(svc: Service, p, req, out=None) -> api_pb2.ReceiveRespo
     got = await svc.receive(p, req.queue, req.wait_seconds, req.max_messages or 1, req.receive_id,
                             req.caller_receive_id)
     out = api_pb2.ReceiveResponse() if out is None else out
-    out.messages.extend([_delivery_pb(d) for d in got])
+    add = out.messages.add  # built in place: no message built and then copied in
+    for d in got:
+        add(id=d.id, body=d.body, lease_token=d.token, retry_count=d.retry_count, lease_expires_at=d.expires_at,
+            queue=d.queue)
     return out
 
 
@@ -306,7 +309,9 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
             try:
                 p = svc.authenticate(auth, forwarded)
                 resp = api_pb2.SessionResponse(id=rid)
-                await _SESSION_CALLS[which](svc, p, req, getattr(resp, which))
+                out = getattr(resp, which)
+                out.SetInParent()  # the answer names its result even when it is empty (a receive of nothing)
+                await _SESSION_CALLS[which](svc, p, req, out)
             except errors.SpoolerError as e:
                 self.metrics.http_errors.labels(e.kind).inc()
                 resp = api_pb2.SessionResponse(id=rid, error=errors.to_detail(e))

@@ -1,0 +1,202 @@
+"""The SDK's promises where a black-box audit found them broken: what is retried,
+where a retry goes, what one bad or large send does to the others, what close()
+does to sends already handed over, and how a timeout is reported."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from concurrent.futures import Future
+
+import pytest
+
+from integration.test_cluster import cluster, primary_of, until_ok  # noqa: F401  (fixture)
+from nodeproc import wait_until
+from spooler import errors
+from spooler._common import SendResult
+from spooler.aio import AsyncClient
+from spooler.client import Client
+from spooler.pb import api_pb2
+
+DEAD = "127.0.0.1:9"  # nothing listens: the clients below never reach it
+
+
+def _script(outcomes):
+    """A stand-in for one send attempt: raises or returns the next outcome; counts attempts."""
+    calls = []
+
+    def attempt():
+        calls.append(1)
+        o = outcomes[len(calls) - 1]
+        if isinstance(o, BaseException):
+            raise o
+        return o
+    return attempt, calls
+
+
+@pytest.mark.parametrize("dedup_key,window,attempts_made,outcome", [
+    ("", 0, 2, errors.OperationUnconfirmed),    # no key: the unconfirmed second attempt is final
+    ("k", 0, 2, errors.OperationUnconfirmed),   # a key, but the queue does not deduplicate
+    ("k", 60, 3, SendResult),                   # a key on a deduplicating queue: resent, harmless
+])
+def test_async_send_resends_an_unconfirmed_attempt_only_with_a_key_that_dedups(dedup_key, window, attempts_made,
+                                                                                outcome):
+    async def main():
+        c = AsyncClient(DEAD, "k")
+        attempt, calls = _script([errors.Unavailable("no primary"), errors.OperationUnconfirmed("quorum timed out"),
+                                  SendResult("m1", False)])
+
+        async def fake_request(sends):
+            return attempt()
+        c._send_request = fake_request
+
+        async def fake_get_queue(name):
+            return {"settings": {"dedupWindowSeconds": window}}
+        c.get_queue = fake_get_queue
+
+        async def batch_now(batch):
+            for (_, fut) in batch:
+                try:
+                    r = await fake_request(None)
+                    fut.set_result(r)
+                except errors.SpoolerError as e:
+                    fut.set_exception(e)
+        c._send_batch_now = batch_now
+        try:
+            r = await c.send("q", b"x", dedup_key=dedup_key)
+            got = type(r)
+        except errors.SpoolerError as e:
+            got = type(e)
+        await c.close()
+        return got, len(calls)
+    got, n = asyncio.run(main())
+    assert (got, n) == (outcome, attempts_made)
+
+
+@pytest.mark.parametrize("dedup_key,window,attempts_made,outcome", [
+    ("", 0, 2, errors.OperationUnconfirmed),
+    ("k", 0, 2, errors.OperationUnconfirmed),
+    ("k", 60, 3, SendResult),
+])
+def test_sync_send_resends_an_unconfirmed_attempt_only_with_a_key_that_dedups(dedup_key, window, attempts_made,
+                                                                               outcome):
+    c = Client(DEAD, "k")
+    try:
+        attempt, calls = _script([errors.Unavailable("no primary"), errors.OperationUnconfirmed("quorum timed out"),
+                                  SendResult("m1", False)])
+
+        def send_async(req):
+            f = Future()
+            try:
+                f.set_result(attempt())
+            except errors.SpoolerError as e:
+                f.set_exception(e)
+            return f
+        c.send_async = send_async
+        c.get_queue = lambda name: {"settings": {"dedupWindowSeconds": window}}
+        try:
+            got = type(c.send("q", b"x", dedup_key=dedup_key))
+        except errors.SpoolerError as e:
+            got = type(e)
+        assert (got, len(calls)) == (outcome, attempts_made)
+    finally:
+        c.close()
+
+
+def test_sync_ack_retried_after_a_node_died_goes_to_the_next_node(cluster):  # noqa: F811
+    nodes, _ = cluster
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    r = next(i for i in nodes if i != p)
+    with Client(nodes[p].grpc_target, nodes[p].admin_key) as setup:
+        until_ok(lambda: setup.put_queue("q"))
+        until_ok(lambda: setup.send("q", b"x"))
+    c = Client(f"{nodes[r].grpc_target},{nodes[p].grpc_target}", nodes[p].admin_key, timeout_s=5)
+    try:
+        m = until_ok(lambda: c.receive("q", wait_s=5))[0]  # through the replica, forwarded
+        assert c.target_now() == nodes[r].grpc_target
+        nodes[r].kill()
+        c.ack(m.token)  # first attempt: the dead replica; the retry: the primary
+        st = c.get_queue("q")["stats"]
+        assert st["ackedTotal"] == 1 and st["leased"] == 0
+    finally:
+        c.close()
+
+
+def test_a_send_of_the_wrong_type_fails_alone(node):
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("ty")
+            res = await asyncio.gather(*[c.send("ty", "text, not bytes" if i == 7 else b"ok %d" % i)
+                                         for i in range(40)], return_exceptions=True)
+            bad = [i for i, r in enumerate(res) if isinstance(r, BaseException)]
+            assert bad == [7] and isinstance(res[7], TypeError)
+            assert (await c.get_queue("ty"))["stats"]["visible"] == 39
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_close_sends_what_it_was_handed(node):
+    async def main():
+        c = AsyncClient(node.grpc_target, node.admin_key)
+        await c.put_queue("cl")
+        sends = [asyncio.ensure_future(c.send("cl", b"m%d" % i)) for i in range(200)]
+        await asyncio.sleep(0)  # the sends are queued, most not yet sent
+        await c.close()
+        res = await asyncio.gather(*sends, return_exceptions=True)
+        assert all(isinstance(r, SendResult) for r in res), [r for r in res if not isinstance(r, SendResult)][:3]
+        async with AsyncClient(node.grpc_target, node.admin_key) as c2:
+            assert (await c2.get_queue("cl"))["stats"]["visible"] == 200
+        with pytest.raises(RuntimeError):
+            await c.send("cl", b"after close")
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_burst_of_large_messages_goes_out_in_several_batches(node):
+    body = b"L" * 250_000  # under the 256 KiB limit; 80 of them are 20 MB, over gRPC's 16 MiB
+
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("big")
+            rpcs0 = c.send_rpcs
+            res = await asyncio.gather(*[c.send("big", body) for _ in range(80)], return_exceptions=True)
+            assert all(isinstance(r, SendResult) for r in res), [r for r in res if not isinstance(r, SendResult)][:2]
+            assert c.send_rpcs - rpcs0 >= 5  # at most 4 MiB of bodies per batch
+            assert (await c.get_queue("big"))["stats"]["visible"] == 80
+    asyncio.run(asyncio.wait_for(main(), 120))
+    with Client(node.grpc_target, node.admin_key, timeout_s=60) as c:
+        c.put_queue("big2")
+        futs = [c.send_async(api_pb2.SendRequest(queue="big2", body=body)) for _ in range(80)]
+        res = [f.exception() or f.result() for f in futs]
+        assert all(isinstance(r, SendResult) for r in res), [r for r in res if not isinstance(r, SendResult)][:2]
+        assert c.get_queue("big2")["stats"]["visible"] == 80
+
+
+def test_a_read_that_times_out_is_unavailable_not_unconfirmed(node):
+    with Client(node.grpc_target, node.admin_key, timeout_s=1) as c:
+        c.put_queue("t")
+        os.kill(node.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(errors.Unavailable):
+                c.get_queue("t")
+            with pytest.raises(errors.Unavailable):
+                c.receive("t", max_messages=5)
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+
+
+def test_sync_receive_refuses_a_count_below_one(node):
+    with Client(node.grpc_target, node.admin_key) as c:
+        c.put_queue("neg")
+        c.send("neg", b"x")
+        for n in (0, -3):
+            with pytest.raises(errors.InvalidArgument):
+                c.receive("neg", max_messages=n)
+        assert c.get_queue("neg")["stats"]["leased"] == 0
+
+
+def test_an_empty_receive_on_the_session_is_an_empty_list(node):
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("empty")
+            assert await c.receive("empty", wait_s=0.1, max_messages=10) == []
+            assert await c.receive("empty") == []
+    asyncio.run(asyncio.wait_for(main(), 60))
