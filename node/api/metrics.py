@@ -46,15 +46,22 @@ class Metrics:
             if dup:
                 self.duplicates.inc(dup)
         elif op == "settle":
+            # counted per record, not per entry: each inc() takes the counter's lock
+            acks = nacks = expiries = 0
+            ACK, NACK = log_pb2.ACK, log_pb2.NACK
             for e, changed in zip(rec.settle.entries, result):
                 if not changed:
                     continue
-                if e.kind == log_pb2.ACK:
-                    self.acks.inc()
-                elif e.kind == log_pb2.NACK:
-                    self.nacks.inc()
+                k = e.kind
+                if k == ACK:
+                    acks += 1
+                elif k == NACK:
+                    nacks += 1
                 else:
-                    self.expiries.inc()
+                    expiries += 1
+            for n, counter in ((acks, self.acks), (nacks, self.nacks), (expiries, self.expiries)):
+                if n:
+                    counter.inc(n)
         elif op == "drop":
             self.drops.inc(result)
 

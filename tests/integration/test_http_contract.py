@@ -793,6 +793,16 @@ def test_healthz_readyz_metrics(api, queue):
     assert total("receives") == r0 + 1  # leases are not log records: counted where they are made
     assert api.ack(tok).status == 204
     assert total("acks") == a0 + 1
+    # a nack and a lease expiry (the server's nack) each count in their own counter
+    k0, e0 = total("nacks"), total("lease_expiries")
+    tok = received(api, queue).h("Spooler-Lease-Token")
+    assert api.nack(tok).status == 204
+    assert (total("nacks"), total("acks")) == (k0 + 1, a0 + 1)
+    short = make_queue(api, leaseTimeoutSeconds=0.2)
+    api.send(short, b"z")
+    received(api, short)
+    wait_until(lambda: total("lease_expiries") == e0 + 1, 10, what="the expiry counted")
+    assert total("nacks") == k0 + 1
 
 
 def test_cluster_shape(api, shared_node):
