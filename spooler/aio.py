@@ -501,7 +501,14 @@ class AsyncClient(Nodes):
             expires = m.expires_at
             while True:
                 await asyncio.sleep(renew_delay_s(expires))
-                expires = await self.renew(m.token)
+                try:
+                    expires = await self.renew(m.token)
+                except errors.StaleLease as e:  # the lease is gone: nothing left to renew
+                    log.warning("renew of %s failed (%s): the lease is lost, the message will be delivered "
+                                "again", m.id, e.reason)
+                    return
+                except errors.SpoolerError as e:  # not known to be lost: try again soon (renew_delay_s)
+                    log.warning("renew of %s failed: %s", m.id, e)
 
         renewer = asyncio.ensure_future(keep_renewing())
         try:
@@ -519,7 +526,7 @@ class AsyncClient(Nodes):
         try:
             await self.ack(m.token)
         except errors.StaleLease as e:
-            log.warning("ack of %s came too late (%s): it will be delivered again", m.id, e.reason)
+            log.warning("ack of %s came too late (%s): it may be delivered again", m.id, e.reason)
 
     # ----------------------------------------------------------- cluster
     async def cluster(self) -> api_pb2.ClusterInfo:

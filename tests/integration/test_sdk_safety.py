@@ -200,3 +200,30 @@ def test_an_empty_receive_on_the_session_is_an_empty_list(node):
             assert await c.receive("empty", wait_s=0.1, max_messages=10) == []
             assert await c.receive("empty") == []
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_async_consumer_says_when_its_lease_is_lost(node, caplog):
+    """A restart is a new epoch: the running handler's lease is stale. The renewer
+    says so once and stops, instead of dying with an exception nobody reads."""
+    import logging
+
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("lost", leaseTimeoutSeconds=1)  # renewed about every 0.5 s
+            await c.send("lost", b"x")
+            stop, started, restarted = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+            async def handler(m):
+                started.set()
+                await asyncio.wait_for(restarted.wait(), 20)
+                await asyncio.sleep(1.5)  # a renewal or two against the new epoch
+                stop.set()
+            task = asyncio.ensure_future(c.consume("lost", handler, wait_s=1, stop=stop))
+            await asyncio.wait_for(started.wait(), 10)
+            await asyncio.to_thread(node.restart)
+            restarted.set()
+            await asyncio.wait_for(task, 30)
+    with caplog.at_level(logging.WARNING, logger="spooler.aio"):
+        asyncio.run(main())
+    lost = [r for r in caplog.records if "the lease is lost" in r.getMessage()]
+    assert len(lost) == 1, [r.getMessage() for r in caplog.records]
