@@ -481,18 +481,32 @@ class AsyncClient(Nodes):
                       wait_s: float = 20.0, nack_delay_s: float = 0.0,
                       stop: Optional[asyncio.Event] = None) -> None:
         """Run ``handler`` for each message: the lease is renewed while it runs;
-        it is acked when the handler returns and nacked when it raises."""
+        it is acked when the handler returns and nacked when it raises. Returns
+        soon after ``stop`` is set: a receive waiting then is given up."""
         stop = stop or asyncio.Event()
 
         async def worker():
-            while not stop.is_set():
-                try:
-                    msgs = await self.receive(queue, wait_s=wait_s)
-                except errors.Unavailable:
-                    await asyncio.sleep(0.2)
-                    continue
-                for m in msgs:
-                    await self._handle(m, handler, nack_delay_s)
+            stopped = asyncio.ensure_future(stop.wait())
+            try:
+                while not stop.is_set():
+                    recv = asyncio.ensure_future(self.receive(queue, wait_s=wait_s))
+                    await asyncio.wait({recv, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                    if not recv.done():
+                        # stop during a long poll: give it up (a cancelled receive gives
+                        # back whatever it may have leased) instead of waiting it out
+                        recv.cancel()
+                        await asyncio.wait({recv})
+                        if recv.cancelled() or recv.exception() is not None:
+                            break
+                    try:
+                        msgs = recv.result()
+                    except errors.Unavailable:
+                        await asyncio.sleep(0.2)
+                        continue
+                    for m in msgs:  # leased already: handled even if stop came meanwhile
+                        await self._handle(m, handler, nack_delay_s)
+            finally:
+                stopped.cancel()
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
 

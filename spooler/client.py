@@ -274,9 +274,12 @@ class Client(Nodes):
             while not done.wait(renew_delay_s(expires)):
                 try:
                     expires = self.renew(m.token)
-                except errors.SpoolerError as e:
-                    log.warning("renew of %s failed: %s", m.id, e)
+                except errors.StaleLease as e:  # the lease is gone: nothing left to renew
+                    log.warning("renew of %s failed (%s): the lease is lost, the message will be delivered "
+                                "again", m.id, e.reason)
                     return
+                except errors.SpoolerError as e:  # not known to be lost: try again soon (renew_delay_s)
+                    log.warning("renew of %s failed: %s", m.id, e)
 
         t = threading.Thread(target=keep_renewing, daemon=True)
         t.start()
@@ -295,7 +298,7 @@ class Client(Nodes):
             else:
                 self.nack(m.token, delay_s=nack_delay_s)
         except errors.StaleLease as e:
-            log.warning("settle of %s came too late (%s): it will be delivered again", m.id, e.reason)
+            log.warning("settle of %s came too late (%s): it may be delivered again", m.id, e.reason)
         return ok
 
     # ----------------------------------------------------------- cluster

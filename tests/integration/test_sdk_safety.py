@@ -227,3 +227,18 @@ def test_async_consumer_says_when_its_lease_is_lost(node, caplog):
         asyncio.run(main())
     lost = [r for r in caplog.records if "the lease is lost" in r.getMessage()]
     assert len(lost) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_async_consume_returns_soon_after_stop_during_a_long_poll(node):
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("idle")
+            stop = asyncio.Event()
+            task = asyncio.ensure_future(c.consume("idle", lambda m: asyncio.sleep(0), wait_s=20, stop=stop))
+            await asyncio.sleep(0.3)  # the worker is inside its 20 s long poll
+            stop.set()
+            await asyncio.wait_for(task, 5)  # not 20 s
+            await c.send("idle", b"after")
+            st = await c.get_queue("idle")
+            assert st["stats"]["visible"] == 1 and st["stats"]["leased"] == 0  # the given-up poll leased nothing
+    asyncio.run(asyncio.wait_for(main(), 60))
