@@ -1,7 +1,9 @@
 """What the sync and asyncio gRPC clients share: types, error mapping, retry policy."""
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Optional
@@ -120,6 +122,17 @@ def retryable(exc: BaseException, *, send_with_key: bool = False, settle: bool =
     return False
 
 
+# The waits before the 2nd, 3rd, ... attempt of a call: 0.1, 0.2, 0.4, 0.8, 1.6 s.
+# Six attempts span 3.1 s, more than a failover with the default 2 s timeout.
+RETRY_FIRST_WAIT_S = 0.1
+RETRY_WAIT_MAX_S = 1.6
+
+
+def retry_wait_s(retry: int) -> float:
+    """The wait before retry number ``retry`` (1 = the second attempt)."""
+    return min(RETRY_WAIT_MAX_S, RETRY_FIRST_WAIT_S * 2 ** (retry - 1))
+
+
 def retry_policy(attempts: int, *, send_with_key: bool = False, settle: bool = False):
     """When a call may be retried (never silently for an unkeyed unconfirmed send).
 
@@ -128,13 +141,15 @@ def retry_policy(attempts: int, *, send_with_key: bool = False, settle: bool = F
       repeat harmless inside the queue's dedup window);
     * ack/nack/renew: also a transport failure (a repeat of a settle that did
       land answers ``stale_lease``/``settled``, which the client reports as done).
-    """
+
+    ``attempts`` counts the attempts this policy makes; each one, the first too,
+    comes after its wait (the caller made the attempt before them)."""
     def check(exc: BaseException) -> bool:
         return retryable(exc, send_with_key=send_with_key, settle=settle)
 
     return tenacity.Retrying(
         stop=tenacity.stop_after_attempt(attempts),
-        wait=tenacity.wait_exponential(multiplier=0.1, max=2.0),
+        wait=lambda rs: retry_wait_s(rs.attempt_number + 1),
         retry=tenacity.retry_if_exception(check),
         reraise=True,
     ), check
@@ -144,32 +159,44 @@ def async_retry_policy(attempts: int, **kw):
     _, check = retry_policy(attempts, **kw)
     return tenacity.AsyncRetrying(
         stop=tenacity.stop_after_attempt(attempts),
-        wait=tenacity.wait_exponential(multiplier=0.1, max=2.0),
+        wait=lambda rs: retry_wait_s(rs.attempt_number + 1),
         retry=tenacity.retry_if_exception(check),
         reraise=True,
     )
 
 
-async def call_with_retries(fn, attempts: int, **kw):
-    """First attempt without any retry machinery (the hot path); tenacity only
-    once a retry-safe failure happened."""
-    try:
-        return await fn()
-    except errors.SpoolerError as e:
-        if attempts <= 1 or not retryable(e, **kw):
-            raise
-    async for attempt in async_retry_policy(attempts - 1, **kw):
+async def call_with_retries(fn, attempts: int, *, first_failed: bool = False, **kw):
+    """``attempts`` in all, the first without any retry machinery (the hot path);
+    tenacity only once a retry-safe failure happened. ``first_failed``: the
+    caller's own first attempt already failed retry-safely; all ``attempts``
+    here are retries."""
+    if not first_failed:
+        try:
+            return await fn()
+        except errors.SpoolerError as e:
+            if attempts <= 1 or not retryable(e, **kw):
+                raise
+        attempts -= 1
+    if attempts <= 0:
+        return await fn()  # nothing left to retry with: one plain attempt
+    await asyncio.sleep(retry_wait_s(1))
+    async for attempt in async_retry_policy(attempts, **kw):
         with attempt:
             return await fn()
 
 
-def call_with_retries_sync(fn, attempts: int, **kw):
-    try:
+def call_with_retries_sync(fn, attempts: int, *, first_failed: bool = False, **kw):
+    if not first_failed:
+        try:
+            return fn()
+        except errors.SpoolerError as e:
+            if attempts <= 1 or not retryable(e, **kw):
+                raise
+        attempts -= 1
+    if attempts <= 0:
         return fn()
-    except errors.SpoolerError as e:
-        if attempts <= 1 or not retryable(e, **kw):
-            raise
-    retrying, _ = retry_policy(attempts - 1, **kw)
+    time.sleep(retry_wait_s(1))
+    retrying, _ = retry_policy(attempts, **kw)
     return retrying(fn)
 
 
@@ -224,7 +251,7 @@ def batch_size(pending: list, batch_max: int, body_of) -> int:
 def check_send_types(queue, body, delay_s, dedup_key) -> None:
     if not isinstance(queue, str):
         raise TypeError(f"queue must be a str, not {type(queue).__name__}")
-    if not isinstance(body, (bytes, bytearray)):
+    if not isinstance(body, bytes):  # (protobuf takes bytes only: not bytearray, not memoryview)
         raise TypeError(f"body must be bytes, not {type(body).__name__}")
     if not isinstance(delay_s, (int, float)) or isinstance(delay_s, bool):
         raise TypeError(f"delay_s must be a number, not {type(delay_s).__name__}")
@@ -288,24 +315,34 @@ class Nodes:
         self._targets = [t.strip() for t in target.split(",") if t.strip()] or [target]
         self._target_i = 0
         self._credentials = credentials  # channel credentials for mTLS, or None
-        self._old_channels: list = []
+        # one channel (and stub) per node, made on first use and kept: moving back and
+        # forth between nodes reuses them, and calls in flight on one keep it open
+        self._channels: dict = {}
         self._open()
 
     def _open(self) -> None:
         from spooler.pb import api_pb2_grpc
         t = self._targets[self._target_i]
-        g = self._grpc
-        self.channel = (g.secure_channel(t, self._credentials, options=GRPC_OPTIONS) if self._credentials
-                        else g.insecure_channel(t, options=GRPC_OPTIONS))
-        self.stub = api_pb2_grpc.SpoolerStub(self.channel)
+        got = self._channels.get(self._target_i)  # by position: a list may name one address twice
+        if got is None:
+            g = self._grpc
+            ch = (g.secure_channel(t, self._credentials, options=GRPC_OPTIONS) if self._credentials
+                  else g.insecure_channel(t, options=GRPC_OPTIONS))
+            got = self._channels[self._target_i] = (ch, api_pb2_grpc.SpoolerStub(ch))
+        self.channel, self.stub = got
+
+    def _all_channels(self) -> list:
+        return [ch for ch, _ in self._channels.values()]
 
     def target_now(self) -> str:
         """The node this client currently talks to."""
         return self._targets[self._target_i]
 
-    def _next_target(self) -> None:
-        if len(self._targets) > 1:
-            self._old_channels.append(self.channel)  # in-flight calls may still use it
+    def _next_target(self, failed_channel=None) -> None:
+        """Move on to the next node. ``failed_channel``: the channel of the call that
+        failed; if the client already moved away from it (another call failed first,
+        e.g. many timing out together), it stays where it is now."""
+        if len(self._targets) > 1 and (failed_channel is None or failed_channel is self.channel):
             self._target_i = (self._target_i + 1) % len(self._targets)
             self._open()
 

@@ -62,6 +62,7 @@ class _Session:
         self.c = client
         self.call = None
         self.stub = None
+        self.chan = None            # the channel of self.call (to move on from it only once)
         self.supported = True
         self.waiting: dict = {}     # id -> _Waiter
         self.outbox: list = []      # (id, SessionRequest) for self.call, not yet written
@@ -69,7 +70,7 @@ class _Session:
         self.next_id = 0
 
     def _open(self) -> None:
-        self.stub = self.c.stub
+        self.stub, self.chan = self.c.stub, self.c.channel
         self.call = self.stub.Session(metadata=self.c.md)
         asyncio.ensure_future(self._read(self.call))
 
@@ -105,12 +106,12 @@ class _Session:
             timer.cancel()
             self.waiting.pop(rid, None)
         kind = resp.WhichOneof("result")
-        if kind is None:
-            raise errors.Internal(f"the node's answer to a {which} names no result")
+        if kind is None:  # an empty answer (a receive of nothing) that names no result
+            return getattr(resp, which)
         if kind == "error":
             err = errors.from_detail(resp.error)
             if isinstance(err, errors.Unavailable):
-                self.c._next_target()
+                self.c._next_target(self.chan)
             raise err
         return getattr(resp, kind)
 
@@ -118,7 +119,7 @@ class _Session:
         w = self.waiting.pop(rid, None)
         if w is None or w.fut.done():
             return
-        self.c._next_target()  # a node that does not answer in time must not pin the client
+        self.c._next_target(self.chan)  # a node that does not answer in time must not pin the client
         if w.call is None:  # still in the outbox: take it out, it is never sent
             self.outbox[:] = [x for x in self.outbox if x[0] != rid]
             w.fut.set_exception(errors.Unavailable("not sent within the timeout"))
@@ -167,7 +168,8 @@ class _Session:
 
     def _broken(self, call, e: Optional[BaseException]) -> None:
         """The stream ``call`` is over: fail what waits on it."""
-        if call is self.call:
+        current = call is self.call  # (a retired stream's break does not move the client again)
+        if current:
             self.call = None
             self._fail_unwritten(errors.Unavailable("session stream closed before the request was sent"))
         if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
@@ -178,8 +180,8 @@ class _Session:
             return
         detail = None
         if isinstance(e, grpc.RpcError):
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                self.c._next_target()
+            if e.code() == grpc.StatusCode.UNAVAILABLE and current:
+                self.c._next_target(self.chan)
             if _has_detail(e):  # the node said why (e.g. unauthenticated): that is the answer
                 detail = map_rpc_error(e)
         for w in list(self.waiting.values()):
@@ -249,7 +251,7 @@ class AsyncClient(Nodes):
             await asyncio.wait(list(self._releases), timeout=RELEASE_TIMEOUT_S + 0.5)
         self._closed = True
         self.session.close()
-        for ch in self._old_channels + [self.channel]:
+        for ch in self._all_channels():
             await ch.close()
 
     async def __aenter__(self):
@@ -259,12 +261,13 @@ class AsyncClient(Nodes):
         await self.close()
 
     async def _call(self, rpc, req, *, write: bool, timeout_s: Optional[float] = None):
+        ch = self.channel  # the channel ``rpc`` belongs to (its stub was read just now)
         try:
             return await rpc(req, metadata=self.md, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as e:
             err = map_rpc_error(e, write=write)
             if e.code() in MOVE_ON:
-                self._next_target()
+                self._next_target(ch)
             raise err from None
 
     async def _pipe(self, which: str, rpc, req, *, write: bool, timeout_s: Optional[float] = None):
@@ -306,6 +309,8 @@ class AsyncClient(Nodes):
         req = (queue, body, delay_s, dedup_key)
 
         def enqueue():
+            if self._closing:  # a retry after close() began: it would meet a closed channel
+                raise RuntimeError("the client is closed")
             fut = asyncio.get_running_loop().create_future()
             self._pending.append((req, fut))
             if self._in_flight < self.batches_in_flight_max:
@@ -325,7 +330,7 @@ class AsyncClient(Nodes):
             # not accepted: a resend is safe. Whether a LATER unconfirmed attempt may be
             # resent too depends, as above, on a key and a queue that deduplicates.
             keyed = bool(dedup_key) and await self._dedups(queue)
-        return await call_with_retries(enqueue, self.retry_attempts - 1, send_with_key=keyed)
+        return await call_with_retries(enqueue, self.retry_attempts - 1, first_failed=True, send_with_key=keyed)
 
     async def _dedups(self, queue: str) -> bool:
         """Does ``queue`` deduplicate? A read, retried while the cluster is between
@@ -487,6 +492,7 @@ class AsyncClient(Nodes):
 
         async def worker():
             stopped = asyncio.ensure_future(stop.wait())
+            recv = None
             try:
                 while not stop.is_set():
                     recv = asyncio.ensure_future(self.receive(queue, wait_s=wait_s))
@@ -507,6 +513,11 @@ class AsyncClient(Nodes):
                         await self._handle(m, handler, nack_delay_s)
             finally:
                 stopped.cancel()
+                if recv is not None and not recv.done():
+                    # consume itself was cancelled mid-poll: the poll goes too (and gives
+                    # back what it may have leased), instead of leasing for nobody
+                    recv.cancel()
+                    await asyncio.wait({recv})
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
 
@@ -521,8 +532,11 @@ class AsyncClient(Nodes):
                     log.warning("renew of %s failed (%s): the lease is lost, the message will be delivered "
                                 "again", m.id, e.reason)
                     return
-                except errors.SpoolerError as e:  # not known to be lost: try again soon (renew_delay_s)
+                except (errors.Unavailable, errors.OperationUnconfirmed) as e:  # not known to be lost: again soon
                     log.warning("renew of %s failed: %s", m.id, e)
+                except errors.SpoolerError as e:  # a definite answer (e.g. the queue is gone): stop
+                    log.warning("renew of %s failed: %s; no more renewals", m.id, e)
+                    return
 
         renewer = asyncio.ensure_future(keep_renewing())
         try:

@@ -63,7 +63,7 @@ class Client(Nodes):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        for ch in self._old_channels + [self.channel]:
+        for ch in self._all_channels():
             ch.close()
 
     def __enter__(self):
@@ -73,13 +73,14 @@ class Client(Nodes):
         self.close()
 
     def _call(self, rpc, req, *, write: bool, timeout_s: Optional[float] = None):
+        ch = self.channel  # the channel ``rpc`` belongs to (its stub was read just now)
         try:
             return rpc(req, metadata=self.md, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as e:
             err = map_rpc_error(e, write=write)
             if e.code() in MOVE_ON:
                 with self._lock:
-                    self._next_target()
+                    self._next_target(ch)
             raise err from None
 
     # ------------------------------------------------------------- queues
@@ -119,7 +120,7 @@ class Client(Nodes):
             # resent too depends, as above, on a key and a queue that deduplicates.
             keyed = bool(dedup_key) and self._dedups(queue)
         return call_with_retries_sync(lambda: self.send_async(req).result(), self.retry_attempts - 1,
-                                      send_with_key=keyed)
+                                      first_failed=True, send_with_key=keyed)
 
     def _dedups(self, queue: str) -> bool:
         """As AsyncClient._dedups."""
@@ -189,8 +190,7 @@ class Client(Nodes):
     # --------------------------------------------------------- receiving
     def receive(self, queue: str, *, wait_s: float = 0.0, max_messages: int = 1) -> list:
         req = receive_request(queue, wait_s, max_messages)
-        # exactly 1: the unary Receive; any other number (0 and negatives too) goes to
-        # ReceiveBatch, whose node checks it as the async client's does
+        # (receive_request refused a count below 1)
         rpc = self.stub.Receive if max_messages == 1 else self.stub.ReceiveBatch
         try:
             r = self._call(rpc, req, write=False, timeout_s=self.timeout_s + wait_s)
@@ -278,8 +278,11 @@ class Client(Nodes):
                     log.warning("renew of %s failed (%s): the lease is lost, the message will be delivered "
                                 "again", m.id, e.reason)
                     return
-                except errors.SpoolerError as e:  # not known to be lost: try again soon (renew_delay_s)
+                except (errors.Unavailable, errors.OperationUnconfirmed) as e:  # not known to be lost: again soon
                     log.warning("renew of %s failed: %s", m.id, e)
+                except errors.SpoolerError as e:  # a definite answer (e.g. the queue is gone): stop
+                    log.warning("renew of %s failed: %s; no more renewals", m.id, e)
+                    return
 
         t = threading.Thread(target=keep_renewing, daemon=True)
         t.start()

@@ -74,12 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    _Parser.json_errors = "--json" in argv
+    ours = argv[:argv.index("--")] if "--" in argv else argv  # not a job's own command line
+    _Parser.json_errors = "--json" in ours
     parser = build_parser()
     args = parser.parse_args(argv)
     as_json = getattr(args, "json", False)
     try:
         rc = args.func(args)
+        sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
     except SpoolerError as e:
         if as_json:
             print(json.dumps({"error": e.to_dict()}), file=sys.stdout)
@@ -89,10 +91,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        # the reader went away (`spoolctl ... | head`): nothing more to say to it
+        # the reader went away (`spoolctl ... | head`): nothing more to say to it, and
+        # nothing left in the buffer for the interpreter to fail on at exit
         try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
             pass
         return 1
     except Exception as e:  # noqa: BLE001 - a bug of ours: still one error, in the promised shape

@@ -801,7 +801,8 @@ def test_healthz_readyz_metrics(api, queue):
     short = make_queue(api, leaseTimeoutSeconds=0.2)
     api.send(short, b"z")
     received(api, short)
-    wait_until(lambda: total("lease_expiries") == e0 + 1, 10, what="the expiry counted")
+    # (>=: a lease left over from an earlier test on this shared node may expire meanwhile)
+    wait_until(lambda: total("lease_expiries") >= e0 + 1, 10, what="the expiry counted")
     assert total("nacks") == k0 + 1
 
 

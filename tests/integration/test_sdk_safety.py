@@ -126,11 +126,12 @@ def test_a_send_of_the_wrong_type_fails_alone(node):
     async def main():
         async with AsyncClient(node.grpc_target, node.admin_key) as c:
             await c.put_queue("ty")
-            res = await asyncio.gather(*[c.send("ty", "text, not bytes" if i == 7 else b"ok %d" % i)
-                                         for i in range(40)], return_exceptions=True)
+            wrong = {7: "text, not bytes", 19: bytearray(b"not bytes either")}
+            res = await asyncio.gather(*[c.send("ty", wrong.get(i, b"ok %d" % i)) for i in range(40)],
+                                       return_exceptions=True)
             bad = [i for i, r in enumerate(res) if isinstance(r, BaseException)]
-            assert bad == [7] and isinstance(res[7], TypeError)
-            assert (await c.get_queue("ty"))["stats"]["visible"] == 39
+            assert bad == [7, 19] and all(isinstance(res[i], TypeError) for i in bad)
+            assert (await c.get_queue("ty"))["stats"]["visible"] == 38
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
@@ -216,13 +217,18 @@ def test_async_consumer_says_when_its_lease_is_lost(node, caplog):
             async def handler(m):
                 started.set()
                 await asyncio.wait_for(restarted.wait(), 20)
-                await asyncio.sleep(1.5)  # a renewal or two against the new epoch
+                # the handler runs on until a renewal has met the new epoch (or 20 s pass)
+                deadline = asyncio.get_running_loop().time() + 20
+                while not lost_seen() and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(0.05)
                 stop.set()
             task = asyncio.ensure_future(c.consume("lost", handler, wait_s=1, stop=stop))
             await asyncio.wait_for(started.wait(), 10)
             await asyncio.to_thread(node.restart)
             restarted.set()
             await asyncio.wait_for(task, 30)
+    def lost_seen():
+        return any("the lease is lost" in r.getMessage() for r in caplog.records)
     with caplog.at_level(logging.WARNING, logger="spooler.aio"):
         asyncio.run(main())
     lost = [r for r in caplog.records if "the lease is lost" in r.getMessage()]
@@ -239,6 +245,68 @@ def test_async_consume_returns_soon_after_stop_during_a_long_poll(node):
             stop.set()
             await asyncio.wait_for(task, 5)  # not 20 s
             await c.send("idle", b"after")
-            st = await c.get_queue("idle")
-            assert st["stats"]["visible"] == 1 and st["stats"]["leased"] == 0  # the given-up poll leased nothing
+            # the given-up poll is gone: the next receive gets the message (a poll still
+            # waiting on the node would have taken it first)
+            got = await c.receive("idle", wait_s=5)
+            assert [m.body for m in got] == [b"after"]
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_cancelling_consume_takes_its_long_poll_with_it(node):
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("cancelled")
+            task = asyncio.ensure_future(c.consume("cancelled", lambda m: asyncio.sleep(0), wait_s=20))
+            await asyncio.sleep(0.3)  # inside its 20 s long poll
+            task.cancel()
+            await asyncio.wait({task})
+            await c.send("cancelled", b"after")
+            got = await c.receive("cancelled", wait_s=5)
+            assert [m.body for m in got] == [b"after"]
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_retries_outlast_a_failover_timeout():
+    """Six attempts, waits 0.1 .. 1.6 s: more than the default 2 s failover timeout."""
+    import time
+
+    async def main():
+        c = AsyncClient(DEAD, "k")
+        t = time.monotonic()
+        with pytest.raises(errors.Unavailable):
+            await c.send("q", b"x")
+        dt, rpcs = time.monotonic() - t, c.send_rpcs
+        await c.close()
+        return dt, rpcs
+    dt, rpcs = asyncio.run(main())
+    assert rpcs == 6 and dt >= 3.0, (rpcs, dt)
+    with Client(DEAD, "k") as c:
+        t = time.monotonic()
+        with pytest.raises(errors.Unavailable):
+            c.send("q", b"x")
+        assert c.send_rpcs == 6 and time.monotonic() - t >= 3.0
+
+
+def test_many_calls_timing_out_together_move_the_client_once(node, tmp_path):
+    """Four reads time out together on a hung node: the client moves to the next
+    node once, not four times (which, with two nodes, would land it back on the hung one)."""
+    from nodeproc import NodeProc
+    other = NodeProc(str(tmp_path / "other"), node_id="n1").start()
+    try:
+        async def main():
+            c = AsyncClient(f"{node.grpc_target},{other.grpc_target}", node.admin_key, timeout_s=1)
+            try:
+                await c.list_queues()  # connected to the first
+                os.kill(node.pid, signal.SIGSTOP)
+                try:
+                    res = await asyncio.gather(*[c.list_queues() for _ in range(4)], return_exceptions=True)
+                    assert all(isinstance(r, errors.Unavailable) for r in res), res
+                    assert c.target_now() == other.grpc_target
+                    assert await c.list_queues() == []  # served by the other node
+                finally:
+                    os.kill(node.pid, signal.SIGCONT)
+            finally:
+                await c.close()
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        other.kill()
