@@ -293,6 +293,20 @@ def is_batch_entry_error(err: errors.SpoolerError) -> bool:
     return isinstance(err, (errors.InvalidArgument, errors.MessageTooLarge, errors.QueueNotFound, errors.Forbidden))
 
 
+def keep_renewing_after(log, m, e: errors.SpoolerError) -> bool:
+    """A consumer's renewal of message ``m``'s lease failed with ``e``: log it; True
+    if renewing should go on (the lease is not known to be lost)."""
+    if isinstance(e, errors.StaleLease):  # the lease is gone: nothing left to renew
+        log.warning("renew of %s failed (%s): the lease is lost, the message will be delivered again",
+                    m.id, e.reason)
+        return False
+    if isinstance(e, (errors.Unavailable, errors.OperationUnconfirmed)):  # not known to be lost: again soon
+        log.warning("renew of %s failed: %s", m.id, e)
+        return True
+    log.warning("renew of %s failed: %s; no more renewals", m.id, e)  # a definite answer (e.g. queue gone)
+    return False
+
+
 def renew_delay_s(expires_at: str, now: Optional[datetime] = None) -> float:
     """Renew at half the remaining lease time (at least 50 ms from now)."""
     from datetime import timezone

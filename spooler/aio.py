@@ -20,7 +20,7 @@ from typing import Awaitable, Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (MOVE_ON, Nodes, Message, batch_size, check_send_types, SendResult, auth_metadata, batch_request, batch_results, call_with_retries,
+from spooler._common import (MOVE_ON, Nodes, Message, keep_renewing_after, batch_size, check_send_types, SendResult, auth_metadata, batch_request, batch_results, call_with_retries,
                              _has_detail, is_batch_entry_error, map_rpc_error, message_of, never_sent, queue_dict, renew_delay_s, send_outcomes,
                              settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request)
@@ -528,15 +528,9 @@ class AsyncClient(Nodes):
                 await asyncio.sleep(renew_delay_s(expires))
                 try:
                     expires = await self.renew(m.token)
-                except errors.StaleLease as e:  # the lease is gone: nothing left to renew
-                    log.warning("renew of %s failed (%s): the lease is lost, the message will be delivered "
-                                "again", m.id, e.reason)
-                    return
-                except (errors.Unavailable, errors.OperationUnconfirmed) as e:  # not known to be lost: again soon
-                    log.warning("renew of %s failed: %s", m.id, e)
-                except errors.SpoolerError as e:  # a definite answer (e.g. the queue is gone): stop
-                    log.warning("renew of %s failed: %s; no more renewals", m.id, e)
-                    return
+                except errors.SpoolerError as e:
+                    if not keep_renewing_after(log, m, e):
+                        return
 
         renewer = asyncio.ensure_future(keep_renewing())
         try:
