@@ -200,6 +200,32 @@ class Client(Nodes):
             raise
         return [message_of(d) for d in r.messages]
 
+    def _receive_unless(self, stop: threading.Event, queue: str, wait_s: float) -> list:
+        """``receive`` of one message that ``stop`` can interrupt: the long poll is
+        cancelled (and whatever it may have leased given back) instead of being
+        waited out, so that ``consume`` returns soon after ``stop`` is set."""
+        req = receive_request(queue, wait_s, 1)
+        ch = self.channel
+        fut = self.stub.Receive.future(req, metadata=self.md, timeout=self.timeout_s + wait_s)
+        while not fut.done():
+            if stop.wait(0.05):
+                fut.cancel()
+                self._release(req)
+                return []
+        try:
+            r = fut.result()
+        except grpc.FutureCancelledError:
+            return []
+        except grpc.RpcError as e:
+            err = map_rpc_error(e, write=False)
+            if e.code() in MOVE_ON:
+                with self._lock:
+                    self._next_target(ch)
+            if not isinstance(err, RECEIVE_DEFINITE):
+                self._release(req)
+            raise err from None
+        return [message_of(d) for d in r.messages]
+
     def _release(self, req) -> None:
         """As AsyncClient._release: one attempt to give back a lost answer's leases."""
         if not self._release_supported:
@@ -256,7 +282,7 @@ class Client(Nodes):
         handled = 0
         while not stop.is_set() and (not max_messages or handled < max_messages):
             try:
-                msgs = self.receive(queue, wait_s=wait_s)
+                msgs = self._receive_unless(stop, queue, wait_s)
             except errors.Unavailable:
                 stop.wait(0.2)
                 continue

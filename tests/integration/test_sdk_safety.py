@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 from concurrent.futures import Future
 
 import pytest
@@ -240,8 +241,16 @@ def test_async_consume_returns_soon_after_stop_during_a_long_poll(node):
         async with AsyncClient(node.grpc_target, node.admin_key) as c:
             await c.put_queue("idle")
             stop = asyncio.Event()
+            polling = asyncio.Event()
+            receive = c.receive
+
+            async def spy(*a, **kw):
+                polling.set()
+                return await receive(*a, **kw)
+            c.receive = spy
             task = asyncio.ensure_future(c.consume("idle", lambda m: asyncio.sleep(0), wait_s=20, stop=stop))
-            await asyncio.sleep(0.3)  # the worker is inside its 20 s long poll
+            await asyncio.wait_for(polling.wait(), 5)  # the worker is in its 20 s long poll
+            c.receive = receive
             stop.set()
             await asyncio.wait_for(task, 5)  # not 20 s
             await c.send("idle", b"after")
@@ -256,8 +265,16 @@ def test_cancelling_consume_takes_its_long_poll_with_it(node):
     async def main():
         async with AsyncClient(node.grpc_target, node.admin_key) as c:
             await c.put_queue("cancelled")
+            polling = asyncio.Event()
+            receive = c.receive
+
+            async def spy(*a, **kw):
+                polling.set()
+                return await receive(*a, **kw)
+            c.receive = spy
             task = asyncio.ensure_future(c.consume("cancelled", lambda m: asyncio.sleep(0), wait_s=20))
-            await asyncio.sleep(0.3)  # inside its 20 s long poll
+            await asyncio.wait_for(polling.wait(), 5)  # inside its 20 s long poll
+            c.receive = receive
             task.cancel()
             await asyncio.wait({task})
             await c.send("cancelled", b"after")
@@ -310,3 +327,25 @@ def test_many_calls_timing_out_together_move_the_client_once(node, tmp_path):
         asyncio.run(asyncio.wait_for(main(), 60))
     finally:
         other.kill()
+
+
+def test_sync_consume_returns_soon_after_stop_during_a_long_poll(node):
+    with Client(node.grpc_target, node.admin_key) as c:
+        c.put_queue("sidle")
+        stop, polling = threading.Event(), threading.Event()
+        receive = c._receive_unless
+
+        def spy(*a, **kw):
+            polling.set()
+            return receive(*a, **kw)
+        c._receive_unless = spy
+        out = {}
+        t = threading.Thread(target=lambda: out.update(n=c.consume("sidle", lambda m: None, wait_s=20, stop=stop)))
+        t.start()
+        assert polling.wait(5)  # the worker is in its 20 s long poll
+        stop.set()
+        t.join(5)
+        assert not t.is_alive() and out == {"n": 0}  # not 20 s later
+        c.send("sidle", b"after")
+        got = c.receive("sidle", wait_s=5)  # no poll left waiting on the node to take it first
+        assert [m.body for m in got] == [b"after"]
