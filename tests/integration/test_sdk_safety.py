@@ -236,21 +236,30 @@ def test_async_consumer_says_when_its_lease_is_lost(node, caplog):
     assert len(lost) == 1, [r.getMessage() for r in caplog.records]
 
 
+def _note_receive(c: AsyncClient):
+    """-> (an event set once ``c.receive`` is called, a function that undoes this)."""
+    called = asyncio.Event()
+    receive = c.receive
+
+    async def spy(*a, **kw):
+        called.set()
+        return await receive(*a, **kw)
+    c.receive = spy
+
+    def restore():
+        c.receive = receive
+    return called, restore
+
+
 def test_async_consume_returns_soon_after_stop_during_a_long_poll(node):
     async def main():
         async with AsyncClient(node.grpc_target, node.admin_key) as c:
             await c.put_queue("idle")
             stop = asyncio.Event()
-            polling = asyncio.Event()
-            receive = c.receive
-
-            async def spy(*a, **kw):
-                polling.set()
-                return await receive(*a, **kw)
-            c.receive = spy
+            polling, restore = _note_receive(c)
             task = asyncio.ensure_future(c.consume("idle", lambda m: asyncio.sleep(0), wait_s=20, stop=stop))
             await asyncio.wait_for(polling.wait(), 5)  # the worker is in its 20 s long poll
-            c.receive = receive
+            restore()
             stop.set()
             await asyncio.wait_for(task, 5)  # not 20 s
             await c.send("idle", b"after")
@@ -265,16 +274,10 @@ def test_cancelling_consume_takes_its_long_poll_with_it(node):
     async def main():
         async with AsyncClient(node.grpc_target, node.admin_key) as c:
             await c.put_queue("cancelled")
-            polling = asyncio.Event()
-            receive = c.receive
-
-            async def spy(*a, **kw):
-                polling.set()
-                return await receive(*a, **kw)
-            c.receive = spy
+            polling, restore = _note_receive(c)
             task = asyncio.ensure_future(c.consume("cancelled", lambda m: asyncio.sleep(0), wait_s=20))
             await asyncio.wait_for(polling.wait(), 5)  # inside its 20 s long poll
-            c.receive = receive
+            restore()
             task.cancel()
             await asyncio.wait({task})
             await c.send("cancelled", b"after")
