@@ -133,7 +133,7 @@ def retry_wait_s(retry: int) -> float:
     return min(RETRY_WAIT_MAX_S, RETRY_FIRST_WAIT_S * 2 ** (retry - 1))
 
 
-def retry_policy(attempts: int, *, send_with_key: bool = False, settle: bool = False):
+def _policy(attempts: int, *, send_with_key: bool = False, settle: bool = False) -> dict:
     """When a call may be retried (never silently for an unkeyed unconfirmed send).
 
     * any call: ``unavailable`` from a node (known not accepted);
@@ -142,33 +142,19 @@ def retry_policy(attempts: int, *, send_with_key: bool = False, settle: bool = F
     * ack/nack/renew: also a transport failure (a repeat of a settle that did
       land answers ``stale_lease``/``settled``, which the client reports as done).
 
-    ``attempts`` counts the attempts this policy makes; each one, the first too,
-    comes after its wait (the caller made the attempt before them)."""
-    def check(exc: BaseException) -> bool:
-        return retryable(exc, send_with_key=send_with_key, settle=settle)
-
-    return tenacity.Retrying(
-        stop=tenacity.stop_after_attempt(attempts),
-        wait=lambda rs: retry_wait_s(rs.attempt_number + 1),
-        retry=tenacity.retry_if_exception(check),
-        reraise=True,
-    ), check
-
-
-def async_retry_policy(attempts: int, **kw):
-    _, check = retry_policy(attempts, **kw)
-    return tenacity.AsyncRetrying(
-        stop=tenacity.stop_after_attempt(attempts),
-        wait=lambda rs: retry_wait_s(rs.attempt_number + 1),
-        retry=tenacity.retry_if_exception(check),
-        reraise=True,
-    )
+    ``attempts`` retries, each after its wait; the caller made the first attempt and
+    waited ``retry_wait_s(1)`` before handing over (tenacity waits only between its
+    own attempts)."""
+    return dict(stop=tenacity.stop_after_attempt(attempts),
+                wait=lambda rs: retry_wait_s(rs.attempt_number + 1),
+                retry=tenacity.retry_if_exception(lambda e: retryable(e, send_with_key=send_with_key, settle=settle)),
+                reraise=True)
 
 
 async def call_with_retries(fn, attempts: int, *, first_failed: bool = False, **kw):
-    """``attempts`` in all, the first without any retry machinery (the hot path);
-    tenacity only once a retry-safe failure happened. ``first_failed``: the
-    caller's own first attempt already failed retry-safely; all ``attempts``
+    """``attempts`` in all (at least 1), the first without any retry machinery (the
+    hot path); tenacity only once a retry-safe failure happened. ``first_failed``:
+    the caller's own first attempt already failed retry-safely; all ``attempts``
     here are retries."""
     if not first_failed:
         try:
@@ -177,15 +163,14 @@ async def call_with_retries(fn, attempts: int, *, first_failed: bool = False, **
             if attempts <= 1 or not retryable(e, **kw):
                 raise
         attempts -= 1
-    if attempts <= 0:
-        return await fn()  # nothing left to retry with: one plain attempt
     await asyncio.sleep(retry_wait_s(1))
-    async for attempt in async_retry_policy(attempts, **kw):
+    async for attempt in tenacity.AsyncRetrying(**_policy(attempts, **kw)):
         with attempt:
             return await fn()
 
 
 def call_with_retries_sync(fn, attempts: int, *, first_failed: bool = False, **kw):
+    """As call_with_retries."""
     if not first_failed:
         try:
             return fn()
@@ -193,11 +178,8 @@ def call_with_retries_sync(fn, attempts: int, *, first_failed: bool = False, **k
             if attempts <= 1 or not retryable(e, **kw):
                 raise
         attempts -= 1
-    if attempts <= 0:
-        return fn()
     time.sleep(retry_wait_s(1))
-    retrying, _ = retry_policy(attempts, **kw)
-    return retrying(fn)
+    return tenacity.Retrying(**_policy(attempts, **kw))(fn)
 
 
 # A receive that failed with one of these leased nothing (the node answered it);
@@ -240,12 +222,12 @@ BATCH_BYTES_MAX = 4 * 1024 * 1024
 def batch_size(pending: list, batch_max: int, body_of) -> int:
     """How many of the ``pending`` sends the next auto-batch takes: at most
     ``batch_max``, and no more bodies than BATCH_BYTES_MAX (but always one)."""
-    total = 0
-    for i, item in enumerate(pending[:batch_max]):
-        total += len(body_of(item))
+    n, total = min(batch_max, len(pending)), 0
+    for i in range(n):
+        total += len(body_of(pending[i]))
         if total > BATCH_BYTES_MAX and i:
             return i
-    return min(batch_max, len(pending))
+    return n
 
 
 def check_send_types(queue, body, delay_s, dedup_key) -> None:

@@ -301,7 +301,7 @@ class AsyncClient(Nodes):
 
     # ----------------------------------------------------------- sending
     async def send(self, queue: str, body: bytes, *, delay_s: float = 0.0, dedup_key: str = "") -> SendResult:
-        """Auto-batched send. Retried only where a retry is safe (see _common.retry_policy)."""
+        """Auto-batched send. Retried only where a retry is safe (see _common._policy)."""
         # checked here, so that a wrong type fails this caller alone, not the batch it would join
         check_send_types(queue, body, delay_s, dedup_key)
         if self._closing:

@@ -77,11 +77,15 @@ class Client(Nodes):
         try:
             return rpc(req, metadata=self.md, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as e:
-            err = map_rpc_error(e, write=write)
-            if e.code() in MOVE_ON:
-                with self._lock:
-                    self._next_target(ch)
-            raise err from None
+            raise self._failed(e, write, ch) from None
+
+    def _failed(self, e: grpc.RpcError, write: bool, ch) -> errors.SpoolerError:
+        """The SpoolerError for a failed call on channel ``ch``; moves on to the next
+        node when that one was unreachable or did not answer in time."""
+        if e.code() in MOVE_ON:
+            with self._lock:
+                self._next_target(ch)
+        return map_rpc_error(e, write=write)
 
     # ------------------------------------------------------------- queues
     def put_queue(self, name: str, **settings) -> dict:
@@ -189,38 +193,28 @@ class Client(Nodes):
 
     # --------------------------------------------------------- receiving
     def receive(self, queue: str, *, wait_s: float = 0.0, max_messages: int = 1) -> list:
-        req = receive_request(queue, wait_s, max_messages)
-        # (receive_request refused a count below 1)
-        rpc = self.stub.Receive if max_messages == 1 else self.stub.ReceiveBatch
-        try:
-            r = self._call(rpc, req, write=False, timeout_s=self.timeout_s + wait_s)
-        except errors.SpoolerError as e:
-            if not isinstance(e, RECEIVE_DEFINITE):
-                self._release(req)
-            raise
-        return [message_of(d) for d in r.messages]
+        return self._receive_unless(None, queue, wait_s, max_messages)
 
-    def _receive_unless(self, stop: threading.Event, queue: str, wait_s: float) -> list:
-        """``receive`` of one message that ``stop`` can interrupt: the long poll is
+    def _receive_unless(self, stop: Optional[threading.Event], queue: str, wait_s: float,
+                        max_messages: int = 1) -> list:
+        """``receive``; ``stop`` (consume's) may interrupt it: the long poll is then
         cancelled (and whatever it may have leased given back) instead of being
         waited out, so that ``consume`` returns soon after ``stop`` is set."""
-        req = receive_request(queue, wait_s, 1)
+        req = receive_request(queue, wait_s, max_messages)  # (refuses a count below 1)
+        rpc = self.stub.Receive if max_messages == 1 else self.stub.ReceiveBatch
         ch = self.channel
-        fut = self.stub.Receive.future(req, metadata=self.md, timeout=self.timeout_s + wait_s)
-        while not fut.done():
-            if stop.wait(0.05):
-                fut.cancel()
-                self._release(req)
-                return []
+        fut = rpc.future(req, metadata=self.md, timeout=self.timeout_s + wait_s)
         try:
+            while stop is not None and not fut.done():
+                if stop.wait(0.05):
+                    fut.cancel()
+                    self._release(req)
+                    return []
             r = fut.result()
         except grpc.FutureCancelledError:
             return []
         except grpc.RpcError as e:
-            err = map_rpc_error(e, write=False)
-            if e.code() in MOVE_ON:
-                with self._lock:
-                    self._next_target(ch)
+            err = self._failed(e, False, ch)
             if not isinstance(err, RECEIVE_DEFINITE):
                 self._release(req)
             raise err from None

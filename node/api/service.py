@@ -725,6 +725,6 @@ class Service:
         # the answer names it instead of "primary": null
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 2 * e.repl.core.timeout / 1e6
-        while loop.time() < deadline and (e.repl.core.role == "primary" or self.cluster(p)["primary"] is None):
+        while loop.time() < deadline and (e.repl.core.role == "primary" or e.primary_id is None):
             await asyncio.sleep(0.01)
         return self.cluster(p)

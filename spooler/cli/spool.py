@@ -8,9 +8,8 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import sys
-
 import os
+import sys
 
 from spooler.cli import add_json, emit, seconds_arg
 from spooler.http import HttpClient
