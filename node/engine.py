@@ -125,6 +125,7 @@ class Engine:
         self.repl = Driver(self, node_id, peers, failover_timeout_s, grpc_options, tls)
         self._wake: Optional[asyncio.Event] = None
         self._events: dict[str, asyncio.Event] = {}
+        self.receives_waiting = 0  # long polls waiting here now (a gauge in /metrics)
         self._tasks: list = []
         self.crc = 0                      # checksum after the last appended record
         self.applied_crc = 0              # checksum after the last applied record

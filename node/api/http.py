@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import logging
 
-from aiohttp import web
+from aiohttp import http_exceptions, web
+from aiohttp.web_protocol import RequestPayloadError
 
 from spooler import errors
 from node.api.service import Service
@@ -28,8 +29,23 @@ def _error(e: errors.SpoolerError) -> web.Response:
     return r
 
 
+async def _read(request: web.Request) -> bytes:
+    """The body, decoded as its Content-Encoding says (gzip, deflate). A body that
+    does not decode as declared is the client's error, not ours."""
+    try:
+        return await request.read()
+    except (http_exceptions.BadHttpMessage, RequestPayloadError) as e:
+        # the rest of that body cannot be read either: answer, then close (aiohttp
+        # would otherwise try to drain it after the answer and log the same error)
+        request[CLOSE] = True
+        if hasattr(request.protocol, "_force_close"):
+            request.protocol._force_close = True
+        why = (str(e).strip().splitlines() or ["?"])[-1].strip()  # aiohttp's text: "400, message:\n  <why>"
+        raise errors.InvalidArgument(f"body could not be read: {why}"[:300]) from None
+
+
 async def _read_json(request: web.Request):
-    data = await request.read()
+    data = await _read(request)
     if not data.strip():
         return {}
     try:
@@ -38,6 +54,7 @@ async def _read_json(request: web.Request):
         raise errors.InvalidArgument("body is not valid JSON") from None
 
 
+CLOSE = "spooler_close"  # set on a request whose connection must close after the answer
 EPOCH_OF = web.AppKey("spooler_epoch_of", object)  # () -> the epoch answers name
 
 
@@ -125,7 +142,7 @@ def build_app(svc: Service, metrics) -> web.Application:
         key = request.headers.get("Spooler-Dedup-Key")
         if key is not None and (not key or len(key) > lim.dedup_key_chars_max):
             raise errors.InvalidArgument(f"Spooler-Dedup-Key: 1..{lim.dedup_key_chars_max} characters")
-        body = await request.read()
+        body = await _read(request)
         [(mid, dup, err)] = await svc.send(p, [(queue, body, delay, key or "")])
         if err is not None:
             raise err
@@ -168,6 +185,9 @@ def build_app(svc: Service, metrics) -> web.Application:
         body = await _read_json(request)
         if not isinstance(body, dict):
             raise errors.InvalidArgument("body must be a JSON object")
+        unknown = sorted(set(body) - {"queue", "scopes"})
+        if unknown:
+            raise errors.InvalidArgument(f"unknown field {unknown[0]!r}; known: queue, scopes")
         queue = body.get("queue", "*")
         if queue == "":  # "*" is how a JSON caller asks for every queue
             raise errors.InvalidArgument('queue must be a queue name or "*"')
@@ -220,9 +240,10 @@ def build_app(svc: Service, metrics) -> web.Application:
         web.delete("/v1/keys/{id}", delete_key),
         web.get("/v1/cluster", cluster, allow_head=False),
         web.post("/v1/cluster/promote", promote),
-        web.get("/healthz", healthz, allow_head=False),
-        web.get("/readyz", readyz, allow_head=False),
-        web.get("/metrics", metrics_route, allow_head=False),
+        # HEAD too, for probes and load balancers that check with it
+        web.get("/healthz", healthz),
+        web.get("/readyz", readyz),
+        web.get("/metrics", metrics_route),
     ])
     return app
 
@@ -234,7 +255,10 @@ def _errors_mw(metrics):
             return await handler(request)
         except errors.SpoolerError as e:
             metrics.http_errors.labels(e.kind).inc()
-            return _error(e)
+            r = _error(e)
+            if request.get(CLOSE):
+                r.force_close()
+            return r
         except web.HTTPRequestEntityTooLarge as e:
             return _error(errors.MessageTooLarge(f"body over the limit ({e.text})"))
         except web.HTTPMethodNotAllowed as e:

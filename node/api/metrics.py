@@ -88,3 +88,6 @@ class _StateCollector:
         g = GaugeMetricFamily("spooler_applied_lsn", "Last applied log sequence number")
         g.add_metric([], e.core.lsn)
         yield g
+        g = GaugeMetricFamily("spooler_receives_waiting", "Receives in a long poll on this node now")
+        g.add_metric([], e.receives_waiting)
+        yield g

@@ -36,6 +36,7 @@ _FROM_URLSAFE = str.maketrans("-_", "+/")
 KEY_ID_RE = re.compile(r"^[a-f0-9]{12}$")
 SCOPES = ("send", "receive", "admin")
 RECEIVE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{27,400}")  # URL-safe base64, unpadded; fullmatch
 SECONDS_RE = re.compile(r"[ \t]*([0-9]+(\.[0-9]*)?|\.[0-9]+)[ \t]*\Z")  # a header's or a query's seconds, e.g. "5", "0.25"
 
 # API setting name -> (internal field, to-internal, from-internal)
@@ -129,6 +130,13 @@ class Service:
         e = self.engine
         return e.repl.addresses.get(e.primary_id) if e.primary_id else None
 
+    def _forwards(self) -> bool:
+        """This node passes client calls on to the primary (``_remote`` says where).
+        Such a call's shape is checked here first: a malformed request gets the
+        same 400 from every node, also while no primary is known."""
+        e = self.engine
+        return e.cluster and e.role != "primary"
+
     def _remote(self, p: Principal) -> Optional[str]:
         """The primary's address when this call must be forwarded, else None."""
         e = self.engine
@@ -220,8 +228,11 @@ class Service:
             elif k == "retentionSeconds":
                 out.retention_us = max(1, round(self._seconds(v, k, 0, lim.retention_s_max, lo_open=True) * US))
             elif k == "dedupWindowSeconds":
-                out.dedup_window_us = round(self._seconds(v, k, 0, lim.dedup_window_s_max) * US)
+                w = self._seconds(v, k, 0, lim.dedup_window_s_max)
+                out.dedup_window_us = max(1, round(w * US)) if w > 0 else 0  # a window never rounds to "off"
             elif k == "maxRetries":
+                if isinstance(v, float) and v.is_integer():  # JSON's 2.0 is the integer 2
+                    v = int(v)
                 if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= lim.max_retries_max:
                     raise errors.InvalidArgument(f"maxRetries must be an integer 0..{lim.max_retries_max}")
                 out.max_retries = v
@@ -312,14 +323,15 @@ class Service:
         None, or the SpoolerError of an entry that apply refused (its queue was
         deleted in the same group commit); the other entries are stored.
         """
-        if (a := self._remote(p)):
-            return await self.fwd.send(a, p.auth, entries, run)
         lim = self.limits
         n = len(entries) + (len(run[1]) if run else 0)
         if not n:
             raise errors.InvalidArgument("nothing to send")
         if n > lim.batch_entries_max:
             raise errors.InvalidArgument(f"at most {lim.batch_entries_max} messages in a batch")
+        if self._forwards():
+            self._send_shape(entries, run)
+            return await self.fwd.send(self._remote(p), p.auth, entries, run)
         rec = log_pb2.Record()
         send = rec.send_compact if run and run[1] else rec.send
         add = send.entries.add
@@ -337,8 +349,8 @@ class Service:
             total += len(body)
             if delay_s:
                 delay_s = self._seconds(delay_s, "delay", 0.0, lim.delay_s_max)
-            if key and (len(key) > lim.dedup_key_chars_max or not key.isprintable()):
-                raise errors.InvalidArgument(f"dedup key: 1..{lim.dedup_key_chars_max} printable characters")
+            if key:
+                self._check_dedup_key(key)
             add(queue=queue, id=self._next_id(), body=body, delay_us=round(delay_s * US) if delay_s else 0,
                 dedup_key=key or "")
         if run:
@@ -366,6 +378,27 @@ class Service:
         results = await self.engine.propose(rec)
         return [("", False, errors.make(d, "queue was deleted while the send was committed")) if mid is None
                 else (mid, d, None) for mid, d in results]
+
+    def _check_dedup_key(self, key: str) -> None:
+        if len(key) > self.limits.dedup_key_chars_max or not key.isprintable():
+            raise errors.InvalidArgument(f"dedup key: 1..{self.limits.dedup_key_chars_max} printable characters")
+
+    def _send_shape(self, entries: list, run: Optional[tuple]) -> None:
+        """What the primary's send checks without its state (names, sizes, delays,
+        keys), for a send this node forwards. Scope and room are the primary's."""
+        lim = self.limits
+        bodies = [body for _, body, _, _ in entries] + (list(run[1]) if run else [])
+        for queue, _, delay_s, key in entries + ([(run[0], b"", run[2], "")] if run else []):
+            self.check_name_any(queue)
+            if delay_s:
+                self._seconds(delay_s, "delay", 0.0, lim.delay_s_max)
+            if key:
+                self._check_dedup_key(key)
+        biggest = max(map(len, bodies))
+        if biggest > lim.body_bytes_max:
+            raise errors.MessageTooLarge(f"message of {biggest} bytes; the limit is {lim.body_bytes_max}")
+        if sum(map(len, bodies)) > lim.batch_bytes_max:
+            raise errors.MessageTooLarge(f"batch of {sum(map(len, bodies))} bytes; the limit is {lim.batch_bytes_max}")
 
     def _room(self, p: Principal, queue: str) -> int:
         """Validate a queue a batch sends to (once per batch): its name, the caller's
@@ -406,18 +439,17 @@ class Service:
         lets the caller give back what the call leased if the answer is lost on the
         way (``release_receive``). A forwarding node names the call with a name of
         its own and passes the caller's on as ``caller_receive_id``."""
-        if (a := self._remote(p)):
-            self.check_name_any(queue)
-            if receive_id:
-                self._check_receive_id(receive_id)
-            return await self.fwd.receive(a, p.auth, queue, wait_s, max_n, receive_id,
-                                          release_for_s=self._release_for_s(queue))
         self.check_name_any(queue)
-        self.authorize(p, "receive", queue)
-        self._queue(queue)
         wait_s = self._seconds(wait_s, "wait", 0.0, self.limits.wait_s_max)
         if not 1 <= max_n <= self.limits.batch_entries_max:
             raise errors.InvalidArgument(f"max messages must be 1..{self.limits.batch_entries_max}")
+        if self._forwards():
+            if receive_id:
+                self._check_receive_id(receive_id)
+            return await self.fwd.receive(self._remote(p), p.auth, queue, wait_s, max_n, receive_id,
+                                          release_for_s=self._release_for_s(queue))
+        self.authorize(p, "receive", queue)
+        self._queue(queue)
         keys = [(self._caller(p), queue, self._check_receive_id(n)) for n in (receive_id, caller_receive_id) if n]
         for key in keys:
             if key in self._receipts:
@@ -444,10 +476,13 @@ class Service:
                 left = min(left, max(0.001, (vis - self.engine.now_us()) / US))
             if not self.engine.may_lease():
                 left = min(left, 0.05)  # a new primary waits out the old one's leases
+            self.engine.receives_waiting += 1
             try:
                 await asyncio.wait_for(ev.wait(), left)
             except asyncio.TimeoutError:
                 pass
+            finally:
+                self.engine.receives_waiting -= 1
             if queue not in self.core.queues:
                 raise errors.QueueNotFound(f"queue {queue} was deleted")
 
@@ -458,7 +493,8 @@ class Service:
 
     def decode_token(self, token: str) -> tuple:
         try:
-            if not isinstance(token, str) or not 27 <= len(token) <= 400:
+            # every character checked here: a2b_base64 would skip the ones it does not know
+            if not isinstance(token, str) or not TOKEN_RE.fullmatch(token):
                 raise ValueError
             raw = binascii.a2b_base64((token + "=" * (-len(token) % 4)).translate(_FROM_URLSAFE))
             version, epoch, lease_id = struct.unpack(">BQQ", raw[:17])
@@ -517,6 +553,8 @@ class Service:
         release it. A name released before its receive answered makes that receive
         give back what it leases and answer empty. Only for answers that never
         reached a consumer: a consumer that has a message nacks it."""
+        self.check_name_any(queue)
+        self._check_receive_id(receive_id)
         if (a := self._remote(p)):
             return await self.fwd.release_receive(a, p.auth, queue, receive_id)
         return self._release_here(p, queue, receive_id)
@@ -591,6 +629,14 @@ class Service:
             raise errors.InvalidArgument("lease token does not match")
         return lease
 
+    def _settle_shape(self, token: str, action: str, delay_s: float, decode: bool = True) -> int:
+        """-> the delay in us. ``decode``: also check the token's form."""
+        if action not in ("ack", "nack", "renew"):
+            raise errors.InvalidArgument(f"unknown action {action!r}")
+        if decode:
+            self.decode_token(token)
+        return round(self._seconds(delay_s, "delay", 0.0, self.limits.delay_s_max) * US) if delay_s else 0
+
     async def ack(self, p: Principal, token: str) -> None:
         await self.settle(p, [(token, "ack", 0.0)])
 
@@ -598,8 +644,9 @@ class Service:
         await self.settle(p, [(token, "nack", delay_s)])
 
     async def renew(self, p: Principal, token: str) -> str:
-        if (a := self._remote(p)):
-            return (await self.fwd.settle(a, p.auth, [(token, "renew", 0.0)], False))[0]
+        if self._forwards():
+            self.decode_token(token)
+            return (await self.fwd.settle(self._remote(p), p.auth, [(token, "renew", 0.0)], False))[0]
         lease = self._live_lease(p, token)
         return rfc3339(self.core.renew(lease, self.engine.now_us()))
 
@@ -607,12 +654,15 @@ class Service:
         """items: [(token, "ack"|"nack"|"renew", delay_s)]. Acks and nacks share one
         log record. Returns per item None, an expiresAt string (renew) or, with
         ``per_item_errors``, the SpoolerError of that item."""
-        if (a := self._remote(p)):
-            return await self.fwd.settle(a, p.auth, items, per_item_errors)
         if not items:
             raise errors.InvalidArgument("nothing to settle")
         if len(items) > self.limits.batch_entries_max:
             raise errors.InvalidArgument(f"at most {self.limits.batch_entries_max} items in a batch")
+        if self._forwards():
+            if not per_item_errors:  # a batch's malformed items are answered one by one, by the primary
+                for token, action, delay_s in items:
+                    self._settle_shape(token, action, delay_s)
+            return await self.fwd.settle(self._remote(p), p.auth, items, per_item_errors)
         out: list = [None] * len(items)
         rec = log_pb2.Record()
         fenced = []  # (item index, lease), in the record's entry order
@@ -620,9 +670,7 @@ class Service:
         serving, now = self.engine.serving(), self.engine.now_us()
         for i, (token, action, delay_s) in enumerate(items):
             try:
-                if action not in ("ack", "nack", "renew"):
-                    raise errors.InvalidArgument(f"unknown action {action!r}")
-                delay_us = round(self._seconds(delay_s, "delay", 0.0, self.limits.delay_s_max) * US) if delay_s else 0
+                delay_us = self._settle_shape(token, action, delay_s, decode=False)
                 lease = self._live_lease(p, token, now, serving)
                 if action == "renew":
                     out[i] = rfc3339(self.core.renew(lease, now))

@@ -241,6 +241,7 @@ class Core:
         for key in q.dedup:
             self.dirty.dedup.add((q.name, key))
         self.dirty.queues.add(op.name)
+        self.woken.add(op.name)  # its long polls answer queue_not_found now, not at their deadline
         return True
 
     def _apply_send(self, op, ts):

@@ -218,6 +218,21 @@ def test_a_replica_left_alone_is_not_ready_and_forwards_nothing(cluster):
     # primary to ask, that is "not now" (503), not "unknown key" (401)
     resp = lone.req("GET", "/v1/queues/q", key="spk_0123456789ab_not-replicated-here")
     assert resp.status == 503, resp
+    # a malformed request is malformed on every node, primary or not: 400 at once,
+    # never a Retry-After for something that can never succeed
+    token = "AQAAAAAAAAABAAAAAAAAAAHQMgCfbuIycXVldWU"
+    for method, path, body, headers in (
+            ("POST", "/v1/queues/bad%2F/messages", b"x", {}),
+            ("POST", "/v1/queues/q/messages", b"x", {"Spooler-Dedup-Key": "a\tb"}),
+            ("POST", "/v1/queues/q/messages", b"x" * (256 * 1024 + 1), {}),
+            ("POST", "/v1/queues/bad%2F/receive", b"", {}),
+            ("POST", "/v1/leases/abc/renew", b"", {}),
+            ("POST", f"/v1/leases/{token}!!/ack", b"", {}),
+            ("POST", f"/v1/leases/{token}*/nack", b"", {}),
+            ("POST", "/v1/queues/q/messages", b"abc", {"Content-Encoding": "gzip"})):
+        resp = lone.req(method, path, body, headers)
+        assert resp.status in (400, 413) and resp.json()["kind"] in ("invalid_argument", "message_too_large"), \
+            (path, headers, resp)
 
 
 def test_a_replica_refuses_malformed_keys_and_promotes_as_the_primary_does(cluster):

@@ -838,3 +838,77 @@ def test_unknown_route_and_method(api):
     r = api.req("POST", "/v1/queues/x")
     assert r.status == 405 and r.json()["kind"] == "method_not_allowed"
     assert set(KINDS) >= {r.json()["kind"]}
+
+
+# ------------------------------------------------- found by an outside audit (2026-11-30)
+
+def test_a_body_that_does_not_decode_as_declared_is_400_and_a_good_one_is_stored_decoded(api, queue):
+    import gzip
+    for path, method in ((f"/v1/queues/{queue}/messages", "POST"), (f"/v1/queues/{queue}", "PUT")):
+        r = api.req(method, path, b"abc", {"Content-Encoding": "gzip"})
+        assert r.status == 400 and r.json()["kind"] == "invalid_argument", (path, r)
+    r = api.req("POST", f"/v1/queues/{queue}/messages", gzip.compress(b"hello"), {"Content-Encoding": "gzip"})
+    assert r.status == 201, r
+    got = received(api, queue)
+    assert got.body == b"hello" and got.h("Spooler-Message-Id") == r.json()["id"]
+    assert api.stats(queue)["sentTotal"] == 1  # the bad ones stored nothing
+
+
+@pytest.mark.parametrize("junk", ["!!!!", "%25%25%25%25", "****", "%20%20%20%20", "====", ".~.~", "!"])
+def test_a_token_with_characters_outside_its_alphabet_is_400(api, queue, junk):
+    """base64 decoding skips characters it does not know (four of them leave the
+    padding right, whatever the token's length): the token's alphabet is checked first."""
+    api.send(queue, b"x")
+    tok = received(api, queue).h("Spooler-Lease-Token")
+    for action in ("renew", "ack", "nack"):
+        r = api.req("POST", f"/v1/leases/{q(tok[:20])}{junk}{q(tok[20:])}/{action}")
+        assert r.status == 400 and r.json()["kind"] == "invalid_argument", (action, r)
+    assert api.renew(tok).status == 200 and api.ack(tok).status == 204  # the lease itself is untouched
+
+
+def test_deleting_a_queue_ends_its_long_polls_at_once(api, shared_node, queue):
+    out = {}
+
+    def consumer():
+        t = time.monotonic()
+        out["resp"] = api.receive(queue, wait=20)
+        out["elapsed"] = time.monotonic() - t
+
+    def waiting() -> float:
+        for line in api.req("GET", "/metrics", key=None).body.decode().splitlines():
+            if line.startswith("spooler_receives_waiting "):
+                return float(line.split()[1])
+        raise AssertionError("no spooler_receives_waiting in /metrics")
+
+    before = waiting()
+    th = threading.Thread(target=consumer)
+    th.start()
+    try:
+        wait_until(lambda: waiting() > before, 10, what="the receive to wait")
+        t = time.monotonic()
+        assert api.req("DELETE", f"/v1/queues/{queue}").status == 204
+    finally:
+        th.join(25)
+    assert not th.is_alive()
+    r = out["resp"]
+    assert r.status == 404 and r.json()["kind"] == "queue_not_found", r
+    assert time.monotonic() - t < 10, "the long poll ran on to its deadline after its queue was deleted"
+
+
+def test_settings_a_window_never_rounds_to_off_and_an_integral_float_is_an_integer(api):
+    r = api.put_queue(new_name(), {"dedupWindowSeconds": 4e-7, "maxRetries": 2.0})
+    assert r.status == 201, r
+    s = r.json()["settings"]
+    assert s["dedupWindowSeconds"] > 0 and s["maxRetries"] == 2, s
+    assert api.put_queue(new_name(), {"maxRetries": 2.5}).status == 400
+
+
+def test_head_on_the_probes(api):
+    for path in ("/healthz", "/readyz", "/metrics"):
+        r = api.req("HEAD", path, key=None, check=False)
+        assert r.status == 200 and r.h("Spooler-Epoch") is not None and r.body == b"", (path, r)
+
+
+def test_create_key_refuses_unknown_fields(api):
+    r = api.req("POST", "/v1/keys", json.dumps({"queue": "qa", "scopes": ["send"], "scope": "admin"}).encode())
+    assert r.status == 400 and r.json()["kind"] == "invalid_argument", r
