@@ -2,6 +2,7 @@
 backoff delays, dead and retry --force, cancel (queued and running)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -229,3 +230,45 @@ def test_worker_sigterm_stops_running_job_and_requeues_it(spool, tmp_path):
     finally:
         if w.poll() is None:
             w.kill()
+
+
+# --- found by an outside audit (2026-11-30) ------------------------------------------
+
+def test_cancel_leaves_alone_a_process_group_that_took_over_the_attempts_id(spool):
+    """After a crash (or a reboot) the attempt's recorded group id may be another
+    program's: cancel signals the group only while a member carries the attempt's
+    token."""
+    import subprocess
+    import sys
+    job_id = spool.submit_direct("sleep", "300")
+    st = Store(spool.path)
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    spool.extra_pids.append(stranger.pid)
+    try:
+        w = WorkerIdentity("gone:1:test", 1, "gone", 5.0)
+        c = st.claim_next(w)
+        assert c.job_id == job_id
+        st.conn.execute("UPDATE jobs SET worker_host=NULL WHERE id=?", (job_id,))  # judged here, as local
+        st.conn.execute("UPDATE attempts SET pid=?, worker_host=NULL WHERE job_id=?", (stranger.pid, job_id))
+        job = spool.json("cancel", job_id)
+        assert job["state"] == "canceled"
+        assert stranger.poll() is None, "cancel killed a process group that was not the attempt's"
+    finally:
+        st.close()
+        stranger.kill()
+        stranger.wait(timeout=10)
+
+
+def test_an_output_file_that_cannot_be_made_fails_the_attempt_not_the_worker(spool):
+    bad = spool.submit_direct("true", max_retries=0)
+    good = spool.submit_direct("true")
+    os.makedirs(os.path.join(spool.path, "output"), exist_ok=True)
+    with open(os.path.join(spool.path, "output", bad), "w") as f:
+        f.write("a file where the attempt's directory should be")
+    r = spool.run("worker", "--drain", "--json", timeout_s=60)
+    assert json.loads(r.stdout).get("errors") in (None, []), r.stdout
+    assert spool.job(good)["state"] == "succeeded"
+    b = spool.job(bad)
+    assert b["state"] == "dead" and b["attempts"][0]["failure_reason"] == "spawn_failed", b
+    assert b["crash_count"] == 0

@@ -156,6 +156,8 @@ def test_test_knob_error_from_the_real_command(spool):
                                   ["worker", "--concurrency", "65"],
                                   ["list", "--state", "bogus"]])
 def test_bad_option_values_are_refused(spool, argv):
+    from spooler.jobs.store import Store
+    Store(spool.path).close()  # an empty spool, to show that nothing lands in it
     rc, out, err = cli_inprocess(["--spool", spool.path, *argv])
     assert rc != 0 and err
     rc, out, err = cli_inprocess(["--spool", spool.path, "list", "--json"])
@@ -197,3 +199,57 @@ def test_drain_progress_line_only_on_a_tty(spool):
         if slave is not None:
             os.close(slave)
         os.close(master)
+
+
+# --- found by an outside audit (2026-11-30) ---------------------------------------
+
+def test_a_missing_or_empty_spool_is_an_error_not_an_empty_spool(spool, tmp_path):
+    missing = str(tmp_path / "typo")
+    for cmd in (["status"], ["list"], ["output", "abc"], ["retry", "abc"], ["cancel", "abc"]):
+        r = subprocess.run([*spoolctl_argv(), "--spool", missing, *cmd, "--json"], env=spool.env,
+                           capture_output=True, cwd=str(tmp_path), timeout=60)
+        assert r.returncode == 1 and json.loads(r.stdout)["error"]["kind"] == "not_found", (cmd, r)
+        assert not os.path.exists(missing), cmd  # and nothing was made there
+    r = subprocess.run([*spoolctl_argv(), "--spool", "", "status", "--json"], env=spool.env,
+                       capture_output=True, cwd=str(tmp_path), timeout=60)
+    assert r.returncode == 1 and json.loads(r.stdout)["error"]["kind"] == "invalid_argument", r
+    # SPOOLCTL_DIR set but empty is as if unset: the default ./.spoolctl
+    r = subprocess.run([*spoolctl_argv(), "submit", "--", "true"], env={**spool.env, "SPOOLCTL_DIR": ""},
+                       capture_output=True, cwd=str(tmp_path), timeout=60)
+    assert r.returncode == 0 and (tmp_path / ".spoolctl" / "spool.db").exists(), r
+    assert not (tmp_path / "spool.db").exists()
+
+
+def test_environment_failures_are_clear_errors_without_a_traceback(spool, tmp_path):
+    import apsw
+    afile = tmp_path / "a-file"
+    afile.write_bytes(b"not a directory")
+    r = subprocess.run([*spoolctl_argv(), "--spool", str(afile), "submit", "--json", "--", "true"],
+                       env=spool.env, capture_output=True, cwd=str(tmp_path), timeout=60)
+    assert r.returncode == 1 and json.loads(r.stdout)["error"]["kind"] == "spool_unusable", r
+    assert b"Traceback" not in r.stderr and r.stderr.count(b"\n") == 1, r.stderr
+
+    job = spool.submit("true")
+    db = apsw.Connection(os.path.join(spool.path, "spool.db"))
+    try:
+        db.execute("BEGIN EXCLUSIVE")  # the spool's write lock, held by someone else
+        r = spool.run("retry", job, "--json", env={"SPOOLCTL_BUSY_TIMEOUT": "0.2"}, check=False)
+        assert r.returncode == 1 and json.loads(r.stdout)["error"]["kind"] == "unavailable", r
+        assert b"Traceback" not in r.stderr, r.stderr
+        db.execute("ROLLBACK")
+    finally:
+        db.close()
+
+    r = spool.run("submit", "--key", os.fsdecode(b"\xff"), "--json", "--", "true", check=False)
+    assert r.returncode == 1 and json.loads(r.stdout)["error"]["kind"] == "invalid_argument", r
+    assert b"Traceback" not in r.stderr, r.stderr
+    assert len(spool.json("list")["jobs"]) == 1  # nothing else was stored
+
+
+def test_retry_clears_the_jobs_failure_reason_and_keeps_the_attempts(spool):
+    job = spool.submit("false", opts=("--max-retries", "0"))
+    spool.run("worker", "--drain")
+    assert spool.job(job)["state"] == "dead" and spool.job(job)["failure_reason"] == "nonzero_exit"
+    j = spool.json("retry", job, "--force")
+    assert j["state"] == "queued" and j["failure_reason"] is None, j
+    assert j["attempts"][0]["failure_reason"] == "nonzero_exit"

@@ -275,3 +275,32 @@ def test_live_worker_is_not_reaped_while_running(spool, tmp_path):
             if w.poll() is None:
                 w.send_signal(signal.SIGTERM)
                 w.wait(timeout=15)
+
+
+# --- a pid taken over by another spoolctl process (found by an outside audit) ------
+
+def test_a_pid_reused_by_another_spoolctl_process_is_recycled_by_its_start_time(store, procs):
+    """A worker id carries its process's start time. A worker that died and whose
+    pid now belongs to another spoolctl process (a new worker in a restarted
+    container, say) passes the command-line check; the start time tells them apart."""
+    from spooler.jobs.store import process_start
+    job_id, _ = store.submit(["true"])
+    p = procs([sys.executable, "-c", "import time; time.sleep(60)", "spoolctl", "worker"])
+    wait_until(lambda: "spoolctl" in (reaper.read_cmdline(p.pid) or []), 5)
+    start = process_start(p.pid)
+    assert start is not None
+    # the same pid, the marker, and the start time of the process as it is: alive
+    assert reaper.liveness(p.pid, HOST, start=start) == reaper.ALIVE
+    # a worker that started at another time under this pid is not this process
+    w = WorkerIdentity(f"{HOST}:{p.pid}:test:{start - 1}", p.pid, HOST, 5.0)
+    store.claim_next(w, now=T0)
+    [r] = reaper.reap_pass(store, now=T0 + 31)
+    assert (r.verdict, r.new_state) == (reaper.RECYCLED, states.QUEUED)
+    assert store.get(job_id)["crash_count"] == 1
+
+
+def test_a_worker_id_names_its_start_time():
+    from spooler.jobs.store import process_start, start_of
+    w = WorkerIdentity.current(5.0)
+    assert start_of(w.worker_id) == process_start(os.getpid()) is not None
+    assert start_of(f"{HOST}:123:abcd1234") is None  # ids written before carry none

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _Parser(prog="spoolctl", description="Spooler client and job runner")
     p.add_argument("--version", action="version", version=f"spoolctl {__version__}")
-    p.add_argument("--spool", default=os.environ.get("SPOOLCTL_DIR", "./.spoolctl"),
+    p.add_argument("--spool", default=os.environ.get("SPOOLCTL_DIR") or "./.spoolctl",
                    help="job runner spool directory (env SPOOLCTL_DIR, default ./.spoolctl)")
     p.add_argument("--server", default=os.environ.get("SPOOLER_URL", "http://127.0.0.1:8080"),
                    help="Spooler HTTP URL (env SPOOLER_URL)")
@@ -70,6 +70,26 @@ def build_parser() -> argparse.ArgumentParser:
     spool.register(sub)
     jobs.register(sub)
     return p
+
+
+def environment_error(e: Exception):
+    """A failure of the machine rather than of spoolctl, as the error it is (None
+    for anything else): the spool's lock held too long, a spool that cannot be
+    used (not a directory, read-only, corrupt, disk full), text that is not UTF-8."""
+    from spooler.errors import InvalidArgument, Unavailable
+    from spooler.jobs.states import SpoolUnusable
+
+    apsw = sys.modules.get("apsw")
+    if apsw is not None and isinstance(e, apsw.BusyError):
+        return Unavailable("the spool is locked by another process for longer than the busy timeout "
+                           "(--busy-timeout, SPOOLCTL_BUSY_TIMEOUT); try again")
+    if apsw is not None and isinstance(e, apsw.Error):
+        return SpoolUnusable(f"the spool's database cannot be used: {type(e).__name__}: {e}")
+    if isinstance(e, UnicodeError):
+        return InvalidArgument(f"text that is not valid UTF-8 (an argument, a key, the working directory): {e}")
+    if isinstance(e, OSError):
+        return SpoolUnusable(f"{type(e).__name__}: {e}")
+    return None
 
 
 def main(argv=None) -> int:
@@ -98,10 +118,15 @@ def main(argv=None) -> int:
         except (OSError, ValueError, AttributeError):
             pass
         return 1
-    except Exception as e:  # noqa: BLE001 - a bug of ours: still one error, in the promised shape
-        traceback.print_exc()
+    except Exception as e:  # noqa: BLE001 - the machine's, or a bug of ours: one error, in the promised shape
+        known = environment_error(e)
+        if known is None:
+            traceback.print_exc()
+            known = SpoolerError(f"{type(e).__name__}: {e}")  # kind internal
         if as_json:
-            print(json.dumps({"error": {"kind": "internal", "message": f"{type(e).__name__}: {e}"}}), file=sys.stdout)
+            print(json.dumps({"error": known.to_dict()}), file=sys.stdout)
+        if known.kind != "internal":
+            print(f"spoolctl: {known.kind}: {known.message}", file=sys.stderr)
         return 1
     return int(rc or 0)
 

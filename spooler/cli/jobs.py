@@ -22,11 +22,15 @@ def _settings(args, **kw) -> knobs.Settings:
     return knobs.load(busy_timeout_s=getattr(args, "busy_timeout", None), **kw)
 
 
-def _store(args, settings=None):
+def _store(args, settings=None, create: bool = False):
+    """``create``: only submit and worker make a spool; the other commands find
+    a missing one ``not_found``."""
     from spooler.jobs.store import Store
 
+    if not args.spool:
+        raise InvalidArgument("--spool (or SPOOLCTL_DIR) is empty: name the spool directory")
     settings = settings or _settings(args)
-    return Store(args.spool, settings.busy_timeout_s)
+    return Store(args.spool, settings.busy_timeout_s, create=create)
 
 
 def _nonneg_int(s: str) -> int:
@@ -94,7 +98,7 @@ def cmd_submit(args) -> int:
                             args.max_retries, args.max_crashes, args.timeout, args.idem_key, os.getcwd())
         emit(args, job, job["id"])
         return 0
-    store = _store(args)
+    store = _store(args, create=True)
     try:
         job_id, dup = store.submit(command, args.priority, args.max_retries, args.max_crashes, args.timeout,
                                    args.idem_key, cwd=os.getcwd())
@@ -205,14 +209,20 @@ def cmd_cancel(args) -> int:
 
     store = _store(args)
     try:
-        prev, pid, host = store.cancel(args.job)
+        prev, pid, host, token = store.cancel(args.job)
         if prev == states.RUNNING and pid:
             import socket
 
             if host in (None, socket.gethostname()):
                 # the owning worker notices at its next heartbeat too; killing here
-                # stops it now. The group is the job's (pid = pgid, new session).
-                executor.kill_group(pid, None)
+                # stops it now. The group is the job's (pid = pgid, new session) only
+                # while a member carries the attempt's token: after a crash or a
+                # reboot the id may be another program's group, which is left alone
+                # (a stray process of the attempt is still found by its token).
+                if executor.group_carries(pid, token) is not False:
+                    executor.kill_group(pid, None)
+                else:
+                    executor.kill_orphans(None, token)
             store.close_canceled_attempt(args.job)
         job = store.get(args.job)
     finally:

@@ -84,6 +84,30 @@ def kill_orphans(pgid: Optional[int], token: str) -> int:
     return killed
 
 
+def group_carries(pgid: int, token: str) -> Optional[bool]:
+    """Whether a live member of ``pgid`` carries ``SPOOLCTL_ATTEMPT_TOKEN=token``:
+    that the group is still the attempt's and not a later one that reused its id.
+    None where there is no /proc to tell."""
+    if not os.path.isdir("/proc"):
+        return None
+    needle = f"{ATTEMPT_ENV}={token}".encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            rest = stat[stat.rfind(b")") + 2:].split()
+            if len(rest) < 3 or rest[0] == b"Z" or int(rest[2]) != pgid:
+                continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
 def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -132,8 +156,8 @@ def run(argv: list, stdout_path: str, stderr_path: str, timeout_s: Optional[floa
         grace_s: float = knobs.TERM_GRACE_S) -> Result:
     """Run ``argv`` to completion. ``should_stop`` returns a failure reason
     (canceled, worker_stopped, lease_lost) when the worker wants it killed."""
-    os.makedirs(os.path.dirname(stdout_path), exist_ok=True)
-    try:
+    try:  # an output file that cannot be made is this attempt's spawn failure, not the worker's
+        os.makedirs(os.path.dirname(stdout_path), exist_ok=True)
         with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=cwd, env=env,
                                     start_new_session=True, close_fds=True)

@@ -5,8 +5,11 @@ Its worker's PID is then checked (the order matters and is the contract):
 
 * ``os.kill(pid, 0)`` raises ProcessLookupError -> dead
 * ``os.kill(pid, 0)`` raises PermissionError    -> inconclusive, treated as alive
-* it succeeds -> the process exists; if its command line does not carry the
-  spoolctl marker the PID was recycled by an unrelated process -> dead
+* it succeeds -> the process exists; if it started at another time than the
+  worker did (the start time is part of the worker id), or its command line does
+  not carry the spoolctl marker, the PID was recycled by another process -> dead.
+  The start time is what catches a PID taken over by another spoolctl process,
+  such as a new worker in a restarted container.
 
 The marker: an argv element containing ``spoolctl`` (the console script), or
 ``-m`` followed by ``spooler`` / ``spooler.<anything>`` (``python -m spooler``).
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from spooler.jobs import executor
-from spooler.jobs.store import Store
+from spooler.jobs.store import Store, process_start, start_of
 
 DEAD, ALIVE, RECYCLED, INCONCLUSIVE = "dead", "alive", "recycled", "inconclusive"
 
@@ -64,8 +67,10 @@ def read_cmdline(pid: int) -> Optional[list]:
 
 
 def liveness(pid: Optional[int], host: Optional[str] = None, *, my_host: Optional[str] = None,
-             kill: Callable = os.kill, cmdline: Callable = read_cmdline) -> str:
-    """DEAD / RECYCLED mean reapable; ALIVE / INCONCLUSIVE mean leave it alone."""
+             kill: Callable = os.kill, cmdline: Callable = read_cmdline, start: Optional[int] = None,
+             started: Callable = process_start) -> str:
+    """DEAD / RECYCLED mean reapable; ALIVE / INCONCLUSIVE mean leave it alone.
+    ``start``: when the worker's process started (None: not recorded)."""
     my_host = socket.gethostname() if my_host is None else my_host
     if host is not None and host != my_host:
         return INCONCLUSIVE
@@ -77,6 +82,10 @@ def liveness(pid: Optional[int], host: Optional[str] = None, *, my_host: Optiona
         return DEAD
     except PermissionError:
         return INCONCLUSIVE
+    if start is not None:
+        now_start = started(pid)
+        if now_start is not None and now_start != start:
+            return RECYCLED
     argv = cmdline(pid)
     if argv is None:
         # vanished between the two checks (dead), or unreadable (inconclusive)
@@ -104,7 +113,8 @@ def reap_pass(store: Store, threshold_override_s: Optional[float] = None, now: O
     results = []
     now_s = time.time() if now is None else now
     for cand in store.reap_candidates(now_s, threshold_override_s, limit):
-        verdict = liveness(cand.worker_pid, cand.worker_host, my_host=my_host, kill=kill, cmdline=cmdline)
+        verdict = liveness(cand.worker_pid, cand.worker_host, my_host=my_host, kill=kill, cmdline=cmdline,
+                           start=start_of(cand.worker_id))
         if verdict in (ALIVE, INCONCLUSIVE):
             results.append(ReapResult(cand.job_id, verdict, None))
             continue

@@ -56,6 +56,13 @@ class JobStateConflict(SpoolerError):
     kind, http_status = "failed_precondition", 409
 
 
+class SpoolUnusable(SpoolerError):
+    """The spool directory or its database cannot be used: not a directory,
+    read-only, corrupt, the disk full. An extension kind of the job runner."""
+
+    kind = "spool_unusable"
+
+
 def transition(state: str, event: str) -> str:
     to = TRANSITIONS.get((event, state))
     if to is None:

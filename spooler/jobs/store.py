@@ -90,7 +90,28 @@ class WorkerIdentity:
     def current(cls, heartbeat_interval_s: float) -> "WorkerIdentity":
         host = socket.gethostname()
         pid = os.getpid()
-        return cls(f"{host}:{pid}:{uuid.uuid4().hex[:8]}", pid, host, heartbeat_interval_s)
+        # the start time tells this process from a later one given the same pid
+        # (reaper.liveness); "host:pid:random[:start]"
+        start = process_start(pid)
+        wid = f"{host}:{pid}:{uuid.uuid4().hex[:8]}" + ("" if start is None else f":{start}")
+        return cls(wid, pid, host, heartbeat_interval_s)
+
+
+def process_start(pid: int) -> Optional[int]:
+    """When ``pid`` started, in clock ticks since boot (/proc/PID/stat field 22);
+    None where there is no /proc or the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rfind(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def start_of(worker_id: Optional[str]) -> Optional[int]:
+    """The start time a worker id carries (ids written before it carry none)."""
+    parts = (worker_id or "").split(":")
+    return int(parts[3]) if len(parts) == 4 and parts[3].isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -146,11 +167,16 @@ def validate_job_options(priority: int, max_retries: int, max_crashes: Optional[
 
 
 class Store:
-    def __init__(self, spool_dir: str, busy_timeout_s: float = knobs.DEFAULT_BUSY_TIMEOUT_S):
+    def __init__(self, spool_dir: str, busy_timeout_s: float = knobs.DEFAULT_BUSY_TIMEOUT_S, create: bool = True):
+        """``create``: make the spool if it is not there (submit, worker); without
+        it a missing spool is ``not_found``, so a mistyped ``--spool`` is not
+        mistaken for an empty spool."""
         self.spool_dir = os.path.abspath(spool_dir)
         self.output_dir = os.path.join(self.spool_dir, OUTPUT_DIR)
-        os.makedirs(self.output_dir, exist_ok=True)
         self.path = os.path.join(self.spool_dir, DB_NAME)
+        if not create and not os.path.isfile(self.path):
+            raise NotFound(f"no spool at {self.spool_dir} (no {DB_NAME} there)")
+        os.makedirs(self.output_dir, exist_ok=True)
         self.conn = apsw.Connection(self.path)
         self.busy_timeout_s = busy_timeout_s
         self._busy_since = 0.0
@@ -361,7 +387,8 @@ class Store:
 
     # --- operator commands ------------------------------------------------
     def cancel(self, job_id: str, now: Optional[float] = None) -> tuple:
-        """Returns (previous state, pid of the running attempt's process group or None, its host)."""
+        """Returns (previous state, pid of the running attempt's process group or None, its host,
+        the attempt's token: "<job id>:<n>", as in its processes' environment)."""
         now = time.time() if now is None else now
         with self.immediate() as c:
             row = self._one("SELECT state, attempt_count, worker_host, backend FROM jobs WHERE id=?", (job_id,))
@@ -380,7 +407,7 @@ class Store:
                 c.execute("UPDATE jobs SET state=?, failure_reason=?, updated_at=?, worker_id=NULL,"
                           " worker_pid=NULL, heartbeat_at=NULL WHERE id=?",
                           (to, states.CANCELED_REASON, now, job_id))
-        return state, pid, host
+        return state, pid, host, f"{job_id}:{n}"
 
     def close_canceled_attempt(self, job_id: str, now: Optional[float] = None) -> None:
         """After cancel killed a running attempt: close it if its worker has not (e.g. it is gone)."""
@@ -403,10 +430,10 @@ class Store:
                     f"job {job_id} belongs to a Spooler queue; redrive its failure queue instead")
             to = states.transition(state, "retry_force" if force else "retry")
             if force:
-                c.execute("UPDATE jobs SET state=?, run_after=?, updated_at=?, failure_count=0, crash_count=0"
-                          " WHERE id=?", (to, now, now, job_id))
-            else:
-                c.execute("UPDATE jobs SET state=?, run_after=?, updated_at=? WHERE id=?",
+                c.execute("UPDATE jobs SET state=?, run_after=?, updated_at=?, failure_count=0, crash_count=0,"
+                          " failure_reason=NULL WHERE id=?", (to, now, now, job_id))
+            else:  # the job's reason is its latest outcome's; its attempts keep theirs
+                c.execute("UPDATE jobs SET state=?, run_after=?, updated_at=?, failure_reason=NULL WHERE id=?",
                           (to, now, now, job_id))
             return to
 
