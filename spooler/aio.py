@@ -270,6 +270,12 @@ class AsyncClient(Nodes):
                 self._next_target(ch)
             raise err from None
 
+    async def _retried(self, method: str, req, *, write: bool):
+        """A queue, key or cluster call: tried again after ``unavailable`` (known
+        not accepted, so always safe), each time on the node the client uses then."""
+        return await call_with_retries(lambda: self._call(getattr(self.stub, method), req, write=write),
+                                       self.retry_attempts)
+
     async def _pipe(self, which: str, rpc, req, *, write: bool, timeout_s: Optional[float] = None):
         """On the Session stream when the node has it, else the unary ``rpc``."""
         t = timeout_s or self.timeout_s
@@ -282,22 +288,22 @@ class AsyncClient(Nodes):
 
     # ------------------------------------------------------------- queues
     async def put_queue(self, name: str, **settings) -> dict:
-        r = await self._call(self.stub.PutQueue, api_pb2.PutQueueRequest(name=name, settings=settings_pb(settings)),
+        r = await self._retried("PutQueue", api_pb2.PutQueueRequest(name=name, settings=settings_pb(settings)),
                              write=True)
         return {**queue_dict(r.queue), "created": r.created}
 
     async def get_queue(self, name: str) -> dict:
-        return queue_dict(await self._call(self.stub.GetQueue, api_pb2.QueueRequest(name=name), write=False))
+        return queue_dict(await self._retried("GetQueue", api_pb2.QueueRequest(name=name), write=False))
 
     async def list_queues(self) -> list:
-        r = await self._call(self.stub.ListQueues, api_pb2.ListQueuesRequest(), write=False)
+        r = await self._retried("ListQueues", api_pb2.ListQueuesRequest(), write=False)
         return [queue_dict(q) for q in r.queues]
 
     async def delete_queue(self, name: str) -> None:
-        await self._call(self.stub.DeleteQueue, api_pb2.QueueRequest(name=name), write=True)
+        await self._retried("DeleteQueue", api_pb2.QueueRequest(name=name), write=True)
 
     async def redrive(self, name: str) -> int:
-        return (await self._call(self.stub.Redrive, api_pb2.QueueRequest(name=name), write=True)).moved
+        return (await self._retried("Redrive", api_pb2.QueueRequest(name=name), write=True)).moved
 
     # ----------------------------------------------------------- sending
     async def send(self, queue: str, body: bytes, *, delay_s: float = 0.0, dedup_key: str = "") -> SendResult:
@@ -336,7 +342,7 @@ class AsyncClient(Nodes):
         """Does ``queue`` deduplicate? A read, retried while the cluster is between
         primaries; if it cannot be known, no (the caller then does not resend)."""
         try:
-            q = await call_with_retries(lambda: self.get_queue(queue), self.retry_attempts)
+            q = await self.get_queue(queue)  # retried after unavailable
             return q["settings"]["dedupWindowSeconds"] > 0
         except errors.SpoolerError:
             return False
@@ -552,8 +558,8 @@ class AsyncClient(Nodes):
 
     # ----------------------------------------------------------- cluster
     async def cluster(self) -> api_pb2.ClusterInfo:
-        return await self._call(self.stub.GetCluster, api_pb2.Empty(), write=False)
+        return await self._retried("GetCluster", api_pb2.Empty(), write=False)
 
     async def create_key(self, queue: str = "*", scopes=("send", "receive")) -> api_pb2.KeyInfo:
-        return await self._call(self.stub.CreateKey, api_pb2.CreateKeyRequest(queue=queue, scopes=list(scopes)),
+        return await self._retried("CreateKey", api_pb2.CreateKeyRequest(queue=queue, scopes=list(scopes)),
                                 write=True)

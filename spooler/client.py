@@ -79,6 +79,11 @@ class Client(Nodes):
         except grpc.RpcError as e:
             raise self._failed(e, write, ch) from None
 
+    def _retried(self, method: str, req, *, write: bool):
+        """As AsyncClient._retried."""
+        return call_with_retries_sync(lambda: self._call(getattr(self.stub, method), req, write=write),
+                                      self.retry_attempts)
+
     def _failed(self, e: grpc.RpcError, write: bool, ch) -> errors.SpoolerError:
         """The SpoolerError for a failed call on channel ``ch``; moves on to the next
         node when that one was unreachable or did not answer in time."""
@@ -89,22 +94,22 @@ class Client(Nodes):
 
     # ------------------------------------------------------------- queues
     def put_queue(self, name: str, **settings) -> dict:
-        r = self._call(self.stub.PutQueue, api_pb2.PutQueueRequest(name=name, settings=settings_pb(settings)),
+        r = self._retried("PutQueue", api_pb2.PutQueueRequest(name=name, settings=settings_pb(settings)),
                        write=True)
         return {**queue_dict(r.queue), "created": r.created}
 
     def get_queue(self, name: str) -> dict:
-        return queue_dict(self._call(self.stub.GetQueue, api_pb2.QueueRequest(name=name), write=False))
+        return queue_dict(self._retried("GetQueue", api_pb2.QueueRequest(name=name), write=False))
 
     def list_queues(self) -> list:
-        return [queue_dict(q) for q in self._call(self.stub.ListQueues, api_pb2.ListQueuesRequest(),
+        return [queue_dict(q) for q in self._retried("ListQueues", api_pb2.ListQueuesRequest(),
                                                   write=False).queues]
 
     def delete_queue(self, name: str) -> None:
-        self._call(self.stub.DeleteQueue, api_pb2.QueueRequest(name=name), write=True)
+        self._retried("DeleteQueue", api_pb2.QueueRequest(name=name), write=True)
 
     def redrive(self, name: str) -> int:
-        return self._call(self.stub.Redrive, api_pb2.QueueRequest(name=name), write=True).moved
+        return self._retried("Redrive", api_pb2.QueueRequest(name=name), write=True).moved
 
     # ----------------------------------------------------------- sending
     def send(self, queue: str, body: bytes, *, delay_s: float = 0.0, dedup_key: str = "") -> SendResult:
@@ -129,7 +134,7 @@ class Client(Nodes):
     def _dedups(self, queue: str) -> bool:
         """As AsyncClient._dedups."""
         try:
-            q = call_with_retries_sync(lambda: self.get_queue(queue), self.retry_attempts)
+            q = self.get_queue(queue)  # retried after unavailable
             return q["settings"]["dedupWindowSeconds"] > 0
         except errors.SpoolerError:
             return False
@@ -320,7 +325,7 @@ class Client(Nodes):
 
     # ----------------------------------------------------------- cluster
     def cluster(self) -> api_pb2.ClusterInfo:
-        return self._call(self.stub.GetCluster, api_pb2.Empty(), write=False)
+        return self._retried("GetCluster", api_pb2.Empty(), write=False)
 
     def create_key(self, queue: str = "*", scopes=("send", "receive")) -> api_pb2.KeyInfo:
-        return self._call(self.stub.CreateKey, api_pb2.CreateKeyRequest(queue=queue, scopes=list(scopes)), write=True)
+        return self._retried("CreateKey", api_pb2.CreateKeyRequest(queue=queue, scopes=list(scopes)), write=True)

@@ -352,3 +352,20 @@ def test_sync_consume_returns_soon_after_stop_during_a_long_poll(node):
         c.send("sidle", b"after")
         got = c.receive("sidle", wait_s=5)  # no poll left waiting on the node to take it first
         assert [m.body for m in got] == [b"after"]
+
+
+def test_queue_calls_are_retried_on_the_next_node_after_unavailable(node):
+    """The first node in the list is down: a queue call (read or write) that finds
+    it unavailable goes to the next node instead of failing (known not accepted,
+    so a repeat is safe)."""
+    with Client(f"{DEAD},{node.grpc_target}", node.admin_key, timeout_s=5) as c:
+        assert c.put_queue("rq")["name"] == "rq"
+    with Client(f"{DEAD},{node.grpc_target}", node.admin_key, timeout_s=5) as c:
+        assert c.get_queue("rq")["name"] == "rq"
+
+    async def main():
+        async with AsyncClient(f"{DEAD},{node.grpc_target}", node.admin_key, timeout_s=5) as c:
+            assert [q["name"] for q in await c.list_queues()] == ["rq"]
+        async with AsyncClient(f"{DEAD},{node.grpc_target}", node.admin_key, timeout_s=5) as c:
+            assert (await c.get_queue("rq"))["name"] == "rq"
+    asyncio.run(main())
