@@ -126,6 +126,11 @@ def ratios(spooler: dict, peers: dict) -> dict:
         for fig, v in mine.items():
             if fig in theirs and theirs[fig]:
                 r[fig] = round(v / theirs[fig], 3)
+        # the peers' consumers do not wait for their acks' answers: set our pipelined
+        # figure (acks confirmed, but overlapped with the next receive) beside theirs
+        if mine.get("receive_ack_pipelined_per_s") and theirs.get("receive_ack_per_s"):
+            r["receive_ack_pipelined_vs_their_receive_ack"] = round(
+                mine["receive_ack_pipelined_per_s"] / theirs["receive_ack_per_s"], 3)
         if r:
             out[name] = r
     return out

@@ -16,6 +16,11 @@ Figures (each measured ``repeats`` times, each time in a fresh queue on the same
 * ``receive_ack_per_s``: a queue holding ``n`` messages (filled untimed) is drained by
   ``receive(max_messages=100)`` followed by one ``settle_batch`` acking those messages, one
   round trip at a time, until all ``n`` are acked.
+* ``receive_ack_pipelined_per_s``: the same, except that the next receive goes out while
+  the previous batch's acks are on their way (at most one ``settle_batch`` unanswered; the
+  clock stops when the last one is answered). Extra figure: the shape of the peers'
+  consumers, whose acks are sent without waiting for an answer; the target is judged on
+  ``receive_ack_per_s``.
 
 Every answer to a send or an ack means the record is fsync'd (the node's store commits with
 synchronous=FULL); there is no switch to turn that off.
@@ -40,7 +45,7 @@ from nodeproc import NodeProc  # noqa: E402  (tests/nodeproc.py)
 BODY = b"x" * 256
 FIGURES = ("send_sequential_per_s", "send_sequential_p50_ms", "send_sequential_p99_ms",
            "send_64_in_flight_per_s", "send_batch_100_per_s", "send_batch_100_4_in_flight_per_s",
-           "receive_ack_per_s")
+           "receive_ack_per_s", "receive_ack_pipelined_per_s")
 PHASE_TIMEOUT_S = 120.0
 
 
@@ -101,20 +106,28 @@ async def _batched(c, q, n_batches, size=100, depth=1):
     return {key: round(n_batches * size / dt)}
 
 
-async def _receive_ack(c, q, n):
+async def _receive_ack(c, q, n, pipelined=False):
     for i in range(0, n, 1000):  # fill, untimed
         await c.send_batch(q, [BODY] * min(1000, n - i))
     got = errors = 0
+    acks = None  # pipelined: the settle_batch still on its way
     t = time.perf_counter()
     while got < n:
         msgs = await c.receive(q, wait_s=1, max_messages=100)
         if not msgs:
             continue
-        res = await c.settle_batch([(m.token, "ack", 0) for m in msgs])
-        errors += sum(1 for r in res if isinstance(r, Exception))
+        if acks is not None:
+            errors += sum(1 for r in await acks if isinstance(r, Exception))
+        acks = asyncio.ensure_future(c.settle_batch([(m.token, "ack", 0) for m in msgs]))
+        if not pipelined:
+            errors += sum(1 for r in await acks if isinstance(r, Exception))
+            acks = None
         got += len(msgs)
+    if acks is not None:
+        errors += sum(1 for r in await acks if isinstance(r, Exception))
     dt = time.perf_counter() - t
-    return {"receive_ack_per_s": round(got / dt)}, {"ack_errors": errors}
+    key = "receive_ack_pipelined_per_s" if pipelined else "receive_ack_per_s"
+    return {key: round(got / dt)}, {"ack_errors": errors}
 
 
 def _node_cpu_s(pid: int) -> float:
@@ -173,7 +186,7 @@ async def _workload(node, n, n_seq, n_batches, repeats, log, samples, extra, pro
 
     async with AsyncClient(target, key) as c:
         for r in range(1, repeats + 1):
-            names = {k: f"bench-{k}-{r}" for k in ("seq", "inflight", "batch", "batch4", "recv")}
+            names = {k: f"bench-{k}-{r}" for k in ("seq", "inflight", "batch", "batch4", "recv", "recvp")}
             for name in names.values():
                 await c.put_queue(name)
             phases = [
@@ -182,6 +195,7 @@ async def _workload(node, n, n_seq, n_batches, repeats, log, samples, extra, pro
                 ("batch_100", lambda: _batched(c, names["batch"], n_batches)),
                 ("batch_100_4_in_flight", lambda: _batched(c, names["batch4"], n_batches, depth=4)),
                 ("receive_ack", lambda: _receive_ack(c, names["recv"], n)),
+                ("receive_ack_pipelined", lambda: _receive_ack(c, names["recvp"], n, pipelined=True)),
             ]
             for phase_name, phase in phases:
                 try:
