@@ -126,6 +126,7 @@ class Engine:
         self._wake: Optional[asyncio.Event] = None
         self._events: dict[str, asyncio.Event] = {}
         self.receives_waiting = 0  # long polls waiting here now (a gauge in /metrics)
+        self.stopping = False  # a graceful stop began (Service.shut_down): serve nothing new
         self._tasks: list = []
         self.crc = 0                      # checksum after the last appended record
         self.applied_crc = 0              # checksum after the last applied record
@@ -472,8 +473,15 @@ class Engine:
         log.info("node %s serving as primary in epoch %d", self.node_id, self.core.epoch)
 
     def serving(self) -> bool:
-        """Primary, its epoch open, and a majority heard from within the failover timeout."""
-        return self.ready and self.role == "primary" and self.repl.serving()
+        """Primary, its epoch open, and a majority heard from within the failover
+        timeout; not shutting down."""
+        return self.ready and not self.stopping and self.role == "primary" and self.repl.serving()
+
+    def clients_ready(self) -> bool:
+        """/readyz and the gRPC health status: this node can serve clients (it is
+        the primary, or it follows a primary it heard from), its store works, and
+        it is not stopping."""
+        return self.failed is None and not self.stopping and (self.role == "primary" or self.primary_id is not None)
 
     def may_lease(self) -> bool:
         return self.serving() and self.repl.may_lease()
@@ -514,6 +522,11 @@ class Engine:
             if ev is not None:
                 ev.set()
         woken.clear()
+
+    def wake_all_receivers(self) -> None:
+        for ev in self._events.values():
+            ev.set()
+        self._events.clear()
 
     def queue_event(self, queue: str) -> asyncio.Event:
         ev = self._events.get(queue)

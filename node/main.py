@@ -143,7 +143,7 @@ async def serve(args) -> int:
     engine.grpc_address = f"{ghost}:{gport}"
     await server.start()  # first: peers must reach us for votes while we start
     await engine.start()
-    await grpc_api.set_serving(health_servicer, True)
+    health = asyncio.ensure_future(grpc_api.follow_readiness(health_servicer, engine))
 
     app = build_app(svc, metrics)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -160,7 +160,9 @@ async def serve(args) -> int:
                       "epoch": engine.epoch}), flush=True)
     await stop.wait()
     log.info("stopping")
+    health.cancel()
     await grpc_api.set_serving(health_servicer, False)
+    svc.shut_down()  # calls in progress end as unavailable (with their kind), not cancelled
     await server.stop(grace=1.0)
     await runner.cleanup()
     await engine.stop()

@@ -6,7 +6,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Optional
+from typing import Callable, Optional
 
 import grpc
 import tenacity
@@ -14,12 +14,18 @@ import tenacity
 from spooler import errors
 from spooler.pb import api_pb2
 
+# gRPC's message size limit, on both sides. A body (or a send_batch) that cannot
+# fit in one is refused here, as message_too_large: gRPC would refuse to send it,
+# and on a Session that would break the stream under every call riding it.
+MESSAGE_BYTES_MAX = 16 * 1024 * 1024
+BODIES_BYTES_MAX = MESSAGE_BYTES_MAX - 64 * 1024  # room for the rest of the request
+
 GRPC_OPTIONS = [
     # one Session stream carries many batches at once: let it have more than
     # HTTP/2's default 64 KiB in flight before flow control stalls it
     ("grpc.http2.lookahead_bytes", 8 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+    ("grpc.max_receive_message_length", MESSAGE_BYTES_MAX),
+    ("grpc.max_send_message_length", MESSAGE_BYTES_MAX),
     # must agree with the node's keepalive policy (node/api/grpc_api.py)
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -100,9 +106,9 @@ def map_rpc_error(e: grpc.RpcError, write: bool = False) -> errors.SpoolerError:
     return err
 
 
-# gRPC codes after which a client tries its next node: none reachable, or no
-# answer in time (a hung node must not pin the client)
-MOVE_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# gRPC codes after which a client tries its next node: none reachable, no answer
+# in time (a hung node must not pin the client), or the node ended the call
+MOVE_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
 def never_sent(e: grpc.RpcError) -> bool:
@@ -133,7 +139,8 @@ def retry_wait_s(retry: int) -> float:
     return min(RETRY_WAIT_MAX_S, RETRY_FIRST_WAIT_S * 2 ** (retry - 1))
 
 
-def _policy(attempts: int, *, send_with_key: bool = False, settle: bool = False) -> dict:
+def _policy(attempts: int, *, send_with_key: bool = False, settle: bool = False,
+            stop_when: Optional[Callable[[], bool]] = None) -> dict:
     """When a call may be retried (never silently for an unkeyed unconfirmed send).
 
     * any call: ``unavailable`` from a node (known not accepted);
@@ -145,26 +152,41 @@ def _policy(attempts: int, *, send_with_key: bool = False, settle: bool = False)
     ``attempts`` retries, each after its wait; the caller made the first attempt and
     waited ``retry_wait_s(1)`` before handing over (tenacity waits only between its
     own attempts)."""
-    return dict(stop=tenacity.stop_after_attempt(attempts),
+    stop = tenacity.stop_after_attempt(attempts)
+    if stop_when is not None:  # e.g. the client was closed: the last error stands
+        stop = stop | tenacity.stop_when_event_set(_Flag(stop_when))
+    return dict(stop=stop,
                 wait=lambda rs: retry_wait_s(rs.attempt_number + 1),
                 retry=tenacity.retry_if_exception(lambda e: retryable(e, send_with_key=send_with_key, settle=settle)),
                 reraise=True)
 
 
-async def call_with_retries(fn, attempts: int, *, first_failed: bool = False, **kw):
+class _Flag:
+    """A predicate dressed as the event tenacity's stop_when_event_set reads."""
+
+    def __init__(self, fn):
+        self.is_set = fn
+
+
+async def call_with_retries(fn, attempts: int, *, first_failed: bool = False,
+                            stop_when: Optional[Callable[[], bool]] = None, **kw):
     """``attempts`` in all (at least 1), the first without any retry machinery (the
     hot path); tenacity only once a retry-safe failure happened. ``first_failed``:
     the caller's own first attempt already failed retry-safely; all ``attempts``
-    here are retries."""
+    here are retries. ``stop_when``: no further attempt once it says so (the
+    client closed); the last error is raised."""
     if not first_failed:
         try:
             return await fn()
         except errors.SpoolerError as e:
-            if attempts <= 1 or not retryable(e, **kw):
+            if attempts <= 1 or not retryable(e, **kw) or (stop_when is not None and stop_when()):
                 raise
+            first = e
         attempts -= 1
     await asyncio.sleep(retry_wait_s(1))
-    async for attempt in tenacity.AsyncRetrying(**_policy(attempts, **kw)):
+    if stop_when is not None and stop_when() and not first_failed:
+        raise first
+    async for attempt in tenacity.AsyncRetrying(**_policy(attempts, stop_when=stop_when, **kw)):
         with attempt:
             return await fn()
 
@@ -239,6 +261,19 @@ def check_send_types(queue, body, delay_s, dedup_key) -> None:
         raise TypeError(f"delay_s must be a number, not {type(delay_s).__name__}")
     if not isinstance(dedup_key, str):
         raise TypeError(f"dedup_key must be a str, not {type(dedup_key).__name__}")
+    if len(body) > BODIES_BYTES_MAX:
+        raise errors.MessageTooLarge(f"message of {len(body)} bytes; no node takes more than {BODIES_BYTES_MAX}")
+
+
+def check_batch(queue, bodies, delay_s) -> None:
+    """A send_batch's arguments, before anything is sent."""
+    if not bodies:
+        raise errors.InvalidArgument("nothing to send: a batch needs at least one body")
+    for b in bodies:
+        check_send_types(queue, b, delay_s, "")
+    total = sum(map(len, bodies))
+    if total > BODIES_BYTES_MAX:
+        raise errors.MessageTooLarge(f"batch of {total} bytes; one request carries at most {BODIES_BYTES_MAX}")
 
 
 def batch_request(sends: list, compact: bool = True) -> api_pb2.SendBatchRequest:

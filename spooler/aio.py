@@ -20,7 +20,7 @@ from typing import Awaitable, Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (MOVE_ON, Nodes, Message, keep_renewing_after, batch_size, check_send_types, SendResult, auth_metadata, batch_request, batch_results, call_with_retries,
+from spooler._common import (MOVE_ON, Nodes, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, auth_metadata, batch_request, batch_results, call_with_retries,
                              _has_detail, is_batch_entry_error, map_rpc_error, message_of, never_sent, queue_dict, renew_delay_s, send_outcomes,
                              settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request)
@@ -239,6 +239,10 @@ class AsyncClient(Nodes):
         self._closed = False
         self._closing = False
 
+    def _gone(self) -> bool:
+        """close() began: a failed call is not tried again (its channel is closing)."""
+        return self._closing
+
     async def close(self) -> None:
         """Sends already handed to the client still go out (within its timeout);
         then the channels close."""
@@ -274,7 +278,7 @@ class AsyncClient(Nodes):
         """A queue, key or cluster call: tried again after ``unavailable`` (known
         not accepted, so always safe), each time on the node the client uses then."""
         return await call_with_retries(lambda: self._call(getattr(self.stub, method), req, write=write),
-                                       self.retry_attempts)
+                                       self.retry_attempts, stop_when=self._gone)
 
     async def _pipe(self, which: str, rpc, req, *, write: bool, timeout_s: Optional[float] = None):
         """On the Session stream when the node has it, else the unary ``rpc``."""
@@ -394,8 +398,12 @@ class AsyncClient(Nodes):
                 fut.set_result(res)
 
     async def send_batch(self, queue: str, bodies: list, *, delay_s: float = 0.0) -> list:
-        """One RPC, one log record: all stored or none."""
-        return batch_results(await self._send_request([(queue, b, delay_s, "") for b in bodies]))
+        """One RPC, one log record: all stored or none. Tried again after
+        ``unavailable`` only (known not stored)."""
+        check_batch(queue, bodies, delay_s)
+        sends = [(queue, b, delay_s, "") for b in bodies]
+        return batch_results(await call_with_retries(lambda: self._send_request(sends), self.retry_attempts,
+                                                     stop_when=self._gone))
 
     async def _send_request(self, sends: list) -> api_pb2.SendBatchResponse:
         """One send batch: on the Session in the compact form when it fits, else
@@ -410,6 +418,12 @@ class AsyncClient(Nodes):
 
     # --------------------------------------------------------- receiving
     async def receive(self, queue: str, *, wait_s: float = 0.0, max_messages: int = 1) -> list:
+        """Tried again after ``unavailable`` (each attempt a receive of its own name:
+        one that may have leased something is given back first)."""
+        return await call_with_retries(lambda: self._receive_once(queue, wait_s, max_messages), self.retry_attempts,
+                                       stop_when=self._gone)
+
+    async def _receive_once(self, queue: str, wait_s: float, max_messages: int) -> list:
         req = receive_request(queue, wait_s, max_messages)
         try:
             r = await self._pipe("receive", self.stub.ReceiveBatch, req, write=False,
@@ -484,7 +498,9 @@ class AsyncClient(Nodes):
         """items: [(token, "ack"|"nack"|"renew", delay_s)] -> per item None / expiresAt / SpoolerError."""
         req = api_pb2.SettleBatchRequest(items=[api_pb2.SettleBatchRequest.Item(
             token=t, action=_ACTIONS[a], delay_seconds=d) for t, a, d in items])
-        r = await self._pipe("settle_batch", self.stub.SettleBatch, req, write=True)
+        # after unavailable only: the per-item answers are final
+        r = await call_with_retries(lambda: self._pipe("settle_batch", self.stub.SettleBatch, req, write=True),
+                                    self.retry_attempts, stop_when=self._gone)
         return [errors.from_detail(x.error) if x.HasField("error") else (x.expires_at or None) for x in r.results]
 
     # --------------------------------------------------------- consuming

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (MOVE_ON, Nodes, keep_renewing_after, batch_size, Message, SendResult, auth_metadata, batch_request, batch_results, call_with_retries_sync,
+from spooler._common import (MOVE_ON, Nodes, keep_renewing_after, batch_size, check_batch, check_send_types, Message, SendResult, auth_metadata, batch_request, batch_results, call_with_retries_sync,
                              is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, send_outcomes,
                              settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request)
@@ -114,6 +114,7 @@ class Client(Nodes):
     # ----------------------------------------------------------- sending
     def send(self, queue: str, body: bytes, *, delay_s: float = 0.0, dedup_key: str = "") -> SendResult:
         """Auto-batched send; blocks until durable. Retried only where safe."""
+        check_send_types(queue, body, delay_s, dedup_key)
         req = api_pb2.SendRequest(queue=queue, body=body, delay_seconds=delay_s, dedup_key=dedup_key)
         try:
             return self.send_async(req).result()
@@ -192,13 +193,18 @@ class Client(Nodes):
                 _settle_futures([(None, fut)], result=res)
 
     def send_batch(self, queue: str, bodies: list, *, delay_s: float = 0.0) -> list:
-        """One RPC, one log record: all stored or none."""
+        """One RPC, one log record: all stored or none. Tried again after
+        ``unavailable`` only (known not stored)."""
+        check_batch(queue, bodies, delay_s)
         req = batch_request([(queue, b, delay_s, "") for b in bodies], compact=False)
-        return batch_results(self._call(self.stub.SendBatch, req, write=True))
+        return batch_results(self._retried("SendBatch", req, write=True))
 
     # --------------------------------------------------------- receiving
     def receive(self, queue: str, *, wait_s: float = 0.0, max_messages: int = 1) -> list:
-        return self._receive_unless(None, queue, wait_s, max_messages)
+        """Tried again after ``unavailable`` (each attempt a receive of its own name:
+        one that may have leased something is given back first)."""
+        return call_with_retries_sync(lambda: self._receive_unless(None, queue, wait_s, max_messages),
+                                      self.retry_attempts)
 
     def _receive_unless(self, stop: Optional[threading.Event], queue: str, wait_s: float,
                         max_messages: int = 1) -> list:
@@ -268,7 +274,7 @@ class Client(Nodes):
         actions = {"ack": api_pb2.SETTLE_ACK, "nack": api_pb2.SETTLE_NACK, "renew": api_pb2.SETTLE_RENEW}
         req = api_pb2.SettleBatchRequest(items=[api_pb2.SettleBatchRequest.Item(
             token=t, action=actions[a], delay_seconds=d) for t, a, d in items])
-        r = self._call(self.stub.SettleBatch, req, write=True)
+        r = self._retried("SettleBatch", req, write=True)  # after unavailable only: per-item answers are final
         return [errors.from_detail(x.error) if x.HasField("error") else (x.expires_at or None) for x in r.results]
 
     # --------------------------------------------------------- consuming

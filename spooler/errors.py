@@ -193,6 +193,10 @@ def from_grpc_trailers(code, details: str, trailers) -> SpoolerError:
         return OperationUnconfirmed(details or "deadline exceeded: outcome unknown")
     if name == "UNKNOWN":  # e.g. a request the server could not decode
         return Internal(details or "unknown gRPC error")
+    if name == "CANCELLED":  # not by us (ours never reaches here): the node ended it, e.g. on its way down
+        return OperationUnconfirmed(details or "the node cancelled the call: outcome unknown")
+    if name == "RESOURCE_EXHAUSTED":  # gRPC's own limits: a message or its metadata too large
+        return MessageTooLarge(f"over gRPC's size limits: {details}")
     cls = _BY_GRPC_CODE.get(name, Internal)
     return cls(details or str(code))
 

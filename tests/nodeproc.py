@@ -114,6 +114,14 @@ class NodeProc:
         self.kill()
         return self.start()
 
+    def metric(self, name: str) -> float:
+        """One unlabelled sample of the node's /metrics."""
+        with urllib.request.urlopen(self.http_url + "/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        raise KeyError(name)
+
     def get(self, path: str, key: Optional[str] = None):
         req = urllib.request.Request(self.http_url + path, headers={"Authorization": f"Bearer {key or self.admin_key}"})
         with urllib.request.urlopen(req, timeout=10) as r:

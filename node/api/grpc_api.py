@@ -84,7 +84,7 @@ async def _receive_batch(svc: Service, p, req, out=None) -> api_pb2.ReceiveRespo
 
 
 async def _settle_batch(svc: Service, p, req, out=None) -> api_pb2.SettleBatchResponse:
-    items = [(it.token, _ACTIONS.get(it.action, "unspecified"), it.delay_seconds) for it in req.items]
+    items = [(it.token, _ACTIONS.get(it.action) or f"number {it.action}", it.delay_seconds) for it in req.items]
     res = await svc.settle(p, items, per_item_errors=True)
     out = api_pb2.SettleBatchResponse() if out is None else out
     add = out.results.add
@@ -147,28 +147,38 @@ def add_spooler_service(servicer, server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
 
 
+def _epoch_md(svc: Service) -> tuple:
+    return ("spooler-epoch", str(svc.engine.known_epoch))
+
+
+async def _abort(svc: Service, context, e: errors.SpoolerError) -> None:
+    """End the call with ``e``: its status, its kind and details, and the epoch."""
+    await context.abort(errors.grpc_status_code(e), e.message,
+                        trailing_metadata=errors.grpc_trailers(e) + (_epoch_md(svc),))
+
+
 def rpc(method):
     """Authenticate, call, map SpoolerError to a status with the kind in trailers."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
-        epoch_md = ("spooler-epoch", str(self.svc.engine.known_epoch))
+        # the epoch trailer is read when the answer goes out (a promote's answer
+        # names the epoch it made, and so does its trailer)
         try:
             p = self.svc.authenticate(*_caller(context))
             if isinstance(request, Malformed):
                 raise request.error()
             resp = await method(self, p, request, context)
-            context.set_trailing_metadata((epoch_md,))
+            context.set_trailing_metadata((_epoch_md(self.svc),))
             return resp
         except errors.SpoolerError as e:
             self.metrics.http_errors.labels(e.kind).inc()
-            await context.abort(errors.grpc_status_code(e), e.message, trailing_metadata=errors.grpc_trailers(e) + (epoch_md,))
+            await _abort(self.svc, context, e)
         except Exception as e:
             if isinstance(e, grpc.aio.AbortError) or type(e).__name__ == "AbortError":
                 raise
             log.exception("unexpected error in %s", method.__name__)
-            err = errors.Internal("internal error")
-            await context.abort(errors.grpc_status_code(err), err.message, trailing_metadata=errors.grpc_trailers(err) + (epoch_md,))
+            await _abort(self.svc, context, errors.Internal("internal error"))
 
     return wrapper
 
@@ -290,10 +300,12 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
         try:
             svc.authenticate(auth, forwarded)
         except errors.SpoolerError as e:
-            await context.abort(errors.grpc_status_code(e), e.message,
-                                trailing_metadata=errors.grpc_trailers(e))
+            await _abort(svc, context, e)
+        if svc.stopping:
+            await _abort(svc, context, errors.Unavailable("the node is shutting down", retry_after_s=0.5))
         answers: list = []
         wake = asyncio.Event()
+        svc.session_wakes.add(wake)  # a shutdown wakes the writer below
         room = asyncio.Event()  # set while fewer than the limit are in flight
         room.set()
         tasks: set = set()
@@ -357,9 +369,19 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                     for resp in batch:
                         await context.write(resp)
                     room.set()
+                if svc.stopping:
+                    # shutting down: read nothing more; once every request read so far
+                    # is answered, end the stream as unavailable (the client moves on)
+                    reader.cancel()
+                    if not tasks and not answers:
+                        await _abort(svc, context, errors.Unavailable("the node is shutting down",
+                                                                      retry_after_s=0.5))
+                    continue
                 if not reading and (not tasks or (not reader.cancelled() and reader.exception() is not None)):
+                    context.set_trailing_metadata((_epoch_md(svc),))
                     break  # the client closed its side and everything is answered, or the stream broke
         finally:
+            svc.session_wakes.discard(wake)
             reader.cancel()
             for t in list(tasks):
                 t.cancel()
@@ -399,6 +421,18 @@ async def build_server(svc: Service, metrics, address: str, tls=None) -> tuple:
     if port == 0:
         raise OSError(f"cannot bind gRPC to {address}")
     return server, health_servicer, port
+
+
+async def follow_readiness(health_servicer, engine, every_s: float = 0.2) -> None:
+    """Keep the gRPC health status (SERVING / NOT_SERVING) equal to readiness, so a
+    gRPC load balancer routes as an HTTP one reading /readyz would."""
+    last = None
+    while True:
+        now = engine.clients_ready()
+        if now != last:
+            await set_serving(health_servicer, now)
+            last = now
+        await asyncio.sleep(every_s)
 
 
 async def set_serving(health_servicer, serving: bool) -> None:

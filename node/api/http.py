@@ -217,7 +217,7 @@ def build_app(svc: Service, metrics) -> web.Application:
 
     async def readyz(request):
         e = svc.engine
-        if e.failed is not None or (e.role != "primary" and e.primary_id is None):
+        if not e.clients_ready():
             raise errors.Unavailable("not ready", retry_after_s=1.0)
         return _json({"status": "ready", "role": e.role, "epoch": e.known_epoch, "primary": e.primary_id})
 

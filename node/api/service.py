@@ -103,10 +103,25 @@ class Service:
         self._receipts: OrderedDict = OrderedDict()
         self._receipt_tokens = 0
         self._peer_releases: OrderedDict = OrderedDict()  # releases that came on acks, done
+        self.session_wakes: set = set()  # the writers of open Session streams (shut_down wakes them)
 
     @property
     def core(self):
         return self.engine.core  # a replica that installs a snapshot gets a new core
+
+    @property
+    def stopping(self) -> bool:
+        return self.engine.stopping
+
+    def shut_down(self) -> None:
+        """A graceful stop begins: new calls answer ``unavailable``, long polls end
+        now (unavailable: the client tries its next node), and Session streams
+        end as unavailable once what they had read is answered. Writes already
+        proposed still commit and answer."""
+        self.engine.stopping = True
+        self.engine.wake_all_receivers()
+        for wake in list(self.session_wakes):
+            wake.set()
 
     # -------------------------------------------------------------- auth
     def authenticate(self, authorization: Optional[str], forwarded: str = "") -> Principal:

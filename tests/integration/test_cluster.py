@@ -162,6 +162,15 @@ def test_planned_switchover(cluster):
     c2 = client(nodes[target])
     send_until_ok(c2, "q", b"after")
     assert c2.get_queue("q")["stats"]["sentTotal"] == 11
+    # and back, over gRPC: the epoch trailer is the epoch the answer names
+    import grpc
+    from spooler.pb import api_pb2, api_pb2_grpc
+    with grpc.insecure_channel(nodes[target].grpc_target) as ch:
+        info, call = api_pb2_grpc.SpoolerStub(ch).Promote.with_call(
+            api_pb2.PromoteRequest(node=p), metadata=(("authorization", f"Bearer {nodes[target].admin_key}"),),
+            timeout=15)
+    assert info.primary == p and info.epoch > epoch2, info
+    assert int(dict(call.trailing_metadata())["spooler-epoch"]) == info.epoch
 
 
 def test_a_minority_confirms_nothing(cluster):
@@ -208,6 +217,13 @@ def test_a_replica_left_alone_is_not_ready_and_forwards_nothing(cluster):
     lone = Api(nodes[r].http_url, nodes[r].admin_key)
     wait_until(lambda: lone.req("GET", "/readyz", key=None).status == 503, 10,
                what="the lone replica to stop calling itself ready")
+    # and the gRPC health status says the same, for load balancers that ask it
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    with grpc.insecure_channel(nodes[r].grpc_target) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+                   == health_pb2.HealthCheckResponse.NOT_SERVING, 5, what="gRPC health to say NOT_SERVING")
     assert view(nodes[r])["primary"] is None
     for method, path, body in (("POST", "/v1/queues/q/messages", b"during"), ("PUT", "/v1/queues/q2", b"{}"),
                                ("GET", "/v1/queues/q", b"")):

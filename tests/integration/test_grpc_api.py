@@ -1,5 +1,6 @@
 """The gRPC client service and the SDK, against a real node."""
 import asyncio
+import signal
 import threading
 
 import grpc
@@ -210,3 +211,68 @@ def test_health_service(node):
     r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     assert r.status == health_pb2.HealthCheckResponse.SERVING
     ch.close()
+
+
+# ------------------------------------------------- found by an outside audit (2026-11-30)
+
+def _stub(node):
+    ch = grpc.insecure_channel(node.grpc_target)
+    return ch, api_pb2_grpc.SpoolerStub(ch), (("authorization", f"Bearer {node.admin_key}"),)
+
+
+def test_a_session_names_the_epoch_when_it_ends_and_when_it_refuses_a_key(node):
+    ch, stub, md = _stub(node)
+    try:
+        stub.PutQueue(api_pb2.PutQueueRequest(name="se"), metadata=md)
+        call = stub.Session(iter([api_pb2.SessionRequest(id=1, receive=api_pb2.ReceiveRequest(queue="se"))]),
+                            metadata=md)
+        assert [r.id for r in call] == [1]
+        assert dict(call.trailing_metadata()).get("spooler-epoch", "").isdigit()
+        bad = stub.Session(iter([api_pb2.SessionRequest(id=1, receive=api_pb2.ReceiveRequest(queue="se"))]))
+        with pytest.raises(grpc.RpcError) as e:
+            list(bad)
+        t = dict(e.value.trailing_metadata())
+        assert t["spooler-error-kind"] == "unauthenticated" and t.get("spooler-epoch", "").isdigit(), t
+    finally:
+        ch.close()
+
+
+def test_a_node_told_to_stop_ends_its_calls_as_unavailable(node):
+    """SIGTERM: a long poll in progress and an open Session end with the kind
+    unavailable (and the epoch), not a bare CANCELLED; the SDK calls that as
+    unavailable too."""
+    ch, stub, md = _stub(node)
+    try:
+        stub.PutQueue(api_pb2.PutQueueRequest(name="st"), metadata=md)
+        poll = stub.Receive.future(api_pb2.ReceiveRequest(queue="st", wait_seconds=15), metadata=md, timeout=30)
+        requests = threading.Event()
+
+        def session_requests():
+            yield api_pb2.SessionRequest(id=1, receive=api_pb2.ReceiveRequest(queue="st", wait_seconds=15))
+            requests.wait(30)  # the client keeps its side open
+        sess = stub.Session(session_requests(), metadata=md, timeout=30)
+        wait_until(lambda: node.metric("spooler_receives_waiting") >= 2, 10, what="both long polls waiting")
+        node.proc.send_signal(signal.SIGTERM)
+        for what, get in (("unary", lambda: poll.result()), ("session", lambda: list(sess))):
+            with pytest.raises(grpc.RpcError) as e:
+                get()
+            t = dict(e.value.trailing_metadata() or ())
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and t.get("spooler-error-kind") == "unavailable", \
+                (what, e.value.code(), e.value.details(), t)
+            assert t.get("spooler-epoch", "").isdigit(), (what, t)
+        requests.set()
+        assert node.proc.wait(timeout=20) == 0
+    finally:
+        ch.close()
+
+
+def test_the_health_status_says_not_serving_once_the_node_stops(node):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    ch = grpc.insecure_channel(node.grpc_target)
+    try:
+        watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        node.proc.send_signal(signal.SIGTERM)
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        ch.close()

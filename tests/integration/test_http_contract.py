@@ -875,10 +875,7 @@ def test_deleting_a_queue_ends_its_long_polls_at_once(api, shared_node, queue):
         out["elapsed"] = time.monotonic() - t
 
     def waiting() -> float:
-        for line in api.req("GET", "/metrics", key=None).body.decode().splitlines():
-            if line.startswith("spooler_receives_waiting "):
-                return float(line.split()[1])
-        raise AssertionError("no spooler_receives_waiting in /metrics")
+        return shared_node.metric("spooler_receives_waiting")
 
     before = waiting()
     th = threading.Thread(target=consumer)

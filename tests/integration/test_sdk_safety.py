@@ -314,7 +314,9 @@ def test_many_calls_timing_out_together_move_the_client_once(node, tmp_path):
     other = NodeProc(str(tmp_path / "other"), node_id="n1").start()
     try:
         async def main():
-            c = AsyncClient(f"{node.grpc_target},{other.grpc_target}", node.admin_key, timeout_s=1)
+            # no retries: each call's own failure is what moves the client here
+            c = AsyncClient(f"{node.grpc_target},{other.grpc_target}", node.admin_key, timeout_s=1,
+                            retry_attempts=1)
             try:
                 await c.list_queues()  # connected to the first
                 os.kill(node.pid, signal.SIGSTOP)
@@ -368,4 +370,61 @@ def test_queue_calls_are_retried_on_the_next_node_after_unavailable(node):
             assert [q["name"] for q in await c.list_queues()] == ["rq"]
         async with AsyncClient(f"{DEAD},{node.grpc_target}", node.admin_key, timeout_s=5) as c:
             assert (await c.get_queue("rq"))["name"] == "rq"
+    asyncio.run(main())
+
+
+def test_a_body_too_large_for_grpc_fails_alone_and_leaves_the_session_working(node):
+    """gRPC refuses to send a message over its limit. The SDK refuses such a body
+    first, as message_too_large, so it never breaks the Session under the calls
+    riding it (a long poll waiting there goes on), and so does an empty batch."""
+    huge = b"x" * (17 << 20)
+
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key, timeout_s=10) as c:
+            await c.put_queue("big")
+            await c.send("big", b"warm")
+            [m] = await c.receive("big")
+            await c.ack(m.token)
+            poll = asyncio.ensure_future(c.receive("big", wait_s=3))
+            deadline = asyncio.get_running_loop().time() + 10
+            while node.metric("spooler_receives_waiting") < 1:  # (a quick local HTTP read)
+                assert asyncio.get_running_loop().time() < deadline, "the long poll never started"
+                await asyncio.sleep(0.02)
+            with pytest.raises(errors.MessageTooLarge):
+                await c.send("big", huge)
+            with pytest.raises(errors.MessageTooLarge):
+                await c.send_batch("big", [b"y" * (9 << 20), b"y" * (9 << 20)])
+            with pytest.raises(errors.InvalidArgument):
+                await c.send_batch("big", [])
+            later = await c.send("big", b"after")
+            got = await poll  # the long poll was not broken: it gets the next message
+            assert [g.id for g in got] == [later.id]
+    asyncio.run(main())
+    with Client(node.grpc_target, node.admin_key, timeout_s=10) as c:
+        with pytest.raises(errors.MessageTooLarge):
+            c.send("big", huge)
+        with pytest.raises(errors.MessageTooLarge):
+            c.send_batch("big", [b"y" * (9 << 20), b"y" * (9 << 20)])
+        with pytest.raises(errors.InvalidArgument):
+            c.send_batch("big", [])
+        assert c.get_queue("big")["stats"]["sentTotal"] == 2
+
+
+def test_receives_and_batches_are_retried_on_the_next_node_after_unavailable(node):
+    with Client(node.grpc_target, node.admin_key, timeout_s=5) as c:
+        c.put_queue("rb")
+    with Client(f"{DEAD},{node.grpc_target}", node.admin_key, timeout_s=5) as c:
+        assert len(c.send_batch("rb", [b"a", b"b"])) == 2
+    with Client(f"{DEAD},{node.grpc_target}", node.admin_key, timeout_s=5) as c:
+        [m] = c.receive("rb")
+    with Client(f"{DEAD},{node.grpc_target}", node.admin_key, timeout_s=5) as c:
+        assert c.settle_batch([(m.token, "ack", 0)]) == [None]
+
+    async def main():
+        async with AsyncClient(f"{DEAD},{node.grpc_target}", node.admin_key, timeout_s=5) as c:
+            [m2] = await c.receive("rb")
+        async with AsyncClient(f"{DEAD},{node.grpc_target}", node.admin_key, timeout_s=5) as c:
+            assert await c.settle_batch([(m2.token, "ack", 0)]) == [None]
+        async with AsyncClient(f"{DEAD},{node.grpc_target}", node.admin_key, timeout_s=5) as c:
+            assert len(await c.send_batch("rb", [b"c"])) == 1
     asyncio.run(main())
