@@ -52,6 +52,26 @@ def _group_members(pgid: int) -> Optional[int]:
 ATTEMPT_ENV = "SPOOLCTL_ATTEMPT_TOKEN"   # "<job id>:<attempt n>" in every attempt's environment
 
 
+def _carriers(pgid: Optional[int], token: str):
+    """The pids of live processes (of group ``pgid``, or any with None) whose
+    environment holds ``SPOOLCTL_ATTEMPT_TOKEN=token``. Needs /proc."""
+    needle = f"{ATTEMPT_ENV}={token}".encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            rest = stat[stat.rfind(b")") + 2:].split()
+            if len(rest) < 3 or rest[0] == b"Z" or (pgid is not None and int(rest[2]) != pgid):
+                continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    yield int(name)
+        except (OSError, ValueError):
+            continue
+
+
 def kill_orphans(pgid: Optional[int], token: str) -> int:
     """SIGKILL the members of ``pgid`` that carry ``SPOOLCTL_ATTEMPT_TOKEN=token``;
     with ``pgid`` None (the worker died before it wrote the command's pid), every
@@ -63,23 +83,12 @@ def kill_orphans(pgid: Optional[int], token: str) -> int:
     process that replaced its environment is not found. Returns how many."""
     if not os.path.isdir("/proc"):
         return 0
-    needle = f"{ATTEMPT_ENV}={token}".encode()
     killed = 0
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+    for pid in _carriers(pgid, token):
         try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-            rest = stat[stat.rfind(b")") + 2:].split()
-            if len(rest) < 3 or rest[0] == b"Z" or (pgid is not None and int(rest[2]) != pgid):
-                continue
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if needle not in f.read().split(b"\0"):
-                    continue
-            os.kill(int(name), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
             killed += 1
-        except (OSError, ValueError):
+        except OSError:
             continue
     return killed
 
@@ -90,22 +99,7 @@ def group_carries(pgid: int, token: str) -> Optional[bool]:
     None where there is no /proc to tell."""
     if not os.path.isdir("/proc"):
         return None
-    needle = f"{ATTEMPT_ENV}={token}".encode()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-            rest = stat[stat.rfind(b")") + 2:].split()
-            if len(rest) < 3 or rest[0] == b"Z" or int(rest[2]) != pgid:
-                continue
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    return True
-        except (OSError, ValueError):
-            continue
-    return False
+    return next(_carriers(pgid, token), None) is not None
 
 
 def group_alive(pgid: int) -> bool:
