@@ -29,24 +29,27 @@ class Result:
     pid: Optional[int] = None
 
 
-def _group_members(pgid: int) -> Optional[int]:
-    """How many live (non-zombie) processes are in the group; None without /proc."""
-    if not os.path.isdir("/proc"):
-        return None
-    n = 0
+def _live(pgid: Optional[int]):
+    """The pids of live (non-zombie) processes in group ``pgid`` (any group with
+    None), read from /proc."""
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/stat", "rb") as f:
                 stat = f.read()
-        except OSError:
+            rest = stat[stat.rfind(b")") + 2:].split()  # rest[0] = state, rest[2] = pgrp
+            if len(rest) > 2 and rest[0] != b"Z" and (pgid is None or int(rest[2]) == pgid):
+                yield int(name)
+        except (OSError, ValueError):
             continue
-        rest = stat[stat.rfind(b")") + 2:].split()
-        # rest[0] = state, rest[2] = pgrp
-        if len(rest) > 2 and rest[0] != b"Z" and int(rest[2]) == pgid:
-            n += 1
-    return n
+
+
+def _group_members(pgid: int) -> Optional[int]:
+    """How many live (non-zombie) processes are in the group; None without /proc."""
+    if not os.path.isdir("/proc"):
+        return None
+    return sum(1 for _ in _live(pgid))
 
 
 ATTEMPT_ENV = "SPOOLCTL_ATTEMPT_TOKEN"   # "<job id>:<attempt n>" in every attempt's environment
@@ -56,19 +59,12 @@ def _carriers(pgid: Optional[int], token: str):
     """The pids of live processes (of group ``pgid``, or any with None) whose
     environment holds ``SPOOLCTL_ATTEMPT_TOKEN=token``. Needs /proc."""
     needle = f"{ATTEMPT_ENV}={token}".encode()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+    for pid in _live(pgid):
         try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-            rest = stat[stat.rfind(b")") + 2:].split()
-            if len(rest) < 3 or rest[0] == b"Z" or (pgid is not None and int(rest[2]) != pgid):
-                continue
-            with open(f"/proc/{name}/environ", "rb") as f:
+            with open(f"/proc/{pid}/environ", "rb") as f:
                 if needle in f.read().split(b"\0"):
-                    yield int(name)
-        except (OSError, ValueError):
+                    yield pid
+        except OSError:
             continue
 
 
