@@ -253,3 +253,12 @@ def test_retry_clears_the_jobs_failure_reason_and_keeps_the_attempts(spool):
     j = spool.json("retry", job, "--force")
     assert j["state"] == "queued" and j["failure_reason"] is None, j
     assert j["attempts"][0]["failure_reason"] == "nonzero_exit"
+
+
+def test_output_of_a_finished_attempt_whose_file_is_gone_is_an_error(spool):
+    job = spool.submit("sh", "-c", "echo hi")
+    spool.run("worker", "--drain")
+    assert spool.run("output", job).stdout == b"hi\n"
+    os.remove(spool.job(job)["attempts"][0]["stdout"])
+    r = spool.run("output", job, check=False)
+    assert r.returncode == 1 and b"not_found" in r.stderr and r.stdout == b"", r

@@ -12,7 +12,7 @@ import sys
 import time
 
 from spooler.cli import add_json, emit
-from spooler.errors import InvalidArgument
+from spooler.errors import InvalidArgument, NotFound
 from spooler.jobs import knobs, states
 
 
@@ -181,7 +181,10 @@ def cmd_output(args) -> int:
     try:
         f = open(path, "rb")
     except FileNotFoundError:
-        return 0   # not started yet (or the spool was cleaned): empty output
+        if att.get("finished_at") is None:
+            return 0   # its command is only being started: nothing written yet
+        # a finished attempt's file was deleted, or the spool moved (paths are absolute)
+        raise NotFound(f"the {stream} file of attempt {att['n']} is missing: {path}") from None
     with f:
         out = sys.stdout.buffer
         while True:
