@@ -154,7 +154,11 @@ def test_test_knob_error_from_the_real_command(spool):
                                   ["submit", "--"],
                                   ["worker", "--concurrency", "0"],
                                   ["worker", "--concurrency", "65"],
-                                  ["list", "--state", "bogus"]])
+                                  ["list", "--state", "bogus"],
+                                  ["submit", "--priority", "1_000", "--", "true"],
+                                  ["submit", "--priority", "\uff15", "--", "true"],  # a full-width 5
+                                  ["submit", "--timeout", "1_0", "--", "true"],
+                                  ["submit", "--max-retries", "\u0663", "--", "true"]])  # an Arabic-Indic 3
 def test_bad_option_values_are_refused(spool, argv):
     from spooler.jobs.store import Store
     Store(spool.path).close()  # an empty spool, to show that nothing lands in it

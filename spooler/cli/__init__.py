@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import traceback
 
@@ -43,11 +44,30 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+_INT = re.compile(r"[+-]?[0-9]+", re.ASCII)
+_NUMBER = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+
+
+def int_arg(text: str) -> int:
+    """An argparse type for whole numbers written in ASCII digits (Python's int()
+    would also take "1_000" and other scripts' digits)."""
+    if not _INT.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return int(text)
+
+
+def number_arg(text: str) -> float:
+    """An argparse type for a number in plain ASCII notation (see int_arg)."""
+    if not _NUMBER.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}")
+    return float(text)
+
+
 def seconds_arg(text: str) -> float:
     """An argparse type for seconds: a finite number, not negative."""
     try:
-        v = float(text)
-    except ValueError:
+        v = number_arg(text)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
     if not math.isfinite(v) or v < 0:
         raise argparse.ArgumentTypeError(f"seconds must be finite and not negative: {text!r}")

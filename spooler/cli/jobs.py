@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from spooler.cli import add_json, emit
+from spooler.cli import add_json, emit, int_arg, number_arg
 from spooler.errors import InvalidArgument, NotFound
 from spooler.jobs import knobs, states
 
@@ -34,10 +34,7 @@ def _store(args, settings=None, create: bool = False):
 
 
 def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    v = int_arg(s)
     if v < 0:
         raise argparse.ArgumentTypeError("must be >= 0")
     return v
@@ -246,24 +243,24 @@ def register(sub) -> None:
     p.add_argument("--key", dest="idem_key", default=None,
                    help="idempotency key: a repeat returns the first job's id (prevents duplicate "
                         "submission, not duplicate execution)")
-    p.add_argument("--priority", type=int, default=knobs.DEFAULT_PRIORITY, help="higher runs first (default 0)")
+    p.add_argument("--priority", type=int_arg, default=knobs.DEFAULT_PRIORITY, help="higher runs first (default 0)")
     p.add_argument("--max-retries", type=_nonneg_int, default=knobs.DEFAULT_MAX_RETRIES,
                    help="job-owned failures retried before dead (default 3)")
     p.add_argument("--max-crashes", type=_nonneg_int, default=knobs.DEFAULT_MAX_CRASHES,
                    help="worker crashes survived before dead (default unbounded)")
-    p.add_argument("--timeout", type=float, default=None, help="seconds; then the process group is killed")
+    p.add_argument("--timeout", type=number_arg, default=None, help="seconds; then the process group is killed")
     p.add_argument("--queue", default=None, help="submit to this Spooler queue (at --server) instead of the spool")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARG...]")
     p.set_defaults(func=cmd_submit)
 
     p = add_json(sub.add_parser("worker", help="claim and run jobs"))
-    p.add_argument("--concurrency", type=int, default=knobs.DEFAULT_CONCURRENCY,
+    p.add_argument("--concurrency", type=int_arg, default=knobs.DEFAULT_CONCURRENCY,
                    help=f"jobs at once (1..{knobs.CONCURRENCY_MAX})")
     p.add_argument("--drain", action="store_true", help="exit once nothing is queued or running")
     p.add_argument("--queue", default=None, help="run jobs from this Spooler queue (at --server)")
-    p.add_argument("--heartbeat-interval", type=float, default=None,
+    p.add_argument("--heartbeat-interval", type=number_arg, default=None,
                    help=f"seconds between heartbeats (default {knobs.DEFAULT_HEARTBEAT_INTERVAL_S:g})")
-    p.add_argument("--busy-timeout", type=float, default=None,
+    p.add_argument("--busy-timeout", type=number_arg, default=None,
                    help=f"seconds to wait for the spool's write lock (default {knobs.DEFAULT_BUSY_TIMEOUT_S:g}; "
                         f"env {knobs.ENV_BUSY_TIMEOUT})")
     p.set_defaults(func=cmd_worker)
@@ -274,12 +271,12 @@ def register(sub) -> None:
 
     p = add_json(sub.add_parser("list", help="jobs, oldest first"))
     p.add_argument("--state", choices=states.STATES)
-    p.add_argument("--limit", type=int, default=knobs.LIST_LIMIT_DEFAULT)
+    p.add_argument("--limit", type=int_arg, default=knobs.LIST_LIMIT_DEFAULT)
     p.set_defaults(func=cmd_list)
 
     p = add_json(sub.add_parser("output", help="stdout (or stderr) of the latest or a given attempt"))
     p.add_argument("job")
-    p.add_argument("--attempt", type=int, default=None, help="1-based attempt number")
+    p.add_argument("--attempt", type=int_arg, default=None, help="1-based attempt number")
     p.add_argument("--stderr", action="store_true")
     p.set_defaults(func=cmd_output)
 
