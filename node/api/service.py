@@ -786,8 +786,9 @@ class Service:
         # answer with the cluster as it is after the switchover: this node has
         # stepped down AND heard from the new primary (its first heartbeat), so
         # the answer names it instead of "primary": null
+        # (bounded: 5 s or two failover timeouts; past that the answer says null)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 2 * e.repl.core.timeout / 1e6
+        deadline = loop.time() + max(5.0, 2 * e.repl.core.timeout / 1e6)
         while loop.time() < deadline and (e.repl.core.role == "primary" or e.primary_id is None):
             await asyncio.sleep(0.01)
         return self.cluster(p)
