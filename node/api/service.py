@@ -23,6 +23,7 @@ from typing import Optional
 
 from spooler import errors
 from spooler.pb import log_pb2
+from node.core import replication as R
 from node.core.spool import US, BadToken, StaleLeaseError, failure_queue_of
 from node.engine import Engine, mono_us
 
@@ -789,6 +790,7 @@ class Service:
         # (bounded: 5 s or two failover timeouts; past that the answer says null)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(5.0, 2 * e.repl.core.timeout / 1e6)
-        while loop.time() < deadline and (e.repl.core.role == "primary" or e.primary_id is None):
+        c = e.repl.core  # what the answer is built from (self.cluster): the same fields
+        while loop.time() < deadline and (c.role == R.PRIMARY or not c.primary or c.primary == e.node_id):
             await asyncio.sleep(0.01)
         return self.cluster(p)
