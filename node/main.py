@@ -149,7 +149,9 @@ async def serve(args) -> int:
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     hhost, hport = _hostport(args.http)
-    site = web.TCPSite(runner, hhost, hport, reuse_address=True)
+    # a graceful stop ends every call within about a second (Service.shut_down):
+    # anything still open after a few is not waited for
+    site = web.TCPSite(runner, hhost, hport, reuse_address=True, shutdown_timeout=3.0)
     await site.start()
     hport = site._server.sockets[0].getsockname()[1]
 
@@ -165,6 +167,7 @@ async def serve(args) -> int:
     svc.shut_down()  # calls in progress end as unavailable (with their kind), not cancelled
     await server.stop(grace=1.0)
     await runner.cleanup()
+    await svc.fwd.drain(2.0)  # a replica: give back what its forwarded polls leased
     await engine.stop()
     return exit_code
 

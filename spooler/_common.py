@@ -96,8 +96,9 @@ def map_rpc_error(e: grpc.RpcError, write: bool = False) -> errors.SpoolerError:
     left (no connection to be had) is a plain ``unavailable``: nothing was accepted."""
     err = errors.from_grpc_trailers(e.code(), e.details(), e.trailing_metadata())
     if not write and isinstance(err, errors.OperationUnconfirmed) and not _has_detail(e):
-        # a read that timed out changed nothing: plain unavailable (retry-safe)
-        return errors.Unavailable(f"no answer in time: {e.details()}")
+        # a read that timed out changed nothing: plain unavailable (retry-safe), except
+        # for a receive, which leases (see read_lost)
+        return read_lost(f"no answer in time: {e.details()}")
     if write and isinstance(err, errors.Unavailable) and not _has_detail(e):
         if never_sent(e):
             return errors.Unavailable(f"no connection to the node: {e.details()}", retry_after_s=1.0)
@@ -111,6 +112,15 @@ def map_rpc_error(e: grpc.RpcError, write: bool = False) -> errors.SpoolerError:
 MOVE_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
+def read_lost(message: str) -> errors.Unavailable:
+    """``unavailable`` for a read whose request reached a node but whose answer did
+    not come back. For a plain read that is harmless; a receive may have leased
+    something meanwhile, so a receive is not retried after it (``retryable``)."""
+    e = errors.Unavailable(message)
+    e.answer_lost = True
+    return e
+
+
 def never_sent(e: grpc.RpcError) -> bool:
     """The call failed because no connection could be had: nothing reached a node."""
     return e.code() == grpc.StatusCode.UNAVAILABLE and any(s in (e.details() or "").lower() for s in _NOT_SENT)
@@ -120,9 +130,11 @@ def _has_detail(e: grpc.RpcError) -> bool:
     return any(k == errors.KIND_TRAILER for k, _ in (e.trailing_metadata() or ()))
 
 
-def retryable(exc: BaseException, *, send_with_key: bool = False, settle: bool = False) -> bool:
+def retryable(exc: BaseException, *, send_with_key: bool = False, settle: bool = False,
+              receive: bool = False) -> bool:
     if isinstance(exc, errors.Unavailable):
-        return True
+        # a receive whose answer was lost may hold leases: its caller hears of it
+        return not (receive and getattr(exc, "answer_lost", False))
     if isinstance(exc, errors.OperationUnconfirmed):
         return send_with_key or settle
     return False
@@ -139,7 +151,7 @@ def retry_wait_s(retry: int) -> float:
     return min(RETRY_WAIT_MAX_S, RETRY_FIRST_WAIT_S * 2 ** (retry - 1))
 
 
-def _policy(attempts: int, *, send_with_key: bool = False, settle: bool = False,
+def _policy(attempts: int, *, send_with_key: bool = False, settle: bool = False, receive: bool = False,
             stop_when: Optional[Callable[[], bool]] = None) -> dict:
     """When a call may be retried (never silently for an unkeyed unconfirmed send).
 
@@ -157,7 +169,8 @@ def _policy(attempts: int, *, send_with_key: bool = False, settle: bool = False,
         stop = stop | tenacity.stop_when_event_set(_Flag(stop_when))
     return dict(stop=stop,
                 wait=lambda rs: retry_wait_s(rs.attempt_number + 1),
-                retry=tenacity.retry_if_exception(lambda e: retryable(e, send_with_key=send_with_key, settle=settle)),
+                retry=tenacity.retry_if_exception(lambda e: retryable(e, send_with_key=send_with_key, settle=settle,
+                                                                      receive=receive)),
                 reraise=True)
 
 
@@ -181,27 +194,36 @@ async def call_with_retries(fn, attempts: int, *, first_failed: bool = False,
         except errors.SpoolerError as e:
             if attempts <= 1 or not retryable(e, **kw) or (stop_when is not None and stop_when()):
                 raise
-            first = e
         attempts -= 1
     await asyncio.sleep(retry_wait_s(1))
-    if stop_when is not None and stop_when() and not first_failed:
-        raise first
     async for attempt in tenacity.AsyncRetrying(**_policy(attempts, stop_when=stop_when, **kw)):
         with attempt:
+            _not_closed(stop_when)
             return await fn()
 
 
-def call_with_retries_sync(fn, attempts: int, *, first_failed: bool = False, **kw):
+def _not_closed(stop_when: Optional[Callable[[], bool]]) -> None:
+    """Before a retry: a client closed meanwhile is not called again."""
+    if stop_when is not None and stop_when():
+        raise errors.Unavailable("the client was closed")
+
+
+def call_with_retries_sync(fn, attempts: int, *, first_failed: bool = False,
+                           stop_when: Optional[Callable[[], bool]] = None, **kw):
     """As call_with_retries."""
     if not first_failed:
         try:
             return fn()
         except errors.SpoolerError as e:
-            if attempts <= 1 or not retryable(e, **kw):
+            if attempts <= 1 or not retryable(e, **kw) or (stop_when is not None and stop_when()):
                 raise
         attempts -= 1
     time.sleep(retry_wait_s(1))
-    return tenacity.Retrying(**_policy(attempts, **kw))(fn)
+
+    def attempt():
+        _not_closed(stop_when)
+        return fn()
+    return tenacity.Retrying(**_policy(attempts, stop_when=stop_when, **kw))(attempt)
 
 
 # A receive that failed with one of these leased nothing (the node answered it);

@@ -21,7 +21,7 @@ import grpc
 
 from spooler import errors
 from spooler._common import (MOVE_ON, Nodes, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, auth_metadata, batch_request, batch_results, call_with_retries,
-                             _has_detail, is_batch_entry_error, map_rpc_error, message_of, never_sent, queue_dict, renew_delay_s, send_outcomes,
+                             _has_detail, is_batch_entry_error, map_rpc_error, message_of, never_sent, read_lost, queue_dict, renew_delay_s, send_outcomes,
                              settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request)
 from spooler.pb import api_pb2
@@ -125,7 +125,7 @@ class _Session:
             w.fut.set_exception(errors.Unavailable("not sent within the timeout"))
         else:
             w.fut.set_exception(errors.OperationUnconfirmed("no answer within the timeout") if w.write
-                                else errors.Unavailable("no answer within the timeout"))
+                                else read_lost("no answer within the timeout"))
 
     async def _write(self, call) -> None:
         try:
@@ -193,7 +193,7 @@ class _Session:
                 w.fut.set_exception(errors.Unavailable(f"no connection to the node: {e.details()}"))
             else:  # a transport failure after the request left: its outcome is unknown
                 w.fut.set_exception(errors.OperationUnconfirmed("session stream broke") if w.write
-                                    else errors.Unavailable("session stream broke"))
+                                    else read_lost("session stream broke"))
 
     def close(self) -> None:
         call = self.call
@@ -400,6 +400,7 @@ class AsyncClient(Nodes):
     async def send_batch(self, queue: str, bodies: list, *, delay_s: float = 0.0) -> list:
         """One RPC, one log record: all stored or none. Tried again after
         ``unavailable`` only (known not stored)."""
+        bodies = list(bodies)
         check_batch(queue, bodies, delay_s)
         sends = [(queue, b, delay_s, "") for b in bodies]
         return batch_results(await call_with_retries(lambda: self._send_request(sends), self.retry_attempts,
@@ -421,7 +422,7 @@ class AsyncClient(Nodes):
         """Tried again after ``unavailable`` (each attempt a receive of its own name:
         one that may have leased something is given back first)."""
         return await call_with_retries(lambda: self._receive_once(queue, wait_s, max_messages), self.retry_attempts,
-                                       stop_when=self._gone)
+                                       stop_when=self._gone, receive=True)
 
     async def _receive_once(self, queue: str, wait_s: float, max_messages: int) -> list:
         req = receive_request(queue, wait_s, max_messages)
@@ -483,7 +484,7 @@ class AsyncClient(Nodes):
                 maybe_landed = True
                 raise
 
-        return await call_with_retries(once, self.retry_attempts, settle=True)
+        return await call_with_retries(once, self.retry_attempts, settle=True, stop_when=self._gone)
 
     async def ack(self, token: str) -> None:
         await self._settle("ack", token)

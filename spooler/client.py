@@ -58,10 +58,16 @@ class Client(Nodes):
         self.send_rpcs = 0           # SendBatch RPCs made by auto-batching (observability, tests)
         self._pool = ThreadPoolExecutor(max_workers=batches_in_flight_max, thread_name_prefix="spooler-send")
         self._release_supported = True
+        self._closed = False
 
 
+
+    def _gone(self) -> bool:
+        """close() began: a failed call is not tried again (its channel is closing)."""
+        return self._closed
 
     def close(self) -> None:
+        self._closed = True
         self._pool.shutdown(wait=True)
         for ch in self._all_channels():
             ch.close()
@@ -82,7 +88,7 @@ class Client(Nodes):
     def _retried(self, method: str, req, *, write: bool):
         """As AsyncClient._retried."""
         return call_with_retries_sync(lambda: self._call(getattr(self.stub, method), req, write=write),
-                                      self.retry_attempts)
+                                      self.retry_attempts, stop_when=self._gone)
 
     def _failed(self, e: grpc.RpcError, write: bool, ch) -> errors.SpoolerError:
         """The SpoolerError for a failed call on channel ``ch``; moves on to the next
@@ -195,6 +201,7 @@ class Client(Nodes):
     def send_batch(self, queue: str, bodies: list, *, delay_s: float = 0.0) -> list:
         """One RPC, one log record: all stored or none. Tried again after
         ``unavailable`` only (known not stored)."""
+        bodies = list(bodies)
         check_batch(queue, bodies, delay_s)
         req = batch_request([(queue, b, delay_s, "") for b in bodies], compact=False)
         return batch_results(self._retried("SendBatch", req, write=True))
@@ -204,7 +211,7 @@ class Client(Nodes):
         """Tried again after ``unavailable`` (each attempt a receive of its own name:
         one that may have leased something is given back first)."""
         return call_with_retries_sync(lambda: self._receive_unless(None, queue, wait_s, max_messages),
-                                      self.retry_attempts)
+                                      self.retry_attempts, stop_when=self._gone, receive=True)
 
     def _receive_unless(self, stop: Optional[threading.Event], queue: str, wait_s: float,
                         max_messages: int = 1) -> list:
@@ -256,7 +263,7 @@ class Client(Nodes):
                 state["maybe_landed"] = True
                 raise
 
-        return call_with_retries_sync(once, self.retry_attempts, settle=True)
+        return call_with_retries_sync(once, self.retry_attempts, settle=True, stop_when=self._gone)
 
     def ack(self, token: str) -> None:
         self._settle("Ack", api_pb2.LeaseRequest(token=token))
@@ -267,7 +274,7 @@ class Client(Nodes):
     def renew(self, token: str) -> str:
         return call_with_retries_sync(
             lambda: self._call(self.stub.Renew, api_pb2.LeaseRequest(token=token), write=True).expires_at,
-            self.retry_attempts, settle=True)
+            self.retry_attempts, settle=True, stop_when=self._gone)
 
     def settle_batch(self, items: list) -> list:
         """items: [(token, "ack"|"nack"|"renew", delay_s)] -> per item None / expiresAt / SpoolerError."""

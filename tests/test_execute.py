@@ -251,13 +251,24 @@ def test_cancel_leaves_alone_a_process_group_that_took_over_the_attempts_id(spoo
         assert c.job_id == job_id
         st.conn.execute("UPDATE jobs SET worker_host=NULL WHERE id=?", (job_id,))  # judged here, as local
         st.conn.execute("UPDATE attempts SET pid=?, worker_host=NULL WHERE job_id=?", (stranger.pid, job_id))
+        # a process of the attempt that left its group (its own session) still
+        # carries the attempt's token: that one cancel finds and stops
+        stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
+                                 stdin=subprocess.DEVNULL, start_new_session=True,
+                                 env={**os.environ, executor.ATTEMPT_ENV: f"{job_id}:{c.n}"})
+        spool.extra_pids.append(stray.pid)
+        wait_until(lambda: executor.ATTEMPT_ENV.encode() in open(f"/proc/{stray.pid}/environ", "rb").read(), 10,
+                   what="the stray's environment")
         job = spool.json("cancel", job_id)
         assert job["state"] == "canceled"
         assert stranger.poll() is None, "cancel killed a process group that was not the attempt's"
+        assert stray.wait(timeout=10) == -signal.SIGKILL, "cancel left a process of the attempt running"
     finally:
         st.close()
-        stranger.kill()
-        stranger.wait(timeout=10)
+        for proc in (stranger, locals().get("stray")):
+            if proc is not None:
+                proc.kill()
+                proc.wait(timeout=10)
 
 
 def test_an_output_file_that_cannot_be_made_fails_the_attempt_not_the_worker(spool):

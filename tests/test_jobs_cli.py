@@ -214,9 +214,11 @@ def test_a_missing_or_empty_spool_is_an_error_not_an_empty_spool(spool, tmp_path
                            capture_output=True, cwd=str(tmp_path), timeout=60)
         assert r.returncode == 1 and json.loads(r.stdout)["error"]["kind"] == "not_found", (cmd, r)
         assert not os.path.exists(missing), cmd  # and nothing was made there
-    r = subprocess.run([*spoolctl_argv(), "--spool", "", "status", "--json"], env=spool.env,
-                       capture_output=True, cwd=str(tmp_path), timeout=60)
-    assert r.returncode == 1 and json.loads(r.stdout)["error"]["kind"] == "invalid_argument", r
+    for cmd in (["status"], ["worker", "--drain"], ["submit", "--", "true"]):
+        r = subprocess.run([*spoolctl_argv(), "--spool", "", *cmd[:1], "--json", *cmd[1:]], env=spool.env,
+                           capture_output=True, cwd=str(tmp_path), timeout=60)
+        assert r.returncode == 1 and json.loads(r.stdout)["error"]["kind"] == "invalid_argument", (cmd, r)
+    assert not (tmp_path / "spool.db").exists()
     # SPOOLCTL_DIR set but empty is as if unset: the default ./.spoolctl
     r = subprocess.run([*spoolctl_argv(), "submit", "--", "true"], env={**spool.env, "SPOOLCTL_DIR": ""},
                        capture_output=True, cwd=str(tmp_path), timeout=60)

@@ -50,6 +50,8 @@ class Forwarder:
         # releases being retried: (primary address, queue, name) -> [auth, last sent on an ack]
         self.pending = {} if pending is None else pending
         self._token_names: OrderedDict = OrderedDict()   # lease token -> (queue, our name)
+        self._polls: set = set()  # forwarded receives waiting for the primary's answer
+        self.stopping = False
 
     def stub(self, address: str):
         s = self._stubs.get(address)
@@ -122,14 +124,21 @@ class Forwarder:
         both, so the caller can release it at any node."""
         from node.api.service import Delivery
         rid = os.urandom(12).hex()
+        poll = asyncio.ensure_future(self.call(a, "ReceiveBatch", api_pb2.ReceiveRequest(
+            queue=queue, wait_seconds=wait_s, max_messages=max_n, receive_id=rid,
+            caller_receive_id=receive_id), auth, False, extra_s=wait_s))
+        self._polls.add(poll)
         try:
-            r = await self.call(a, "ReceiveBatch", api_pb2.ReceiveRequest(
-                queue=queue, wait_seconds=wait_s, max_messages=max_n, receive_id=rid,
-                caller_receive_id=receive_id), auth, False, extra_s=wait_s)
-        except BaseException as e:  # CancelledError too: our own caller went away
+            r = await poll
+        except BaseException as e:  # CancelledError too: our own caller went away, or we stop
             if not isinstance(e, _DEFINITE):
                 self.release_soon(a, auth, queue, rid, release_for_s)
+            if (isinstance(e, asyncio.CancelledError) and self.stopping
+                    and not asyncio.current_task().cancelling()):  # shut_down took the poll, not our caller
+                raise errors.Unavailable("the node is shutting down", retry_after_s=0.5) from None
             raise
+        finally:
+            self._polls.discard(poll)
         for d in r.messages:
             _put(self._token_names, d.lease_token, (queue, rid), NAMES_MAX)
         return [Delivery(d.id, d.body, d.lease_token, d.retry_count, d.lease_expires_at, d.queue) for d in r.messages]
@@ -145,6 +154,18 @@ class Forwarder:
         except errors.MethodNotAllowed:  # an older primary: not this caller's failure for good
             raise errors.Unavailable("the primary cannot release receives yet", retry_after_s=1.0) from None
         return r.released
+
+    def shut_down(self) -> None:
+        """A graceful stop: forwarded long polls end now (their callers get
+        ``unavailable``; what the primary leased for them is given back)."""
+        self.stopping = True
+        for poll in list(self._polls):
+            poll.cancel()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Let the releases in progress finish (bounded), before the process exits."""
+        if self._releases:
+            await asyncio.wait(list(self._releases), timeout=timeout_s)
 
     def release_soon(self, a, auth, queue, receive_id, for_s: float) -> None:
         """In the background, tell primary ``a`` to give back a receive's leases, retrying

@@ -121,6 +121,7 @@ class Service:
         proposed still commit and answer."""
         self.engine.stopping = True
         self.engine.wake_all_receivers()
+        self.fwd.shut_down()  # a replica's forwarded long polls end too
         for wake in list(self.session_wakes):
             wake.set()
 
@@ -158,6 +159,8 @@ class Service:
         e = self.engine
         if not e.cluster or e.role == "primary":
             return None
+        if e.stopping:
+            raise errors.Unavailable("the node is shutting down", retry_after_s=0.5)
         if p.forwarded:
             raise errors.Unavailable("not the primary (a forwarded call is not forwarded again)", retry_after_s=0.5)
         if not e.primary_id:
@@ -345,13 +348,14 @@ class Service:
             raise errors.InvalidArgument("nothing to send")
         if n > lim.batch_entries_max:
             raise errors.InvalidArgument(f"at most {lim.batch_entries_max} messages in a batch")
+        # the shape first, on every node alike (a replica before it forwards): names,
+        # sizes, delays, keys; then the primary's own checks: scope, queue, room
+        self._send_shape(entries, run)
         if self._forwards():
-            self._send_shape(entries, run)
             return await self.fwd.send(self._remote(p), p.auth, entries, run)
         rec = log_pb2.Record()
         send = rec.send_compact if run and run[1] else rec.send
         add = send.entries.add
-        total = 0
         checked: dict = {}  # queue -> room left; each queue is validated once per batch
         for queue, body, delay_s, key in entries:
             room = checked.get(queue)
@@ -360,13 +364,6 @@ class Service:
             if room <= 0:
                 raise self._full(queue)
             checked[queue] = room - 1
-            if len(body) > lim.body_bytes_max:
-                raise errors.MessageTooLarge(f"message of {len(body)} bytes; the limit is {lim.body_bytes_max}")
-            total += len(body)
-            if delay_s:
-                delay_s = self._seconds(delay_s, "delay", 0.0, lim.delay_s_max)
-            if key:
-                self._check_dedup_key(key)
             add(queue=queue, id=self._next_id(), body=body, delay_us=round(delay_s * US) if delay_s else 0,
                 dedup_key=key or "")
         if run:
@@ -377,20 +374,12 @@ class Service:
             if room < len(bodies):
                 raise self._full(queue)
             if bodies:
-                biggest = max(map(len, bodies))
-                if biggest > lim.body_bytes_max:
-                    raise errors.MessageTooLarge(f"message of {biggest} bytes; the limit is {lim.body_bytes_max}")
-                total += sum(map(len, bodies))
-                if delay_s:
-                    delay_s = self._seconds(delay_s, "delay", 0.0, lim.delay_s_max)
                 send.run_queue = queue
                 send.run_id_prefix = self._id_prefix
                 send.run_id_first = self._id_counter + 1
                 self._id_counter += len(bodies)
                 send.run_delay_us = round(delay_s * US) if delay_s else 0
                 send.run_bodies.extend(bodies)
-        if total > lim.batch_bytes_max:
-            raise errors.MessageTooLarge(f"batch of {total} bytes; the limit is {lim.batch_bytes_max}")
         results = await self.engine.propose(rec)
         return [("", False, errors.make(d, "queue was deleted while the send was committed")) if mid is None
                 else (mid, d, None) for mid, d in results]
@@ -400,16 +389,19 @@ class Service:
             raise errors.InvalidArgument(f"dedup key: 1..{self.limits.dedup_key_chars_max} printable characters")
 
     def _send_shape(self, entries: list, run: Optional[tuple]) -> None:
-        """What the primary's send checks without its state (names, sizes, delays,
-        keys), for a send this node forwards. Scope and room are the primary's."""
+        """What a send must be whatever the queues hold (names, sizes, delays, keys),
+        checked on every node before anything else. Scope and room are the primary's."""
         lim = self.limits
         bodies = [body for _, body, _, _ in entries] + (list(run[1]) if run else [])
-        for queue, _, delay_s, key in entries + ([(run[0], b"", run[2], "")] if run else []):
+        for queue in {e[0] for e in entries} | ({run[0]} if run else set()):
             self.check_name_any(queue)
+        for _, _, delay_s, key in entries:
             if delay_s:
                 self._seconds(delay_s, "delay", 0.0, lim.delay_s_max)
             if key:
                 self._check_dedup_key(key)
+        if run and run[2]:
+            self._seconds(run[2], "delay", 0.0, lim.delay_s_max)
         biggest = max(map(len, bodies))
         if biggest > lim.body_bytes_max:
             raise errors.MessageTooLarge(f"message of {biggest} bytes; the limit is {lim.body_bytes_max}")

@@ -22,13 +22,17 @@ def _settings(args, **kw) -> knobs.Settings:
     return knobs.load(busy_timeout_s=getattr(args, "busy_timeout", None), **kw)
 
 
+def _spool_named(args) -> None:
+    if not args.spool:
+        raise InvalidArgument("--spool (or SPOOLCTL_DIR) is empty: name the spool directory")
+
+
 def _store(args, settings=None, create: bool = False):
     """``create``: only submit and worker make a spool; the other commands find
     a missing one ``not_found``."""
     from spooler.jobs.store import Store
 
-    if not args.spool:
-        raise InvalidArgument("--spool (or SPOOLCTL_DIR) is empty: name the spool directory")
+    _spool_named(args)
     settings = settings or _settings(args)
     return Store(args.spool, settings.busy_timeout_s, create=create)
 
@@ -109,6 +113,7 @@ def cmd_submit(args) -> int:
 
 
 def cmd_worker(args) -> int:
+    _spool_named(args)
     settings = _settings(args, heartbeat_interval_s=args.heartbeat_interval)
     progress = sys.stderr if (args.drain and _stderr_tty()) else None
     if args.queue:
@@ -178,8 +183,8 @@ def cmd_output(args) -> int:
     try:
         f = open(path, "rb")
     except FileNotFoundError:
-        if att.get("finished_at") is None:
-            return 0   # its command is only being started: nothing written yet
+        if att.get("finished_at") is None or att.get("exit_code") is None:
+            return 0   # its command is only being started, or never ran: nothing written
         # a finished attempt's file was deleted, or the spool moved (paths are absolute)
         raise NotFound(f"the {stream} file of attempt {att['n']} is missing: {path}") from None
     with f:

@@ -286,3 +286,49 @@ def test_sdk_with_every_node_follows_the_cluster(cluster):
         assert c.target_now() != nodes[p].grpc_target
         st = until_ok(lambda: c.get_queue("q"))["stats"]
         assert st["sentTotal"] == 2 and first.id != second.id
+
+
+def test_a_replica_told_to_stop_ends_its_forwarded_long_polls_as_unavailable(cluster):
+    """SIGTERM on a replica: long polls it forwarded to the primary end at once as
+    unavailable, with the kind (and over gRPC the epoch) that sends the client to
+    another node, not as a bare CANCELLED when the server's grace runs out; and
+    the replica exits soon after."""
+    import threading
+    import time
+    import grpc
+    from contract_client import Api
+    from spooler.pb import api_pb2, api_pb2_grpc
+    nodes, _ = cluster
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    r = next(i for i in nodes if i != p)
+    wait_until(lambda: (view(nodes[r]) or {}).get("primary") == p, 10, what="the replica to follow the primary")
+    until_ok(lambda: client(nodes[p]).put_queue("lp"))
+    api = Api(nodes[r].http_url, nodes[r].admin_key)
+    out = {}
+
+    def poll():
+        out["resp"] = api.receive("lp", wait=20)
+    th = threading.Thread(target=poll)
+    th.start()
+    ch = grpc.insecure_channel(nodes[r].grpc_target)
+    try:
+        md = (("authorization", f"Bearer {nodes[r].admin_key}"),)
+        g = api_pb2_grpc.SpoolerStub(ch).Receive.future(api_pb2.ReceiveRequest(queue="lp", wait_seconds=20),
+                                                          metadata=md, timeout=30)
+        wait_until(lambda: nodes[p].metric("spooler_receives_waiting") >= 2, 10, what="both forwarded polls to wait")
+        t = time.monotonic()
+        nodes[r].proc.send_signal(signal.SIGTERM)
+        with pytest.raises(grpc.RpcError) as e:
+            g.result()
+        trailers = dict(e.value.trailing_metadata() or ())
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, (e.value.code(), e.value.details())
+        assert trailers.get("spooler-error-kind") == "unavailable" and trailers.get("spooler-epoch"), trailers
+        th.join(15)
+        assert not th.is_alive()
+        resp = out["resp"]
+        assert resp.status == 503 and resp.json()["kind"] == "unavailable", resp
+        assert nodes[r].proc.wait(timeout=15) == 0
+        assert time.monotonic() - t < 10, "the replica took its whole grace and more to stop"
+    finally:
+        ch.close()
+        th.join(25)

@@ -385,7 +385,7 @@ def test_a_body_too_large_for_grpc_fails_alone_and_leaves_the_session_working(no
             await c.send("big", b"warm")
             [m] = await c.receive("big")
             await c.ack(m.token)
-            poll = asyncio.ensure_future(c.receive("big", wait_s=3))
+            poll = asyncio.ensure_future(c.receive("big", wait_s=15))  # ended by the send below
             deadline = asyncio.get_running_loop().time() + 10
             while node.metric("spooler_receives_waiting") < 1:  # (a quick local HTTP read)
                 assert asyncio.get_running_loop().time() < deadline, "the long poll never started"
