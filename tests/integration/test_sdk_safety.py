@@ -428,3 +428,33 @@ def test_receives_and_batches_are_retried_on_the_next_node_after_unavailable(nod
         async with AsyncClient(f"{DEAD},{node.grpc_target}", node.admin_key, timeout_s=5) as c:
             assert len(await c.send_batch("rb", [b"c"])) == 1
     asyncio.run(main())
+
+
+def test_a_receive_whose_answer_was_lost_is_not_retried(node, tmp_path):
+    """A receive that reached a node and got no answer may have leased messages
+    there: the caller hears unavailable (the SDK tries to give them back) instead
+    of the SDK quietly leasing more on the next node."""
+    from nodeproc import NodeProc
+    other = NodeProc(str(tmp_path / "other"), node_id="n1").start()
+    try:
+        async def main():
+            async with AsyncClient(node.grpc_target, node.admin_key) as c0:
+                await c0.put_queue("lost")
+            async with AsyncClient(other.grpc_target, other.admin_key) as c1:
+                await c1.put_queue("lost")
+            c = AsyncClient(f"{node.grpc_target},{other.grpc_target}", node.admin_key, timeout_s=1)
+            try:
+                await c.get_queue("lost")  # connected to the first
+                os.kill(node.pid, signal.SIGSTOP)
+                try:
+                    with pytest.raises(errors.Unavailable):
+                        await c.receive("lost")
+                    assert c.target_now() == other.grpc_target  # the client did move on
+                    assert await c.receive("lost") == []  # and the caller's own next try goes there
+                finally:
+                    os.kill(node.pid, signal.SIGCONT)
+            finally:
+                await c.close()
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        other.kill()
