@@ -307,24 +307,23 @@ def test_retries_outlast_a_failover_timeout():
         assert c.send_rpcs == 6 and time.monotonic() - t >= 3.0
 
 
-def test_many_calls_timing_out_together_move_the_client_once(node, tmp_path):
-    """Four reads time out together on a hung node: the client moves to the next
-    node once, not four times (which, with two nodes, would land it back on the hung one)."""
+def _first_node_hung(node, tmp_path, queue, check, **client_kw):
+    """An AsyncClient given ``node`` then a second node (both holding ``queue``),
+    connected to ``node``; then ``node`` is SIGSTOPped while ``check(c, other)``
+    runs, and SIGCONTed after."""
     from nodeproc import NodeProc
     other = NodeProc(str(tmp_path / "other"), node_id="n1").start()
     try:
         async def main():
-            # no retries: each call's own failure is what moves the client here
-            c = AsyncClient(f"{node.grpc_target},{other.grpc_target}", node.admin_key, timeout_s=1,
-                            retry_attempts=1)
+            for n in (node, other):
+                async with AsyncClient(n.grpc_target, n.admin_key) as c0:
+                    await c0.put_queue(queue)
+            c = AsyncClient(f"{node.grpc_target},{other.grpc_target}", node.admin_key, timeout_s=1, **client_kw)
             try:
-                await c.list_queues()  # connected to the first
+                await c.get_queue(queue)  # connected to the first
                 os.kill(node.pid, signal.SIGSTOP)
                 try:
-                    res = await asyncio.gather(*[c.list_queues() for _ in range(4)], return_exceptions=True)
-                    assert all(isinstance(r, errors.Unavailable) for r in res), res
-                    assert c.target_now() == other.grpc_target
-                    assert await c.list_queues() == []  # served by the other node
+                    await check(c, other)
                 finally:
                     os.kill(node.pid, signal.SIGCONT)
             finally:
@@ -332,6 +331,18 @@ def test_many_calls_timing_out_together_move_the_client_once(node, tmp_path):
         asyncio.run(asyncio.wait_for(main(), 60))
     finally:
         other.kill()
+
+
+def test_many_calls_timing_out_together_move_the_client_once(node, tmp_path):
+    """Four reads time out together on a hung node: the client moves to the next
+    node once, not four times (which, with two nodes, would land it back on the hung one)."""
+    async def check(c, other):
+        res = await asyncio.gather(*[c.get_queue("mq") for _ in range(4)], return_exceptions=True)
+        assert all(isinstance(r, errors.Unavailable) for r in res), res
+        assert c.target_now() == other.grpc_target
+        assert (await c.get_queue("mq"))["name"] == "mq"  # served by the other node
+    # no retries: each call's own failure is what moves the client here
+    _first_node_hung(node, tmp_path, "mq", check, retry_attempts=1)
 
 
 def test_sync_consume_returns_soon_after_stop_during_a_long_poll(node):
@@ -434,27 +445,9 @@ def test_a_receive_whose_answer_was_lost_is_not_retried(node, tmp_path):
     """A receive that reached a node and got no answer may have leased messages
     there: the caller hears unavailable (the SDK tries to give them back) instead
     of the SDK quietly leasing more on the next node."""
-    from nodeproc import NodeProc
-    other = NodeProc(str(tmp_path / "other"), node_id="n1").start()
-    try:
-        async def main():
-            async with AsyncClient(node.grpc_target, node.admin_key) as c0:
-                await c0.put_queue("lost")
-            async with AsyncClient(other.grpc_target, other.admin_key) as c1:
-                await c1.put_queue("lost")
-            c = AsyncClient(f"{node.grpc_target},{other.grpc_target}", node.admin_key, timeout_s=1)
-            try:
-                await c.get_queue("lost")  # connected to the first
-                os.kill(node.pid, signal.SIGSTOP)
-                try:
-                    with pytest.raises(errors.Unavailable):
-                        await c.receive("lost")
-                    assert c.target_now() == other.grpc_target  # the client did move on
-                    assert await c.receive("lost") == []  # and the caller's own next try goes there
-                finally:
-                    os.kill(node.pid, signal.SIGCONT)
-            finally:
-                await c.close()
-        asyncio.run(asyncio.wait_for(main(), 60))
-    finally:
-        other.kill()
+    async def check(c, other):
+        with pytest.raises(errors.Unavailable):
+            await c.receive("lost")
+        assert c.target_now() == other.grpc_target  # the client did move on
+        assert await c.receive("lost") == []  # and the caller's own next try goes there
+    _first_node_hung(node, tmp_path, "lost", check)
