@@ -166,19 +166,12 @@ def _policy(attempts: int, *, send_with_key: bool = False, settle: bool = False,
     own attempts)."""
     stop = tenacity.stop_after_attempt(attempts)
     if stop_when is not None:  # e.g. the client was closed: the last error stands
-        stop = stop | tenacity.stop_when_event_set(_Flag(stop_when))
+        stop = tenacity.stop_any(stop, lambda _: stop_when())
     return dict(stop=stop,
                 wait=lambda rs: retry_wait_s(rs.attempt_number + 1),
                 retry=tenacity.retry_if_exception(lambda e: retryable(e, send_with_key=send_with_key, settle=settle,
                                                                       receive=receive)),
                 reraise=True)
-
-
-class _Flag:
-    """A predicate dressed as the event tenacity's stop_when_event_set reads."""
-
-    def __init__(self, fn):
-        self.is_set = fn
 
 
 async def call_with_retries(fn, attempts: int, *, first_failed: bool = False,

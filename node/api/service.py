@@ -157,7 +157,7 @@ class Service:
     def _remote(self, p: Principal) -> Optional[str]:
         """The primary's address when this call must be forwarded, else None."""
         e = self.engine
-        if not e.cluster or e.role == "primary":
+        if not self._forwards():
             return None
         if e.stopping:
             raise errors.Unavailable("the node is shutting down", retry_after_s=0.5)
@@ -392,7 +392,9 @@ class Service:
         """What a send must be whatever the queues hold (names, sizes, delays, keys),
         checked on every node before anything else. Scope and room are the primary's."""
         lim = self.limits
-        bodies = [body for _, body, _, _ in entries] + (list(run[1]) if run else [])
+        sizes = [len(body) for _, body, _, _ in entries]
+        if run:
+            sizes.extend(map(len, run[1]))
         for queue in {e[0] for e in entries} | ({run[0]} if run else set()):
             self.check_name_any(queue)
         for _, _, delay_s, key in entries:
@@ -402,11 +404,11 @@ class Service:
                 self._check_dedup_key(key)
         if run and run[2]:
             self._seconds(run[2], "delay", 0.0, lim.delay_s_max)
-        biggest = max(map(len, bodies))
+        biggest, total = max(sizes), sum(sizes)
         if biggest > lim.body_bytes_max:
             raise errors.MessageTooLarge(f"message of {biggest} bytes; the limit is {lim.body_bytes_max}")
-        if sum(map(len, bodies)) > lim.batch_bytes_max:
-            raise errors.MessageTooLarge(f"batch of {sum(map(len, bodies))} bytes; the limit is {lim.batch_bytes_max}")
+        if total > lim.batch_bytes_max:
+            raise errors.MessageTooLarge(f"batch of {total} bytes; the limit is {lim.batch_bytes_max}")
 
     def _room(self, p: Principal, queue: str) -> int:
         """Validate a queue a batch sends to (once per batch): its name, the caller's
