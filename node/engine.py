@@ -89,7 +89,7 @@ class Engine:
                  clock_us: Callable[[], int] = wall_us, vfs: Optional[str] = None,
                  checkpoint_interval_s: float = 1.0,
                  synchronous: str = "FULL", peers: Optional[dict] = None, failover_timeout_s: float = 2.0,
-                 grpc_options=(), tls=None, log_keep_records: int = 100_000):
+                 grpc_options=(), tls=None, log_keep_records: int = 100_000, log_keep_bytes: int = 256 << 20):
         """peers: member id -> gRPC address, this node included (None: a cluster of one)."""
         self.node_id = node_id
         # lost-answer releases the forwarder is retrying: (primary address, queue, name) -> auth;
@@ -100,7 +100,7 @@ class Engine:
         self.clock_us = clock_us
         self.data_dir = data_dir
         self.store = Store(os.path.join(data_dir, "spool.db"), vfs=vfs, synchronous=synchronous,
-                           log_keep_records=log_keep_records)
+                           log_keep_records=log_keep_records, log_keep_bytes=log_keep_bytes)
         self.store_generation = 0  # bumped when a snapshot replaces the store
         self.core = Core(rand=os.urandom)
         self.checkpoint_interval_s = checkpoint_interval_s
@@ -613,9 +613,12 @@ class Engine:
         """Write what changed since the last checkpoint, then let memory go of what
         the store now holds (bodies, segments' bodies)."""
         c = self._take_checkpoint()
+        c.compact_upto = self.store.compaction_point(c.lsn)
+        # The replication core's view of the log forgets first what the store is
+        # about to delete: a replica that needs those records gets a snapshot, and
+        # no record is asked of the store after it has gone.
+        self.repl.core.log.compact(c.compact_upto)
         await self.store_io(self._checkpoint_now_sync, c)
-        # the replication core's view of the log forgets what the store compacted
-        self.repl.core.log.compact(c.lsn - self.store.log_keep_records)
         # Bodies now live in the store: drop them from memory.
         for mid, m in c.persisted_msgs:
             if not m.removed:
@@ -726,7 +729,8 @@ class Engine:
             os.fsync(fd)
         finally:
             os.close(fd)
-        self.store = Store(db, vfs=st.vfs, synchronous=st.synchronous, log_keep_records=st.log_keep_records)
+        self.store = Store(db, vfs=st.vfs, synchronous=st.synchronous, log_keep_records=st.log_keep_records,
+                           log_keep_bytes=st.log_keep_bytes)
         with self.store.db:
             self.store.set_meta("repl_epoch", epoch or 0)
             self.store.set_meta("voted_for", voted or "")

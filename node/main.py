@@ -56,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-keep-records", type=int, default=int(_env("SPOOLER_LOG_KEEP_RECORDS", "100000")),
                    help="log records kept behind a checkpoint for lagging replicas; further behind, "
                         "a replica gets a snapshot (SPOOLER_LOG_KEEP_RECORDS)")
+    p.add_argument("--log-keep-bytes", type=int, default=int(_env("SPOOLER_LOG_KEEP_BYTES", str(256 << 20))),
+                   help="bytes of log records kept behind a checkpoint, the same tail bounded by size "
+                        "(SPOOLER_LOG_KEEP_BYTES, default 268435456)")
     p.add_argument("--log-level", default=_env("SPOOLER_LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
     if a.admin_key is None:
@@ -146,6 +149,7 @@ async def serve(args) -> int:
     engine = Engine(args.data, node_id=args.id, limits=Limits(body_bytes_max=args.max_body_bytes),
                     peers=peers, failover_timeout_s=args.failover_timeout, grpc_options=grpc_api.GRPC_OPTIONS,
                     tls=tls, vfs=vfs_from_env(), log_keep_records=max(1, args.log_keep_records),
+                    log_keep_bytes=max(0, args.log_keep_bytes),
                     synchronous=os.environ.get("SPOOLER_TEST_SYNCHRONOUS", "FULL"))  # tests' control runs only
     stop = asyncio.Event()
     exit_code = 0

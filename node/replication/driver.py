@@ -158,8 +158,7 @@ class Driver:
 
     def _truncate(self, after_lsn: int) -> int:
         st = self.engine.store
-        with st.db:
-            st.db.execute("DELETE FROM log WHERE lsn > ?", (after_lsn,))
+        st.truncate_log(after_lsn)
         for (crc,) in st.db.execute("SELECT crc FROM log WHERE lsn = ?", (after_lsn,)):
             return crc
         a = st.applied_position()

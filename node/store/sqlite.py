@@ -22,6 +22,7 @@ import os
 import sys
 import zlib
 from array import array
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -95,11 +96,12 @@ class CheckpointData:
     segs_del: list    # seq0s
     dedup: list       # (queue, key, msg_id or None = deleted, until)
     keys: list        # (id, sha256 or None = deleted, queue, scopes json)
+    compact_upto: int = -1  # the log's records up to this lsn are deleted (compaction_point)
 
 
 class Store:
     def __init__(self, path: str, vfs: Optional[str] = None, log_keep_records: int = 100_000,
-                 synchronous: str = "FULL"):
+                 synchronous: str = "FULL", log_keep_bytes: int = 256 << 20):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         self.vfs = vfs
@@ -107,6 +109,7 @@ class Store:
         # tests can show their harness sees the loss FULL prevents.
         self.synchronous = synchronous
         self.log_keep_records = log_keep_records
+        self.log_keep_bytes = log_keep_bytes
         self.db = self._connect()
         self._reader: Optional[apsw.Connection] = None
         self.db.execute(SCHEMA)
@@ -115,6 +118,15 @@ class Store:
             self.set_meta("schema_version", SCHEMA_VERSION)
         elif int(v) != SCHEMA_VERSION:
             raise RuntimeError(f"store schema {v} is not {SCHEMA_VERSION}")
+        # The log's record sizes as running totals, for compaction by bytes: the
+        # log's lsns are contiguous, so _log_sum[k] is the size of every record
+        # before lsn _log_first + k (and _log_sum[0] a base of no meaning).
+        self._log_first = 0
+        self._log_sum = array("q", [0])
+        for lsn, size in self.db.execute("SELECT lsn, length(rec) FROM log ORDER BY lsn"):
+            if len(self._log_sum) == 1:
+                self._log_first = lsn
+            self._log_sum.append(self._log_sum[-1] + size)
 
     def _connect(self) -> apsw.Connection:
         flags = apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_CREATE
@@ -146,6 +158,39 @@ class Store:
         """Group commit: rows are (lsn, epoch, crc, encoded record). Returns once fsync'd."""
         with self.db:
             self.db.executemany("INSERT INTO log(lsn, epoch, crc, rec) VALUES(?, ?, ?, ?)", rows)
+        sums = self._log_sum
+        if len(sums) == 1:
+            self._log_first = rows[0][0]
+        total = sums[-1]
+        for r in rows:
+            total += len(r[3])
+            sums.append(total)
+
+    def truncate_log(self, after_lsn: int) -> None:
+        """Drop the records after ``after_lsn`` (never committed by a quorum)."""
+        with self.db:
+            self.db.execute("DELETE FROM log WHERE lsn > ?", (after_lsn,))
+        del self._log_sum[max(1, after_lsn - self._log_first + 2):]
+
+    def compaction_point(self, applied_lsn: int) -> int:
+        """The last lsn that compaction may delete behind ``applied_lsn``: the log
+        keeps at most ``log_keep_records`` records and ``log_keep_bytes`` bytes of
+        applied records (always the last applied one, however large).
+
+        Called on the event loop while the writer thread may append: an append
+        only adds totals past the last record, and a truncation drops only
+        unapplied ones, so the totals up to ``applied_lsn`` read here hold still."""
+        cut = applied_lsn - self.log_keep_records
+        sums, first = self._log_sum, self._log_first
+        end = applied_lsn - first + 2  # _log_sum[end - 1]: every byte up to applied_lsn
+        if 2 <= end <= len(sums):
+            floor = sums[end - 1] - self.log_keep_bytes
+            cut = max(cut, first + bisect_left(sums, floor, 0, end) - 1)
+        return min(cut, applied_lsn - 1)
+
+    def log_bytes(self) -> int:
+        """Bytes of the records in the log table."""
+        return self._log_sum[-1] - self._log_sum[0]
 
     def last_position(self) -> Position:
         for lsn, epoch, crc in self.db.execute("SELECT lsn, epoch, crc FROM log ORDER BY lsn DESC LIMIT 1"):
@@ -210,9 +255,15 @@ class Store:
             for k, v in (("applied_lsn", c.lsn), ("applied_epoch", c.epoch), ("applied_crc", c.crc),
                          ("next_seq", c.next_seq)):
                 self.set_meta(k, v)
-            # Bounded growth: the log keeps only a tail behind the checkpoint
-            # (replicas that fall further behind get a snapshot instead).
-            db.execute("DELETE FROM log WHERE lsn <= ?", (c.lsn - self.log_keep_records,))
+            # Bounded growth: the log keeps only a tail behind the checkpoint, in
+            # records and in bytes (replicas that fall further behind get a
+            # snapshot instead). The engine compacted its view of the log to the
+            # same point before this ran.
+            cut = c.compact_upto
+            db.execute("DELETE FROM log WHERE lsn <= ?", (cut,))
+        if len(self._log_sum) > 1 and cut >= self._log_first:
+            del self._log_sum[:cut - self._log_first + 1]
+            self._log_first = cut + 1
 
     # ------------------------------------------------------------- loading
     def load_queues(self) -> Iterable:

@@ -1,12 +1,19 @@
 """A replica that fell behind the primary's compacted log catches up from a snapshot."""
+import pytest
+
 from integration.test_cluster import primary_of, send_until_ok, until_ok, view
 from nodeproc import start_cluster, wait_until
 from spooler.http import HttpClient
 
 
-def test_lagging_replica_catches_up_from_a_snapshot(tmp_path):
+# the log's tail bounded by its count of records, or by its bytes (about 30 of
+# these records) while the count allows far more than are sent
+@pytest.mark.parametrize("keep", [["--log-keep-records", "10"],
+                                  ["--log-keep-records", "100000", "--log-keep-bytes", "2000"]],
+                         ids=["records", "bytes"])
+def test_lagging_replica_catches_up_from_a_snapshot(tmp_path, keep):
     ids = ["n1", "n2", "n3"]
-    nodes = start_cluster(str(tmp_path), 3, 1.0, extra_args=["--log-keep-records", "10"])
+    nodes = start_cluster(str(tmp_path), 3, 1.0, extra_args=keep)
     try:
         p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
         c = HttpClient(nodes[p].http_url, nodes[p].admin_key)

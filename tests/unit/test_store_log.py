@@ -1,0 +1,86 @@
+"""The store's log tail: compaction bounds it in records and in bytes."""
+import os
+
+import pytest
+
+from node.store.sqlite import CheckpointData, Store
+
+
+def _checkpoint(st: Store, applied: int) -> None:
+    c = CheckpointData(lsn=applied, epoch=1, crc=0, next_seq=0, queues=[], msgs_put=[], msgs_del=[],
+                       segs_put=[], segs_gone=[], segs_del=[], dedup=[], keys=[])
+    c.compact_upto = st.compaction_point(applied)
+    st.checkpoint(c)
+
+
+def _append(st: Store, first: int, n: int, size: int) -> None:
+    st.append([(lsn, 1, 0, bytes([lsn % 251]) * size) for lsn in range(first, first + n)])
+
+
+def _log(st: Store) -> tuple:
+    (lo, hi, total, n), = st.db.execute("SELECT min(lsn), max(lsn), coalesce(sum(length(rec)), 0), count(*) FROM log")
+    return lo, hi, total, n
+
+
+@pytest.fixture
+def store(tmp_path):
+    st = Store(os.path.join(str(tmp_path), "spool.db"), log_keep_records=100_000, log_keep_bytes=10_000)
+    yield st
+    st.close()
+
+
+def test_the_applied_tail_is_bounded_in_bytes(store):
+    _append(store, 1, 50, 1000)
+    _checkpoint(store, 50)
+    assert _log(store) == (41, 50, 10_000, 10)
+    # records after the applied point are never compacted, whatever their size
+    _append(store, 51, 20, 5000)
+    _checkpoint(store, 60)
+    lo, hi, total, n = _log(store)
+    assert (lo, hi) == (59, 70)
+    assert store.log_bytes() == total == 12 * 5000
+
+
+def test_the_record_count_still_bounds_a_tail_of_small_records(tmp_path):
+    st = Store(os.path.join(str(tmp_path), "spool.db"), log_keep_records=5, log_keep_bytes=10_000)
+    _append(st, 1, 30, 10)
+    _checkpoint(st, 30)
+    assert _log(st) == (26, 30, 50, 5)
+    st.close()
+
+
+def test_the_last_applied_record_stays_however_large(tmp_path):
+    st = Store(os.path.join(str(tmp_path), "spool.db"), log_keep_records=100, log_keep_bytes=100)
+    _append(st, 1, 3, 1000)
+    _checkpoint(st, 3)
+    assert _log(st) == (3, 3, 1000, 1)
+    assert st.last_position().lsn == 3
+    st.close()
+
+
+def test_the_sizes_are_read_back_when_the_store_opens(tmp_path):
+    path = os.path.join(str(tmp_path), "spool.db")
+    st = Store(path, log_keep_records=100_000, log_keep_bytes=10_000)
+    _append(st, 1, 8, 1000)
+    _checkpoint(st, 8)  # 8,000 bytes: nothing compacted yet
+    st.close()
+    st = Store(path, log_keep_records=100_000, log_keep_bytes=10_000)
+    assert st.log_bytes() == 8000
+    _append(st, 9, 4, 1000)
+    _checkpoint(st, 12)
+    assert _log(st) == (3, 12, 10_000, 10)
+    st.close()
+
+
+def test_a_truncation_leaves_the_sizes_in_step(store):
+    _append(store, 1, 20, 1000)
+    store.truncate_log(15)
+    assert store.log_bytes() == 15_000
+    _append(store, 16, 10, 2000)
+    _checkpoint(store, 25)
+    # behind 25: 10 records of 2,000 bytes would be 20,000; 5 of them fit
+    assert _log(store) == (21, 25, 10_000, 5)
+    store.truncate_log(0)  # everything (a resync back to the start)
+    assert store.log_bytes() == 0 and _log(store)[3] == 0
+    _append(store, 1, 3, 100)
+    assert store.log_bytes() == 300
