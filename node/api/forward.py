@@ -35,6 +35,19 @@ def _put(d: OrderedDict, k, v, cap: int) -> None:
 _ACTIONS = {"ack": api_pb2.SETTLE_ACK, "nack": api_pb2.SETTLE_NACK, "renew": api_pb2.SETTLE_RENEW}
 
 
+def _action_number(action) -> int:
+    """The wire number of a settle action. An unknown number from a gRPC caller
+    (named ``number N`` by grpc_api) goes on as it came, so the primary refuses
+    it in the same words as when it is asked directly."""
+    n = _ACTIONS.get(action)
+    if n is None and isinstance(action, str) and action.startswith("number "):
+        try:
+            n = int(action[7:])
+        except ValueError:
+            n = 0
+    return n or 0
+
+
 class Forwarder:
     def __init__(self, timeout_s: float = 10.0, tls=None, current_primary=None, releases_max: int = 1024,
                  node_id: str = "1", pending: Optional[dict] = None):
@@ -211,7 +224,7 @@ class Forwarder:
 
     async def settle(self, a, auth, items, per_item_errors):
         req = api_pb2.SettleBatchRequest(items=[api_pb2.SettleBatchRequest.Item(
-            token=t if isinstance(t, str) else "", action=_ACTIONS.get(act, 0), delay_seconds=d or 0.0)
+            token=t if isinstance(t, str) else "", action=_action_number(act), delay_seconds=d or 0.0)
             for t, act, d in items])
         r = await self.call(a, "SettleBatch", req, auth, True)
         out = [errors.from_detail(x.error) if x.HasField("error") else (x.expires_at or None) for x in r.results]

@@ -332,3 +332,31 @@ def test_a_replica_told_to_stop_ends_its_forwarded_long_polls_as_unavailable(clu
     finally:
         ch.close()
         th.join(25)
+
+
+def test_a_replica_answers_an_unknown_settle_action_as_the_primary_does(cluster):
+    """A settle item with an action number the contract does not know reaches the
+    primary through a replica as it came: the same per-item error, in the same words."""
+    import grpc
+
+    from spooler.pb import api_pb2, api_pb2_grpc
+    nodes, _ = cluster
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    r = next(i for i in nodes if i != p)
+    wait_until(lambda: (view(nodes[r]) or {}).get("primary") == p, 10, what="the replica to follow the primary")
+    c = client(nodes[p])
+    until_ok(lambda: c.put_queue("ua"))
+    send_until_ok(c, "ua", b"x")
+    token = c.receive("ua").token
+    answers = {}
+    for node in (p, r):
+        with grpc.insecure_channel(nodes[node].grpc_target) as ch:
+            resp = api_pb2_grpc.SpoolerStub(ch).SettleBatch(
+                api_pb2.SettleBatchRequest(items=[api_pb2.SettleBatchRequest.Item(token=token, action=7)]),
+                metadata=(("authorization", f"Bearer {nodes[node].admin_key}"),), timeout=10)
+        (item,) = resp.results
+        answers[node] = (item.error.kind, item.error.message)
+    assert answers[p] == answers[r], answers
+    assert answers[p][0] == "invalid_argument" and "7" in answers[p][1], answers
+    # the lease is untouched: an ack still works
+    c.ack(token)
