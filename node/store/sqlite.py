@@ -101,7 +101,7 @@ class CheckpointData:
 
 class Store:
     def __init__(self, path: str, vfs: Optional[str] = None, log_keep_records: int = 100_000,
-                 synchronous: str = "FULL", log_keep_bytes: int = 256 << 20):
+                 synchronous: str = "FULL", log_keep_bytes: int = 256 << 20, wal_keep_bytes: int = 64 << 20):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         self.vfs = vfs
@@ -110,6 +110,7 @@ class Store:
         self.synchronous = synchronous
         self.log_keep_records = log_keep_records
         self.log_keep_bytes = log_keep_bytes
+        self.wal_keep_bytes = wal_keep_bytes
         self.db = self._connect()
         self._reader: Optional[apsw.Connection] = None
         self.db.execute(SCHEMA)
@@ -136,6 +137,11 @@ class Store:
         # FULL: a commit returns only after the WAL is fsync'd. This is the
         # "fsync" in "fsync, then quorum, then answer".
         db.execute(f"PRAGMA synchronous={self.synchronous}")
+        # A large transaction (a checkpoint of many new messages) grows the WAL
+        # file; once SQLite starts the WAL over, it cuts the file back to this
+        # size instead of keeping it at its largest for ever. Ordinary commits
+        # cycle well inside it (SQLite checkpoints the WAL every 1,000 pages).
+        db.execute(f"PRAGMA journal_size_limit={int(self.wal_keep_bytes)}")
         return db
 
     def close(self) -> None:

@@ -84,3 +84,13 @@ def test_a_truncation_leaves_the_sizes_in_step(store):
     assert store.log_bytes() == 0 and _log(store)[3] == 0
     _append(store, 1, 3, 100)
     assert store.log_bytes() == 300
+
+
+def test_the_wal_file_shrinks_back_after_a_large_transaction(tmp_path):
+    path = os.path.join(str(tmp_path), "spool.db")
+    st = Store(path, wal_keep_bytes=1 << 20)
+    st.append([(1, 1, 0, os.urandom(6 << 20))])  # SQLite checkpoints the WAL after this commit
+    assert os.path.getsize(path + "-wal") > 6 << 20
+    st.append([(2, 1, 0, b"x")])  # the WAL starts over, and its file is cut back
+    assert os.path.getsize(path + "-wal") <= 1 << 20
+    st.close()
