@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 
@@ -48,9 +49,35 @@ def _fmt_time(t) -> str:
     return "-" if t is None else time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t))
 
 
+def _shell_word(arg: str) -> str:
+    """One argument as bash would read it back, always on one line: plain shell
+    quoting, or ANSI-C quoting ($'...') when it holds control characters such
+    as a newline, which would otherwise split a job's line in two."""
+    if not any(ord(ch) < 32 or ord(ch) == 127 for ch in arg):
+        return shlex.quote(arg)
+    out = []
+    for ch in arg:
+        o = ord(ch)
+        if ch in "\\'":
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif o < 32 or o == 127:
+            out.append(f"\\x{o:02x}")
+        else:
+            out.append(ch)
+    return "$'" + "".join(out) + "'"
+
+
+def shown_command(argv: list) -> str:
+    return " ".join(map(_shell_word, argv))
+
+
 def _job_text(job: dict) -> str:
     lines = [f"job {job['id']}: {job['state']}",
-             f"  command:     {' '.join(job['command'])}",
+             f"  command:     {shown_command(job['command'])}",
              f"  priority:    {job['priority']}",
              f"  failures:    {job['failure_count']} of max_retries {job['max_retries']}",
              f"  crashes:     {job['crash_count']} of max_crashes "
@@ -156,7 +183,7 @@ def cmd_list(args) -> int:
     finally:
         store.close()
     text = "\n".join(f"{j['id']}  {j['state']:<9} p={j['priority']:<4} attempts={len(j['attempts'])}"
-                     f"  {' '.join(j['command'])}" for j in jobs)
+                     f"  {shown_command(j['command'])}" for j in jobs)
     emit(args, {"jobs": jobs}, text)
     return 0
 
