@@ -16,7 +16,9 @@ processes (``cluster.Cluster``), creates a queue, and for ``duration_s`` seconds
   it later, SIGSTOP the primary past the failover timeout then SIGCONT, SIGKILL+restart a
   replica; with ``partitions=True`` also network partitions (see ``PARTITION_ACTIONS``)
   made by a ``proxy.FaultProxy`` that every node-to-node connection crosses, each healed
-  before the next fault.
+  before the next fault; with ``cascades=True`` also two faults that overlap (see
+  ``CASCADE_ACTIONS``: the successor of a killed primary killed too, a replica killed
+  and then the primary stopped).
 
 Every client call talks to a random running node (a new one after an error) and is
 recorded in a :class:`History` (invoke, then ok / fail / unknown as the module docstring
@@ -71,6 +73,15 @@ PROCESS_ACTIONS = (("kill_primary", 0.4), ("stop_primary", 0.35), ("restart_repl
 PARTITION_ACTIONS = (("kill_primary", 0.12), ("stop_primary", 0.10), ("restart_replica", 0.08),
                      ("isolate_primary", 0.16), ("blackhole_primary", 0.12), ("isolate_replica", 0.12),
                      ("one_way_out", 0.15), ("one_way_in", 0.15))
+# With cascades=True the nemesis also draws faults that overlap (about half of its draws):
+#   kill_primary_twice      SIGKILL the primary; as soon as a successor is elected, SIGKILL
+#                           that one too, within 0.3 s of seeing it (its first writes and
+#                           the fencing of the old leases are in flight); restart the first,
+#                           then the second
+#   kill_replica_stop_primary  SIGKILL a replica, then SIGSTOP the primary: no quorum is
+#                           left; restart the replica (it and the third node elect a new
+#                           primary), then SIGCONT the old one, which must step down
+CASCADE_ACTIONS = (("kill_primary_twice", 0.5), ("kill_replica_stop_primary", 0.5))
 
 
 def lease_token_epoch(token: str) -> Optional[int]:
@@ -120,7 +131,7 @@ class _Client:
 class Drill:
     def __init__(self, seed: int, duration_s: float, nodes: int, workdir: str, producers: int = 3,
                  consumers: int = 2, send_pause_s: float = 0.05, failover_timeout_s: float = 1.0,
-                 log=print, power_loss: bool = False, partitions: bool = False):
+                 log=print, power_loss: bool = False, partitions: bool = False, cascades: bool = False):
         self.seed, self.duration_s, self.workdir = seed, duration_s, os.path.abspath(workdir)
         self.n_producers, self.n_consumers = producers, consumers
         self.send_pause_s = send_pause_s
@@ -129,6 +140,7 @@ class Drill:
         self.h = History()
         self.power_loss = power_loss
         self.partitions = partitions
+        self.cascades = cascades
         self.cluster = Cluster(os.path.join(self.workdir, "nodes"), nodes=nodes,
                                failover_timeout_s=failover_timeout_s, power_loss=power_loss,
                                partitions=partitions)
@@ -319,6 +331,10 @@ class Drill:
         rng = self.rng("nemesis")
         c, h, ft = self.cluster, self.h, self.failover_timeout_s
         actions = PARTITION_ACTIONS if self.partitions else PROCESS_ACTIONS
+        if self.cascades:  # half of the draws overlap two faults
+            actions = tuple((a, w / 2) for a, w in actions) + tuple((a, w / 2) for a, w in CASCADE_ACTIONS)
+        # its own stream, so that cascades do not shift the other draws of a seed
+        crng = self.rng("cascade")
         first = True
         while not self.stop_load.is_set():
             if self.stop_load.wait(rng.uniform(1.0, 2.0) if first else rng.uniform(2.0, 4.0)):
@@ -334,7 +350,9 @@ class Drill:
                 self._wait_healthy(5.0)  # one fault at a time
                 continue
             p, epoch = cp
-            if action not in ("kill_primary", "stop_primary", "restart_replica"):
+            if action in ("kill_primary_twice", "kill_replica_stop_primary"):
+                self._cascade(action, p, epoch, down, crng)
+            elif action not in ("kill_primary", "stop_primary", "restart_replica"):
                 self._partition(action, p, epoch, ft + 0.75 * down, x1, x2)
             elif action == "kill_primary":
                 h.nemesis("power_loss" if self.power_loss else "kill", p, role="primary", epoch=epoch)
@@ -362,6 +380,55 @@ class Drill:
                 self.expected_down.discard(r)
                 h.nemesis("restarted", r)
             self._wait_healthy()
+
+    def _kill(self, node: str, role: str, epoch: int) -> None:
+        self.h.nemesis("power_loss" if self.power_loss else "kill", node, role=role, epoch=epoch)
+        self.expected_down.add(node)
+        self.cluster.kill(node)
+
+    def _restart(self, node: str) -> None:
+        self.h.nemesis("restart", node)
+        self.cluster.restart(node)
+        self.expected_down.discard(node)
+        self.h.nemesis("restarted", node)
+
+    def _cascade(self, action: str, p: str, epoch: int, down: float, rng: random.Random) -> None:
+        """Two faults that overlap (CASCADE_ACTIONS)."""
+        c, ft = self.cluster, self.failover_timeout_s
+        self.h.nemesis("cascade", p, kind=action, epoch=epoch)  # what follows belongs together
+        if action == "kill_primary_twice":
+            self._kill(p, "primary", epoch)
+            deadline = time.monotonic() + 3 * ft + 5.0
+            nxt = None
+            while nxt is None and time.monotonic() < deadline and not self.stop_load.is_set():
+                cp = c.current_primary(timeout_s=0.3)
+                if cp is not None and cp[0] != p and cp[1] > epoch:
+                    nxt = cp
+                else:
+                    time.sleep(0.02)
+            if nxt is not None:
+                self.stop_load.wait(rng.uniform(0.0, 0.3))
+                self._kill(nxt[0], "primary", nxt[1])
+                self.stop_load.wait(down / 2)
+            else:
+                self.notes.append(f"no successor of {p} (epoch {epoch}) within {3 * ft + 5.0:.1f}s to kill")
+                self.stop_load.wait(down / 2)
+            self._restart(p)
+            if nxt is not None:
+                self.stop_load.wait(down / 2)
+                self._restart(nxt[0])
+        else:  # kill_replica_stop_primary
+            replicas = [n for n in c.ids if n != p]
+            r = replicas[int(rng.random() * len(replicas))]
+            self._kill(r, "replica", epoch)
+            self.stop_load.wait(rng.uniform(0.2, 1.0))
+            self.h.nemesis("stop", p, role="primary", epoch=epoch)
+            c.stop_proc(p)
+            self.stop_load.wait(down / 2)
+            self._restart(r)  # it and the third node can elect without the stopped primary
+            self.stop_load.wait(ft + down / 2)
+            self.h.nemesis("cont", p)
+            c.cont(p)
 
     def _partition(self, action: str, p: str, epoch: int, hold_s: float, x1: float, x2: float) -> None:
         """One partition of the primary ``p`` (or of a replica) for ``hold_s``, then heal.

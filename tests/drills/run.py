@@ -113,6 +113,9 @@ def main(argv=None) -> int:
                     help="every SIGKILL is a power cut (nodes buffer writes until fsync)")
     ap.add_argument("--partitions", action="store_true",
                     help="route node-to-node traffic through a fault proxy; the nemesis also partitions")
+    ap.add_argument("--cascades", action="store_true",
+                    help="the nemesis also overlaps two faults (a new primary killed right after its "
+                         "election; a replica killed, then the primary stopped)")
     ap.add_argument("--json", default=None, help="also write every report (JSON lines) to this file")
     args = ap.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the running drill's finally blocks end its nodes by pid
@@ -122,7 +125,8 @@ def main(argv=None) -> int:
     root = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="spooler-drills-"))
     os.makedirs(root, exist_ok=True)
     print(f"drills: seeds {args.seeds} ({len(seeds)}), {args.duration:g}s each, {args.nodes} nodes"
-          f"{', power loss' if args.power_loss else ''}{', partitions' if args.partitions else ''}, in {root}",
+          f"{', power loss' if args.power_loss else ''}{', partitions' if args.partitions else ''}"
+          f"{', cascades' if args.cascades else ''}, in {root}",
           flush=True)
     reports = []
     for seed in seeds:
@@ -132,7 +136,7 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         try:
             r = run_drill(seed, args.duration, nodes=args.nodes, workdir=wd, power_loss=args.power_loss,
-                          partitions=args.partitions)
+                          partitions=args.partitions, cascades=args.cascades)
         except Exception as e:  # noqa: BLE001 - a drill that cannot finish is a failing seed
             import traceback
             traceback.print_exc()

@@ -14,9 +14,9 @@ from drills.drill import run_drill
 pytestmark = pytest.mark.integration
 
 
-def _run(seed, duration_s, tmp_path, power_loss=False, partitions=False):
+def _run(seed, duration_s, tmp_path, power_loss=False, partitions=False, cascades=False):
     report = run_drill(seed, duration_s, nodes=3, workdir=str(tmp_path / f"seed-{seed}"), power_loss=power_loss,
-                       partitions=partitions)
+                       partitions=partitions, cascades=cascades)
     table = format_table(report)
     print(f"seed {seed}: {report['wall_s']:.1f}s wall, nemeses {json.dumps(report['nemesis_counts'])}\n{table}")
     assert report["drain_complete"], report["notes"]
@@ -50,6 +50,16 @@ def test_short_partition_drill(tmp_path):
     assert len(links) == 6 and all(x["mode"] == "ok" for x in links.values()), links
     # the primary's log shipping crossed the proxy (every node was primary or replica of one)
     assert sum(1 for x in links.values() if x["bytes_fwd"] > 0 and x["bytes_back"] > 0) >= 4, links
+
+
+def test_short_cascade_drill(tmp_path):
+    """Overlapping faults; seed 4 kills a replica and then stops the primary (no quorum
+    left until the replica is back), then kills a new primary right after its election."""
+    r = _run(4, 14.0, tmp_path, cascades=True)
+    counts = r["nemesis_counts"]
+    assert counts.get("cascade_kill_replica_stop_primary", 0) >= 1, counts
+    assert counts.get("cascade_kill_primary_twice", 0) >= 1, counts
+    assert counts.get("kill_primary", 0) >= 2 * counts["cascade_kill_primary_twice"], counts
 
 
 @pytest.mark.slow
