@@ -19,7 +19,7 @@ from aiohttp import web
 from node.api import grpc_api
 from node.api.http import build_app
 from node.api.metrics import Metrics
-from node.api.service import Service
+from node.api.service import KEY_CHARS_MAX, Service
 from node.engine import Engine, Limits
 
 log = logging.getLogger("spooler.node")
@@ -65,10 +65,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.admin_key = [k for k in _env("SPOOLER_ADMIN_KEY", "").split(",") if k]
     if a.failover_timeout <= 0:
         p.error("--failover-timeout must be > 0")
-    if not 1 <= a.max_body_bytes <= 64 * 1024 * 1024:
-        p.error("--max-body-bytes must be 1..67108864")
+    # a body is sent in one log record, whose bodies are at most 8 MiB
+    # (Limits.batch_bytes_max), and answered in one gRPC message of at most 16 MiB
+    if not 1 <= a.max_body_bytes <= Limits().batch_bytes_max:
+        p.error(f"--max-body-bytes must be 1..{Limits().batch_bytes_max}")
     if any((a.tls_cert, a.tls_key, a.tls_ca)) and not all((a.tls_cert, a.tls_key, a.tls_ca)):
         p.error("--tls-cert, --tls-key and --tls-ca go together")
+    if a.log_keep_records < 1:
+        p.error("--log-keep-records must be >= 1")
+    if a.log_keep_bytes < 0:
+        p.error("--log-keep-bytes must be >= 0")
+    bad = [k for k in a.admin_key if not 1 <= len(k) <= KEY_CHARS_MAX or any(ch.isspace() for ch in k)]
+    if bad:  # such a key could never be presented in an Authorization header
+        p.error(f"--admin-key must be 1..{KEY_CHARS_MAX} characters without spaces")
     return a
 
 
@@ -148,8 +157,8 @@ async def serve(args) -> int:
     from node.store.testvfs import vfs_from_env
     engine = Engine(args.data, node_id=args.id, limits=Limits(body_bytes_max=args.max_body_bytes),
                     peers=peers, failover_timeout_s=args.failover_timeout, grpc_options=grpc_api.GRPC_OPTIONS,
-                    tls=tls, vfs=vfs_from_env(), log_keep_records=max(1, args.log_keep_records),
-                    log_keep_bytes=max(0, args.log_keep_bytes),
+                    tls=tls, vfs=vfs_from_env(), log_keep_records=args.log_keep_records,
+                    log_keep_bytes=args.log_keep_bytes,
                     synchronous=os.environ.get("SPOOLER_TEST_SYNCHRONOUS", "FULL"))  # tests' control runs only
     stop = asyncio.Event()
     exit_code = 0

@@ -54,6 +54,10 @@ def rfc3339(us: int) -> str:
     return datetime.fromtimestamp(us / US, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+# the longest API key a node accepts in an Authorization header (docs/limits.md)
+KEY_CHARS_MAX = 512
+
+
 @dataclass(frozen=True)
 class Principal:
     admin: bool          # a bootstrap admin key: everything
@@ -172,7 +176,7 @@ class Service:
             raise errors.Unauthenticated("missing Authorization: Bearer <key>")
         scheme, _, key = authorization.strip().partition(" ")
         key = key.strip()
-        if scheme.lower() != "bearer" or not key or len(key) > 512:
+        if scheme.lower() != "bearer" or not key or len(key) > KEY_CHARS_MAX:
             raise errors.Unauthenticated("expected Authorization: Bearer <key>")
         digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
         ok = False
@@ -436,12 +440,37 @@ class Service:
                                 (via, mono_us()) if via else None)
         if not got:
             return []
+        bodies = self._bodies_within(got, now)
+        if len(bodies) < len(got):
+            del got[len(bodies):]
         if self.engine.metrics:  # leases live in memory, not in the log: counted here
             self.engine.metrics.receives.inc(len(got))
-        bodies = self.engine.bodies_of([m for m, _ in got])
         expires = rfc3339(got[0][1].expires_at)  # one receive: one lease timeout, one expiry
         return [Delivery(m.id, body, self.encode_token(lease), m.retry, expires, queue)
                 for (m, lease), body in zip(got, bodies)]
+
+    def _bodies_within(self, got: list, now: int) -> list:
+        """The bodies of a receive's leased messages, oldest first, as many as fit in
+        one answer: at most ``batch_bytes_max`` bytes of bodies (the first always),
+        so that an answer stays well under gRPC's 16 MiB message limit. The leases
+        past that are given back at once, as if never taken (visible, retry count
+        unchanged). Read a hundred at a time, so that a receive of large messages
+        never holds more than the budget and one such slice in memory."""
+        budget, total, out = self.limits.batch_bytes_max, 0, []
+        for i in range(0, len(got), 100):
+            for body in self.engine.bodies_of([m for m, _ in got[i:i + 100]]):
+                if out and total + len(body) > budget:
+                    break
+                total += len(body)
+                out.append(body)
+            else:
+                continue
+            break
+        if len(out) < len(got):
+            for _, lease in got[len(out):]:
+                self.core.release(lease.id, lease.nonce, now)
+            self.engine._wake_receivers()
+        return out
 
     async def receive(self, p: Principal, queue: str, wait_s: float, max_n: int = 1, receive_id: str = "",
                       caller_receive_id: str = "") -> list:

@@ -1,0 +1,36 @@
+"""spooler-node refuses settings it could never honour, at start, with a clear message."""
+import pytest
+
+from node.main import parse_args
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--max-body-bytes", "0"], "--max-body-bytes must be 1..8388608"),
+    # a body is one log record of at most 8 MiB; more could never be sent
+    (["--max-body-bytes", "8388609"], "--max-body-bytes must be 1..8388608"),
+    (["--log-keep-records", "0"], "--log-keep-records must be >= 1"),
+    (["--log-keep-bytes", "-1"], "--log-keep-bytes must be >= 0"),
+    # a key no Authorization header can carry (over 512 characters, or with a space)
+    (["--admin-key", "k" * 513], "--admin-key must be 1..512 characters"),
+    (["--admin-key", "two words"], "--admin-key must be 1..512 characters"),
+    (["--failover-timeout", "0"], "--failover-timeout must be > 0"),
+])
+def test_a_setting_out_of_range_stops_the_node_at_start(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_the_edges_of_those_ranges_are_accepted(monkeypatch):
+    monkeypatch.delenv("SPOOLER_ADMIN_KEY", raising=False)
+    a = parse_args(["--max-body-bytes", "8388608", "--log-keep-records", "1", "--log-keep-bytes", "0",
+                    "--admin-key", "k" * 512])
+    assert (a.max_body_bytes, a.log_keep_records, a.log_keep_bytes, a.admin_key) == (8388608, 1, 0, ["k" * 512])
+
+
+def test_admin_keys_from_the_environment_are_checked_too(monkeypatch, capsys):
+    monkeypatch.setenv("SPOOLER_ADMIN_KEY", "good," + "k" * 600)
+    with pytest.raises(SystemExit):
+        parse_args([])
+    assert "--admin-key must be" in capsys.readouterr().err
