@@ -48,8 +48,18 @@ DEFAULT_SETTINGS = {
 }
 
 
+# the longest name a failure queue derived from its queue's name may have
+DERIVED_NAME_CHARS_MAX = 255
+
+
 def failure_queue_of(name: str, settings: dict) -> str:
-    return settings["failure_queue"] or f"{name}.failed"
+    """The queue's failure queue: as set, else "{name}.failed". A failure queue
+    made on demand has one of its own in turn; where that name would pass
+    DERIVED_NAME_CHARS_MAX the chain ends: the queue is its own failure queue
+    (an exhausted message stays, its count saturates), since a longer name
+    could never be read, received from or deleted by any route."""
+    fq = settings["failure_queue"] or f"{name}.failed"
+    return fq if len(fq) <= DERIVED_NAME_CHARS_MAX else name
 
 
 class Msg:

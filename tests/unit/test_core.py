@@ -499,3 +499,22 @@ def test_a_replica_heaps_stay_bounded(log):
         held = (len(q.retention) + len(q.ready) + len(q.delayed) + len(q.seg_retention) + len(q.seg_ready)
                 + len(q.seg_delayed))
         assert q.size == 0 and held <= 2 * (q.size + 1024)  # 40 x 120 sends went through
+
+
+def test_a_chain_of_derived_failure_queues_ends_at_255_characters(log):
+    """Each failure queue made on demand has "{name}.failed" as its own; where that
+    name would pass 255 characters (which no route could reach), the queue is its
+    own failure queue: an exhausted message stays there, visible again."""
+    name = "q" * 80
+    while len(name) + len(".failed") <= 255:
+        name += ".failed"
+    assert len(name) == 255
+    log.queue(name, max_retries=0)
+    assert log.core.queues[name].failure_queue == name
+    mid, _ = log.send(name)
+    recv(log, name, 0)
+    log.settle(log_pb2.NACK, name, mid, 1)
+    assert max(map(len, log.core.queues)) == 255
+    [(m, _)] = recv(log, name, 1)
+    assert (m.id, m.retry) == (mid, 0)
+    assert log.core.stats(name, 1)["failedTotal"] == 1
