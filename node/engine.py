@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 from spooler import errors
 from spooler.pb import log_pb2
-from node.core.spool import Core
+from node.core.spool import QUEUES_MAX, Core
 from node.store.sqlite import CheckpointData, Store, chain
 
 log = logging.getLogger("spooler.engine")
@@ -61,7 +61,7 @@ class Limits:
         self.batch_bytes_max = 8 * 1024 * 1024
         self.leases_per_queue_max = 100_000
         self.messages_per_queue_max = 2_000_000
-        self.queues_max = 10_000
+        self.queues_max = QUEUES_MAX  # the core's: it also bounds failure queues made on demand
         self.keys_max = 10_000
         self.commit_records_max = 4096       # records in one group commit
         self.commit_bytes_max = 16 * 1024 * 1024

@@ -109,6 +109,10 @@ class Service:
         self._receipt_tokens = 0
         self._peer_releases: OrderedDict = OrderedDict()  # releases that came on acks, done
         self.session_wakes: set = set()  # the writers of open Session streams (shut_down wakes them)
+        # creations proposed and not yet answered, counted against their caps: a
+        # check of the core alone let concurrent creates pass the cap together
+        self._queues_creating: dict = {}  # name -> calls creating it
+        self._keys_creating = 0
 
     @property
     def core(self):
@@ -288,9 +292,18 @@ class Service:
         if st.HasField("failure_queue"):
             # exhausted messages will be written there, and redrive reads it back
             self.authorize(p, "admin", st.failure_queue)
-        if name not in self.core.queues and len(self.core.queues) >= self.limits.queues_max:
-            raise errors.InvalidArgument(f"at most {self.limits.queues_max} queues")
-        created = await self.engine.propose(log_pb2.Record(queue_put=log_pb2.QueuePut(name=name, settings=st)))
+        queues, creating = self.core.queues, self._queues_creating
+        if name not in queues and name not in creating:
+            if len(queues) + sum(1 for n in creating if n not in queues) >= self.limits.queues_max:
+                raise errors.InvalidArgument(f"at most {self.limits.queues_max} queues")
+        creating[name] = creating.get(name, 0) + 1
+        try:
+            created = await self.engine.propose(log_pb2.Record(queue_put=log_pb2.QueuePut(name=name, settings=st)))
+        finally:
+            if creating[name] == 1:
+                del creating[name]
+            else:
+                creating[name] -= 1
         return created, self.queue_doc(name)
 
     async def get_queue(self, p: Principal, name: str) -> dict:
@@ -334,6 +347,10 @@ class Service:
         self.authorize(p, "admin", name)
         q = self._queue(name)
         self.authorize(p, "admin", q.failure_queue)  # redrive empties the failure queue
+        fq = self.core.queues.get(q.failure_queue)
+        if fq is not None and fq is not q and q.size + fq.size > self.limits.messages_per_queue_max:
+            raise errors.Unavailable(f"redrive would put {q.size + fq.size} messages in queue {name}; it holds at "
+                                     f"most {self.limits.messages_per_queue_max}", retry_after_s=1.0)
         return await self.engine.propose(log_pb2.Record(redrive=log_pb2.Redrive(queue=name)))
 
     # ------------------------------------------------------------ messages
@@ -759,14 +776,18 @@ class Service:
         if (a := self._remote(p)):
             return await self.fwd.create_key(a, p.auth, queue, scopes)
         self._global_admin(p)
-        if len(self.core.keys) >= self.limits.keys_max:
+        if len(self.core.keys) + self._keys_creating >= self.limits.keys_max:
             raise errors.InvalidArgument(f"at most {self.limits.keys_max} keys")
         kid = os.urandom(6).hex()
         secret = base64.urlsafe_b64encode(os.urandom(24)).rstrip(b"=").decode()
         sha = hashlib.sha256(secret.encode()).digest()  # only the hash is stored
         scopes = sorted(set(scopes))
-        await self.engine.propose(log_pb2.Record(key_put=log_pb2.KeyPut(id=kid, secret_sha256=sha, queue=queue,
-                                                                         scopes=scopes)))
+        self._keys_creating += 1
+        try:
+            await self.engine.propose(log_pb2.Record(key_put=log_pb2.KeyPut(id=kid, secret_sha256=sha, queue=queue,
+                                                                             scopes=scopes)))
+        finally:
+            self._keys_creating -= 1
         return {"id": kid, "key": f"spk_{kid}_{secret}", "queue": queue, "scopes": scopes}
 
     async def list_keys(self, p: Principal) -> list:

@@ -50,6 +50,9 @@ DEFAULT_SETTINGS = {
 
 # the longest name a failure queue derived from its queue's name may have
 DERIVED_NAME_CHARS_MAX = 255
+# queues a node holds (Limits.queues_max is this): a failure queue is made on
+# demand only while there is room for one more
+QUEUES_MAX = 10_000
 
 
 def failure_queue_of(name: str, settings: dict) -> str:
@@ -548,7 +551,9 @@ class Core:
             return
         if m.retry + 1 > q.settings["max_retries"]:
             q.counters["failed"] += 1
-            fq = self._ensure_queue(q.failure_queue)
+            name = q.failure_queue
+            # no room for one more queue: it stays, as if the queue were its own failure queue
+            fq = self._ensure_queue(name) if name in self.queues or len(self.queues) < QUEUES_MAX else q
             if fq is q:  # a queue that is its own failure queue: keep it, count saturates
                 m.visible_at = ts + max(0, delay_us)
                 self._make_available(q, m, ts)

@@ -1,0 +1,87 @@
+"""The caps on queues, keys and messages hold under concurrent calls and for the
+queues and moves the node makes itself (in-process engine and service)."""
+import asyncio
+import contextlib
+
+import pytest
+
+from node.api.service import Principal, Service
+from node.core import spool
+from node.engine import Engine, Limits
+from spooler import errors
+
+ADMIN = Principal(admin=True)
+
+
+@contextlib.asynccontextmanager
+async def _node(tmp_path, **limits):
+    eng = Engine(str(tmp_path / "n"), limits=Limits(**limits))
+    await eng.start()
+    try:
+        yield eng, Service(eng, ["k"])
+    finally:
+        await eng.stop()
+
+
+async def _outcomes(calls):
+    got = await asyncio.gather(*calls, return_exceptions=True)
+    return [g for g in got if not isinstance(g, BaseException)], [g for g in got if isinstance(g, BaseException)]
+
+
+def test_concurrent_key_creates_stop_at_the_cap(tmp_path):
+    async def main():
+        async with _node(tmp_path, keys_max=3) as (eng, svc):
+            ok, refused = await _outcomes([svc.create_key(ADMIN, "*", ["send"]) for _ in range(10)])
+            assert len(ok) == 3 and len(eng.core.keys) == 3
+            assert len(refused) == 7 and all(isinstance(e, errors.InvalidArgument) for e in refused), refused
+    asyncio.run(main())
+
+
+def test_concurrent_queue_creates_stop_at_the_cap(tmp_path):
+    async def main():
+        async with _node(tmp_path, queues_max=3) as (eng, svc):
+            await svc.put_queue(ADMIN, "a", {})
+            # the same name twice counts once; updates of an existing queue always pass
+            calls = [svc.put_queue(ADMIN, n, {}) for n in ("b", "b", "c", "d", "e", "a")]
+            ok, refused = await _outcomes(calls)
+            assert len(eng.core.queues) == 3, sorted(eng.core.queues)
+            assert len(refused) == 2 and all(isinstance(e, errors.InvalidArgument) for e in refused), refused
+            assert sorted(eng.core.queues) == ["a", "b", "c"] and len(ok) == 4
+    asyncio.run(main())
+
+
+def test_a_redrive_that_would_overfill_its_queue_is_refused_and_moves_nothing(tmp_path):
+    async def main():
+        async with _node(tmp_path, messages_per_queue_max=5) as (eng, svc):
+            await svc.put_queue(ADMIN, "q", {"maxRetries": 0})
+            await svc.send(ADMIN, [], ("q", [b"1", b"2", b"3"], 0.0))
+            got = await svc.receive(ADMIN, "q", 0, 3)
+            await svc.settle(ADMIN, [(d.token, "nack", 0) for d in got])  # all three to q.failed
+            await svc.send(ADMIN, [], ("q", [b"4", b"5", b"6"], 0.0))
+            with pytest.raises(errors.Unavailable):
+                await svc.redrive(ADMIN, "q")
+            assert (eng.core.queues["q"].size, eng.core.queues["q.failed"].size) == (3, 3)
+            got = await svc.receive(ADMIN, "q", 0, 3)
+            await svc.settle(ADMIN, [(d.token, "ack", 0) for d in got[:1]])  # room for all three now
+            assert await svc.redrive(ADMIN, "q") == 3
+            assert (eng.core.queues["q"].size, eng.core.queues["q.failed"].size) == (5, 0)
+    asyncio.run(main())
+
+
+def test_no_failure_queue_is_made_past_the_queue_cap(tmp_path, monkeypatch):
+    """The core makes a failure queue on demand only while there is room for one
+    more queue; else the exhausted message stays in its queue, visible again."""
+    monkeypatch.setattr(spool, "QUEUES_MAX", 2)
+
+    async def main():
+        async with _node(tmp_path, queues_max=2) as (eng, svc):
+            await svc.put_queue(ADMIN, "a", {"maxRetries": 0})
+            await svc.put_queue(ADMIN, "b", {})
+            await svc.send(ADMIN, [], ("a", [b"x"], 0.0))
+            [d] = await svc.receive(ADMIN, "a", 0, 1)
+            await svc.settle(ADMIN, [(d.token, "nack", 0)])
+            assert sorted(eng.core.queues) == ["a", "b"]
+            [again] = await svc.receive(ADMIN, "a", 0, 1)
+            assert (again.id, again.retry_count) == (d.id, 0)
+            assert svc.queue_doc("a")["stats"]["failedTotal"] == 1
+    asyncio.run(main())
