@@ -74,7 +74,10 @@ def json_protocol_errors() -> None:
     def handle_error(self, request, status=500, exc=None, message=None):
         resp = plain(self, request, status, exc, message)
         if 400 <= resp.status < 500:
-            e = errors.InvalidArgument(f"malformed HTTP request: {message or resp.reason}"[:300])
+            # aiohttp's words, without the bytes it quotes from the request (they
+            # may be an Authorization header's key)
+            why = str(message or resp.reason).partition(": b'")[0].partition(': b"')[0]
+            e = errors.InvalidArgument(f"malformed HTTP request: {why}"[:300])
         else:
             e = errors.Internal("internal error")
         out = web.Response(status=resp.status if resp.status in (400, 413, 431) else e.http_status,

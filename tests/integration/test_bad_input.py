@@ -353,6 +353,21 @@ def test_integer_beyond_float_range_is_400_not_500(seeded, setting):
     assert r.json()["kind"] == "invalid_argument"
 
 
+def test_an_oversized_authorization_header_is_not_quoted_back(seeded):
+    """aiohttp refuses a header over 8190 bytes before any route runs; its words
+    quoted the start of the header, which here is the caller's key."""
+    node, _, _, _ = seeded
+    key = "secret-" + "k" * 9000
+    with socket.create_connection(("127.0.0.1", node.http_port), timeout=10) as s:
+        s.sendall(b"GET /v1/queues HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() + b"\r\n\r\n")
+        data = _one_response(s)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert int(head.split(b" ", 2)[1]) in (400, 431), head
+    err = json.loads(body)
+    assert err["kind"] == "invalid_argument" and "8190" in err["message"], err
+    assert "secret" not in err["message"] and "kkkk" not in err["message"], err
+
+
 def test_405_has_allow_header(seeded):
     """BUG (RFC 9110 §15.5.6): the JSON 405 drops aiohttp's Allow header."""
     node, api, _, _ = seeded
