@@ -55,6 +55,7 @@ async def _read_json(request: web.Request):
 
 
 CLOSE = "spooler_close"  # set on a request whose connection must close after the answer
+JSON_BYTES_MAX = 64 * 1024  # the JSON body of a route other than send may always be this large
 EPOCH_OF = web.AppKey("spooler_epoch_of", object)  # () -> the epoch answers name
 
 
@@ -98,9 +99,12 @@ def json_protocol_errors() -> None:
 def build_app(svc: Service, metrics) -> web.Application:
     lim = svc.limits
     json_protocol_errors()
-    # Bodies beyond this never reach a handler (413); a single message is
-    # checked against body_bytes_max before it is read.
-    app = web.Application(client_max_size=lim.body_bytes_max + 1, middlewares=[_errors_mw(metrics)])
+    # Bodies beyond this never reach a handler (413). A message is checked
+    # against body_bytes_max on its own (before it is read when it names its
+    # length); the JSON of the other routes may be as large as JSON_BYTES_MAX
+    # even under a small --max-body-bytes.
+    app = web.Application(client_max_size=max(lim.body_bytes_max, JSON_BYTES_MAX) + 1,
+                          middlewares=[_errors_mw(metrics)])
 
     app[EPOCH_OF] = lambda: svc.engine.known_epoch
 
@@ -146,6 +150,8 @@ def build_app(svc: Service, metrics) -> web.Application:
         if key is not None and (not key or len(key) > lim.dedup_key_chars_max):
             raise errors.InvalidArgument(f"Spooler-Dedup-Key: 1..{lim.dedup_key_chars_max} characters")
         body = await _read(request)
+        if len(body) > lim.body_bytes_max:  # chunked, or larger once decoded
+            raise errors.MessageTooLarge(f"message of {len(body)} bytes; the limit is {lim.body_bytes_max}")
         [(mid, dup, err)] = await svc.send(p, [(queue, body, delay, key or "")])
         if err is not None:
             raise err

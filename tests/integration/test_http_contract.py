@@ -909,3 +909,32 @@ def test_head_on_the_probes(api):
 def test_create_key_refuses_unknown_fields(api):
     r = api.req("POST", "/v1/keys", json.dumps({"queue": "qa", "scopes": ["send"], "scope": "admin"}).encode())
     assert r.status == 400 and r.json()["kind"] == "invalid_argument", r
+
+
+def test_a_small_body_limit_bounds_messages_not_the_json_of_other_routes(tmp_path):
+    """--max-body-bytes is the message limit; it was also aiohttp's limit on every
+    request body, so a queue's settings document could be refused as too large."""
+    import gzip
+
+    from nodeproc import NodeProc
+    n = NodeProc(str(tmp_path / "small"), extra_args=["--max-body-bytes", "100"]).start()
+    try:
+        api = Api(n.http_url, n.admin_key)
+        settings = json.dumps({"maxRetries": 3, "failureQueue": "small.dlq"}).encode() + b" " * 4000
+        r = api.req("PUT", "/v1/queues/small", settings, {"Content-Type": "application/json"})
+        assert r.status == 201, r
+        assert api.send("small", b"x" * 100).status == 201
+        for body, headers in ((b"x" * 101, {}), (gzip.compress(b"x" * 101), {"Content-Encoding": "gzip"})):
+            r = api.req("POST", "/v1/queues/small/messages", body, headers)
+            assert r.status == 413 and r.json()["kind"] == "message_too_large", r
+        # a body without a length (chunked) is checked once read
+        import http.client
+        c = http.client.HTTPConnection("127.0.0.1", n.http_port, timeout=10)
+        c.request("POST", "/v1/queues/small/messages", body=iter([b"x" * 60, b"y" * 60]),
+                  headers={"Authorization": f"Bearer {n.admin_key}"}, encode_chunked=True)
+        resp = c.getresponse()
+        assert resp.status == 413 and json.loads(resp.read())["kind"] == "message_too_large"
+        c.close()
+        assert api.stats("small")["sentTotal"] == 1
+    finally:
+        n.kill()
