@@ -54,6 +54,11 @@ def rfc3339(us: int) -> str:
     return datetime.fromtimestamp(us / US, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def _num(x: float) -> str:
+    """A bound as people write it: 1209600, not 1.2096e+06; 0.5 stays 0.5."""
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
 # the longest API key a node accepts in an Authorization header (docs/limits.md)
 KEY_CHARS_MAX = 512
 
@@ -228,7 +233,7 @@ class Service:
         if not math.isfinite(v):
             raise errors.InvalidArgument(f"{what} must be a finite number")
         if v < lo or (lo_open and v <= lo) or v > hi:
-            raise errors.InvalidArgument(f"{what} must be {'>' if lo_open else '>='} {lo:g} and <= {hi:g}")
+            raise errors.InvalidArgument(f"{what} must be {'>' if lo_open else '>='} {_num(lo)} and <= {_num(hi)}")
         return float(v)
 
     def parse_seconds_header(self, v: Optional[str], what: str, hi: float) -> float:

@@ -938,3 +938,9 @@ def test_a_small_body_limit_bounds_messages_not_the_json_of_other_routes(tmp_pat
         assert api.stats("small")["sentTotal"] == 1
     finally:
         n.kill()
+
+
+def test_a_range_error_names_its_bounds_in_plain_digits(api):
+    r = api.put_queue("plain-bounds", json.dumps({"retentionSeconds": 2_000_000}).encode(), check=False)
+    assert r.status == 400 and r.json()["kind"] == "invalid_argument", r
+    assert "<= 1209600" in r.json()["message"], r.json()
