@@ -5,7 +5,8 @@ overwrites; ``xSync`` forgets that record (the data is now "on disk").
 ``crash_image(dest)`` writes, for every file opened through the VFS, what a
 disk would hold after power loss at this instant: the current contents with
 every unsynced write undone. The test then opens ``dest`` as a fresh node.
-``fail_sync`` makes the next xSync raise ``apsw.IOError`` (an fsync error).
+``fail_sync`` makes every xSync raise ``apsw.IOError`` (an fsync error) while it is
+set; ``fail_syncs = n`` makes only the next n raise. ``syncs`` counts xSync calls.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ class LossyVFS(apsw.VFS):
         self.name = name
         self.files: dict[str, "_FileState"] = {}  # per path, shared by every handle on it
         self.fail_sync = False
+        self.fail_syncs = 0
+        self.syncs = 0
         # while cleared, every xSync waits: a write that is in flight, not yet durable
         self.sync_gate = threading.Event()
         self.sync_gate.set()
@@ -97,6 +100,10 @@ class LossyFile(apsw.VFSFile):
 
     def xSync(self, flags):
         self.vfs.sync_gate.wait(30)
+        self.vfs.syncs += 1
+        if self.vfs.fail_syncs > 0:
+            self.vfs.fail_syncs -= 1
+            raise apsw.IOError("injected fsync failure")
         if self.vfs.fail_sync:
             raise apsw.IOError("injected fsync failure")
         with self.vfs.lock:

@@ -21,9 +21,13 @@ ADMIN = Principal(admin=True)
 _names = itertools.count()
 
 
-async def _confirm_then_cut_power(tmp_path, synchronous):
+async def _confirm_then_cut_power(tmp_path, synchronous, inline=True):
     vfs = LossyVFS(f"lossy{next(_names)}")
     eng = Engine(str(tmp_path / "live"), vfs=vfs.name, synchronous=synchronous, checkpoint_interval_s=0.05)
+    if not inline:
+        # every commit on the writer thread: an answer could then leave while its
+        # fsync is still running, if anything answered before the fsync
+        eng.inline_commit_records_max = 0
     await eng.start()
     svc = Service(eng, ["k"])
     await svc.put_queue(ADMIN, "q", {"leaseTimeoutSeconds": 60})
@@ -65,8 +69,9 @@ def abandon(eng):
     eng._io.shutdown(wait=True)
 
 
-def test_power_loss_keeps_every_confirmed_write(tmp_path):
-    sent, acked = asyncio.run(_confirm_then_cut_power(tmp_path, "FULL"))
+@pytest.mark.parametrize("inline", [True, False], ids=["small-commits-inline", "every-commit-on-the-writer"])
+def test_power_loss_keeps_every_confirmed_write(tmp_path, inline):
+    sent, acked = asyncio.run(_confirm_then_cut_power(tmp_path, "FULL", inline))
     seen, integrity = asyncio.run(_read_back(str(tmp_path / "after")))
     assert integrity == "ok"
     assert len(acked) == 50
@@ -92,14 +97,17 @@ def test_fsync_error_stops_the_node_and_confirms_nothing(tmp_path):
         svc = Service(eng, ["k"])
         await svc.put_queue(ADMIN, "q", {})
         ok = (await svc.send(ADMIN, [("q", b"before", 0.0, "")]))[0][0]
-        vfs.fail_sync = True
+        await eng.store_io(lambda: None)  # the writer is idle: the next fsync is the send's
+        vfs.fail_syncs = 1  # only that one fails: a retry would succeed, and must not happen
+        syncs = vfs.syncs
         with pytest.raises(errors.OperationUnconfirmed):
             await svc.send(ADMIN, [("q", b"during", 0.0, "")])
         assert stopped and not eng.ready
+        assert vfs.syncs == syncs + 1, "the failed fsync was tried again"
         with pytest.raises(errors.Unavailable):  # never confirms anything after
             await svc.send(ADMIN, [("q", b"after", 0.0, "")])
+        assert vfs.syncs == syncs + 1  # nothing more was written
         abandon(eng)
-        vfs.fail_sync = False
         vfs.crash_image(str(tmp_path / "img"))
         vfs.unregister()
         return ok
@@ -115,13 +123,16 @@ def test_a_send_is_invisible_until_it_is_durable(tmp_path):
     receive it (so a consumer never sees a message that power loss could erase)."""
     async def main():
         vfs = LossyVFS(f"lossy{next(_names)}")
-        eng = Engine(str(tmp_path / "n"), vfs=vfs.name)
+        eng = Engine(str(tmp_path / "n"), vfs=vfs.name, checkpoint_interval_s=3600)
         # commits on the writer thread, never inline: the loop must keep running
         # while the fsync hangs, so that the test can look at the state meanwhile
         eng.inline_commit_records_max = 0
         await eng.start()
         svc = Service(eng, ["k"])
         await svc.put_queue(ADMIN, "q", {})
+        # the writer is idle: the fsync held below is the send's own (not an
+        # earlier write's, behind which the send would wait whatever the order)
+        await eng.store_io(lambda: None)
         vfs.sync_gate.clear()  # the next fsync hangs
         pending = asyncio.ensure_future(svc.send(ADMIN, [("q", b"in-flight", 0.0, "")]))
         await asyncio.sleep(0.2)
@@ -133,6 +144,40 @@ def test_a_send_is_invisible_until_it_is_durable(tmp_path):
         assert err is None
         [d] = await svc.receive(ADMIN, "q", 0)
         assert d.id == mid and d.body == b"in-flight"
+        abandon(eng)
+        vfs.unregister()
+
+    asyncio.run(main())
+
+
+def test_a_settle_in_flight_fences_its_lease(tmp_path):
+    """While a nack's record waits for its fsync, its lease is fenced: a second nack
+    (or an ack) of the same token is refused as settled, so the message is counted
+    once and no second record is written (S2)."""
+    async def main():
+        vfs = LossyVFS(f"lossy{next(_names)}")
+        eng = Engine(str(tmp_path / "n"), vfs=vfs.name, checkpoint_interval_s=3600)
+        eng.inline_commit_records_max = 0  # the loop keeps running while the fsync is held
+        await eng.start()
+        svc = Service(eng, ["k"])
+        await svc.put_queue(ADMIN, "q", {"maxRetries": 10})
+        await svc.send(ADMIN, [("q", b"m", 0.0, "")])
+        [d] = await svc.receive(ADMIN, "q", 0)
+        await eng.store_io(lambda: None)  # the writer is idle: the held fsync is the nack's
+        vfs.sync_gate.clear()
+        first = asyncio.ensure_future(svc.nack(ADMIN, d.token))
+        await asyncio.sleep(0.1)
+        assert not first.done()
+        for again in (svc.nack, svc.ack):
+            with pytest.raises(errors.StaleLease) as e:
+                await again(ADMIN, d.token)
+            assert e.value.reason == "settled"
+        vfs.sync_gate.set()
+        await first
+        [d2] = await svc.receive(ADMIN, "q", 0)
+        assert (d2.id, d2.retry_count) == (d.id, 1)
+        st = eng.core.stats("q", eng.now_us())
+        assert st["ackedTotal"] == 0 and st["nackedTotal"] == 1
         abandon(eng)
         vfs.unregister()
 
