@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -208,6 +209,31 @@ def test_max_crashes_exhausted_goes_dead(store, procs):
     job = store.get(job_id)
     assert job["state"] == "dead" and job["crash_count"] == 2 and job["failure_reason"] == "worker_crashed"
     assert job["failure_count"] == 0, "crashes must not spend the job's own retry budget"
+
+
+def test_retry_force_starts_the_crash_budget_afresh(store, spool, procs):
+    """J4: a job made dead by crashes (--max-crashes spent) and retried with
+    `retry --force` has crash_count 0 again, so its next crash requeues it
+    instead of making it dead at once. (Both fixtures use the same spool.)"""
+    job_id, _ = store.submit(["true"], max_crashes=1)
+    now = time.time()
+    for expected in (states.QUEUED, states.DEAD):   # crash 1 requeues, crash 2 is past the budget
+        claim_as(store, dead_pid(procs), now=now)
+        [r] = reaper.reap_pass(store, now=now + 31)
+        assert r.new_state == expected
+        now += 31
+    assert (store.get(job_id)["state"], store.get(job_id)["crash_count"]) == ("dead", 2)
+    job = spool.json("retry", job_id, "--force")
+    assert job["state"] == "queued" and job["crash_count"] == 0
+    assert spool.job(job_id)["crash_count"] == 0
+    # the next crash is the first of a fresh budget of one: requeued, not dead
+    now = max(now, time.time()) + 1
+    claim_as(store, dead_pid(procs), now=now)
+    [r] = reaper.reap_pass(store, now=now + 31)
+    assert r.new_state == states.QUEUED, "the forced retry kept the spent crash budget"
+    job = spool.job(job_id)
+    assert job["state"] == "queued" and job["crash_count"] == 1 and len(job["attempts"]) == 3
+    assert [a["failure_reason"] for a in job["attempts"]] == ["worker_crashed"] * 3, "history kept"
 
 
 def test_orphan_without_recorded_pid_is_found_by_its_token(store, procs):
