@@ -94,3 +94,26 @@ def test_invalid_message_is_moved_to_the_failure_queue(spool, node):
     assert summary["dead"] == 1
     body = json.loads(c.receive("q4.failed").body)
     assert body["spoolctl_result"]["failure_reason"] == "invalid_job" and body["raw"] == "not a job"
+
+
+def test_a_job_longer_than_its_lease_succeeds_by_renewal(spool, node):
+    """J9: the worker renews the lease while the command runs, so a job three times
+    longer than the queue's 1 s lease runs once: one delivery, retry count 0, no
+    lease expiry. (A redelivery would run at once, so a missing renewal shows up
+    as a second attempt with retry count 1 in about 3 s, not as a slow test.)"""
+    c = HttpClient(node.http_url, node.admin_key)
+    c.put_queue("q5", leaseTimeoutSeconds=1.0, maxRetries=3)
+    script = 'if [ "$SPOOLCTL_RETRY_COUNT" = 0 ]; then sleep 3; fi; echo retry $SPOOLCTL_RETRY_COUNT'
+    msg_id = spool.run("submit", "--queue", "q5", "--", "sh", "-c", script, global_args=g(node)).stdout.decode().strip()
+    summary = spool.json("worker", "--queue", "q5", "--drain", global_args=g(node), timeout_s=30)
+    assert (summary["claimed"], summary["succeeded"], summary["lease_lost"]) == (1, 1, 0), summary
+    job = spool.job(msg_id)
+    assert job["state"] == "succeeded" and len(job["attempts"]) == 1
+    [a] = job["attempts"]
+    assert a["failure_reason"] is None and a["exit_code"] == 0
+    assert a["finished_at"] - a["started_at"] >= 3.0 - 0.1, "the command outlived the lease timeout"
+    assert spool.run("output", msg_id).stdout == b"retry 0\n"
+    stats = c.get_queue("q5")["stats"]
+    assert stats["leaseExpiredTotal"] == 0 and stats["ackedTotal"] == 1, stats
+    assert stats["visible"] == stats["leased"] == stats["delayed"] == 0
+
