@@ -117,3 +117,33 @@ def test_a_job_longer_than_its_lease_succeeds_by_renewal(spool, node):
     assert stats["leaseExpiredTotal"] == 0 and stats["ackedTotal"] == 1, stats
     assert stats["visible"] == stats["leased"] == stats["delayed"] == 0
 
+
+def test_a_renewal_refused_as_stale_kills_the_command(spool, node, tmp_path):
+    """J9: a node restart is a primary change, after which every older lease
+    answers stale_lease. The worker's next renewal is refused, and it kills the
+    command at once (the queue's 30 s lease has not run out, so nothing else
+    would stop it), records the attempt as lease_lost without settling it, and
+    runs the job again when the queue redelivers it."""
+    c = HttpClient(node.http_url, node.admin_key)
+    c.put_queue("q6", maxRetries=3)    # default 30 s lease: only the refused renewal can stop the command
+    first = tmp_path / "first.pid"
+    script = f'if [ ! -e {first} ]; then echo $$ > {first}; sleep 300; fi; echo again'
+    msg_id = spool.run("submit", "--queue", "q6", "--", "sh", "-c", script, global_args=g(node)).stdout.decode().strip()
+    w = spool.start_worker("--queue", "q6", "--drain", "--json", global_args=g(node))
+    wait_until(lambda: first.exists() and first.read_text().strip(), 20, what="first attempt running")
+    command = int(first.read_text())
+    wait_until(lambda: spool.job(msg_id)["attempts"][0]["pid"], 10, what="attempt pid recorded")
+    epoch = node.epoch
+    node.restart()
+    assert node.epoch > epoch, "the restart began a new epoch"
+    wait_until(lambda: pid_gone(command), 10, what="the command killed after its renewal was refused as stale")
+    out, err = w.communicate(timeout=30)      # --drain: it runs the redelivered job, then exits
+    assert w.returncode == 0, err
+    summary = json.loads(out)
+    assert (summary["lease_lost"], summary["succeeded"], summary["claimed"]) == (1, 1, 2), summary
+    job = spool.job(msg_id)
+    assert job["state"] == "succeeded"
+    a1, a2 = job["attempts"]
+    assert a1["failure_reason"] == "lease_lost" and a1["exit_code"] is not None and a1["exit_code"] < 0, a1
+    assert a2["failure_reason"] is None and a2["exit_code"] == 0
+    assert spool.run("output", msg_id, "--attempt", "2").stdout == b"again\n"
