@@ -211,3 +211,52 @@ def test_a_new_primary_waits_out_the_cut_off_primarys_lease(seed, nodes):
     while sim.now < end:
         _step(sim, writes=False)
     sim.final_checks()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_voter_restarted_right_after_its_vote_does_not_vote_again_in_that_epoch(seed):
+    """R2, vote persistence. n1 and n2 cannot reach each other and campaign for the
+    same epoch at the same moment (each passed its pre-vote); n3 votes for whichever
+    asks first, and crashes right after its answer left. Rebooted from what its
+    disk holds (as the sim restarts every node), it must refuse the other
+    candidate's request for that same epoch: a vote is persisted before it is
+    sent. Granting it would make two primaries in one epoch."""
+    sim = _scripted(seed, 3)
+    T = sim.timeout
+    n1, n2, n3 = (sim.nodes[i] for i in ("n1", "n2", "n3"))
+    sim.blocked |= {("n1", "n2"), ("n2", "n1")}
+    sent = []
+    send = sim.send
+    sim.send = lambda frm, to, msg: (sent.append((frm, to, msg)), send(frm, to, msg))
+
+    for c in (n1, n2):
+        c.run(c.core._campaign(sim.now, pre=False))
+    assert n1.core.epoch == n2.core.epoch == 1
+    _step_until(sim, lambda: n3.core.voted_for != "", T, what="vote from n3")
+    first = n3.core.voted_for
+    other = "n2" if first == "n1" else "n1"
+    assert n3.core.epoch == 1  # and the other candidate's request is still on its way
+    sim.trace(f"n3 voted for {first}; it crashes and restarts")
+    sim.crash("n3")
+    sim.restart("n3")
+    assert n3.core.epoch == 1
+
+    # the other candidate's request for epoch 1 reaches the rebooted n3, which refuses it
+    mark = len(sent)
+    _step_until(sim, lambda: any(frm == "n3" and to == other and isinstance(m, R.VoteResp) and not m.pre
+                                 for frm, to, m in sent[mark:]), T, what=f"n3's answer to {other}")
+    answer = next(m for frm, to, m in sent[mark:]
+                  if frm == "n3" and to == other and isinstance(m, R.VoteResp) and not m.pre)
+    assert answer.epoch == 1 and not answer.granted, answer
+
+    # and the cluster goes on with one primary per epoch (checked on every role change)
+    end = sim.now + 3 * T
+    while sim.now < end:
+        _step(sim, writes=True)
+    assert sim.primaries.get(1) == first
+    sim.blocked.clear()
+    end = sim.now + 5 * T
+    while sim.now < end:
+        _step(sim, writes=False)
+    sim.final_checks()
+    assert sim.acked
