@@ -613,6 +613,21 @@ def test_acked_message_stays_acked_after_restart(node):
     assert api.stats("dq")["ackedTotal"] == 1
 
 
+def test_a_dedup_key_outlives_a_restart(node):
+    """The dedup entry is part of the stored state: after a graceful stop (whose
+    final checkpoint covers the first send, so its log record is not replayed) a
+    resend with the same key still answers the first id (S6)."""
+    api = Api(node.http_url, node.admin_key)
+    api.put_queue("dd", {"dedupWindowSeconds": 600})
+    first = api.send("dd", b"one", dedup="order-17").json()["id"]
+    node.stop()
+    node.start()
+    api = Api(node.http_url, node.admin_key)
+    r = api.send("dd", b"one again", dedup="order-17")
+    assert r.status == 200 and r.json() == {"id": first, "duplicate": True}, r
+    assert api.stats("dd")["visible"] == 1
+
+
 # ----------------------------------------------------------------------------- auth
 
 AUTH_ROUTES = [

@@ -35,17 +35,31 @@ def _script(outcomes):
     return attempt, calls
 
 
-@pytest.mark.parametrize("dedup_key,window,attempts_made,outcome", [
-    ("", 0, 2, errors.OperationUnconfirmed),    # no key: the unconfirmed second attempt is final
-    ("k", 0, 2, errors.OperationUnconfirmed),   # a key, but the queue does not deduplicate
-    ("k", 60, 3, SendResult),                   # a key on a deduplicating queue: resent, harmless
-])
-def test_async_send_resends_an_unconfirmed_attempt_only_with_a_key_that_dedups(dedup_key, window, attempts_made,
-                                                                                outcome):
+# first: what the first attempt meets. "unavailable": then unconfirmed, then success;
+# "unconfirmed": unconfirmed at once, then success.
+SEND_CASES = [
+    ("unavailable", "", 0, 2, errors.OperationUnconfirmed),   # no key: the unconfirmed second attempt is final
+    ("unavailable", "k", 0, 2, errors.OperationUnconfirmed),  # a key, but the queue does not deduplicate
+    ("unavailable", "k", 60, 3, SendResult),                  # a key on a deduplicating queue: resent, harmless
+    ("unconfirmed", "", 0, 1, errors.OperationUnconfirmed),
+    ("unconfirmed", "k", 0, 1, errors.OperationUnconfirmed),
+    ("unconfirmed", "k", 60, 2, SendResult),
+]
+
+
+def _send_script(first):
+    if first == "unavailable":
+        return _script([errors.Unavailable("no primary"), errors.OperationUnconfirmed("quorum timed out"),
+                        SendResult("m1", False)])
+    return _script([errors.OperationUnconfirmed("quorum timed out"), SendResult("m1", False)])
+
+
+@pytest.mark.parametrize("first,dedup_key,window,attempts_made,outcome", SEND_CASES)
+def test_async_send_resends_an_unconfirmed_attempt_only_with_a_key_that_dedups(first, dedup_key, window,
+                                                                                attempts_made, outcome):
     async def main():
         c = AsyncClient(DEAD, "k")
-        attempt, calls = _script([errors.Unavailable("no primary"), errors.OperationUnconfirmed("quorum timed out"),
-                                  SendResult("m1", False)])
+        attempt, calls = _send_script(first)
 
         async def fake_request(sends):
             return attempt()
@@ -74,17 +88,12 @@ def test_async_send_resends_an_unconfirmed_attempt_only_with_a_key_that_dedups(d
     assert (got, n) == (outcome, attempts_made)
 
 
-@pytest.mark.parametrize("dedup_key,window,attempts_made,outcome", [
-    ("", 0, 2, errors.OperationUnconfirmed),
-    ("k", 0, 2, errors.OperationUnconfirmed),
-    ("k", 60, 3, SendResult),
-])
-def test_sync_send_resends_an_unconfirmed_attempt_only_with_a_key_that_dedups(dedup_key, window, attempts_made,
-                                                                               outcome):
+@pytest.mark.parametrize("first,dedup_key,window,attempts_made,outcome", SEND_CASES)
+def test_sync_send_resends_an_unconfirmed_attempt_only_with_a_key_that_dedups(first, dedup_key, window,
+                                                                               attempts_made, outcome):
     c = Client(DEAD, "k")
     try:
-        attempt, calls = _script([errors.Unavailable("no primary"), errors.OperationUnconfirmed("quorum timed out"),
-                                  SendResult("m1", False)])
+        attempt, calls = _send_script(first)
 
         def send_async(req):
             f = Future()

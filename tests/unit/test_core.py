@@ -197,6 +197,15 @@ def test_expired_message_is_not_handed_out(log):
     assert recv(log, "q", 10 * S) == []
 
 
+def test_expired_message_of_a_batch_is_not_handed_out(log):
+    """The same for messages still held in their batch's segment (S7)."""
+    for q in ("q", "q2"):
+        log.queue(q, retention_us=10 * S)
+        _run(log, q, [b"a", b"b"], at=0, prefix=q)
+    assert [m.body for m, _ in recv(log, "q2", 10 * S - 1, n=2)] == [b"a", b"b"]  # just before: both
+    assert recv(log, "q", 10 * S) == []
+
+
 def test_leased_message_past_retention_drops_when_lease_ends(log):
     log.queue("q", retention_us=10 * S, lease_timeout_us=20 * S)
     mid, _ = log.send("q", at=0)
@@ -285,13 +294,13 @@ def test_log_gap_is_refused(log):
         log.core.apply(rec)
 
 
-def _run(log, queue, bodies, at, delay=0, entries=()):
+def _run(log, queue, bodies, at, delay=0, entries=(), prefix="p"):
     rec = log_pb2.Record()
     send = rec.send_compact
     for q, body in entries:
         log.ids += 1
         send.entries.add(queue=q, id=f"m{log.ids}", body=body)
-    send.run_queue, send.run_id_prefix, send.run_id_first = queue, "p", 0x1f
+    send.run_queue, send.run_id_prefix, send.run_id_first = queue, prefix, 0x1f
     send.run_delay_us = delay
     send.run_bodies.extend(bodies)
     return log.commit(rec, at)
