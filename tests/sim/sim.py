@@ -303,24 +303,32 @@ class Sim:
                 self.trace(f"transfer {prim[0].id} -> {tgt}")
                 prim[0].run(prim[0].core.transfer(tgt, self.now))
 
+    def deliver_next(self) -> None:
+        """The earliest message in flight arrives (or a node's disk sync ends)."""
+        at, _, to, msg, _frm = heapq.heappop(self.queue)
+        self.now = max(self.now, at)
+        n = self.nodes[to]
+        if isinstance(msg, LocalSync):
+            n.local_sync(msg)
+        elif n.up:
+            n.run(n.core.receive(msg, self.now))
+        self.flush_noops()
+
+    def tick_all(self, at: int) -> None:
+        """Time moves to ``at``; every live node's timers run."""
+        self.now = at
+        for n in self.nodes.values():
+            if n.up:
+                n.run(n.core.tick(self.now))
+        self.flush_noops()
+
     def step(self):
         # advance to the next message or tick
         tick_at = self.now + self.rng.randint(1, 15) * MS
         if self.queue and self.queue[0][0] <= tick_at:
-            at, _, to, msg, frm = heapq.heappop(self.queue)
-            self.now = max(self.now, at)
-            n = self.nodes[to]
-            if isinstance(msg, LocalSync):
-                n.local_sync(msg)
-            elif n.up:
-                n.run(n.core.receive(msg, self.now))
-            self.flush_noops()
+            self.deliver_next()
         else:
-            self.now = tick_at
-            for n in self.nodes.values():
-                if n.up:
-                    n.run(n.core.tick(self.now))
-            self.flush_noops()
+            self.tick_all(tick_at)
             if self.rng.random() < 0.5:
                 self.client_write()
             self.nemesis()

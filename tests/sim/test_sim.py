@@ -120,24 +120,19 @@ def _step(sim, writes=False):
         tick_at = sim.now + 5 * MS
     sim.next_tick = tick_at
     if sim.queue and sim.queue[0][0] < tick_at:
-        at, _, to, msg, _frm = heapq.heappop(sim.queue)
-        sim.now = max(sim.now, at)
-        n = sim.nodes[to]
-        if isinstance(msg, LocalSync):
-            n.local_sync(msg)
-        elif n.up:
-            n.run(n.core.receive(msg, sim.now))
-        sim.flush_noops()
+        sim.deliver_next()
     else:
-        sim.now = tick_at
         sim.next_tick = tick_at + 5 * MS
-        for n in sim.nodes.values():
-            if n.up:
-                n.run(n.core.tick(sim.now))
-        sim.flush_noops()
+        sim.tick_all(tick_at)
         if writes:
             sim.client_write()
     sim.check_leases()
+
+
+def _run_for(sim, us, writes=False):
+    end = sim.now + us
+    while sim.now < end:
+        _step(sim, writes)
 
 
 def _step_until(sim, cond, within_us, writes=False, what="condition"):
@@ -161,6 +156,13 @@ def _leasing(sim):
     return [n.id for n in sim.nodes.values() if n.up and n.core.may_lease(sim.now)]
 
 
+def _leasing_primary(sim):
+    """Run until a primary has established itself, confirmed writes and may lease."""
+    _step_until(sim, lambda: len(_leasing(sim)) == 1 and len(sim.acked) >= 5, 5 * sim.timeout, writes=True,
+                what="leasing primary with confirmed writes")
+    return sim.nodes[_leasing(sim)[0]]
+
+
 @pytest.mark.parametrize("nodes", [3, 5])
 @pytest.mark.parametrize("seed", range(6))
 def test_a_new_primary_waits_out_the_cut_off_primarys_lease(seed, nodes):
@@ -172,10 +174,7 @@ def test_a_new_primary_waits_out_the_cut_off_primarys_lease(seed, nodes):
     a failover timeout old: at no step may two nodes lease at once."""
     sim = _scripted(seed, nodes)
     T = sim.timeout
-    # a primary establishes itself, confirms writes and hands out leases
-    _step_until(sim, lambda: len(_leasing(sim)) == 1 and len(sim.acked) >= 5, 5 * T, writes=True,
-                what="leasing primary with confirmed writes")
-    old = sim.nodes[_leasing(sim)[0]]
+    old = _leasing_primary(sim)
     epoch = old.core.epoch
 
     # its streams break (what was in flight on them is gone) and stay down, both
@@ -203,18 +202,14 @@ def test_a_new_primary_waits_out_the_cut_off_primarys_lease(seed, nodes):
     _step_until(sim, lambda: _leasing(sim) == [new.id], 2 * T, writes=True, what="lease on the successor")
     assert sim.now > won_at
     assert not old.core.may_lease(sim.now)
-    end = sim.now + 2 * T
-    while sim.now < end:
-        _step(sim, writes=True)
+    _run_for(sim, 2 * T, writes=True)
 
     # healed, the old primary follows the successor; acknowledged writes all survive
     sim.blocked.clear()
     sim.trace("heal")
     _step_until(sim, lambda: old.core.role == R.REPLICA and old.core.epoch >= new.core.epoch, 2 * T,
                 writes=True, what="old primary rejoining")
-    end = sim.now + 5 * T
-    while sim.now < end:
-        _step(sim, writes=False)
+    _run_for(sim, 5 * T, writes=False)
     sim.final_checks()
 
 
@@ -255,14 +250,10 @@ def test_a_voter_restarted_right_after_its_vote_does_not_vote_again_in_that_epoc
     assert answer.epoch == 1 and not answer.granted, answer
 
     # and the cluster goes on with one primary per epoch (checked on every role change)
-    end = sim.now + 3 * T
-    while sim.now < end:
-        _step(sim, writes=True)
+    _run_for(sim, 3 * T, writes=True)
     assert sim.primaries.get(1) == first
     sim.blocked.clear()
-    end = sim.now + 5 * T
-    while sim.now < end:
-        _step(sim, writes=False)
+    _run_for(sim, 5 * T, writes=False)
     sim.final_checks()
     assert sim.acked
 
@@ -287,9 +278,7 @@ def test_a_switchover_to_a_lagging_target_hands_over_every_confirmed_write(seed,
     campaign leases at once, has won."""
     sim = _scripted(seed, nodes)
     T = sim.timeout
-    _step_until(sim, lambda: len(_leasing(sim)) == 1 and len(sim.acked) >= 5, 5 * T, writes=True,
-                what="leasing primary with confirmed writes")
-    p = sim.nodes[_leasing(sim)[0]]
+    p = _leasing_primary(sim)
     epoch = p.core.epoch
     tgt = sim.nodes[next(i for i in sim.members if i != p.id)]
     # frames of 3 records, one in flight per replica (as in some random runs): a
@@ -301,9 +290,7 @@ def test_a_switchover_to_a_lagging_target_hands_over_every_confirmed_write(seed,
     sim.blocked.add((p.id, tgt.id))
     sim.queue = [e for e in sim.queue if (e[4], e[2]) != (p.id, tgt.id)]
     heapq.heapify(sim.queue)
-    end = sim.now + T // 2
-    while sim.now < end:
-        _step(sim, writes=True)
+    _run_for(sim, T // 2, writes=True)
     missing = [a for a in sim.acked if a[0] > len(tgt.disk.log)]
     assert len(missing) >= 3, "the target does not lag behind confirmed writes"
 
@@ -334,12 +321,8 @@ def test_a_switchover_to_a_lagging_target_hands_over_every_confirmed_write(seed,
 
     # writes go on at the new primary; everything confirmed is on every node at the end
     confirmed_before = len(sim.acked)
-    end = sim.now + 2 * T
-    while sim.now < end:
-        _step(sim, writes=True)
+    _run_for(sim, 2 * T, writes=True)
     assert len(sim.acked) > confirmed_before and sim.primaries[epoch + 1] == tgt.id
     sim.blocked.clear()
-    end = sim.now + 5 * T
-    while sim.now < end:
-        _step(sim, writes=False)
+    _run_for(sim, 5 * T, writes=False)
     sim.final_checks()
