@@ -151,8 +151,8 @@ class Engine:
             core.load_queue(name, settings, counters)
         for queue, seq0, prefix, first, n, vis, exp, offs, gone in st.load_segments():
             core.load_segment(queue, seq0, prefix, first, n, vis, exp, offs, gone, now)
-        for queue, mid, seq, retry, vis, exp in st.load_messages():
-            core.load_message(queue, mid, seq, retry, vis, exp, now)
+        for queue, mid, seq, retry, vis, exp, size in st.load_messages():
+            core.load_message(queue, mid, seq, retry, vis, exp, now, size)
         for queue, key, mid, until in st.load_dedup():
             core.load_dedup(queue, key, mid, until)
         for kid, sha, queue, scopes in st.load_keys():

@@ -458,41 +458,18 @@ class Service:
         so that one expiring after that node lost contact is given back, not counted
         (Engine._lost_contact)."""
         now = self.engine.now_us()
+        # at most batch_bytes_max of bodies: an answer stays well under gRPC's
+        # 16 MiB message limit (the rest stay visible for the next receive)
         got = self.core.receive(queue, now, max_n, self.limits.leases_per_queue_max,
-                                (via, mono_us()) if via else None)
+                                (via, mono_us()) if via else None, self.limits.batch_bytes_max)
         if not got:
             return []
-        bodies = self._bodies_within(got, now)
-        if len(bodies) < len(got):
-            del got[len(bodies):]
+        bodies = self.engine.bodies_of([m for m, _ in got])
         if self.engine.metrics:  # leases live in memory, not in the log: counted here
             self.engine.metrics.receives.inc(len(got))
         expires = rfc3339(got[0][1].expires_at)  # one receive: one lease timeout, one expiry
         return [Delivery(m.id, body, self.encode_token(lease), m.retry, expires, queue)
                 for (m, lease), body in zip(got, bodies)]
-
-    def _bodies_within(self, got: list, now: int) -> list:
-        """The bodies of a receive's leased messages, oldest first, as many as fit in
-        one answer: at most ``batch_bytes_max`` bytes of bodies (the first always),
-        so that an answer stays well under gRPC's 16 MiB message limit. The leases
-        past that are given back at once, as if never taken (visible, retry count
-        unchanged). Read a hundred at a time, so that a receive of large messages
-        never holds more than the budget and one such slice in memory."""
-        budget, total, out = self.limits.batch_bytes_max, 0, []
-        for i in range(0, len(got), 100):
-            for body in self.engine.bodies_of([m for m, _ in got[i:i + 100]]):
-                if out and total + len(body) > budget:
-                    break
-                total += len(body)
-                out.append(body)
-            else:
-                continue
-            break
-        if len(out) < len(got):
-            for _, lease in got[len(out):]:
-                self.core.release(lease.id, lease.nonce, now)
-            self.engine._wake_receivers()
-        return out
 
     async def receive(self, p: Principal, queue: str, wait_s: float, max_n: int = 1, receive_id: str = "",
                       caller_receive_id: str = "") -> list:

@@ -66,14 +66,15 @@ def failure_queue_of(name: str, settings: dict) -> str:
 
 
 class Msg:
-    __slots__ = ("id", "queue", "seq", "body", "retry", "visible_at", "expires_at", "state",
+    __slots__ = ("id", "queue", "seq", "body", "size", "retry", "visible_at", "expires_at", "state",
                  "lease", "gen", "persisted", "removed", "src")
 
-    def __init__(self, id, queue, seq, body, retry, visible_at, expires_at):
+    def __init__(self, id, queue, seq, body, retry, visible_at, expires_at, size=None):
         self.id = id
         self.queue = queue
         self.seq = seq
         self.body = body           # None once checkpointed: read from the store
+        self.size = len(body) if size is None else size  # the body's length (a receive's byte budget)
         self.retry = retry
         self.visible_at = visible_at
         self.expires_at = expires_at
@@ -122,6 +123,13 @@ class Segment:
 
     def id_of(self, i: int) -> str:
         return f"{self.prefix}{self.first + i:08x}"
+
+    def size_of(self, i: int) -> int:
+        """The length of message ``i``'s body (from the bodies in memory, else the
+        offsets in the stored row: one of the two is always there)."""
+        if self.bodies is not None:
+            return len(self.bodies[i])
+        return self.offs[i + 1] - self.offs[i]
 
     def untaken(self):
         taken = self.taken
@@ -406,9 +414,10 @@ class Core:
         """Message ``i`` leaves its segment as an Msg in the segment's state (still
         counted there: ready or delayed) but in no heap: the caller leases or
         detaches it at once."""
+        size = seg.size_of(i)
         self._leave(q, seg, i)
         m = Msg(seg.id_of(i), q.name, seg.seq0 + i, seg.bodies[i] if seg.bodies is not None else None,
-                0, seg.visible_at, seg.expires_at)
+                0, seg.visible_at, seg.expires_at, size)
         m.state = seg.state
         m.gen = 1
         m.src = (seg, i)
@@ -671,11 +680,15 @@ class Core:
         return min(times) if times else None
 
     # --------------------------------------------------------- leases (primary)
-    def receive(self, queue: str, now: int, max_n: int = 1, leases_max: int = 1 << 62, via=None) -> list:
+    def receive(self, queue: str, now: int, max_n: int = 1, leases_max: int = 1 << 62, via=None,
+                bytes_max: int = 1 << 62) -> list:
         """Lease up to ``max_n`` of the oldest visible messages. Returns [(Msg, Lease)].
 
         Only the primary calls this; the caller has checked that the queue exists.
         ``via``: kept on the leases for ``due_expiries``' ``spare`` (opaque here).
+        ``bytes_max``: the bodies of one answer; the oldest message is always
+        leased, the next only while the sum stays within it (the rest stay
+        visible, untouched).
         """
         q = self.queues[queue]
         self.promote(q, now)
@@ -684,6 +697,7 @@ class Core:
         timeout = q.settings["lease_timeout_us"]
         nonces, k0 = b"", 0  # one draw of randomness for the leases of this call
         sh = q.seg_ready
+        room = bytes_max
         while (h or sh) and len(out) < max_n and q.n_leased < leases_max:
             if sh and (not h or sh[0][0] < h[0][0]):
                 # the oldest visible message sits in a segment: take it out
@@ -694,6 +708,8 @@ class Core:
                 if seq != seg.seq0 + seg.cur:  # its head was taken meanwhile (a drop, a settle)
                     heapq.heapreplace(sh, (seg.seq0 + seg.cur, gen, seg))
                     continue
+                if out and seg.size_of(seg.cur) > room:
+                    break  # the answer is full: it stays where it is
                 m = self._take(q, seg, seg.cur)
                 if seg.left:
                     heapq.heapreplace(sh, (seg.seq0 + seg.cur, gen, seg))
@@ -707,6 +723,10 @@ class Core:
                 if now >= m.expires_at:
                     # retention over: not handed out; due_drops() proposes its Drop
                     continue
+                if out and m.size > room:
+                    heapq.heappush(h, (seq, gen, mid))  # the answer is full: back where it was
+                    break
+            room -= m.size
             if not nonces:
                 nonces, k0 = self.rand(8 * (max_n - len(out))), len(out)
             k = 8 * (len(out) - k0)
@@ -838,9 +858,9 @@ class Core:
         q = self.queues[name] = Queue(name, settings)
         q.counters.update(counters)
 
-    def load_message(self, queue, id, seq, retry, visible_at, expires_at, now) -> None:
+    def load_message(self, queue, id, seq, retry, visible_at, expires_at, now, size=0) -> None:
         q = self.queues[queue]
-        m = Msg(id, queue, seq, None, retry, visible_at, expires_at)
+        m = Msg(id, queue, seq, None, retry, visible_at, expires_at, size)
         m.persisted = True
         q.msgs[id] = m
         self._make_available(q, m, now)

@@ -277,7 +277,8 @@ class Store:
             yield name, json.loads(settings), json.loads(counters)
 
     def load_messages(self) -> Iterable:
-        return self.db.execute("SELECT queue, id, seq, retry, visible_at, expires_at FROM messages ORDER BY seq")
+        return self.db.execute("SELECT queue, id, seq, retry, visible_at, expires_at, length(body) FROM messages "
+                               "ORDER BY seq")
 
     def load_segments(self) -> Iterable:
         """(queue, seq0, prefix, first, n, visible_at, expires_at, offsets array, gone bytes)"""

@@ -527,3 +527,23 @@ def test_a_chain_of_derived_failure_queues_ends_at_255_characters(log):
     [(m, _)] = recv(log, name, 1)
     assert (m.id, m.retry) == (mid, 0)
     assert log.core.stats(name, 1)["failedTotal"] == 1
+
+
+def test_a_receive_leases_within_its_byte_budget_oldest_first(log):
+    """Bodies of one receive stay within ``bytes_max``: the oldest message always,
+    the next ones while they fit; the rest stay visible and untouched, in order,
+    single messages and messages of a batch alike."""
+    log.queue("q")
+    ids = [log.send("q", body=b"x" * 4)[0] for _ in range(3)]
+    _run(log, "q", [b"y" * 4, b"z" * 4, b"w" * 4], at=0)
+    ids += ["p0000001f", "p00000020", "p00000021"]
+    got = log.core.receive("q", 1, 10, bytes_max=10)
+    assert [m.id for m, _ in got] == ids[:2]
+    assert log.core.stats("q", 1)["visible"] == 4
+    got = log.core.receive("q", 1, 10, bytes_max=9)  # a single message out of the heap, then the batch
+    assert [m.id for m, _ in got] == ids[2:4]
+    got = log.core.receive("q", 1, 10, bytes_max=3)  # the oldest always, even past the budget
+    assert [m.id for m, _ in got] == ids[4:5]
+    assert [m.id for m, _ in log.core.receive("q", 1, 10)] == ids[5:]
+    st = log.core.stats("q", 1)
+    assert (st["visible"], st["leased"]) == (0, 6)
