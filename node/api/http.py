@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestPayloadError
@@ -75,10 +76,7 @@ def json_protocol_errors() -> None:
     def handle_error(self, request, status=500, exc=None, message=None):
         resp = plain(self, request, status, exc, message)
         if 400 <= resp.status < 500:
-            # aiohttp's words, without the bytes it quotes from the request (they
-            # may be an Authorization header's key)
-            why = str(message or resp.reason).partition(": b'")[0].partition(': b"')[0]
-            e = errors.InvalidArgument(f"malformed HTTP request: {why}"[:300])
+            e = errors.InvalidArgument(f"malformed HTTP request: {_without_request_bytes(message or resp.reason)}"[:300])
         else:
             e = errors.Internal("internal error")
         out = web.Response(status=resp.status if resp.status in (400, 413, 431) else e.http_status,
@@ -94,6 +92,30 @@ def json_protocol_errors() -> None:
 
     handle_error._spooler = True
     cls.handle_error = handle_error
+    logging.getLogger("aiohttp.server").addFilter(_log_without_request_bytes)
+
+
+_QUOTED = re.compile(r"""b(['"]).*?(?<!\\)\1""", re.S)
+
+
+def _without_request_bytes(text) -> str:
+    """aiohttp's reason for refusing a request, without the bytes of the request
+    it quotes (they may be an Authorization header's key): its first line, with
+    any quoted bytes cut out."""
+    first = _QUOTED.sub("<request bytes>", str(text)).strip().split("\n")[0]
+    return first.rstrip(": ")
+
+
+def _log_without_request_bytes(record: logging.LogRecord) -> bool:
+    """aiohttp logs a request it cannot parse with its exception, whose text
+    quotes the request's bytes: log the reason alone."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, http_exceptions.HttpProcessingError):
+        record.msg = "refused a malformed HTTP request: %s"
+        record.args = (_without_request_bytes(getattr(exc, "message", None) or exc),)
+        record.exc_info = None
+        record.exc_text = None
+    return True
 
 
 def build_app(svc: Service, metrics) -> web.Application:
