@@ -75,9 +75,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--log-keep-records must be >= 1")
     if a.log_keep_bytes < 0:
         p.error("--log-keep-bytes must be >= 0")
-    bad = [k for k in a.admin_key if not 1 <= len(k) <= KEY_CHARS_MAX or any(ch.isspace() for ch in k)]
+    bad = [k for k in a.admin_key if not 1 <= len(k) <= KEY_CHARS_MAX or k != k.strip()
+           or any(ord(ch) < 32 or ord(ch) == 127 for ch in k)]
     if bad:  # such a key could never be presented in an Authorization header
-        p.error(f"--admin-key must be 1..{KEY_CHARS_MAX} characters without spaces")
+        p.error(f"--admin-key must be 1..{KEY_CHARS_MAX} characters, without control characters "
+                "or spaces at either end")
     return a
 
 

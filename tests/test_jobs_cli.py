@@ -271,16 +271,17 @@ def test_output_of_a_finished_attempt_whose_file_is_gone_is_an_error(spool):
 
 
 def test_plain_list_and_status_show_each_command_on_one_line_as_bash_reads_it(spool):
-    a = spool.submit("printf", "%s", "two\nlines", "it's\t")
+    a = spool.submit("printf", "%s", "two\nlines", "it's\t", "next\u2028line")
     b = spool.submit("echo", "plain words")
     lines = spool.run("list").stdout.decode().splitlines()
     assert len(lines) == 2, lines
     shown = {line.split()[0]: line.split("  ")[-1] for line in lines}
-    assert shown[a] == "printf %s $'two\\nlines' $'it\\'s\\t'"
+    assert shown[a] == "printf %s $'two\\nlines' $'it\\'s\\t' $'next\\u2028line'"
     assert shown[b] == "echo 'plain words'"
     # bash reads the shown command back as the same arguments
     argv = subprocess.run(["bash", "-c", "for x in " + shown[a] + "; do printf '%s\\0' \"$x\"; done"],
-                          capture_output=True, check=True).stdout.split(b"\0")[:-1]
-    assert argv == [b"printf", b"%s", b"two\nlines", b"it's\t"]
+                          capture_output=True, check=True,  # bash writes \u escapes in the locale's encoding
+                          env={**os.environ, "LC_ALL": "C.UTF-8"}).stdout.split(b"\0")[:-1]
+    assert argv == [b"printf", b"%s", b"two\nlines", b"it's\t", "next\u2028line".encode()]
     status = spool.run("status", a).stdout.decode()
-    assert "  command:     printf %s $'two\\nlines' $'it\\'s\\t'\n" in status
+    assert "  command:     printf %s $'two\\nlines' $'it\\'s\\t' $'next\\u2028line'\n" in status

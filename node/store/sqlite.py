@@ -165,7 +165,7 @@ class Store:
         with self.db:
             self.db.executemany("INSERT INTO log(lsn, epoch, crc, rec) VALUES(?, ?, ?, ?)", rows)
         sums = self._log_sum
-        if len(sums) == 1:
+        if len(sums) == 1 and rows:
             self._log_first = rows[0][0]
         total = sums[-1]
         for r in rows:
@@ -268,8 +268,10 @@ class Store:
             cut = c.compact_upto
             db.execute("DELETE FROM log WHERE lsn <= ?", (cut,))
         if len(self._log_sum) > 1 and cut >= self._log_first:
-            del self._log_sum[:cut - self._log_first + 1]
-            self._log_first = cut + 1
+            # never the base total: at most every record there is
+            k = min(cut - self._log_first + 1, len(self._log_sum) - 1)
+            del self._log_sum[:k]
+            self._log_first += k
 
     # ------------------------------------------------------------- loading
     def load_queues(self) -> Iterable:

@@ -53,7 +53,7 @@ def _shell_word(arg: str) -> str:
     """One argument as bash would read it back, always on one line: plain shell
     quoting, or ANSI-C quoting ($'...') when it holds control characters such
     as a newline, which would otherwise split a job's line in two."""
-    if not any(ord(ch) < 32 or ord(ch) == 127 for ch in arg):
+    if not any(map(_breaks_a_line, arg)):
         return shlex.quote(arg)
     out = []
     for ch in arg:
@@ -64,11 +64,19 @@ def _shell_word(arg: str) -> str:
             out.append("\\n")
         elif ch == "\t":
             out.append("\\t")
-        elif o < 32 or o == 127:
+        elif o < 0x80 and _breaks_a_line(ch):
             out.append(f"\\x{o:02x}")
+        elif _breaks_a_line(ch):
+            out.append(f"\\u{o:04x}")  # bash writes it back as UTF-8
         else:
             out.append(ch)
     return "$'" + "".join(out) + "'"
+
+
+def _breaks_a_line(ch: str) -> bool:
+    """A control character (C0, DEL, C1) or a Unicode line or paragraph separator."""
+    o = ord(ch)
+    return o < 32 or 127 <= o < 160 or ch in "\u2028\u2029"
 
 
 def shown_command(argv: list) -> str:

@@ -12,7 +12,8 @@ from node.main import parse_args
     (["--log-keep-bytes", "-1"], "--log-keep-bytes must be >= 0"),
     # a key no Authorization header can carry (over 512 characters, or with a space)
     (["--admin-key", "k" * 513], "--admin-key must be 1..512 characters"),
-    (["--admin-key", "two words"], "--admin-key must be 1..512 characters"),
+    (["--admin-key", " padded"], "--admin-key must be 1..512 characters"),
+    (["--admin-key", "bell\x07"], "--admin-key must be 1..512 characters"),
     (["--failover-timeout", "0"], "--failover-timeout must be > 0"),
 ])
 def test_a_setting_out_of_range_stops_the_node_at_start(argv, words, capsys):
@@ -25,8 +26,9 @@ def test_a_setting_out_of_range_stops_the_node_at_start(argv, words, capsys):
 def test_the_edges_of_those_ranges_are_accepted(monkeypatch):
     monkeypatch.delenv("SPOOLER_ADMIN_KEY", raising=False)
     a = parse_args(["--max-body-bytes", "8388608", "--log-keep-records", "1", "--log-keep-bytes", "0",
-                    "--admin-key", "k" * 512])
-    assert (a.max_body_bytes, a.log_keep_records, a.log_keep_bytes, a.admin_key) == (8388608, 1, 0, ["k" * 512])
+                    "--admin-key", "k" * 512, "--admin-key", "two words"])
+    assert (a.max_body_bytes, a.log_keep_records, a.log_keep_bytes, a.admin_key) == (
+        8388608, 1, 0, ["k" * 512, "two words"])
 
 
 def test_admin_keys_from_the_environment_are_checked_too(monkeypatch, capsys):
