@@ -75,12 +75,15 @@ def json_protocol_errors() -> None:
 
     def handle_error(self, request, status=500, exc=None, message=None):
         resp = plain(self, request, status, exc, message)
-        if 400 <= resp.status < 500:
-            e = errors.InvalidArgument(f"malformed HTTP request: {_without_request_bytes(message or resp.reason)}"[:300])
+        # the contract's statuses and kinds: 413 for a body too large, else 400
+        why = _without_request_bytes(message or resp.reason)
+        if resp.status == 413:
+            e = errors.MessageTooLarge(f"request body too large: {why}"[:300])
+        elif 400 <= resp.status < 500:
+            e = errors.InvalidArgument(f"malformed HTTP request: {why}"[:300])
         else:
             e = errors.Internal("internal error")
-        out = web.Response(status=resp.status if resp.status in (400, 413, 431) else e.http_status,
-                           body=errors.http_body(e), content_type=JSON)
+        out = web.Response(status=e.http_status, body=errors.http_body(e), content_type=JSON)
         # this answer skips on_response_prepare: name the epoch here (the app that
         # owns this connection says how; aiohttp's Server keeps its handler)
         app = getattr(getattr(getattr(self, "_manager", None), "request_handler", None), "__self__", None)

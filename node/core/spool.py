@@ -559,7 +559,6 @@ class Core:
             self._remove(m)
             return
         if m.retry + 1 > q.settings["max_retries"]:
-            q.counters["failed"] += 1
             name = q.failure_queue
             # no room for one more queue: it stays, as if the queue were its own failure queue
             fq = self._ensure_queue(name) if name in self.queues or len(self.queues) < QUEUES_MAX else q
@@ -567,6 +566,7 @@ class Core:
                 m.visible_at = ts + max(0, delay_us)
                 self._make_available(q, m, ts)
                 return
+            q.counters["failed"] += 1  # failedTotal: moved to the failure queue (API.md)
             self._move(q, m, fq, ts)
             return
         m.retry += 1
