@@ -66,7 +66,10 @@ class _Session:
         self.supported = True
         self.waiting: dict = {}     # id -> _Waiter
         self.outbox: list = []      # (id, SessionRequest) for self.call, not yet written
-        self.writing = False
+        # streams with a writer task: one per stream, never one for all, so that a
+        # stream whose write hangs (a node that accepted the connection and says
+        # nothing) holds up none opened after it to another node
+        self.writers: set = set()
         self.next_id = 0
 
     def _open(self) -> None:
@@ -96,9 +99,7 @@ class _Session:
         w = _Waiter(loop.create_future(), write)
         self.waiting[rid] = w
         self.outbox.append((rid, api_pb2.SessionRequest(id=rid, **{which: req})))
-        if not self.writing:
-            self.writing = True
-            asyncio.ensure_future(self._write(self.call))
+        self._start_writer()
         timer = loop.call_later(timeout_s, self._expire, rid)
         try:
             resp = await w.fut
@@ -127,6 +128,12 @@ class _Session:
             w.fut.set_exception(errors.OperationUnconfirmed("no answer within the timeout") if w.write
                                 else read_lost("no answer within the timeout"))
 
+    def _start_writer(self) -> None:
+        call = self.call
+        if self.outbox and call is not None and not call.done() and call not in self.writers:
+            self.writers.add(call)
+            asyncio.ensure_future(self._write(call))
+
     async def _write(self, call) -> None:
         try:
             while self.outbox and call is self.call:
@@ -139,10 +146,8 @@ class _Session:
         except Exception:  # noqa: BLE001 - the stream is broken: its reader reports how
             call.cancel()
         finally:
-            self.writing = False
-            if self.outbox and self.call is not None and not self.call.done():
-                self.writing = True
-                asyncio.ensure_future(self._write(self.call))
+            self.writers.discard(call)
+            self._start_writer()  # what came for the current stream meanwhile
 
     async def _read(self, call) -> None:
         err: Optional[BaseException] = None

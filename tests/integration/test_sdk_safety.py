@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import threading
 from concurrent.futures import Future
 
@@ -460,3 +461,48 @@ def test_a_receive_whose_answer_was_lost_is_not_retried(node, tmp_path):
         assert c.target_now() == other.grpc_target  # the client did move on
         assert await c.receive("lost") == []  # and the caller's own next try goes there
     _first_node_hung(node, tmp_path, "lost", check)
+
+
+def test_a_node_that_never_answers_does_not_hold_up_the_next_nodes_session(node):
+    """The first node accepts the connection and says nothing (a hung process the
+    kernel still completes handshakes for). Its Session write hangs; the client
+    moves on, and the stream it opens to the next node must not wait behind that
+    write: the next send goes through at once."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    srv.settimeout(0.2)
+    held, done = [], threading.Event()
+
+    def accept():
+        while not done.is_set():
+            try:
+                held.append(srv.accept()[0])
+            except socket.timeout:
+                pass
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    silent = f"127.0.0.1:{srv.getsockname()[1]}"
+
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c0:
+            await c0.put_queue("silent")
+        c = AsyncClient(f"{silent},{node.grpc_target}", node.admin_key, timeout_s=1, retry_attempts=1)
+        try:
+            with pytest.raises((errors.Unavailable, errors.OperationUnconfirmed)):
+                await c.send("silent", b"first")
+            assert c.target_now() == node.grpc_target
+            r = await asyncio.wait_for(c.send("silent", b"second"), 5)
+            assert r.id and not r.duplicate
+        finally:
+            await c.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        done.set()
+        t.join()
+        for s in held:
+            s.close()
+        srv.close()
