@@ -341,6 +341,22 @@ def keep_renewing_after(log, m, e: errors.SpoolerError) -> bool:
     return False
 
 
+def settle_failed(log, m, action: str, e: errors.SpoolerError) -> bool:
+    """A consumer's ack or nack of message ``m`` failed with ``e`` after the
+    client's own retries: log it; True if consuming should go on. A lease gone
+    stale, or an outage that outlasted the retries, costs at most a redelivery
+    (delivery is at least once): the consumer keeps going and receives again
+    once the cluster is back. Anything else (a key without the scope, ...) is
+    the caller's to see."""
+    if isinstance(e, errors.StaleLease):
+        log.warning("%s of %s came too late (%s): it may be delivered again", action, m.id, e.reason)
+        return True
+    if isinstance(e, (errors.Unavailable, errors.OperationUnconfirmed)):
+        log.warning("%s of %s not confirmed (%s): it may be delivered again", action, m.id, e)
+        return True
+    return False
+
+
 def renew_delay_s(expires_at: str, now: Optional[datetime] = None) -> float:
     """Renew at half the remaining lease time (at least 50 ms from now)."""
     from datetime import timezone

@@ -23,7 +23,7 @@ from spooler import errors
 from spooler._common import (MOVE_ON, Nodes, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, auth_metadata, batch_request, batch_results, call_with_retries,
                              _has_detail, is_batch_entry_error, map_rpc_error, message_of, never_sent, read_lost, queue_dict, renew_delay_s, send_outcomes,
                              settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
-                             release_request)
+                             release_request, settle_failed)
 from spooler.pb import api_pb2
 
 log = logging.getLogger("spooler.aio")
@@ -515,7 +515,12 @@ class AsyncClient(Nodes):
                       stop: Optional[asyncio.Event] = None) -> None:
         """Run ``handler`` for each message: the lease is renewed while it runs;
         it is acked when the handler returns and nacked when it raises. Returns
-        soon after ``stop`` is set: a receive waiting then is given up."""
+        soon after ``stop`` is set: a receive waiting then is given up.
+
+        An outage is ridden out: a receive that fails is tried again, and an ack
+        or nack that cannot be confirmed (the lease went stale, or the cluster
+        stayed unreachable past the retries) is logged, and the message may be
+        delivered again. Any other error ends consume, and all its workers."""
         stop = stop or asyncio.Event()
 
         async def worker():
@@ -547,7 +552,14 @@ class AsyncClient(Nodes):
                     recv.cancel()
                     await asyncio.wait({recv})
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        # one worker failing (an error consume does not absorb) ends them all
+        workers = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            for w in workers:
+                w.cancel()
+            await asyncio.wait(workers)
 
     async def _handle(self, m: Message, handler, nack_delay_s: float) -> None:
         async def keep_renewing():
@@ -563,20 +575,20 @@ class AsyncClient(Nodes):
         renewer = asyncio.ensure_future(keep_renewing())
         try:
             await handler(m)
+            ok = True
         except Exception:
             log.exception("handler failed for message %s; nacking", m.id)
-            renewer.cancel()
-            try:
-                await self.nack(m.token, delay_s=nack_delay_s)
-            except errors.StaleLease:
-                pass
-            return
+            ok = False
         finally:
             renewer.cancel()
         try:
-            await self.ack(m.token)
-        except errors.StaleLease as e:
-            log.warning("ack of %s came too late (%s): it may be delivered again", m.id, e.reason)
+            if ok:
+                await self.ack(m.token)
+            else:
+                await self.nack(m.token, delay_s=nack_delay_s)
+        except errors.SpoolerError as e:
+            if not settle_failed(log, m, "ack" if ok else "nack", e):
+                raise
 
     # ----------------------------------------------------------- cluster
     async def cluster(self) -> api_pb2.ClusterInfo:

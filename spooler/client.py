@@ -22,7 +22,7 @@ from spooler import errors
 from spooler._common import (MOVE_ON, Nodes, keep_renewing_after, batch_size, check_batch, check_send_types, Message, SendResult, auth_metadata, batch_request, batch_results, call_with_retries_sync,
                              is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, send_outcomes,
                              settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
-                             release_request)
+                             release_request, settle_failed)
 from spooler.pb import api_pb2
 
 log = logging.getLogger("spooler.client")
@@ -289,7 +289,9 @@ class Client(Nodes):
                 nack_delay_s: float = 0.0, stop: Optional[threading.Event] = None, max_messages: int = 0) -> int:
         """Run ``handler`` for each message in this thread: the lease is renewed
         while it runs; ack when it returns, nack when it raises. Returns the
-        number handled once ``stop`` is set (or ``max_messages`` were handled)."""
+        number handled once ``stop`` is set (or ``max_messages`` were handled).
+        Outages are ridden out as in ``AsyncClient.consume``: an ack or nack that
+        cannot be confirmed is logged, and the message may come again."""
         stop = stop or threading.Event()
         handled = 0
         while not stop.is_set() and (not max_messages or handled < max_messages):
@@ -332,8 +334,9 @@ class Client(Nodes):
                 self.ack(m.token)
             else:
                 self.nack(m.token, delay_s=nack_delay_s)
-        except errors.StaleLease as e:
-            log.warning("settle of %s came too late (%s): it may be delivered again", m.id, e.reason)
+        except errors.SpoolerError as e:
+            if not settle_failed(log, m, "ack" if ok else "nack", e):
+                raise
         return ok
 
     # ----------------------------------------------------------- cluster

@@ -506,3 +506,62 @@ def test_a_node_that_never_answers_does_not_hold_up_the_next_nodes_session(node)
         for s in held:
             s.close()
         srv.close()
+
+
+def test_async_consume_rides_out_an_outage_longer_than_its_retries(node, caplog):
+    """The node dies while a handler runs and stays down past the client's retries:
+    the ack cannot be confirmed. consume logs it and goes on (the message may come
+    again: delivery is at least once); it neither ends nor leaves workers behind,
+    and once the node is back it handles that message again and new ones."""
+    import logging
+    caplog.set_level(logging.WARNING, logger="spooler.aio")
+
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key, timeout_s=2) as c:
+            await c.put_queue("ride")
+            first = (await c.send("ride", b"first")).id
+            seen, started, stop = [], asyncio.Event(), asyncio.Event()
+
+            async def handler(m):
+                seen.append(m.id)
+                if len(seen) == 1:
+                    started.set()
+                    await asyncio.sleep(0.5)  # the node is killed meanwhile
+
+            task = asyncio.ensure_future(c.consume("ride", handler, concurrency=3, wait_s=1, stop=stop))
+            await asyncio.wait_for(started.wait(), 10)
+            node.kill()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 20
+            while "ack of" not in caplog.text and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            assert "not confirmed" in caplog.text, caplog.text
+            assert not task.done(), task
+            node.start()
+            deadline = loop.time() + 20
+            second = None
+            while second is None and loop.time() < deadline:
+                try:
+                    second = (await c.send("ride", b"second")).id
+                except (errors.Unavailable, errors.OperationUnconfirmed):
+                    await asyncio.sleep(0.05)
+            while not (seen.count(first) == 2 and second in seen) and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            assert seen.count(first) == 2 and second in seen, seen
+            stop.set()
+            await asyncio.wait_for(task, 10)  # returns, no exception
+            st = (await c.get_queue("ride"))["stats"]
+            assert st["ackedTotal"] == 2 and st["visible"] == st["leased"] == 0, st
+
+    asyncio.run(main())
+
+
+def test_sync_handle_logs_an_ack_it_cannot_confirm_and_goes_on(node, caplog):
+    import logging
+    caplog.set_level(logging.WARNING, logger="spooler.client")
+    with Client(node.grpc_target, node.admin_key, timeout_s=1) as c:
+        c.put_queue("sh")
+        c.send("sh", b"x")
+        [m] = c.receive("sh")
+        assert c.handle(m, lambda _: node.kill()) is True  # the handler succeeded; no exception
+    assert "ack of" in caplog.text and "not confirmed" in caplog.text, caplog.text
