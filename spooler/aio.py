@@ -240,6 +240,7 @@ class AsyncClient(Nodes):
         self.send_rpcs = 0           # SendBatch RPCs made by auto-batching (observability, tests)
         self.session = _Session(self)
         self._releases: set = set()   # releases of cancelled receives, still going
+        self._settling: set = set()   # acks and nacks in progress (close waits for them)
         self._release_supported = True
         self._closed = False
         self._closing = False
@@ -249,11 +250,12 @@ class AsyncClient(Nodes):
         return self._closing
 
     async def close(self) -> None:
-        """Sends already handed to the client still go out (within its timeout);
-        then the channels close."""
+        """Sends already handed to the client still go out, and acks and nacks
+        already called get their answers (within its timeout); then the channels
+        close. (An ack cut off here would cost its message a redelivery.)"""
         self._closing = True  # no new sends from here on
-        if self._flushes:
-            await asyncio.wait(list(self._flushes), timeout=self.timeout_s)
+        if self._flushes or self._settling:
+            await asyncio.wait(list(self._flushes) + list(self._settling), timeout=self.timeout_s)
         _fail_all(self._pending, errors.Unavailable("the client closed before the send left"))
         self._pending.clear()
         if self._releases:  # each is one call with a short deadline
@@ -475,6 +477,16 @@ class AsyncClient(Nodes):
         return getattr(r, "expires_at", None)
 
     async def _settle(self, action: str, token: str, delay_s: float = 0.0) -> object:
+        if action == "renew":
+            return await self._settle_attempts(action, token, delay_s)
+        task = asyncio.current_task()
+        self._settling.add(task)
+        try:
+            return await self._settle_attempts(action, token, delay_s)
+        finally:
+            self._settling.discard(task)
+
+    async def _settle_attempts(self, action: str, token: str, delay_s: float) -> object:
         maybe_landed = False  # an earlier attempt's outcome is unknown
 
         async def once():

@@ -565,3 +565,24 @@ def test_sync_handle_logs_an_ack_it_cannot_confirm_and_goes_on(node, caplog):
         [m] = c.receive("sh")
         assert c.handle(m, lambda _: node.kill()) is True  # the handler succeeded; no exception
     assert "ack of" in caplog.text and "not confirmed" in caplog.text, caplog.text
+
+
+def test_async_close_lets_an_ack_in_progress_finish(node):
+    """An ack called just before close() gets its answer: cut off, it would leave
+    the lease to expire and the message to come back with its count raised."""
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as setup:
+            await setup.put_queue("closing", leaseTimeoutSeconds=1)
+            await setup.send("closing", b"x")
+        c = AsyncClient(node.grpc_target, node.admin_key)
+        [m] = await c.receive("closing")
+        ack = asyncio.ensure_future(c.ack(m.token))
+        await asyncio.sleep(0)  # the ack has started: its request waits to be written
+        await c.close()
+        await ack  # answered, no error
+        async with AsyncClient(node.grpc_target, node.admin_key) as check:
+            assert await check.receive("closing", wait_s=1.5) == []  # past the lease: nothing came back
+            st = (await check.get_queue("closing"))["stats"]
+            assert st["ackedTotal"] == 1 and st.get("leaseExpiredTotal", 0) == 0, st
+
+    asyncio.run(main())
