@@ -87,6 +87,8 @@ class _Session:
             asyncio.ensure_future(_half_close(old))
 
     async def request(self, which: str, req, *, write: bool, timeout_s: float):
+        if self.c._closed:  # not grpc's UsageError from a closed channel
+            raise RuntimeError("the client is closed")
         if not self.supported:
             raise _NoSession()
         if self.call is not None and self.stub is not self.c.stub:
@@ -272,6 +274,8 @@ class AsyncClient(Nodes):
         await self.close()
 
     async def _call(self, rpc, req, *, write: bool, timeout_s: Optional[float] = None):
+        if self._closed:  # not grpc's UsageError from a closed channel
+            raise RuntimeError("the client is closed")
         ch = self.channel  # the channel ``rpc`` belongs to (its stub was read just now)
         try:
             return await rpc(req, metadata=self.md, timeout=timeout_s or self.timeout_s)

@@ -79,6 +79,8 @@ class Client(Nodes):
         self.close()
 
     def _call(self, rpc, req, *, write: bool, timeout_s: Optional[float] = None):
+        if self._closed:
+            raise RuntimeError("the client is closed")
         ch = self.channel  # the channel ``rpc`` belongs to (its stub was read just now)
         try:
             return rpc(req, metadata=self.md, timeout=timeout_s or self.timeout_s)
@@ -147,6 +149,8 @@ class Client(Nodes):
             return False
 
     def send_async(self, req: api_pb2.SendRequest) -> Future:
+        if self._closed:
+            raise RuntimeError("the client is closed")
         fut: Future = Future()
         with self._lock:
             self._pending.append((req, fut))
@@ -219,6 +223,8 @@ class Client(Nodes):
         cancelled (and whatever it may have leased given back) instead of being
         waited out, so that ``consume`` returns soon after ``stop`` is set."""
         req = receive_request(queue, wait_s, max_messages)  # (refuses a count below 1)
+        if self._closed:
+            raise RuntimeError("the client is closed")
         rpc = self.stub.Receive if max_messages == 1 else self.stub.ReceiveBatch
         ch = self.channel
         fut = rpc.future(req, metadata=self.md, timeout=self.timeout_s + wait_s)

@@ -586,3 +586,20 @@ def test_async_close_lets_an_ack_in_progress_finish(node):
             assert st["ackedTotal"] == 1 and st.get("leaseExpiredTotal", 0) == 0, st
 
     asyncio.run(main())
+
+
+def test_calls_after_close_say_the_client_is_closed(node):
+    async def main():
+        c = AsyncClient(node.grpc_target, node.admin_key)
+        await c.put_queue("after")
+        await c.close()
+        for call in (c.get_queue("after"), c.receive("after"), c.ack("A" * 40), c.send("after", b"x")):
+            with pytest.raises(RuntimeError, match="the client is closed"):
+                await call
+    asyncio.run(main())
+    c = Client(node.grpc_target, node.admin_key)
+    c.close()
+    for call in (lambda: c.get_queue("after"), lambda: c.receive("after"), lambda: c.ack("A" * 40),
+                 lambda: c.send("after", b"x")):
+        with pytest.raises(RuntimeError, match="the client is closed"):
+            call()
