@@ -37,12 +37,15 @@ class _NoSession(Exception):
 
 
 class _Waiter:
-    __slots__ = ("fut", "write", "call")
+    __slots__ = ("fut", "write", "call", "chan")
 
-    def __init__(self, fut, write: bool):
+    def __init__(self, fut, write: bool, chan):
         self.fut = fut
         self.write = write
         self.call = None  # the stream it was written to; None = not written yet
+        # the channel of its stream: what its failure may move the client away
+        # from (not a newer stream's, which the client may have moved to since)
+        self.chan = chan
 
 
 class _Session:
@@ -98,7 +101,7 @@ class _Session:
         loop = asyncio.get_running_loop()
         self.next_id += 1
         rid = self.next_id
-        w = _Waiter(loop.create_future(), write)
+        w = _Waiter(loop.create_future(), write, self.chan)
         self.waiting[rid] = w
         self.outbox.append((rid, api_pb2.SessionRequest(id=rid, **{which: req})))
         self._start_writer()
@@ -114,7 +117,7 @@ class _Session:
         if kind == "error":
             err = errors.from_detail(resp.error)
             if isinstance(err, errors.Unavailable):
-                self.c._next_target(self.chan)
+                self.c._next_target(w.chan)
             raise err
         return getattr(resp, kind)
 
@@ -122,7 +125,7 @@ class _Session:
         w = self.waiting.pop(rid, None)
         if w is None or w.fut.done():
             return
-        self.c._next_target(self.chan)  # a node that does not answer in time must not pin the client
+        self.c._next_target(w.chan)  # a node that does not answer in time must not pin the client
         if w.call is None:  # still in the outbox: take it out, it is never sent
             self.outbox[:] = [x for x in self.outbox if x[0] != rid]
             w.fut.set_exception(errors.Unavailable("not sent within the timeout"))
@@ -242,7 +245,7 @@ class AsyncClient(Nodes):
         self.send_rpcs = 0           # SendBatch RPCs made by auto-batching (observability, tests)
         self.session = _Session(self)
         self._releases: set = set()   # releases of cancelled receives, still going
-        self._settling: set = set()   # acks and nacks in progress (close waits for them)
+        self._settling: set = set()   # futures of acks and nacks in progress (close waits for them)
         self._release_supported = True
         self._closed = False
         self._closing = False
@@ -483,12 +486,15 @@ class AsyncClient(Nodes):
     async def _settle(self, action: str, token: str, delay_s: float = 0.0) -> object:
         if action == "renew":
             return await self._settle_attempts(action, token, delay_s)
-        task = asyncio.current_task()
-        self._settling.add(task)
+        # close() waits on this future (not on the calling task, which may go on
+        # to a long poll after its ack)
+        done = asyncio.get_running_loop().create_future()
+        self._settling.add(done)
         try:
             return await self._settle_attempts(action, token, delay_s)
         finally:
-            self._settling.discard(task)
+            self._settling.discard(done)
+            done.set_result(None)
 
     async def _settle_attempts(self, action: str, token: str, delay_s: float) -> object:
         maybe_landed = False  # an earlier attempt's outcome is unknown
@@ -569,6 +575,8 @@ class AsyncClient(Nodes):
                     await asyncio.wait({recv})
 
         # one worker failing (an error consume does not absorb) ends them all
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
         workers = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
         try:
             await asyncio.gather(*workers)
@@ -587,6 +595,8 @@ class AsyncClient(Nodes):
                 except errors.SpoolerError as e:
                     if not keep_renewing_after(log, m, e):
                         return
+                except RuntimeError:  # the client was closed under the handler
+                    return
 
         renewer = asyncio.ensure_future(keep_renewing())
         try:

@@ -58,7 +58,8 @@ class Client(Nodes):
         self.send_rpcs = 0           # SendBatch RPCs made by auto-batching (observability, tests)
         self._pool = ThreadPoolExecutor(max_workers=batches_in_flight_max, thread_name_prefix="spooler-send")
         self._release_supported = True
-        self._closed = False
+        self._closed = False  # close() began: no new sends, no retries
+        self._shut = False    # close() has sent what it held: no calls at all
 
 
 
@@ -68,7 +69,8 @@ class Client(Nodes):
 
     def close(self) -> None:
         self._closed = True
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)  # the sends already handed over go out
+        self._shut = True
         for ch in self._all_channels():
             ch.close()
 
@@ -79,7 +81,7 @@ class Client(Nodes):
         self.close()
 
     def _call(self, rpc, req, *, write: bool, timeout_s: Optional[float] = None):
-        if self._closed:
+        if self._shut:
             raise RuntimeError("the client is closed")
         ch = self.channel  # the channel ``rpc`` belongs to (its stub was read just now)
         try:
@@ -223,7 +225,7 @@ class Client(Nodes):
         cancelled (and whatever it may have leased given back) instead of being
         waited out, so that ``consume`` returns soon after ``stop`` is set."""
         req = receive_request(queue, wait_s, max_messages)  # (refuses a count below 1)
-        if self._closed:
+        if self._shut:
             raise RuntimeError("the client is closed")
         rpc = self.stub.Receive if max_messages == 1 else self.stub.ReceiveBatch
         ch = self.channel
@@ -312,7 +314,10 @@ class Client(Nodes):
         return handled
 
     def handle(self, m: Message, handler: Callable[[Message], None], nack_delay_s: float = 0.0) -> bool:
-        """One message: renew in the background while ``handler`` runs, then settle."""
+        """One message: renew in the background while ``handler`` runs, then settle.
+        Returns whether the handler succeeded. An ack or nack that cannot be
+        confirmed (stale lease, or no answer past the retries) is logged, not
+        raised: the message may be delivered again."""
         done = threading.Event()
 
         def keep_renewing():
@@ -323,6 +328,8 @@ class Client(Nodes):
                 except errors.SpoolerError as e:
                     if not keep_renewing_after(log, m, e):
                         return
+                except RuntimeError:  # the client was closed under the handler
+                    return
 
         t = threading.Thread(target=keep_renewing, daemon=True)
         t.start()

@@ -603,3 +603,40 @@ def test_calls_after_close_say_the_client_is_closed(node):
                  lambda: c.send("after", b"x")):
         with pytest.raises(RuntimeError, match="the client is closed"):
             call()
+
+
+def test_sync_close_sends_a_backlog_it_holds(node):
+    """Sends handed to the sync client before close() all go out, however many
+    batches they take (a flush must not meet a closed client halfway)."""
+    c = Client(node.grpc_target, node.admin_key, batches_in_flight_max=1, batch_max=10)
+    c.put_queue("backlog")
+    futs = [c.send_async(api_pb2.SendRequest(queue="backlog", body=b"%d" % i)) for i in range(300)]
+    c.close()
+    ids = {f.result(timeout=10).id for f in futs}
+    assert len(ids) == 300
+    with Client(node.grpc_target, node.admin_key) as check:
+        assert check.get_queue("backlog")["stats"]["visible"] == 300
+
+
+def test_async_close_does_not_wait_for_a_consumer_that_acked_and_polls_on(node):
+    """close() waits for acks in progress, not for the tasks that made them: a
+    consume worker that acked and went back to a long poll does not hold it."""
+    async def main():
+        c = AsyncClient(node.grpc_target, node.admin_key, timeout_s=30)
+        await c.put_queue("poll-on")
+        await c.send("poll-on", b"x")
+        acked = asyncio.Event()
+
+        async def handler(m):
+            acked.set()
+
+        task = asyncio.ensure_future(c.consume("poll-on", handler, wait_s=20))
+        await asyncio.wait_for(acked.wait(), 10)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await asyncio.wait_for(c.close(), 10)
+        assert loop.time() - t0 < 5
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
