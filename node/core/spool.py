@@ -410,11 +410,12 @@ class Core:
                 if not lst:
                     del q.segs[seg.prefix]
 
-    def _take(self, q: Queue, seg: Segment, i: int) -> Msg:
+    def _take(self, q: Queue, seg: Segment, i: int, size: Optional[int] = None) -> Msg:
         """Message ``i`` leaves its segment as an Msg in the segment's state (still
         counted there: ready or delayed) but in no heap: the caller leases or
         detaches it at once."""
-        size = seg.size_of(i)
+        if size is None:
+            size = seg.size_of(i)
         self._leave(q, seg, i)
         m = Msg(seg.id_of(i), q.name, seg.seq0 + i, seg.bodies[i] if seg.bodies is not None else None,
                 0, seg.visible_at, seg.expires_at, size)
@@ -708,9 +709,10 @@ class Core:
                 if seq != seg.seq0 + seg.cur:  # its head was taken meanwhile (a drop, a settle)
                     heapq.heapreplace(sh, (seg.seq0 + seg.cur, gen, seg))
                     continue
-                if out and seg.size_of(seg.cur) > room:
+                size = seg.size_of(seg.cur)
+                if out and size > room:
                     break  # the answer is full: it stays where it is
-                m = self._take(q, seg, seg.cur)
+                m = self._take(q, seg, seg.cur, size)
                 if seg.left:
                     heapq.heapreplace(sh, (seg.seq0 + seg.cur, gen, seg))
                 else:
