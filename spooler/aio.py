@@ -574,9 +574,9 @@ class AsyncClient(Nodes):
                     recv.cancel()
                     await asyncio.wait({recv})
 
-        # one worker failing (an error consume does not absorb) ends them all
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        # one worker failing (an error consume does not absorb) ends them all
         workers = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
         try:
             await asyncio.gather(*workers)

@@ -64,10 +64,8 @@ def _shell_word(arg: str) -> str:
             out.append("\\n")
         elif ch == "\t":
             out.append("\\t")
-        elif o < 0x80 and _breaks_a_line(ch):
-            out.append(f"\\x{o:02x}")
-        elif _breaks_a_line(ch):
-            out.append(f"\\u{o:04x}")  # bash writes it back as UTF-8
+        elif _breaks_a_line(ch):  # \u: bash writes it back as UTF-8
+            out.append(f"\\x{o:02x}" if o < 0x80 else f"\\u{o:04x}")
         else:
             out.append(ch)
     return "$'" + "".join(out) + "'"
