@@ -136,12 +136,22 @@ def ratios(spooler: dict, peers: dict) -> dict:
     return out
 
 
-def targets(spooler: dict, nproc) -> dict:
+def _bare(t: dict, fig: str, op: str, bound, bare: dict) -> None:
+    """Beside a target: what the bare stack (bench/floor.py) gave for the same figure in this
+    run, and whether even it meets the target."""
+    v = ((bare or {}).get("median") or {}).get(fig)
+    if v is not None and bound is not None:
+        t["bare_stack"] = v
+        t["bare_stack_meets_target"] = v >= bound if op == ">=" else v <= bound
+
+
+def targets(spooler: dict, nproc, bare: dict = None) -> dict:
     out = {}
     med = spooler.get("median", {})
     for fig, (op, bound) in TARGETS.items():
         v = med.get(fig)
         t = {"target": f"{op} {bound}"}
+        _bare(t, fig, op, bound, bare)
         if v is None:
             t.update(value=None, passed=None, note="not measured")
         else:
@@ -170,7 +180,7 @@ def _judge(v, op, bound) -> dict:
     return t
 
 
-def cluster_targets(cl: dict, peers: dict, nproc) -> dict:
+def cluster_targets(cl: dict, peers: dict, nproc, bare: dict = None) -> dict:
     """The replication issue's targets against the 3-node medians. Relative targets use the
     peer's median from this same run."""
     out = {}
@@ -184,6 +194,7 @@ def cluster_targets(cl: dict, peers: dict, nproc) -> dict:
         if rel is None:
             t = {"target": f"{op} {k}"}
             t.update(_judge(v, op, k))
+            _bare(t, fig, op, k, bare)
         elif rel == "failover_timeout":
             timeout = (fo.get("sigstop") or {}).get("failover_timeout_s")
             t = {"target": f"{op} failover timeout ({timeout} s) + {k} s"}
@@ -195,6 +206,7 @@ def cluster_targets(cl: dict, peers: dict, nproc) -> dict:
                 t.update(value=v, passed=None, note=f"{rel} not measured in this run")
             else:
                 t.update(_judge(v, op, k * theirs))
+                _bare(t, fig, op, k * theirs, bare)
                 if v is not None:
                     t["ratio_to_peer"] = round(v / theirs, 3)
         out[fig] = t
@@ -253,6 +265,7 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", default=os.environ.get("SPOOLER_BENCH_PEERS", "all"),
                     help="all | none | comma list of nats-jetstream,rabbitmq-quorum")
     ap.add_argument("--no-jobs", action="store_true", help="skip bench/jobs.py")
+    ap.add_argument("--no-bare", action="store_true", help="skip bench/floor.py (the bare stack)")
     ap.add_argument("--no-cluster", action="store_true", default=os.environ.get("SPOOLER_BENCH_CLUSTER") == "0",
                     help="skip the 3-node part (workload, failover, the peers' failover.py)")
     ap.add_argument("--failover-timeout", type=float, default=2.0, help="the nodes' --failover-timeout, seconds")
@@ -262,6 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS), help="where to write the JSON as well")
     a = ap.parse_args(argv)
 
+    from bench import floor
     from bench import peers as peers_mod
     from bench import spool
 
@@ -274,6 +288,13 @@ def main(argv=None) -> int:
     result["spooler"] = spool.run(n=a.n, n_seq=a.n_seq, n_batches=a.batches, repeats=a.repeats, log=log)
     if "error" in result["spooler"]:
         log(f"spooler: ERROR {result['spooler']['error']}")
+
+    if a.no_bare:
+        result["bare_stack"] = {"skipped": "--no-bare"}
+    else:
+        result["bare_stack"] = floor.run(n=a.n, n_seq=a.n_seq, n_batches=a.batches, repeats=a.repeats, log=log)
+    bare = result["bare_stack"]
+    result["spooler_share_of_bare"] = floor.share(result["spooler"].get("median", {}), bare.get("one_node") or {})
 
     if a.no_jobs:
         result["jobs"] = {"skipped": "--no-jobs"}
@@ -298,12 +319,15 @@ def main(argv=None) -> int:
     result["ratios"] = ratios(result["spooler"], result["peers"])
     result["ratios_note"] = ("1-node spooler median / peer median; *_per_s > 1: Spooler faster; *_ms < 1: "
                              "Spooler's latency lower. The 3-node ratios are in cluster.ratios.")
-    result["targets"] = targets(result["spooler"], result["machine"]["nproc"])
+    result["targets"] = targets(result["spooler"], result["machine"]["nproc"], bare.get("one_node"))
     if a.no_cluster:
         result["cluster"] = {"skipped": "--no-cluster"}
     else:
         result["cluster"] = run_cluster(a, peers_mod, result["peers"])
-        result["cluster"]["targets"] = cluster_targets(result["cluster"], result["peers"], result["machine"]["nproc"])
+        result["cluster"]["targets"] = cluster_targets(result["cluster"], result["peers"], result["machine"]["nproc"],
+                                                       bare.get("three_nodes"))
+        result["cluster"]["spooler_share_of_bare"] = floor.share(
+            (result["cluster"].get("spooler") or {}).get("median", {}), bare.get("three_nodes") or {})
         passed = {k: v.get("passed") for k, v in result["cluster"]["targets"].items() if isinstance(v, dict)}
         log(f"cluster targets: {passed}")
     result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
