@@ -245,7 +245,7 @@ class AsyncClient(Nodes):
         self.send_rpcs = 0           # SendBatch RPCs made by auto-batching (observability, tests)
         self.session = _Session(self)
         self._releases: set = set()   # releases of cancelled receives, still going
-        self._settling: set = set()   # futures of acks and nacks in progress (close waits for them)
+        self._settling: set = set()   # futures of acks, nacks and settle_batches in progress (close waits for them)
         self._release_supported = True
         self._closed = False
         self._closing = False
@@ -255,9 +255,9 @@ class AsyncClient(Nodes):
         return self._closing
 
     async def close(self) -> None:
-        """Sends already handed to the client still go out, and acks and nacks
-        already called get their answers (within its timeout); then the channels
-        close. (An ack cut off here would cost its message a redelivery.)"""
+        """Sends already handed to the client still go out, and acks, nacks and
+        settle_batches already called get their answers (within its timeout);
+        then the channels close. (An ack cut off here would cost its message a redelivery.)"""
         self._closing = True  # no new sends from here on
         if self._flushes or self._settling:
             await asyncio.wait(list(self._flushes) + list(self._settling), timeout=self.timeout_s)
@@ -486,12 +486,16 @@ class AsyncClient(Nodes):
     async def _settle(self, action: str, token: str, delay_s: float = 0.0) -> object:
         if action == "renew":
             return await self._settle_attempts(action, token, delay_s)
-        # close() waits on this future (not on the calling task, which may go on
-        # to a long poll after its ack)
+        return await self._waited_for_by_close(self._settle_attempts(action, token, delay_s))
+
+    async def _waited_for_by_close(self, settling: Awaitable):
+        """An ack or nack (or settle_batch) that close() lets finish: close() waits on
+        a future of its own (not on the calling task, which may go on to a long poll
+        after its ack)."""
         done = asyncio.get_running_loop().create_future()
         self._settling.add(done)
         try:
-            return await self._settle_attempts(action, token, delay_s)
+            return await settling
         finally:
             self._settling.discard(done)
             done.set_result(None)
@@ -527,8 +531,9 @@ class AsyncClient(Nodes):
         req = api_pb2.SettleBatchRequest(items=[api_pb2.SettleBatchRequest.Item(
             token=t, action=_ACTIONS[a], delay_seconds=d) for t, a, d in items])
         # after unavailable only: the per-item answers are final
-        r = await call_with_retries(lambda: self._pipe("settle_batch", self.stub.SettleBatch, req, write=True),
-                                    self.retry_attempts, stop_when=self._gone)
+        r = await self._waited_for_by_close(call_with_retries(
+            lambda: self._pipe("settle_batch", self.stub.SettleBatch, req, write=True),
+            self.retry_attempts, stop_when=self._gone))
         return [errors.from_detail(x.error) if x.HasField("error") else (x.expires_at or None) for x in r.results]
 
     # --------------------------------------------------------- consuming

@@ -588,6 +588,29 @@ def test_async_close_lets_an_ack_in_progress_finish(node):
     asyncio.run(main())
 
 
+def test_async_close_lets_a_settle_batch_in_progress_finish(node):
+    """As for an ack: a settle_batch of acks called just before close() gets its
+    answer, and none of its messages comes back."""
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as setup:
+            await setup.put_queue("closing-batch", leaseTimeoutSeconds=1)
+            for body in (b"x", b"y"):
+                await setup.send("closing-batch", body)
+        c = AsyncClient(node.grpc_target, node.admin_key)
+        ms = await c.receive("closing-batch", max_messages=2)
+        assert len(ms) == 2
+        settled = asyncio.ensure_future(c.settle_batch([(m.token, "ack", 0.0) for m in ms]))
+        await asyncio.sleep(0)  # the batch has started: its request waits to be written
+        await c.close()
+        assert await settled == [None, None]  # answered, no error
+        async with AsyncClient(node.grpc_target, node.admin_key) as check:
+            assert await check.receive("closing-batch", wait_s=1.5) == []  # past the lease: nothing came back
+            st = (await check.get_queue("closing-batch"))["stats"]
+            assert st["ackedTotal"] == 2 and st.get("leaseExpiredTotal", 0) == 0, st
+
+    asyncio.run(main())
+
+
 def test_calls_after_close_say_the_client_is_closed(node):
     async def main():
         c = AsyncClient(node.grpc_target, node.admin_key)
