@@ -11,6 +11,7 @@ coalesce into SendBatch RPCs, at most ``batches_in_flight_max`` at once.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,8 +59,10 @@ class Client(Nodes):
         self.send_rpcs = 0           # SendBatch RPCs made by auto-batching (observability, tests)
         self._pool = ThreadPoolExecutor(max_workers=batches_in_flight_max, thread_name_prefix="spooler-send")
         self._release_supported = True
-        self._closed = False  # close() began: no new sends, no retries
+        self._closed = False  # close() began: no new sends, acks or nacks, no retries
         self._shut = False    # close() has sent what it held: no calls at all
+        self._settles = 0     # acks, nacks and settle_batches in progress (close waits for them)
+        self._settled = threading.Condition(self._lock)  # notified as each of those ends
 
 
 
@@ -68,7 +71,13 @@ class Client(Nodes):
         return self._closed
 
     def close(self) -> None:
-        self._closed = True
+        """Sends already handed to the client still go out, and acks, nacks and
+        settle_batches already called (in other threads) get their answers (within
+        its timeout); then the channels close. (An ack cut off here would cost its
+        message a redelivery.)"""
+        with self._lock:
+            self._closed = True
+            self._settled.wait_for(lambda: not self._settles, timeout=self.timeout_s)
         self._pool.shutdown(wait=True)  # the sends already handed over go out
         self._shut = True
         for ch in self._all_channels():
@@ -255,6 +264,21 @@ class Client(Nodes):
         except Exception as e:  # noqa: BLE001 - e.g. the channel closed meanwhile: never replace the receive's error
             note_release_failure(self, e, log)
 
+    @contextlib.contextmanager
+    def _waited_for_by_close(self):
+        """An ack or nack (or settle_batch) that close() lets finish; one called
+        after close() began is refused."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the client is closed")
+            self._settles += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._settles -= 1
+                self._settled.notify_all()
+
     def _settle(self, method: str, req):
         """``method``: the stub's method name, looked up for every attempt, so that a
         retry after a move to another node goes there, not to the node that failed."""
@@ -271,7 +295,8 @@ class Client(Nodes):
                 state["maybe_landed"] = True
                 raise
 
-        return call_with_retries_sync(once, self.retry_attempts, settle=True, stop_when=self._gone)
+        with self._waited_for_by_close():
+            return call_with_retries_sync(once, self.retry_attempts, settle=True, stop_when=self._gone)
 
     def ack(self, token: str) -> None:
         self._settle("Ack", api_pb2.LeaseRequest(token=token))
@@ -289,7 +314,8 @@ class Client(Nodes):
         actions = {"ack": api_pb2.SETTLE_ACK, "nack": api_pb2.SETTLE_NACK, "renew": api_pb2.SETTLE_RENEW}
         req = api_pb2.SettleBatchRequest(items=[api_pb2.SettleBatchRequest.Item(
             token=t, action=actions[a], delay_seconds=d) for t, a, d in items])
-        r = self._retried("SettleBatch", req, write=True)  # after unavailable only: per-item answers are final
+        with self._waited_for_by_close():
+            r = self._retried("SettleBatch", req, write=True)  # after unavailable only: per-item answers are final
         return [errors.from_detail(x.error) if x.HasField("error") else (x.expires_at or None) for x in r.results]
 
     # --------------------------------------------------------- consuming

@@ -611,6 +611,55 @@ def test_async_close_lets_a_settle_batch_in_progress_finish(node):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("rpc,settle", [
+    ("Ack", lambda c, token: c.ack(token)),
+    ("SettleBatch", lambda c, token: c.settle_batch([(token, "ack", 0.0)])),
+])
+def test_sync_close_lets_an_ack_in_progress_in_another_thread_finish(node, rpc, settle):
+    """An ack on the wire in one thread when another calls close() gets its answer
+    (close() waits for it); a new one after close() began is refused."""
+    c = Client(node.grpc_target, node.admin_key, timeout_s=20)
+    c.put_queue("closing-sync", leaseTimeoutSeconds=30)
+    c.send("closing-sync", b"x")
+    c.send("closing-sync", b"y")
+    [m] = c.receive("closing-sync")
+    real, on_wire, outcome = getattr(c.stub, rpc), threading.Event(), []
+
+    def sent_then_answered(req, **kw):
+        fut = real.future(req, **kw)
+        on_wire.set()
+        return fut.result()
+    setattr(c.stub, rpc, sent_then_answered)
+
+    def acker():
+        try:
+            outcome.append(settle(c, m.token))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            outcome.append(e)
+
+    os.kill(node.pid, signal.SIGSTOP)  # no answer until SIGCONT: the ack stays on the wire
+    try:
+        a = threading.Thread(target=acker)
+        a.start()
+        assert on_wire.wait(10)
+        closer = threading.Thread(target=c.close)
+        closer.start()
+        wait_until(lambda: c._closed, 10, what="close() began")
+        closer.join(1.0)
+        assert closer.is_alive(), "close() returned while an ack was still on the wire"
+        with pytest.raises(RuntimeError, match="the client is closed"):
+            settle(c, "A" * 40)
+    finally:
+        os.kill(node.pid, signal.SIGCONT)
+    closer.join(25)
+    a.join(25)
+    assert not closer.is_alive() and not a.is_alive()
+    assert outcome in ([None], [[None]]), outcome  # answered, no error
+    with Client(node.grpc_target, node.admin_key) as check:
+        st = check.get_queue("closing-sync")["stats"]
+        assert st["ackedTotal"] == 1 and st["leased"] == 0 and st["visible"] == 1, st
+
+
 def test_calls_after_close_say_the_client_is_closed(node):
     async def main():
         c = AsyncClient(node.grpc_target, node.admin_key)
