@@ -89,8 +89,11 @@ class Engine:
                  clock_us: Callable[[], int] = wall_us, vfs: Optional[str] = None,
                  checkpoint_interval_s: float = 1.0,
                  synchronous: str = "FULL", peers: Optional[dict] = None, failover_timeout_s: float = 2.0,
-                 grpc_options=(), tls=None, log_keep_records: int = 100_000, log_keep_bytes: int = 256 << 20):
-        """peers: member id -> gRPC address, this node included (None: a cluster of one)."""
+                 grpc_options=(), tls=None, log_keep_records: int = 100_000, log_keep_bytes: int = 256 << 20,
+                 join: bool = False):
+        """peers: member id -> gRPC address, this node included (None: a cluster of one).
+        ``join``: a replacement member; if its store is empty, it joins without a vote
+        until it holds the cluster's history (Replication.joining)."""
         self.node_id = node_id
         # lost-answer releases the forwarder is retrying: (primary address, queue, name) -> auth;
         # sent along on replication acks too (Driver._pending_releases)
@@ -122,7 +125,7 @@ class Engine:
         peers = peers or {node_id: ""}
         self.cluster = len(peers) > 1
         self.tls = tls
-        self.repl = Driver(self, node_id, peers, failover_timeout_s, grpc_options, tls)
+        self.repl = Driver(self, node_id, peers, failover_timeout_s, grpc_options, tls, join=join and self.cluster)
         self._wake: Optional[asyncio.Event] = None
         self._events: dict[str, asyncio.Event] = {}
         self.receives_waiting = 0  # long polls waiting here now (a gauge in /metrics)

@@ -59,7 +59,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-keep-bytes", type=int, default=int(_env("SPOOLER_LOG_KEEP_BYTES", str(256 << 20))),
                    help="bytes of log records kept behind a checkpoint, the same tail bounded by size "
                         "(SPOOLER_LOG_KEEP_BYTES, default 268435456)")
-    p.add_argument("--log-level", default=_env("SPOOLER_LOG_LEVEL", "INFO"))
+    p.add_argument("--join", action="store_true", default=_env("SPOOLER_JOIN", "") not in ("", "0"),
+                   help="this node replaces a member whose data is lost: on an empty --data it neither "
+                        "votes nor stands for election until it holds what the cluster committed (SPOOLER_JOIN=1)")
+    p.add_argument("--log-level", default=_env("SPOOLER_LOG_LEVEL", "INFO"),
+                   help="DEBUG, INFO, WARNING or ERROR (SPOOLER_LOG_LEVEL, default INFO)")
     a = p.parse_args(argv)
     if a.admin_key is None:
         a.admin_key = [k for k in _env("SPOOLER_ADMIN_KEY", "").split(",") if k]
@@ -160,7 +164,7 @@ async def serve(args) -> int:
     engine = Engine(args.data, node_id=args.id, limits=Limits(body_bytes_max=args.max_body_bytes),
                     peers=peers, failover_timeout_s=args.failover_timeout, grpc_options=grpc_api.GRPC_OPTIONS,
                     tls=tls, vfs=vfs_from_env(), log_keep_records=args.log_keep_records,
-                    log_keep_bytes=args.log_keep_bytes,
+                    log_keep_bytes=args.log_keep_bytes, join=args.join,
                     synchronous=os.environ.get("SPOOLER_TEST_SYNCHRONOUS", "FULL"))  # tests' control runs only
     stop = asyncio.Event()
     exit_code = 0

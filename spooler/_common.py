@@ -20,15 +20,27 @@ from spooler.pb import api_pb2
 MESSAGE_BYTES_MAX = 16 * 1024 * 1024
 BODIES_BYTES_MAX = MESSAGE_BYTES_MAX - 64 * 1024  # room for the rest of the request
 
+PING_INTERVAL_MS = 2_000
+PING_TIMEOUT_MS = 3_000
+
 GRPC_OPTIONS = [
     # one Session stream carries many batches at once: let it have more than
     # HTTP/2's default 64 KiB in flight before flow control stalls it
     ("grpc.http2.lookahead_bytes", 8 * 1024 * 1024),
     ("grpc.max_receive_message_length", MESSAGE_BYTES_MAX),
     ("grpc.max_send_message_length", MESSAGE_BYTES_MAX),
-    # must agree with the node's keepalive policy (node/api/grpc_api.py)
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    # A node that hangs (a paused process, a host that stopped answering) must not
+    # hold a call for its whole timeout: every ping, a keepalive or one gRPC sends
+    # along with a request, has 3 s to be answered, or the connection is closed and
+    # the calls on it fail at once (the client then moves to the next node). gRPC
+    # answers pings off the event loop, so a busy node still answers in time.
+    # Pinging every 2 s while idle must stay within what the node permits
+    # (node/api/grpc_api.py: min_ping_interval_without_data_ms).
+    ("grpc.keepalive_time_ms", PING_INTERVAL_MS),
+    ("grpc.keepalive_timeout_ms", PING_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_time_between_pings_ms", 1_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 

@@ -399,7 +399,7 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 16 * 1024 * 1024),
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.so_reuseport", 0),
     # a restarted peer is reached again within a second, not after gRPC's default backoff

@@ -152,6 +152,9 @@ class Service:
                 if e.primary_id:
                     return Principal(admin=False, auth=authorization)
                 raise errors.Unavailable("no primary is known to check this key against", retry_after_s=0.5) from None
+            if authorization and e.role == "primary" and not e.ready:
+                # a new primary may not have applied the key's creation yet
+                raise errors.Unavailable("this node is taking over as primary", retry_after_s=0.5) from None
             raise
         via = forwarded if forwarded in self.engine.repl.addresses else ""
         return Principal(p.admin, p.queue, p.scopes, p.key_id, authorization or "", bool(forwarded), via)
@@ -171,6 +174,11 @@ class Service:
         """The primary's address when this call must be forwarded, else None."""
         e = self.engine
         if not self._forwards():
+            if not e.ready:
+                # elected, but the records its predecessor committed are not all
+                # applied here until its first record commits: what it holds now
+                # may lack a queue, a message or a count that exists
+                raise errors.Unavailable("this node is taking over as primary", retry_after_s=0.5)
             return None
         if e.stopping:
             raise errors.Unavailable("the node is shutting down", retry_after_s=0.5)

@@ -5,6 +5,7 @@ No IO, no clock: inputs are ``tick(now)``, ``receive(msg, now)``,
 returns a list of effects for the IO shell to carry out **in order**:
 
     Persist(epoch, voted_for)   -- fsync before any message that depends on it
+    Joined()                    -- a joining node holds the cluster's history: persist that
     Truncate(after_lsn)         -- drop unapplied log records after this lsn
     Store(req)                  -- write the records of this AppendReq and fsync
     Send(to, msg)               -- after the effects before it are durable
@@ -83,6 +84,12 @@ class TimeoutNow:
 class Persist:
     epoch: int
     voted_for: str
+
+
+@dataclass
+class Joined:
+    """A node that joined with an empty store (a replacement) now holds every record
+    the cluster had committed when it came: it may vote from here on."""
 
 
 @dataclass
@@ -170,6 +177,12 @@ class Replication:
         self.log = LogView()
         self.durable_lsn = 0       # local records fsync'd (== log.last_lsn except while a Store is pending)
         self.commit_lsn = 0
+        # A replacement started on an empty store: it has forgotten the records it
+        # held and the votes it cast before, so it neither votes nor campaigns
+        # until it holds a record its primary committed in the primary's own epoch
+        # (and so every record committed before it came). Counting its vote
+        # sooner could elect a node that lacks confirmed writes.
+        self.joining = False
         # volatile
         self.role = REPLICA
         self.primary: Optional[str] = None
@@ -273,7 +286,7 @@ class Replication:
                 if now - self.last_sent.get(p, -1 << 62) >= self.heartbeat:
                     self._send_append(p, now, out, heartbeat=True)
             return out
-        if self.election_at is not None and now >= self.election_at:
+        if self.election_at is not None and now >= self.election_at and not self.joining:
             out += self._campaign(now, pre=True)
         return out
 
@@ -331,7 +344,20 @@ class Replication:
             if c > self.commit_lsn:
                 self.commit_lsn = c
                 out.append(Commit(c))
+            if self.joining:
+                self._maybe_joined(req.primary, out)
         return out
+
+    def _maybe_joined(self, primary: str, out: list) -> None:
+        """A record of the primary's own epoch is committed and on our disk: every
+        record committed before this epoch precedes it, so we hold them all."""
+        e = self.log.at(self.commit_lsn)
+        if self.commit_lsn > 0 and e is not None and e[0] == self.epoch and self.durable_lsn >= self.commit_lsn:
+            self.joining = False
+            # as if we had voted for it: no second primary of this epoch gets our vote
+            self.voted_for = primary
+            out.append(Persist(self.epoch, self.voted_for))
+            out.append(Joined())
 
     def replica_stream_lost(self, peer: str, now: int) -> list:
         """Primary: the stream to ``peer`` broke and was reopened. Frames in flight
@@ -392,7 +418,7 @@ class Replication:
         elif isinstance(msg, VoteResp):
             self._on_vote_resp(msg, now, out)
         elif isinstance(msg, TimeoutNow):
-            if msg.epoch == self.epoch and self.role == REPLICA:
+            if msg.epoch == self.epoch and self.role == REPLICA and not self.joining:
                 out += self._campaign(now, pre=False, transfer=True)
         return out
 
@@ -538,12 +564,12 @@ class Replication:
         up_to_date = self._up_to_date(m.last_epoch, m.last_lsn)
         heard_recently = self._heard_recently(now)
         if m.pre:
-            granted = m.epoch > self.epoch and up_to_date and not heard_recently
+            granted = m.epoch > self.epoch and up_to_date and not heard_recently and not self.joining
             out.append(Send(m.candidate, VoteResp(m.epoch, self.id, granted, True, self._since_contact(now),
                                                   self._since_vote(now, m.candidate))))
             return
         granted = (m.epoch == self.epoch and self.voted_for in ("", m.candidate) and up_to_date
-                   and self.role != PRIMARY)
+                   and self.role != PRIMARY and not self.joining)
         since_vote = self._since_vote(now, m.candidate)
         if granted:
             self.voted_for = m.candidate

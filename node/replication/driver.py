@@ -28,9 +28,11 @@ RELEASES_PER_ACK = 64
 
 
 class Driver:
-    def __init__(self, engine, node_id: str, peers: dict, failover_timeout_s: float, grpc_options=(), tls=None):
-        """peers: id -> gRPC address, this node included."""
+    def __init__(self, engine, node_id: str, peers: dict, failover_timeout_s: float, grpc_options=(), tls=None,
+                 join: bool = False):
+        """peers: id -> gRPC address, this node included. ``join``: see load()."""
         self.engine = engine
+        self.join = join
         self.id = node_id
         self.addresses = dict(peers)
         self.core = R.Replication(node_id, list(peers), failover_timeout_us=int(failover_timeout_s * 1e6),
@@ -64,6 +66,19 @@ class Driver:
             a = st.applied_position()
             c.log = R.LogView(a.lsn, a.epoch, a.crc, [])
         c.epoch = max(c.epoch, c.log.last_epoch)
+        # --join on a store that has never held anything: a replacement, joining
+        # without a vote (Replication.joining) until it holds the cluster's history.
+        # On any other store the flag changes nothing (a restart of a member that
+        # has joined, or that was there from the start).
+        if self.join and c.epoch == 0 and c.log.last_lsn == 0 and st.get_meta("joining") is None:
+            self._set_joining(True)
+            log.info("joining the cluster: no vote until this node holds what the cluster committed")
+        c.joining = st.get_meta("joining") == 1
+
+    def _set_joining(self, joining: bool) -> None:
+        st = self.engine.store
+        with st.db:
+            st.set_meta("joining", 1 if joining else 0)
 
     async def start(self) -> None:
         await self.engine.store_io(self.load)
@@ -108,6 +123,8 @@ class Driver:
                 d["matchLsn"] = c.match.get(m, 0)
             elif m == self.id:
                 d["lsn"] = c.log.last_lsn
+            if m == self.id and c.joining:
+                d["joining"] = True  # a replacement that does not vote yet
             nodes.append(d)
         return {"role": "primary" if c.role == R.PRIMARY else "replica", "epoch": c.epoch, "primary": c.primary,
                 "commitLsn": c.commit_lsn, "nodes": nodes}
@@ -149,6 +166,9 @@ class Driver:
             elif isinstance(eff, R.Role):
                 self._on_role(eff)
                 e.on_role(eff.role, eff.epoch, eff.primary)
+            elif isinstance(eff, R.Joined):
+                await e.store_io(self._set_joining, False)
+                log.info("joined the cluster in epoch %d: this node votes again", self.core.epoch)
 
     def _persist(self, epoch: int, voted_for: str) -> None:
         st = self.engine.store
@@ -278,9 +298,13 @@ class Driver:
             if epoch < self.core.epoch or self.core.role == R.PRIMARY:
                 os.remove(path)
                 return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
+            joining = self.core.joining
             await e.store_io(e.install_snapshot_sync, path)
             await e.store_io(self.load)
             c = self.core
+            if joining:  # the copy is the primary's store: still joining until the rule says so
+                await e.store_io(self._set_joining, True)
+                c.joining = True
             c.durable_lsn = c.log.last_lsn
             c.commit_lsn = max(c.commit_lsn, e.core.lsn)
             log.info("installed a snapshot from %s: log to lsn %d, applied %d", primary, c.log.last_lsn, e.core.lsn)

@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+import time
 import urllib.request
 
 import pytest
@@ -360,3 +361,45 @@ def test_a_replica_answers_an_unknown_settle_action_as_the_primary_does(cluster)
     assert answers[p][0] == "invalid_argument" and "7" in answers[p][1], answers
     # the lease is untouched: an ack still works
     c.ack(token)
+
+
+def test_a_replacement_on_an_empty_store_votes_only_once_it_holds_the_clusters_history(cluster, tmp_path):
+    """docs/operations.md, "Replace a node". A replica A is down while a write is
+    confirmed by the primary P and the other replica B. Then B's disk is lost and P
+    crashes. A comes back on its own (stale) store and B's replacement starts on an
+    empty one with --join. Had the replacement voted, A would be elected with the
+    confirmed write missing; it does not vote, so nobody is primary until P is back,
+    nothing confirmed is lost, and the replacement then joins and votes again."""
+    nodes, _ = cluster
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    a, b = [i for i in nodes if i != p]
+    c = client(nodes[p])
+    until_ok(lambda: c.put_queue("q"))
+    send_until_ok(c, "q", b"before")
+    top = view(nodes[p])["commitLsn"]
+    wait_until(lambda: all((view(nodes[i]) or {}).get("appliedLsn", -1) >= top for i in (a, b)), 15,
+               what="both replicas caught up")
+    nodes[a].kill()
+    send_until_ok(c, "q", b"confirmed while A was down")
+    nodes[b].kill()
+    nodes[p].kill()
+    nodes[b].data_dir = str(tmp_path / "b-replacement")  # an empty store, as after a lost disk
+    nodes[b].extra_args.append("--join")
+    nodes[a].start()
+    nodes[b].start()
+    assert view(nodes[b])["nodes"][[n["id"] for n in view(nodes[b])["nodes"]].index(b)].get("joining") is True
+    # five failover timeouts without a primary: A never gets the replacement's vote
+    deadline = time.monotonic() + 5 * FAILOVER_S
+    while time.monotonic() < deadline:
+        assert primary_of(nodes, exclude=(p,)) is None, "elected without the confirmed write"
+        time.sleep(0.05)
+
+    nodes[p].start()
+    q, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary once P is back")
+    assert until_ok(lambda: client(nodes[q]).get_queue("q"))["stats"]["sentTotal"] == 2  # nothing confirmed lost
+    me = lambda: next(n for n in (view(nodes[b]) or {"nodes": []})["nodes"] if n["id"] == b)  # noqa: E731
+    wait_until(lambda: "joining" not in me(), 15, what="the replacement joining")
+    # it votes again: without the primary, the other two elect one of themselves
+    nodes[q].kill()
+    r, _ = wait_until(lambda: primary_of(nodes, exclude=(q,)), 15, what="a primary elected with its vote")
+    assert until_ok(lambda: client(nodes[r]).get_queue("q"))["stats"]["sentTotal"] == 2

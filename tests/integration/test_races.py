@@ -134,3 +134,26 @@ def test_drop_taken_but_never_committed_is_proposed_again(tmp_path):
         assert failed, "the first Drop was never proposed"
         assert eng.core.stats("q", eng.now_us())["expiredTotal"] == 1
     run(body, tmp_path)
+
+
+def test_a_primary_that_has_not_opened_its_epoch_answers_not_now_instead_of_from_a_stale_state(tmp_path):
+    """A new primary applies what its predecessor committed only once its own first
+    record commits. Until then its state may lack a queue or a key that exists:
+    reads and unknown keys are `unavailable` (retry), not `queue_not_found` or
+    `unauthenticated`."""
+    async def body(eng, svc):
+        await svc.put_queue(ADMIN, "q", {})
+        key = await svc.create_key(ADMIN, "q", ["send"])
+        eng.ready = False  # as between the election and the first record's commit
+        for call in (lambda: svc.get_queue(ADMIN, "q"), lambda: svc.get_queue(ADMIN, "missing"),
+                     lambda: svc.list_queues(ADMIN), lambda: svc.list_keys(ADMIN)):
+            with pytest.raises(errors.Unavailable):
+                await call()
+        with pytest.raises(errors.Unavailable):
+            svc.authenticate("Bearer spk_unknown_secret")
+        assert svc.authenticate(f"Bearer {key['key']}").queue == "q"  # a key it holds is fine
+        eng.ready = True
+        assert (await svc.get_queue(ADMIN, "q"))["name"] == "q"
+        with pytest.raises(errors.Unauthenticated):
+            svc.authenticate("Bearer spk_unknown_secret")
+    run(body, tmp_path)

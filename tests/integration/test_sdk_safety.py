@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -328,7 +329,8 @@ def _first_node_hung(node, tmp_path, queue, check, **client_kw):
             for n in (node, other):
                 async with AsyncClient(n.grpc_target, n.admin_key) as c0:
                     await c0.put_queue(queue)
-            c = AsyncClient(f"{node.grpc_target},{other.grpc_target}", node.admin_key, timeout_s=1, **client_kw)
+            c = AsyncClient(f"{node.grpc_target},{other.grpc_target}", node.admin_key,
+                            timeout_s=client_kw.pop("timeout_s", 1), **client_kw)
             try:
                 await c.get_queue(queue)  # connected to the first
                 os.kill(node.pid, signal.SIGSTOP)
@@ -353,6 +355,54 @@ def test_many_calls_timing_out_together_move_the_client_once(node, tmp_path):
         assert (await c.get_queue("mq"))["name"] == "mq"  # served by the other node
     # no retries: each call's own failure is what moves the client here
     _first_node_hung(node, tmp_path, "mq", check, retry_attempts=1)
+
+
+HUNG_NODE_LEFT_S = 10  # pings unanswered for 3 s close the connection; without that, the 30 s timeout
+
+
+@pytest.mark.parametrize("call", ["send", "long_poll"])
+def test_calls_on_a_node_that_hangs_fail_in_seconds_not_at_their_timeout(node, tmp_path, call):
+    """A node that stops answering (here SIGSTOP) fails the calls waiting on it once
+    its pings go unanswered, well before their 30 s timeout, and the client moves on
+    to the next node."""
+    async def check(c, other):
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        if call == "send":
+            with pytest.raises(errors.OperationUnconfirmed):  # it may have landed
+                await c.send("hq", b"x")
+        else:
+            with pytest.raises(errors.Unavailable):  # nothing was leased that anyone saw
+                await c.receive("hq", wait_s=20)
+        assert loop.time() - t < HUNG_NODE_LEFT_S
+        assert c.target_now() == other.grpc_target
+        await c.send("hq", b"y")  # served by the other node
+    _first_node_hung(node, tmp_path, "hq", check, retry_attempts=1, timeout_s=30)
+
+
+def test_sync_calls_on_a_node_that_hangs_fail_in_seconds_not_at_their_timeout(node, tmp_path):
+    from nodeproc import NodeProc
+    other = NodeProc(str(tmp_path / "other"), node_id="n1").start()
+    try:
+        for n in (node, other):
+            with Client(n.grpc_target, n.admin_key) as c0:
+                c0.put_queue("hs")
+        with Client(f"{node.grpc_target},{other.grpc_target}", node.admin_key, timeout_s=30,
+                    retry_attempts=1) as c:
+            c.get_queue("hs")  # connected to the first
+            os.kill(node.pid, signal.SIGSTOP)
+            try:
+                t = time.monotonic()
+                with pytest.raises(errors.OperationUnconfirmed):
+                    c.send("hs", b"x")
+                assert time.monotonic() - t < HUNG_NODE_LEFT_S
+                c.send("hs", b"y")  # served by the other node
+            finally:
+                os.kill(node.pid, signal.SIGCONT)
+        with Client(other.grpc_target, other.admin_key) as c2:
+            assert c2.get_queue("hs")["stats"]["sentTotal"] == 1
+    finally:
+        other.kill()
 
 
 def test_sync_consume_returns_soon_after_stop_during_a_long_poll(node):

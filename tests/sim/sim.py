@@ -44,6 +44,7 @@ class Disk:
     epoch: int = 0
     voted_for: str = ""
     log: list = field(default_factory=list)  # [(epoch, crc, payload)], lsn = index + 1
+    joining: bool = False  # a replacement's empty disk (--join) until it has joined
 
 
 class SimNode:
@@ -63,7 +64,7 @@ class SimNode:
         sim = self.sim
         c = R.Replication(self.id, sim.members, failover_timeout_us=sim.timeout, rand=sim.rng.random,
                           frame_entries_max=sim.rng.choice([1, 3, 64]), frames_in_flight_max=sim.rng.choice([1, 4]))
-        c.epoch, c.voted_for = self.disk.epoch, self.disk.voted_for
+        c.epoch, c.voted_for, c.joining = self.disk.epoch, self.disk.voted_for, self.disk.joining
         c.log.entries = [(e, crc) for e, crc, _ in self.disk.log]
         self.core = c
         self.run(c.start(sim.now))
@@ -101,6 +102,8 @@ class SimNode:
                 self.flush_volatile()
             if isinstance(eff, R.Persist):
                 self.disk.epoch, self.disk.voted_for = eff.epoch, eff.voted_for
+            elif isinstance(eff, R.Joined):
+                self.disk.joining = False
             elif isinstance(eff, R.Truncate):
                 assert eff.after_lsn >= self.committed_here(), (self.id, "truncating committed records")
                 del self.disk.log[eff.after_lsn:]

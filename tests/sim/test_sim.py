@@ -5,7 +5,7 @@ import os
 import pytest
 
 from node.core import replication as R
-from sim.sim import MS, LocalSync, Sim, run_seed
+from sim.sim import MS, Disk, LocalSync, Sim, run_seed
 
 SEEDS_3 = int(os.environ.get("SIM_SEEDS", "600"))
 SEEDS_5 = int(os.environ.get("SIM_SEEDS_5", "150"))
@@ -325,4 +325,50 @@ def test_a_switchover_to_a_lagging_target_hands_over_every_confirmed_write(seed,
     assert len(sim.acked) > confirmed_before and sim.primaries[epoch + 1] == tgt.id
     sim.blocked.clear()
     _run_for(sim, 5 * T, writes=False)
+    sim.final_checks()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_replacement_on_an_empty_disk_votes_only_once_it_holds_the_clusters_history(seed):
+    """R2, a replaced member. A replica A is down while writes commit on the
+    primary P and the other replica B. Then B's disk is lost and P crashes; A comes
+    back with its stale log and B's replacement starts empty (--join). Had the
+    replacement voted, A would win with its vote and the writes confirmed while A
+    was down would be gone. It does not vote until it holds what the cluster
+    committed: nobody is elected until P returns, every confirmed write survives,
+    and the replacement then catches up, joins and votes again."""
+    sim = _scripted(seed, 3)
+    T = sim.timeout
+    _step_until(sim, lambda: _primaries(sim), 10 * T, what="a primary")
+    _run_for(sim, 2 * T, writes=True)
+    p = _primaries(sim)[0].id
+    a, b = [i for i in sim.members if i != p]
+    sim.crash(a)
+    mark = len(sim.acked)
+    _run_for(sim, 2 * T, writes=True)
+    assert len(sim.acked) > mark  # confirmed by P and B while A was down
+    _run_for(sim, T, writes=False)  # what is in flight lands
+    sim.crash(b)
+    sim.nodes[b].disk = Disk(joining=True)  # its disk is lost; the replacement joins
+    sim.crash(p)
+    sim.restart(a)
+    sim.restart(b)
+    _run_for(sim, 5 * T)
+    assert not _primaries(sim), "a primary was elected without the confirmed writes"
+    assert sim.nodes[b].core.joining
+
+    sim.restart(p)
+    _step_until(sim, lambda: _primaries(sim), 10 * T, what="a primary once P is back")
+    _step_until(sim, lambda: not sim.nodes[b].core.joining, 10 * T, writes=True, what="the replacement joining")
+    assert sim.nodes[b].disk.joining is False  # persisted
+    _run_for(sim, 2 * T, writes=True)
+    _run_for(sim, 3 * T, writes=False)
+    sim.final_checks()  # every acknowledged write is on the primary; logs agree
+
+    # it votes again: with the primary gone, the other two elect one of themselves
+    q = _primaries(sim)[0].id
+    sim.crash(q)
+    _step_until(sim, lambda: _primaries(sim), 10 * T, what="a primary elected with the replacement's vote")
+    sim.restart(q)
+    _run_for(sim, 3 * T, writes=False)
     sim.final_checks()
