@@ -821,10 +821,20 @@ class Service:
         # answer with the cluster as it is after the switchover: this node has
         # stepped down AND heard from the new primary (its first heartbeat), so
         # the answer names it instead of "primary": null
-        # (bounded: 5 s or two failover timeouts; past that the answer says null)
+        # (bounded: 5 s or two failover timeouts)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(5.0, 2 * e.repl.core.timeout / 1e6)
         c = e.repl.core  # what the answer is built from (self.cluster): the same fields
         while loop.time() < deadline and (c.role == R.PRIMARY or not c.primary or c.primary == e.node_id):
+            if c.role == R.PRIMARY and c.transfer_to is None:
+                break  # the target did not catch up in time: this node serves again
             await asyncio.sleep(0.01)
-        return self.cluster(p)
+        if c.primary == node:
+            return self.cluster(p)
+        if c.role == R.PRIMARY or c.primary:
+            # known not to have happened (a 200 here would read as success)
+            now = f"{c.primary} is" if c.primary else "no node is"
+            raise errors.Unavailable(f"the switchover to {node} did not happen ({node} did not take over "
+                                     f"in time; {now} primary): try again", retry_after_s=1.0)
+        raise errors.OperationUnconfirmed(f"the switchover to {node} was started but no new primary is known yet; "
+                                          "GET /v1/cluster tells when one is")

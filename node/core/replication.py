@@ -392,7 +392,7 @@ class Replication:
         self.transfer_to = target
         self.transfer_started = now
         self.transfer_sent = False
-        self._maybe_finish_transfer(now, out)
+        self._send_append(target, now, out, heartbeat=True)  # its answer shows it is alive
         return out
 
     def receive(self, msg, now: int) -> list:
@@ -477,7 +477,11 @@ class Replication:
 
     def _maybe_finish_transfer(self, now: int, out: list) -> None:
         t = self.transfer_to
-        if t is not None and self.match.get(t, 0) >= self.log.last_lsn and self.commit_lsn >= self.log.last_lsn:
+        # the target holds every record, and has answered since the switchover
+        # began: a target that is down never gets TimeoutNow, so this primary
+        # serves again after the failover timeout instead of stepping down
+        if t is not None and self.match.get(t, 0) >= self.log.last_lsn and self.commit_lsn >= self.log.last_lsn \
+                and self.acked_sent.get(t, -1 << 62) >= self.transfer_started:
             self.transfer_sent = True
             out.append(Send(t, TimeoutNow(self.epoch, self.id)))
 

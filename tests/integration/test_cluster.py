@@ -174,6 +174,28 @@ def test_planned_switchover(cluster):
     assert int(dict(call.trailing_metadata())["spooler-epoch"]) == info.epoch
 
 
+def test_a_switchover_that_does_not_happen_is_not_a_200(cluster):
+    """A promote whose target cannot take over (it is down) ends unavailable, with
+    the primary unchanged and serving again; a 200 would read as success."""
+    nodes, _ = cluster
+    p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    c = client(nodes[p])
+    until_ok(lambda: c.put_queue("q"))
+    target = next(i for i in nodes if i != p)
+    nodes[target].kill()
+    with pytest.raises(errors.Unavailable) as e:
+        c.promote(target)
+    assert target in str(e.value) and f"{p} is primary" in str(e.value)
+    assert primary_of(nodes) == (p, epoch)  # no election: the target never got TimeoutNow
+    send_until_ok(c, "q", b"still served")  # it took writes again once the attempt ended
+    # and from spoolctl: an error and a non-zero exit, not "primary is now ..."
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "spooler", "--server", nodes[p].http_url, "--key",
+                        nodes[p].admin_key, "cluster", "promote", target], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "unavailable" in (r.stdout + r.stderr), (r.returncode, r.stdout, r.stderr)
+
+
 def test_a_minority_confirms_nothing(cluster):
     """Two of three nodes gone: the survivor answers unavailable (or, for a write
     already in flight, operation_unconfirmed) and never 201."""
