@@ -21,6 +21,7 @@ from node.api.http import build_app
 from node.api.metrics import Metrics
 from node.api.service import KEY_CHARS_MAX, Service
 from node.engine import Engine, Limits
+from spooler import __version__
 
 log = logging.getLogger("spooler.node")
 
@@ -36,6 +37,7 @@ def _env(name, default=None):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="spooler-node", description="Spooler node")
+    p.add_argument("--version", action="version", version=f"spooler-node {__version__}")
     p.add_argument("--id", default=_env("SPOOLER_ID", "n1"), help="node id (SPOOLER_ID)")
     p.add_argument("--data", default=_env("SPOOLER_DATA", "./var"), help="data directory (SPOOLER_DATA)")
     p.add_argument("--http", default=_env("SPOOLER_HTTP", "127.0.0.1:8080"), help="HTTP HOST:PORT (SPOOLER_HTTP)")
@@ -44,19 +46,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ID=HOST:PORT,... every member's gRPC address, this node included (SPOOLER_PEERS)")
     p.add_argument("--admin-key", action="append", default=None,
                    help="bootstrap admin API key, repeatable (SPOOLER_ADMIN_KEY, comma-separated)")
-    p.add_argument("--failover-timeout", type=float, default=float(_env("SPOOLER_FAILOVER_TIMEOUT", "2")),
-                   help="seconds replicas wait for a silent primary (SPOOLER_FAILOVER_TIMEOUT)")
-    p.add_argument("--max-body-bytes", type=int, default=int(_env("SPOOLER_MAX_BODY_BYTES", str(256 * 1024))),
+    p.add_argument("--failover-timeout", type=float, default=_env("SPOOLER_FAILOVER_TIMEOUT", "2"),
+                   help="seconds replicas wait for a silent primary (SPOOLER_FAILOVER_TIMEOUT, default 2)")
+    p.add_argument("--max-body-bytes", type=int, default=_env("SPOOLER_MAX_BODY_BYTES", str(256 * 1024)),
                    help="largest message body (SPOOLER_MAX_BODY_BYTES, default 262144)")
     p.add_argument("--tls-cert", default=_env("SPOOLER_TLS_CERT", ""),
                    help="PEM certificate of this node: enables mTLS on the gRPC port (SPOOLER_TLS_CERT)")
     p.add_argument("--tls-key", default=_env("SPOOLER_TLS_KEY", ""), help="PEM private key (SPOOLER_TLS_KEY)")
     p.add_argument("--tls-ca", default=_env("SPOOLER_TLS_CA", ""),
                    help="PEM CA that signs every node's and client's certificate (SPOOLER_TLS_CA)")
-    p.add_argument("--log-keep-records", type=int, default=int(_env("SPOOLER_LOG_KEEP_RECORDS", "100000")),
+    p.add_argument("--log-keep-records", type=int, default=_env("SPOOLER_LOG_KEEP_RECORDS", "100000"),
                    help="log records kept behind a checkpoint for lagging replicas; further behind, "
-                        "a replica gets a snapshot (SPOOLER_LOG_KEEP_RECORDS)")
-    p.add_argument("--log-keep-bytes", type=int, default=int(_env("SPOOLER_LOG_KEEP_BYTES", str(256 << 20))),
+                        "a replica gets a snapshot (SPOOLER_LOG_KEEP_RECORDS, default 100000)")
+    p.add_argument("--log-keep-bytes", type=int, default=_env("SPOOLER_LOG_KEEP_BYTES", str(256 << 20)),
                    help="bytes of log records kept behind a checkpoint, the same tail bounded by size "
                         "(SPOOLER_LOG_KEEP_BYTES, default 268435456)")
     p.add_argument("--join", action="store_true", default=_env("SPOOLER_JOIN", "") not in ("", "0"),

@@ -36,3 +36,25 @@ def test_admin_keys_from_the_environment_are_checked_too(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         parse_args([])
     assert "--admin-key must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("var, value, words", [
+    ("SPOOLER_FAILOVER_TIMEOUT", "abc", "argument --failover-timeout: invalid float value: 'abc'"),
+    ("SPOOLER_MAX_BODY_BYTES", "1k", "argument --max-body-bytes: invalid int value: '1k'"),
+    ("SPOOLER_LOG_KEEP_RECORDS", "many", "argument --log-keep-records: invalid int value"),
+    ("SPOOLER_LOG_KEEP_BYTES", "1.5", "argument --log-keep-bytes: invalid int value"),
+])
+def test_a_malformed_environment_variable_is_a_usage_error_not_a_traceback(monkeypatch, capsys, var, value, words):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(SystemExit) as e:
+        parse_args([])
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_numbers_from_the_environment_are_numbers(monkeypatch):
+    monkeypatch.setenv("SPOOLER_FAILOVER_TIMEOUT", "0.5")
+    monkeypatch.setenv("SPOOLER_LOG_KEEP_BYTES", "1024")
+    monkeypatch.setenv("SPOOLER_JOIN", "1")
+    a = parse_args([])
+    assert (a.failover_timeout, a.log_keep_bytes, a.join) == (0.5, 1024, True)
