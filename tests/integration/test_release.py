@@ -368,7 +368,7 @@ def test_receipts_stay_within_their_bounds_and_count_exactly():
     lim = Limits()
     lim.receipts_max, lim.receipt_tokens_max, lim.receipt_age_s_max = 50, 120, 5.0
     clock = {"us": 0}
-    engine = SimpleNamespace(limits=lim, tls=None, cluster=False, role="primary", node_id="n1", pending_releases={}, now_us=lambda: clock["us"],
+    engine = SimpleNamespace(limits=lim, tls=None, cluster=False, role="primary", ready=True, node_id="n1", pending_releases={}, now_us=lambda: clock["us"],
                              core=SimpleNamespace(queues={}))
     svc = Service(engine, ["k"])
     svc.give_back = lambda tokens, auth=None: len(tokens)
