@@ -717,9 +717,10 @@ class Engine:
         dest.close()
 
     def install_snapshot_sync(self, path: str) -> None:
-        """Writer thread: replace the store with a primary's copy, keep our vote."""
+        """Writer thread: replace the store with a primary's copy, keep our vote
+        (and whether we are still joining)."""
         st = self.store
-        epoch, voted = st.get_meta("repl_epoch"), st.get_meta("voted_for")
+        epoch, voted, joining = st.get_meta("repl_epoch"), st.get_meta("voted_for"), st.get_meta("joining")
         self.store_generation += 1
         st.close()
         db = os.path.join(self.data_dir, "spool.db")
@@ -734,9 +735,11 @@ class Engine:
             os.close(fd)
         self.store = Store(db, vfs=st.vfs, synchronous=st.synchronous, log_keep_records=st.log_keep_records,
                            log_keep_bytes=st.log_keep_bytes)
-        with self.store.db:
+        with self.store.db:  # ours, not the primary's: in the same transaction
             self.store.set_meta("repl_epoch", epoch or 0)
             self.store.set_meta("voted_for", voted or "")
+            if joining is not None:
+                self.store.set_meta("joining", joining)
         self.core = Core(rand=os.urandom)
         self.unapplied.clear()
         self.recent.clear()

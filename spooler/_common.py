@@ -21,7 +21,7 @@ MESSAGE_BYTES_MAX = 16 * 1024 * 1024
 BODIES_BYTES_MAX = MESSAGE_BYTES_MAX - 64 * 1024  # room for the rest of the request
 
 PING_INTERVAL_MS = 2_000
-PING_TIMEOUT_MS = 3_000
+PING_TIMEOUT_S = 5.0  # the clients' ping_timeout_s default
 
 GRPC_OPTIONS = [
     # one Session stream carries many batches at once: let it have more than
@@ -31,18 +31,28 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MESSAGE_BYTES_MAX),
     # A node that hangs (a paused process, a host that stopped answering) must not
     # hold a call for its whole timeout: every ping, a keepalive or one gRPC sends
-    # along with a request, has 3 s to be answered, or the connection is closed and
-    # the calls on it fail at once (the client then moves to the next node). gRPC
-    # answers pings off the event loop, so a busy node still answers in time.
+    # along with a request, has PING_TIMEOUT_S to be answered, or the connection is
+    # closed and the calls on it fail at once (the client then moves to the next
+    # node). gRPC answers pings off the event loop, so a busy node still answers in
+    # time; a ping queued behind megabytes on a slow link may not (ping_timeout_s).
     # Pinging every 2 s while idle must stay within what the node permits
     # (node/api/grpc_api.py: min_ping_interval_without_data_ms).
     ("grpc.keepalive_time_ms", PING_INTERVAL_MS),
-    ("grpc.keepalive_timeout_ms", PING_TIMEOUT_MS),
-    ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
+    ("grpc.keepalive_timeout_ms", int(PING_TIMEOUT_S * 1000)),
+    ("grpc.http2.ping_timeout_ms", int(PING_TIMEOUT_S * 1000)),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.min_time_between_pings_ms", 1_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+
+
+def grpc_options(ping_timeout_s: float = PING_TIMEOUT_S) -> list:
+    """GRPC_OPTIONS with another ping timeout (seconds, > 0)."""
+    if isinstance(ping_timeout_s, bool) or not isinstance(ping_timeout_s, (int, float)) or not ping_timeout_s > 0:
+        raise ValueError("ping_timeout_s must be a number > 0")
+    ms = max(1, int(ping_timeout_s * 1000))
+    return [(k, ms) if k in ("grpc.keepalive_timeout_ms", "grpc.http2.ping_timeout_ms") else (k, v)
+            for k, v in GRPC_OPTIONS]
 
 SETTINGS_PB = {"leaseTimeoutSeconds": "lease_timeout_seconds", "maxRetries": "max_retries",
                "retentionSeconds": "retention_seconds", "dedupWindowSeconds": "dedup_window_seconds",
@@ -386,7 +396,8 @@ class Nodes:
 
     _grpc = grpc
 
-    def _init_nodes(self, target: str, credentials) -> None:
+    def _init_nodes(self, target: str, credentials, ping_timeout_s: float = PING_TIMEOUT_S) -> None:
+        self._grpc_options = grpc_options(ping_timeout_s)
         self.target = target
         self._targets = [t.strip() for t in target.split(",") if t.strip()] or [target]
         self._target_i = 0
@@ -402,8 +413,8 @@ class Nodes:
         got = self._channels.get(self._target_i)  # by position: a list may name one address twice
         if got is None:
             g = self._grpc
-            ch = (g.secure_channel(t, self._credentials, options=GRPC_OPTIONS) if self._credentials
-                  else g.insecure_channel(t, options=GRPC_OPTIONS))
+            ch = (g.secure_channel(t, self._credentials, options=self._grpc_options) if self._credentials
+                  else g.insecure_channel(t, options=self._grpc_options))
             got = self._channels[self._target_i] = (ch, api_pb2_grpc.SpoolerStub(ch))
         self.channel, self.stub = got
 

@@ -94,6 +94,15 @@ class Delivery:
     queue: str
 
 
+
+def _not_ready(e) -> str:
+    """Why a primary does not serve yet (or any more)."""
+    if e.stopping:
+        return "the node is shutting down"
+    if e.failed is not None:
+        return "node stopped after a storage failure"
+    return "this node is taking over as primary"
+
 class Service:
     def __init__(self, engine: Engine, admin_keys: list):
         self.engine = engine
@@ -154,7 +163,7 @@ class Service:
                 raise errors.Unavailable("no primary is known to check this key against", retry_after_s=0.5) from None
             if authorization and e.role == "primary" and not e.ready:
                 # a new primary may not have applied the key's creation yet
-                raise errors.Unavailable("this node is taking over as primary", retry_after_s=0.5) from None
+                raise errors.Unavailable(_not_ready(e), retry_after_s=0.5) from None
             raise
         via = forwarded if forwarded in self.engine.repl.addresses else ""
         return Principal(p.admin, p.queue, p.scopes, p.key_id, authorization or "", bool(forwarded), via)
@@ -178,7 +187,7 @@ class Service:
                 # elected, but the records its predecessor committed are not all
                 # applied here until its first record commits: what it holds now
                 # may lack a queue, a message or a count that exists
-                raise errors.Unavailable("this node is taking over as primary", retry_after_s=0.5)
+                raise errors.Unavailable(_not_ready(e), retry_after_s=0.5)
             return None
         if e.stopping:
             raise errors.Unavailable("the node is shutting down", retry_after_s=0.5)

@@ -40,8 +40,9 @@ class AppendReq:
     prev_epoch: int
     prev_crc: int
     entries: list          # [(lsn, epoch, crc)] consecutive, from prev_lsn + 1
-    commit_lsn: int
+    commit_lsn: int        # capped at this frame's last record (or prev_lsn)
     sent_us: int           # echoed back: the primary's contact clock
+    primary_commit: int = 0  # the primary's whole commit point (0: not known)
 
 
 @dataclass
@@ -179,10 +180,14 @@ class Replication:
         self.commit_lsn = 0
         # A replacement started on an empty store: it has forgotten the records it
         # held and the votes it cast before, so it neither votes nor campaigns
-        # until it holds a record its primary committed in the primary's own epoch
-        # (and so every record committed before it came). Counting its vote
-        # sooner could elect a node that lacks confirmed writes.
+        # until it holds everything its primary has committed, up to a record of
+        # the primary's own epoch (and so every record committed before it came).
+        # Counting its vote sooner could elect a node that lacks confirmed writes.
+        # For its first failover timeout it does not even acknowledge appends: a
+        # primary its lost disk had stopped acknowledging (for a newer one) must
+        # not renew its lease with the replacement's acknowledgements.
         self.joining = False
+        self.quiet_until = 0
         # volatile
         self.role = REPLICA
         self.primary: Optional[str] = None
@@ -261,6 +266,8 @@ class Replication:
         """After loading epoch, vote and log: wait as a replica for a primary."""
         self.started = True
         self.durable_lsn = self.log.last_lsn
+        if self.joining:
+            self.quiet_until = now + self.timeout
         out: list = []
         if not self.peers:  # a single node elects itself at once
             return self._campaign(now, pre=False)
@@ -345,14 +352,19 @@ class Replication:
                 self.commit_lsn = c
                 out.append(Commit(c))
             if self.joining:
-                self._maybe_joined(req.primary, out)
+                self._maybe_joined(req, match, out)
         return out
 
-    def _maybe_joined(self, primary: str, out: list) -> None:
-        """A record of the primary's own epoch is committed and on our disk: every
-        record committed before this epoch precedes it, so we hold them all."""
-        e = self.log.at(self.commit_lsn)
-        if self.commit_lsn > 0 and e is not None and e[0] == self.epoch and self.durable_lsn >= self.commit_lsn:
+    def _maybe_joined(self, req: AppendReq, match: int, out: list) -> None:
+        """Everything the primary has committed is on our disk, up to a record of
+        its own epoch: every record committed before this epoch precedes that one,
+        so we hold them all. (``commit_lsn`` is capped at the frame's end, so it
+        cannot tell; ``primary_commit`` is the primary's whole commit point.) Our
+        log matches the primary's up to ``match`` only."""
+        pc = req.primary_commit
+        e = self.log.at(pc)
+        if 0 < pc <= match and pc <= self.durable_lsn and e is not None and e[0] == self.epoch:
+            primary = req.primary
             self.joining = False
             # as if we had voted for it: no second primary of this epoch gets our vote
             self.voted_for = primary
@@ -438,7 +450,7 @@ class Replication:
             return
         entries = [(lsn,) + self.log.at(lsn) for lsn in range(prev + 1, upto + 1)]
         out.append(Send(p, AppendReq(self.epoch, self.id, prev, pe[0], pe[1], entries,
-                                     min(self.commit_lsn, upto if entries else prev), now)))
+                                     min(self.commit_lsn, upto if entries else prev), now, self.commit_lsn)))
         self.last_sent[p] = now
         if entries:
             self.next[p] = upto + 1  # pipelined: assume it lands; a refusal rewinds
@@ -490,6 +502,8 @@ class Replication:
         if m.epoch < self.epoch:
             out.append(Send(m.primary, AppendResp(self.epoch, self.id, False, self.log.last_lsn, m.sent_us)))
             return
+        if self.joining and now < self.quiet_until:
+            return  # no acknowledgement yet (see joining): the primary retries
         if self.role != REPLICA or self.primary != m.primary:
             self._become_replica(m.epoch, m.primary, now, out)
         self.last_contact = now
@@ -518,7 +532,8 @@ class Replication:
             new.append((lsn, ep, crc))
             self.log.entries.append((ep, crc))
         if new:
-            out.append(Store(AppendReq(m.epoch, m.primary, new[0][0] - 1, 0, 0, new, m.commit_lsn, m.sent_us)))
+            out.append(Store(AppendReq(m.epoch, m.primary, new[0][0] - 1, 0, 0, new, m.commit_lsn, m.sent_us,
+                                       m.primary_commit)))
             # the acknowledgement follows from stored(), after the fsync
             return
         out += self.stored(m, now)

@@ -101,10 +101,18 @@ class Driver:
 
     async def _ticker(self) -> None:
         step = min(0.01, self.core.heartbeat / 1e6 / 4)
+        started = warned = mono_us()
         while True:
             await asyncio.sleep(step)
             async with self.lock:
-                await self._run(self.core.tick(mono_us()))
+                now = mono_us()
+                await self._run(self.core.tick(now))
+                c = self.core
+                if c.joining and c.last_contact is None and now - warned >= max(30_000_000, 10 * c.timeout):
+                    warned = now
+                    log.warning("joining (--join) for %.0f s and no primary heard: a joining node never votes, so if "
+                                "every member started on an empty store (a new cluster), start them without --join",
+                                (now - started) / 1e6)
 
     # ------------------------------------------------------------- queries
     def serving(self) -> bool:
@@ -212,6 +220,7 @@ class Driver:
             q.put_nowait(pb.AppendFrame(
                 epoch=msg.epoch, primary=msg.primary, prev_lsn=msg.prev_lsn, prev_epoch=msg.prev_epoch,
                 prev_crc=msg.prev_crc, commit_lsn=msg.commit_lsn, sent_us=msg.sent_us,
+                primary_commit_lsn=msg.primary_commit,
                 entries=[pb.Entry(lsn=lsn, epoch=ep, crc=crc, rec=b) for (lsn, ep, crc), b in zip(msg.entries, data)]))
         elif isinstance(msg, R.AppendResp):
             if self._replies is not None:
@@ -298,13 +307,9 @@ class Driver:
             if epoch < self.core.epoch or self.core.role == R.PRIMARY:
                 os.remove(path)
                 return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
-            joining = self.core.joining
             await e.store_io(e.install_snapshot_sync, path)
-            await e.store_io(self.load)
+            await e.store_io(self.load)  # a joining node is still joining (install_snapshot_sync)
             c = self.core
-            if joining:  # the copy is the primary's store: still joining until the rule says so
-                await e.store_io(self._set_joining, True)
-                c.joining = True
             c.durable_lsn = c.log.last_lsn
             c.commit_lsn = max(c.commit_lsn, e.core.lsn)
             log.info("installed a snapshot from %s: log to lsn %d, applied %d", primary, c.log.last_lsn, e.core.lsn)
@@ -374,7 +379,8 @@ class Driver:
             try:
                 await self._run(self.core.receive(R.AppendReq(
                     f.epoch, f.primary, f.prev_lsn, f.prev_epoch, f.prev_crc,
-                    [(e.lsn, e.epoch, e.crc) for e in f.entries], f.commit_lsn, f.sent_us), mono_us()))
+                    [(e.lsn, e.epoch, e.crc) for e in f.entries], f.commit_lsn, f.sent_us,
+                    f.primary_commit_lsn), mono_us()))
                 return self._replies
             except Exception:
                 log.exception("frame from %s failed; resyncing the log view from the store", f.primary)

@@ -19,7 +19,7 @@ class Entry(_message.Message):
     def __init__(self, lsn: _Optional[int] = ..., epoch: _Optional[int] = ..., crc: _Optional[int] = ..., rec: _Optional[bytes] = ...) -> None: ...
 
 class AppendFrame(_message.Message):
-    __slots__ = ("epoch", "primary", "prev_lsn", "prev_epoch", "prev_crc", "entries", "commit_lsn", "sent_us")
+    __slots__ = ("epoch", "primary", "prev_lsn", "prev_epoch", "prev_crc", "entries", "commit_lsn", "sent_us", "primary_commit_lsn")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_FIELD_NUMBER: _ClassVar[int]
     PREV_LSN_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class AppendFrame(_message.Message):
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     COMMIT_LSN_FIELD_NUMBER: _ClassVar[int]
     SENT_US_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_COMMIT_LSN_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     primary: str
     prev_lsn: int
@@ -36,7 +37,8 @@ class AppendFrame(_message.Message):
     entries: _containers.RepeatedCompositeFieldContainer[Entry]
     commit_lsn: int
     sent_us: int
-    def __init__(self, epoch: _Optional[int] = ..., primary: _Optional[str] = ..., prev_lsn: _Optional[int] = ..., prev_epoch: _Optional[int] = ..., prev_crc: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., commit_lsn: _Optional[int] = ..., sent_us: _Optional[int] = ...) -> None: ...
+    primary_commit_lsn: int
+    def __init__(self, epoch: _Optional[int] = ..., primary: _Optional[str] = ..., prev_lsn: _Optional[int] = ..., prev_epoch: _Optional[int] = ..., prev_crc: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., commit_lsn: _Optional[int] = ..., sent_us: _Optional[int] = ..., primary_commit_lsn: _Optional[int] = ...) -> None: ...
 
 class AppendAck(_message.Message):
     __slots__ = ("epoch", "sender", "ok", "match_lsn", "sent_us", "releases")

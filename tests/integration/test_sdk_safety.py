@@ -357,7 +357,7 @@ def test_many_calls_timing_out_together_move_the_client_once(node, tmp_path):
     _first_node_hung(node, tmp_path, "mq", check, retry_attempts=1)
 
 
-HUNG_NODE_LEFT_S = 10  # pings unanswered for 3 s close the connection; without that, the 30 s timeout
+HUNG_NODE_LEFT_S = 10  # pings unanswered for 5 s close the connection; without that, the 30 s timeout
 
 
 @pytest.mark.parametrize("call", ["send", "long_poll"])

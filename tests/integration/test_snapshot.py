@@ -53,3 +53,42 @@ def _compacted(node, top):
         return first > 5
     finally:
         db.close()
+
+
+def test_a_replacement_that_needs_a_snapshot_joins_after_it(tmp_path):
+    """A replacement (--join, empty store) whose primary has compacted its log gets
+    a snapshot, is still joining right after it, and joins once it follows the
+    primary; its data is complete (it can be the primary)."""
+    ids = ["n1", "n2", "n3"]
+    nodes = start_cluster(str(tmp_path), 3, 1.0, extra_args=["--log-keep-records", "10"])
+    try:
+        p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+        c = HttpClient(nodes[p].http_url, nodes[p].admin_key)
+        until_ok(lambda: c.put_queue("q"))
+        b = next(i for i in ids if i != p)
+        nodes[b].kill()
+        for i in range(100):
+            send_until_ok(c, "q", f"m{i}".encode())
+        top = view(nodes[p])["appliedLsn"]
+        wait_until(lambda: _compacted(nodes[p], top), 15, what="the primary to compact its log")
+        nodes[b].data_dir = str(tmp_path / "replacement")  # the disk is lost
+        nodes[b].extra_args.append("--join")
+        nodes[b].start()
+
+        def me():
+            v = view(nodes[b]) or {"nodes": []}
+            return next((n for n in v["nodes"] if n["id"] == b), {})
+        wait_until(lambda: "installed a snapshot" in nodes[b].read_log(), 20, what="the snapshot")
+        wait_until(lambda: me() and "joining" not in me(), 20, what="the replacement joining")
+        text = nodes[b].read_log()
+        assert text.index("installed a snapshot") < text.index("joined the cluster")  # still joining after it
+        other = next(i for i in ids if i not in (p, b))
+        nodes[p].kill()
+        nodes[other].kill()
+        nodes[other].start()  # a majority again: the replacement + the other
+        q, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+        st = until_ok(lambda: HttpClient(nodes[q].http_url, nodes[q].admin_key).get_queue("q"))["stats"]
+        assert st["sentTotal"] == 100
+    finally:
+        for n in nodes.values():
+            n.kill()

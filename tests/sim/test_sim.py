@@ -372,3 +372,58 @@ def test_a_replacement_on_an_empty_disk_votes_only_once_it_holds_the_clusters_hi
     sim.restart(q)
     _run_for(sim, 3 * T, writes=False)
     sim.final_checks()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_replacement_joins_only_once_it_holds_every_write_committed_in_the_current_epoch(seed):
+    """R1a, the replacement joins while its primary is up. Writes commit on P and B
+    while A is down; B's disk is lost and its replacement catches up from P, frame
+    by frame. It must not count itself joined after the first frame whose last
+    record is of P's epoch (a frame's commit point is capped at its end): if it
+    did, P crashing then and A coming back would elect A with its vote, without
+    the writes of this epoch. The sim checks at every election that the new
+    primary holds every committed record. (The replacement's quiet first failover
+    timeout is switched off here: with A down it would make P step down before
+    the catch-up, and this test is about the catch-up rule.)"""
+    sim = _scripted(seed, 3)
+    T = sim.timeout
+    _step_until(sim, lambda: _primaries(sim), 10 * T, what="a primary")
+    _run_for(sim, 2 * T, writes=True)
+    p = _primaries(sim)[0].id
+    a, b = [i for i in sim.members if i != p]
+    sim.crash(a)
+    _run_for(sim, 4 * T, writes=True)  # committed by P and B while A is down
+    _run_for(sim, T, writes=False)
+    sim.crash(b)
+    sim.nodes[b].disk = Disk(joining=True)  # its disk is lost; the replacement joins while P is up
+    sim.restart(b)
+    sim.nodes[b].core.quiet_until = 0
+    _step_until(sim, lambda: not sim.nodes[b].core.joining, 10 * T, what="the replacement joining")
+    assert len(sim.nodes[b].disk.log) >= sim.nodes[p].core.commit_lsn  # it holds what P committed
+    sim.crash(p)  # at once
+    sim.restart(a)
+    _step_until(sim, lambda: _primaries(sim), 10 * T, what="a primary of A and the replacement")
+    sim.restart(p)
+    _run_for(sim, 3 * T, writes=True)
+    _run_for(sim, 3 * T, writes=False)
+    sim.final_checks()
+
+
+def test_a_replacement_acknowledges_nothing_for_its_first_failover_timeout():
+    """R1a. The lost disk may have stopped acknowledging a primary for a newer one;
+    a replacement started at once must not renew that old primary's lease with
+    acknowledgements of its own, so for one failover timeout after it starts it
+    acknowledges no append (and a member that is not joining does at once)."""
+    T = 1_000_000
+
+    def first_answer(joining):
+        c = R.Replication("n2", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
+        c.joining = joining
+        c.start(0)
+        hb = R.AppendReq(1, "n1", 0, 0, 0, [], 0, 10, 0)
+        for now in (10, T // 2, T + 10):
+            acks = [e for e in c.receive(hb, now) if isinstance(e, R.Send) and isinstance(e.msg, R.AppendResp)]
+            if acks:
+                return now
+    assert first_answer(False) == 10
+    assert first_answer(True) == T + 10
