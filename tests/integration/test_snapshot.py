@@ -80,6 +80,7 @@ def test_a_replacement_that_needs_a_snapshot_joins_after_it(tmp_path):
             return next((n for n in v["nodes"] if n["id"] == b), {})
         wait_until(lambda: "installed a snapshot" in nodes[b].read_log(), 20, what="the snapshot")
         wait_until(lambda: me() and "joining" not in me(), 20, what="the replacement joining")
+        wait_until(lambda: "joined the cluster" in nodes[b].read_log(), 5, what="the log line")
         text = nodes[b].read_log()
         assert text.index("installed a snapshot") < text.index("joined the cluster")  # still joining after it
         other = next(i for i in ids if i not in (p, b))
