@@ -125,7 +125,8 @@ class Driver:
         c = self.core
         nodes = []
         for m in c.members:
-            role = c.role if m == self.id else ("primary" if m == c.primary else "replica")
+            # a candidate is not the primary: "replica", as at the top level (API.md's two roles)
+            role = "primary" if (c.role == R.PRIMARY if m == self.id else m == c.primary) else "replica"
             d = {"id": m, "role": role, "address": self.addresses[m]}
             if c.role == R.PRIMARY and m != self.id:
                 d["matchLsn"] = c.match.get(m, 0)

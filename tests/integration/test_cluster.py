@@ -425,3 +425,19 @@ def test_a_replacement_on_an_empty_store_votes_only_once_it_holds_the_clusters_h
     nodes[q].kill()
     r, _ = wait_until(lambda: primary_of(nodes, exclude=(q,)), 15, what="a primary elected with its vote")
     assert until_ok(lambda: client(nodes[r]).get_queue("q"))["stats"]["sentTotal"] == 2
+
+
+def test_the_cluster_document_names_only_the_contracts_two_roles():
+    """A node that is campaigning is a candidate inside; API.md knows "primary"
+    and "replica" only, at the top and for every node."""
+    from types import SimpleNamespace
+
+    from node.core import replication as R
+    from node.replication.driver import Driver
+    d = Driver(SimpleNamespace(), "n1", {"n1": "h1:1", "n2": "h2:1", "n3": "h3:1"}, 1.0)
+    for role, primary in ((R.CANDIDATE, None), (R.REPLICA, "n2"), (R.PRIMARY, "n1")):
+        d.core.role, d.core.primary = role, primary
+        doc = d.status()
+        roles = {n["id"]: n["role"] for n in doc["nodes"]}
+        assert set(roles.values()) <= {"primary", "replica"} and doc["role"] in ("primary", "replica")
+        assert [i for i, r in roles.items() if r == "primary"] == ([primary] if primary else [])
