@@ -36,7 +36,7 @@ DEFINITE_FAILURE_KINDS = frozenset({
     "not_found", "method_not_allowed", "stale_lease", "message_too_large",
 })
 # Nemeses after which clients may be unable to write until the cluster recovers.
-DISRUPTIVE_NEMESES = frozenset({"kill", "stop", "partition", "power_loss"})
+DISRUPTIVE_NEMESES = frozenset({"kill", "stop", "partition", "power_loss", "disk_loss"})
 DUPLICATE_CAUSES = ("nack", "lease_expired", "primary_changed", "unknown_ack", "other")
 REQUIRED_ZEROS = ("lost", "unexpected", "acked_then_redelivered", "overlapping_leases",
                   "failover_retry_increments", "double_primaries")

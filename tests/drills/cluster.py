@@ -189,6 +189,30 @@ class Cluster:
             self.procs[nid].kill()
         self._start(nid)
 
+    def replace(self, nid: str) -> str:
+        """A lost disk: kill the node, then start its replacement with the same id and
+        gRPC port on a new, empty data dir, with --join (docs/operations.md, "Replace a
+        node"). Returns the new data dir."""
+        with self.lock:
+            if nid in self.stopped:
+                self.cont(nid)
+            p = self.procs[nid]
+            p.kill()
+            n = sum(1 for x in os.listdir(self.workdir) if x.startswith(f"{nid}-disk"))
+            p.data_dir = os.path.join(self.workdir, f"{nid}-disk{n + 2}")
+            if "--join" not in p.extra_args:
+                p.extra_args.append("--join")
+        self._start(nid)
+        return p.data_dir
+
+    def joining(self, nid: str) -> Optional[bool]:
+        """Whether ``nid`` says it is still joining (None: it did not answer)."""
+        info = self.info(nid, timeout_s=0.5)
+        if not info:
+            return None
+        me = next((n for n in info.get("nodes", []) if n.get("id") == nid), {})
+        return bool(me.get("joining"))
+
     def graceful_stop(self, nid: str) -> int:
         with self.lock:
             if nid in self.stopped:

@@ -82,6 +82,9 @@ PARTITION_ACTIONS = (("kill_primary", 0.12), ("stop_primary", 0.10), ("restart_r
 #                           left; restart the replica (it and the third node elect a new
 #                           primary), then SIGCONT the old one, which must step down
 CASCADE_ACTIONS = (("kill_primary_twice", 0.5), ("kill_replica_stop_primary", 0.5))
+# with disk_loss=True: a replica's disk is lost and a replacement joins (--join);
+# the next fault waits until it has joined (one lost disk at a time)
+DISK_LOSS_ACTIONS = (("replace_replica", 0.3),)
 
 
 def lease_token_epoch(token: str) -> Optional[int]:
@@ -131,7 +134,8 @@ class _Client:
 class Drill:
     def __init__(self, seed: int, duration_s: float, nodes: int, workdir: str, producers: int = 3,
                  consumers: int = 2, send_pause_s: float = 0.05, failover_timeout_s: float = 1.0,
-                 log=print, power_loss: bool = False, partitions: bool = False, cascades: bool = False):
+                 log=print, power_loss: bool = False, partitions: bool = False, cascades: bool = False,
+                 disk_loss: bool = False):
         self.seed, self.duration_s, self.workdir = seed, duration_s, os.path.abspath(workdir)
         self.n_producers, self.n_consumers = producers, consumers
         self.send_pause_s = send_pause_s
@@ -141,6 +145,7 @@ class Drill:
         self.power_loss = power_loss
         self.partitions = partitions
         self.cascades = cascades
+        self.disk_loss = disk_loss
         self.cluster = Cluster(os.path.join(self.workdir, "nodes"), nodes=nodes,
                                failover_timeout_s=failover_timeout_s, power_loss=power_loss,
                                partitions=partitions)
@@ -333,6 +338,9 @@ class Drill:
         actions = PARTITION_ACTIONS if self.partitions else PROCESS_ACTIONS
         if self.cascades:  # half of the draws overlap two faults
             actions = tuple((a, w / 2) for a, w in actions) + tuple((a, w / 2) for a, w in CASCADE_ACTIONS)
+        if self.disk_loss:  # added last: the other actions keep their share of the draws
+            total = sum(w for _, w in actions)
+            actions = tuple((a, w * (1 - 0.3) / total) for a, w in actions) + DISK_LOSS_ACTIONS
         # its own stream, so that cascades do not shift the other draws of a seed
         crng = self.rng("cascade")
         first = True
@@ -352,6 +360,8 @@ class Drill:
             p, epoch = cp
             if action in ("kill_primary_twice", "kill_replica_stop_primary"):
                 self._cascade(action, p, epoch, down, crng)
+            elif action == "replace_replica":
+                self._replace(p, epoch, crng)
             elif action not in ("kill_primary", "stop_primary", "restart_replica"):
                 self._partition(action, p, epoch, ft + 0.75 * down, x1, x2)
             elif action == "kill_primary":
@@ -391,6 +401,25 @@ class Drill:
         self.cluster.restart(node)
         self.expected_down.discard(node)
         self.h.nemesis("restarted", node)
+
+    def _replace(self, p: str, epoch: int, rng: random.Random) -> None:
+        """A replica's disk is lost: its replacement starts empty with --join; wait
+        until it has joined, so that at most one disk is lost at a time."""
+        c = self.cluster
+        replicas = [n for n in c.ids if n != p]
+        r = replicas[int(rng.random() * len(replicas))]
+        self.h.nemesis("disk_loss", r, role="replica", epoch=epoch)
+        self.expected_down.add(r)
+        c.replace(r)
+        self.expected_down.discard(r)
+        self.h.nemesis("restarted", r)
+        deadline = time.monotonic() + 30.0
+        while c.joining(r) is not False and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if c.joining(r) is not False:
+            self.notes.append(f"the replacement of {r} had not joined 30 s after it started")
+        else:
+            self.h.nemesis("joined", r)
 
     def _cascade(self, action: str, p: str, epoch: int, down: float, rng: random.Random) -> None:
         """Two faults that overlap (CASCADE_ACTIONS)."""

@@ -116,6 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cascades", action="store_true",
                     help="the nemesis also overlaps two faults (a new primary killed right after its "
                          "election; a replica killed, then the primary stopped)")
+    ap.add_argument("--disk-loss", action="store_true",
+                    help="the nemesis also loses a replica's disk: a replacement starts empty with --join")
     ap.add_argument("--json", default=None, help="also write every report (JSON lines) to this file")
     args = ap.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the running drill's finally blocks end its nodes by pid
@@ -126,7 +128,7 @@ def main(argv=None) -> int:
     os.makedirs(root, exist_ok=True)
     print(f"drills: seeds {args.seeds} ({len(seeds)}), {args.duration:g}s each, {args.nodes} nodes"
           f"{', power loss' if args.power_loss else ''}{', partitions' if args.partitions else ''}"
-          f"{', cascades' if args.cascades else ''}, in {root}",
+          f"{', cascades' if args.cascades else ''}{', disk loss' if args.disk_loss else ''}, in {root}",
           flush=True)
     reports = []
     for seed in seeds:
@@ -136,7 +138,7 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         try:
             r = run_drill(seed, args.duration, nodes=args.nodes, workdir=wd, power_loss=args.power_loss,
-                          partitions=args.partitions, cascades=args.cascades)
+                          partitions=args.partitions, cascades=args.cascades, disk_loss=args.disk_loss)
         except Exception as e:  # noqa: BLE001 - a drill that cannot finish is a failing seed
             import traceback
             traceback.print_exc()

@@ -14,9 +14,9 @@ from drills.drill import run_drill
 pytestmark = pytest.mark.integration
 
 
-def _run(seed, duration_s, tmp_path, power_loss=False, partitions=False, cascades=False):
+def _run(seed, duration_s, tmp_path, power_loss=False, partitions=False, cascades=False, disk_loss=False):
     report = run_drill(seed, duration_s, nodes=3, workdir=str(tmp_path / f"seed-{seed}"), power_loss=power_loss,
-                       partitions=partitions, cascades=cascades)
+                       partitions=partitions, cascades=cascades, disk_loss=disk_loss)
     table = format_table(report)
     print(f"seed {seed}: {report['wall_s']:.1f}s wall, nemeses {json.dumps(report['nemesis_counts'])}\n{table}")
     assert report["drain_complete"], report["notes"]
@@ -60,6 +60,14 @@ def test_short_cascade_drill(tmp_path):
     assert counts.get("cascade_kill_replica_stop_primary", 0) >= 1, counts
     assert counts.get("cascade_kill_primary_twice", 0) >= 1, counts
     assert counts.get("kill_primary", 0) >= 2 * counts["cascade_kill_primary_twice"], counts
+
+
+def test_short_disk_loss_drill(tmp_path):
+    """R1a under load: a replica's disk is lost and its replacement joins with --join
+    (seed 7 also kills the primary); nothing confirmed is lost, and it joins."""
+    r = _run(7, 10.0, tmp_path, disk_loss=True)
+    counts = r["nemesis_counts"]
+    assert counts.get("disk_loss_replica", 0) >= 1 and counts.get("joined", 0) == counts["disk_loss_replica"], counts
 
 
 @pytest.mark.slow
