@@ -328,6 +328,23 @@ def test_a_switchover_to_a_lagging_target_hands_over_every_confirmed_write(seed,
     sim.final_checks()
 
 
+def _confirmed_while_a_replica_is_down(seed, timeouts):
+    """3 nodes: a primary P, then replica A crashes and writes are confirmed by P
+    and the other replica B for ``timeouts`` failover timeouts. -> sim, T, P, A, B."""
+    sim = _scripted(seed, 3)
+    T = sim.timeout
+    _step_until(sim, lambda: _primaries(sim), 10 * T, what="a primary")
+    _run_for(sim, 2 * T, writes=True)
+    p = _primaries(sim)[0].id
+    a, b = [i for i in sim.members if i != p]
+    sim.crash(a)
+    mark = len(sim.acked)
+    _run_for(sim, timeouts * T, writes=True)
+    assert len(sim.acked) > mark  # confirmed by P and B while A was down
+    _run_for(sim, T, writes=False)  # what is in flight lands
+    return sim, T, p, a, b
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_a_replacement_on_an_empty_disk_votes_only_once_it_holds_the_clusters_history(seed):
     """R2, a replaced member. A replica A is down while writes commit on the
@@ -337,17 +354,7 @@ def test_a_replacement_on_an_empty_disk_votes_only_once_it_holds_the_clusters_hi
     was down would be gone. It does not vote until it holds what the cluster
     committed: nobody is elected until P returns, every confirmed write survives,
     and the replacement then catches up, joins and votes again."""
-    sim = _scripted(seed, 3)
-    T = sim.timeout
-    _step_until(sim, lambda: _primaries(sim), 10 * T, what="a primary")
-    _run_for(sim, 2 * T, writes=True)
-    p = _primaries(sim)[0].id
-    a, b = [i for i in sim.members if i != p]
-    sim.crash(a)
-    mark = len(sim.acked)
-    _run_for(sim, 2 * T, writes=True)
-    assert len(sim.acked) > mark  # confirmed by P and B while A was down
-    _run_for(sim, T, writes=False)  # what is in flight lands
+    sim, T, p, a, b = _confirmed_while_a_replica_is_down(seed, 2)
     sim.crash(b)
     sim.nodes[b].disk = Disk(joining=True)  # its disk is lost; the replacement joins
     sim.crash(p)
@@ -385,15 +392,7 @@ def test_a_replacement_joins_only_once_it_holds_every_write_committed_in_the_cur
     primary holds every committed record. (The replacement's quiet first failover
     timeout is switched off here: with A down it would make P step down before
     the catch-up, and this test is about the catch-up rule.)"""
-    sim = _scripted(seed, 3)
-    T = sim.timeout
-    _step_until(sim, lambda: _primaries(sim), 10 * T, what="a primary")
-    _run_for(sim, 2 * T, writes=True)
-    p = _primaries(sim)[0].id
-    a, b = [i for i in sim.members if i != p]
-    sim.crash(a)
-    _run_for(sim, 4 * T, writes=True)  # committed by P and B while A is down
-    _run_for(sim, T, writes=False)
+    sim, T, p, a, b = _confirmed_while_a_replica_is_down(seed, 4)
     sim.crash(b)
     sim.nodes[b].disk = Disk(joining=True)  # its disk is lost; the replacement joins while P is up
     sim.restart(b)
