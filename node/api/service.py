@@ -94,7 +94,6 @@ class Delivery:
     queue: str
 
 
-
 def _not_ready(e) -> str:
     """Why a primary does not serve yet (or any more)."""
     if e.stopping:
@@ -102,6 +101,7 @@ def _not_ready(e) -> str:
     if e.failed is not None:
         return "node stopped after a storage failure"
     return "this node is taking over as primary"
+
 
 class Service:
     def __init__(self, engine: Engine, admin_keys: list):

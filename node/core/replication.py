@@ -364,10 +364,9 @@ class Replication:
         pc = req.primary_commit
         e = self.log.at(pc)
         if 0 < pc <= match and pc <= self.durable_lsn and e is not None and e[0] == self.epoch:
-            primary = req.primary
             self.joining = False
             # as if we had voted for it: no second primary of this epoch gets our vote
-            self.voted_for = primary
+            self.voted_for = req.primary
             out.append(Persist(self.epoch, self.voted_for))
             out.append(Joined())
 
