@@ -495,6 +495,11 @@ class AsyncClient(Nodes):
         """An ack or nack (or settle_batch) that close() lets finish: close() waits on
         a future of its own (not on the calling task, which may go on to a long poll
         after its ack)."""
+        if self._closing:
+            # close() took its list of settles to wait for: one begun now would be
+            # neither waited for nor sure to reach an open channel (as in Client)
+            settling.close()
+            raise RuntimeError("the client is closed")
         done = asyncio.get_running_loop().create_future()
         self._settling.add(done)
         try:

@@ -52,6 +52,7 @@ class AppendResp:
     ok: bool
     match_lsn: int         # ok: last lsn now known to match; not ok: a hint to back off to
     sent_us: int
+    joining: bool = False  # the sender is a replacement that does not vote yet
 
 
 @dataclass
@@ -201,6 +202,7 @@ class Replication:
         self.inflight: dict = {}
         self.last_sent: dict = {}
         self.acked_sent: dict = {}  # peer -> sent_us of the latest append it acknowledged in our epoch
+        self.peer_joining: dict = {}  # peer -> its latest answer said it is still joining
         self.lease_ok_at = 0
         self.transfer_to: Optional[str] = None
         self.campaign_at = 0
@@ -346,13 +348,19 @@ class Replication:
             self.durable_lsn = max(self.durable_lsn, req.entries[-1][0])
         match = req.entries[-1][0] if req.entries else req.prev_lsn
         if req.epoch == self.epoch:
-            out.append(Send(req.primary, AppendResp(self.epoch, self.id, True, match, req.sent_us)))
+            ack = Send(req.primary, AppendResp(self.epoch, self.id, True, match, req.sent_us, self.joining))
+            out.append(ack)
             c = min(req.commit_lsn, match)
             if c > self.commit_lsn:
                 self.commit_lsn = c
                 out.append(Commit(c))
             if self.joining:
                 self._maybe_joined(req, match, out)
+                if not self.joining:
+                    # the answer says we vote now: it leaves after Joined is persisted
+                    out.remove(ack)
+                    ack.msg.joining = False
+                    out.append(ack)
         return out
 
     def _maybe_joined(self, req: AppendReq, match: int, out: list) -> None:
@@ -395,10 +403,16 @@ class Replication:
         self._send_append(peer, now, out, heartbeat=True)
         return out
 
+    def transfer_refused(self, target: str) -> Optional[str]:
+        """Why a switchover to ``target`` cannot happen now (None: it can be tried)."""
+        if self.peer_joining.get(target):
+            return "joining"  # it ignores TimeoutNow and refuses votes until it has joined
+        return None
+
     def transfer(self, target: str, now: int) -> list:
         """Planned switchover: stop taking writes; hand over once target has caught up."""
         out: list = []
-        if self.role != PRIMARY or target not in self.peers:
+        if self.role != PRIMARY or target not in self.peers or self.transfer_refused(target):
             return out
         self.transfer_to = target
         self.transfer_started = now
@@ -460,6 +474,7 @@ class Replication:
             return
         p = m.sender
         self.acked_sent[p] = max(self.acked_sent.get(p, -1 << 62), m.sent_us)
+        self.peer_joining[p] = m.joining
         self.inflight[p] = max(0, self.inflight.get(p, 0) - 1)
         if m.ok:
             if m.match_lsn > self.match.get(p, 0):
@@ -492,7 +507,8 @@ class Replication:
         # began: a target that is down never gets TimeoutNow, so this primary
         # serves again after the failover timeout instead of stepping down
         if t is not None and self.match.get(t, 0) >= self.log.last_lsn and self.commit_lsn >= self.log.last_lsn \
-                and self.acked_sent.get(t, -1 << 62) >= self.transfer_started:
+                and self.acked_sent.get(t, -1 << 62) >= self.transfer_started and not self.peer_joining.get(t):
+            # (a target still joining would ignore TimeoutNow: wait for it to join)
             self.transfer_sent = True
             out.append(Send(t, TimeoutNow(self.epoch, self.id)))
 

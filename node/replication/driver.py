@@ -132,7 +132,7 @@ class Driver:
                 d["matchLsn"] = c.match.get(m, 0)
             elif m == self.id:
                 d["lsn"] = c.log.last_lsn
-            if m == self.id and c.joining:
+            if (c.joining if m == self.id else c.role == R.PRIMARY and c.peer_joining.get(m)):
                 d["joining"] = True  # a replacement that does not vote yet
             nodes.append(d)
         return {"role": "primary" if c.role == R.PRIMARY else "replica", "epoch": c.epoch, "primary": c.primary,
@@ -226,7 +226,8 @@ class Driver:
         elif isinstance(msg, R.AppendResp):
             if self._replies is not None:
                 self._replies.append(pb.AppendAck(epoch=msg.epoch, sender=msg.sender, ok=msg.ok,
-                                                  match_lsn=msg.match_lsn, sent_us=msg.sent_us))
+                                                  match_lsn=msg.match_lsn, sent_us=msg.sent_us,
+                                                  joining=msg.joining))
         elif isinstance(msg, R.VoteReq):
             asyncio.ensure_future(self._ask_vote(to, msg))
         elif isinstance(msg, R.VoteResp):
@@ -255,7 +256,7 @@ class Driver:
                         self.engine.release_hook(list(ack.releases))
                     async with self.lock:
                         await self._run(self.core.receive(R.AppendResp(
-                            ack.epoch, ack.sender, ack.ok, ack.match_lsn, ack.sent_us), mono_us()))
+                            ack.epoch, ack.sender, ack.ok, ack.match_lsn, ack.sent_us, ack.joining), mono_us()))
             except asyncio.CancelledError:
                 raise
             except grpc.RpcError as e:

@@ -41,20 +41,22 @@ class AppendFrame(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., primary: _Optional[str] = ..., prev_lsn: _Optional[int] = ..., prev_epoch: _Optional[int] = ..., prev_crc: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., commit_lsn: _Optional[int] = ..., sent_us: _Optional[int] = ..., primary_commit_lsn: _Optional[int] = ...) -> None: ...
 
 class AppendAck(_message.Message):
-    __slots__ = ("epoch", "sender", "ok", "match_lsn", "sent_us", "releases")
+    __slots__ = ("epoch", "sender", "ok", "match_lsn", "sent_us", "releases", "joining")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     MATCH_LSN_FIELD_NUMBER: _ClassVar[int]
     SENT_US_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
+    JOINING_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     sender: str
     ok: bool
     match_lsn: int
     sent_us: int
     releases: _containers.RepeatedCompositeFieldContainer[PendingRelease]
-    def __init__(self, epoch: _Optional[int] = ..., sender: _Optional[str] = ..., ok: _Optional[bool] = ..., match_lsn: _Optional[int] = ..., sent_us: _Optional[int] = ..., releases: _Optional[_Iterable[_Union[PendingRelease, _Mapping]]] = ...) -> None: ...
+    joining: bool
+    def __init__(self, epoch: _Optional[int] = ..., sender: _Optional[str] = ..., ok: _Optional[bool] = ..., match_lsn: _Optional[int] = ..., sent_us: _Optional[int] = ..., releases: _Optional[_Iterable[_Union[PendingRelease, _Mapping]]] = ..., joining: _Optional[bool] = ...) -> None: ...
 
 class PendingRelease(_message.Message):
     __slots__ = ("queue", "receive_id", "authorization")

@@ -661,6 +661,41 @@ def test_async_close_lets_a_settle_batch_in_progress_finish(node):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("settle", [
+    lambda c, token: c.ack(token),
+    lambda c, token: c.nack(token),
+    lambda c, token: c.settle_batch([(token, "ack", 0.0)]),
+])
+def test_async_settles_begun_after_close_began_are_refused(node, settle):
+    """close() waits for the settles in progress when it begins; one called after
+    that would be neither waited for nor sure of an open channel, so it is refused
+    (as on the sync client), and the one in progress still gets its answer."""
+    async def main():
+        c = AsyncClient(node.grpc_target, node.admin_key, timeout_s=20)
+        await c.put_queue("closing-late", leaseTimeoutSeconds=30)
+        for body in (b"x", b"y"):
+            await c.send("closing-late", body)
+        first, second = await c.receive("closing-late", max_messages=2)
+        os.kill(node.pid, signal.SIGSTOP)  # the first ack stays on the wire until SIGCONT
+        try:
+            acking = asyncio.ensure_future(c.ack(first.token))
+            await asyncio.sleep(0.05)
+            closing = asyncio.ensure_future(c.close())
+            await asyncio.sleep(0)
+            assert c._closing and not closing.done()
+            with pytest.raises(RuntimeError, match="the client is closed"):
+                await settle(c, second.token)
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        await asyncio.wait_for(closing, 25)
+        assert await acking is None
+        async with AsyncClient(node.grpc_target, node.admin_key) as check:
+            st = (await check.get_queue("closing-late"))["stats"]
+            assert st["ackedTotal"] == 1 and st["leased"] == 1, st  # the refused one was never sent
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("rpc,settle", [
     ("Ack", lambda c, token: c.ack(token)),
     ("SettleBatch", lambda c, token: c.settle_batch([(token, "ack", 0.0)])),

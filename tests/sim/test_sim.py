@@ -426,3 +426,58 @@ def test_a_replacement_acknowledges_nothing_for_its_first_failover_timeout():
                 return now
     assert first_answer(False) == 10
     assert first_answer(True) == T + 10
+
+
+def test_a_switchover_waits_for_a_joining_target_and_is_refused_while_it_says_so():
+    """A replacement still joining ignores TimeoutNow (it does not vote yet), so a
+    primary that sent it one would step down for nothing. The primary learns from
+    the target's answers that it is joining: a switchover to it is refused, and one
+    already under way sends TimeoutNow only once the target answers that it joined."""
+    T = 1_000_000
+    c = R.Replication("n1", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
+    c.start(0)
+    c._campaign(10, pre=False)
+    c.receive(R.VoteResp(1, "n3", True, False, 10 * T, 10 * T), 20)
+    assert c.role == R.PRIMARY
+    c.appended([(1, 1, 7)], 30)
+    ack = lambda peer, joining, now: c.receive(R.AppendResp(1, peer, True, 1, now, joining), now)  # noqa: E731
+    timeout_now = lambda out: [e for e in out if isinstance(e, R.Send) and isinstance(e.msg, R.TimeoutNow)]  # noqa: E731
+    ack("n3", False, 40)
+    assert c.commit_lsn == 1
+
+    # a switchover begun before the target said anything
+    c.transfer("n2", 50)
+    assert c.transfer_to == "n2"
+    assert timeout_now(ack("n2", True, 60)) == []     # caught up, but joining: no TimeoutNow
+    assert c.transfer_refused("n2") == "joining"
+    assert timeout_now(ack("n2", False, 70)) != []    # joined: hand over
+
+    # a fresh primary that knows the target is joining refuses at once
+    d = R.Replication("n1", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
+    d.start(0)
+    d._campaign(10, pre=False)
+    d.receive(R.VoteResp(1, "n3", True, False, 10 * T, 10 * T), 20)
+    d.appended([(1, 1, 7)], 30)
+    d.receive(R.AppendResp(1, "n2", True, 1, 30, True), 40)
+    assert d.transfer("n2", 50) == [] and d.transfer_to is None and d.serving(60)
+    assert d.transfer_refused("n3") is None
+
+
+def test_a_joining_replica_says_so_in_its_answers_until_it_has_joined():
+    """The answers carry the joining state the primary decides switchovers on; the
+    answer that follows the join says "not joining" and leaves after Joined."""
+    T = 1_000_000
+    c = R.Replication("n2", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
+    c.joining = True
+    c.start(0)
+    now = T + 10  # past the quiet period
+    first = c.receive(R.AppendReq(1, "n1", 0, 0, 0, [(1, 1, 7)], 0, now, 0), now)
+    store = [e for e in first if isinstance(e, R.Store)]
+    out = c.stored(store[0].req, now)
+    acks = [e.msg for e in out if isinstance(e, R.Send)]
+    assert [a.joining for a in acks] == [True] and c.joining   # primary_commit 0: not yet
+    out = c.receive(R.AppendReq(1, "n1", 1, 1, 7, [], 1, now + 1, 1), now + 1)
+    kinds = [type(e).__name__ for e in out]
+    acks = [e.msg for e in out if isinstance(e, R.Send)]
+    assert not c.joining and [a.joining for a in acks] == [False]
+    assert kinds.index("Joined") < kinds.index("Send")
