@@ -47,6 +47,9 @@ class Driver:
         self._tasks: list = []
         self._frame_bytes: dict = {}  # lsn -> bytes of the frame being handled (replica side)
         self._replies: Optional[list] = None  # AppendAcks produced while handling one frame
+        # Replica: records a frame's handling found committed, applied once the
+        # frame's acknowledgement has left (see serve_stream)
+        self._apply_after_ack = 0
         self._vote_reply = None
         self._snapshots: dict = {}
         self.stopped = False
@@ -148,13 +151,26 @@ class Driver:
             await self._run(self.core.transfer(target, mono_us()))
 
     # -------------------------------------------------------------- effects
+    def _apply_deferred(self) -> None:
+        """Apply what a frame's handling found committed (under the lock)."""
+        lsn, self._apply_after_ack = self._apply_after_ack, 0
+        if lsn:
+            self.engine.apply_upto(lsn)
+
     async def _run(self, effects: list) -> None:
         e = self.engine
+        if self._replies is None:
+            self._apply_deferred()  # nothing else sees the state behind a frame's commit point
         for eff in effects:
             if isinstance(eff, R.Send):
                 self._send(eff.to, eff.msg)
             elif isinstance(eff, R.Commit):
-                e.apply_upto(eff.lsn)
+                if self._replies is not None:
+                    # handling a primary's frame: its acknowledgement is what the primary
+                    # waits for (fsync, then acknowledge); applying comes after it
+                    self._apply_after_ack = max(self._apply_after_ack, eff.lsn)
+                else:
+                    e.apply_upto(eff.lsn)
             elif isinstance(eff, R.Persist):
                 await e.store_io(self._persist, eff.epoch, eff.voted_for)
             elif isinstance(eff, R.Store):
@@ -351,6 +367,11 @@ class Driver:
                     if rel:
                         r.releases.extend(rel)
                     yield r
+                if self._apply_after_ack:
+                    # the acknowledgements are out (a yield resumes once gRPC has sent
+                    # it): now apply what the frame committed
+                    async with self.lock:
+                        self._apply_deferred()
         finally:
             # the primary's end of the stream is gone: it may have died
             if sender is not None and sender == self.core.primary and not self.stopped:
