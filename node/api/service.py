@@ -254,8 +254,8 @@ class Service:
         return float(v)
 
     def parse_seconds_header(self, v: Optional[str], what: str, hi: float) -> float:
-        if v is None or v == "":
-            return 0.0
+        if v is None:
+            return 0.0  # absent; present but empty is malformed (as an empty Spooler-Dedup-Key is)
         if not SECONDS_RE.match(v):  # float() alone would also take "1_0", "1e3", "+5"
             raise errors.InvalidArgument(f"{what} must be a number of seconds (digits, an optional fraction)")
         try:
@@ -525,6 +525,13 @@ class Service:
                 return out
             left = deadline - loop.time()
             if left <= 0:
+                if not self.engine.may_lease() and self.core.stats(queue, self.engine.now_us())["visible"]:
+                    # messages are visible, but this node may not lease them yet: "nothing
+                    # became visible" would be false. A new primary waits out the old
+                    # one's leases (at most half a failover timeout from its last contact)
+                    wait = self.engine.repl.lease_wait_s()
+                    raise errors.Unavailable(f"a new primary: it hands out leases in {wait:.2f} s, once no older "
+                                             "primary can still hand them out", retry_after_s=max(0.1, wait))
                 return []
             vis = self.core.next_visible_at(queue)
             if vis is not None:

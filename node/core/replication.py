@@ -43,6 +43,10 @@ class AppendReq:
     commit_lsn: int        # capped at this frame's last record (or prev_lsn)
     sent_us: int           # echoed back: the primary's contact clock
     primary_commit: int = 0  # the primary's whole commit point (0: not known)
+    # how long past this append someone may still hand out leases: this primary
+    # (lease_us past a majority's contact), or an older one it is still waiting
+    # out (until its lease_ok_at); 0 from builds before 0.3.0: a failover timeout
+    lease_us: int = 0
 
 
 @dataclass
@@ -73,6 +77,7 @@ class VoteResp:
     pre: bool
     since_contact_us: int  # how long since this voter last heard a primary
     since_vote_us: int     # how long since it voted for some other candidate (who may have won)
+    lease_us: int = 0      # that primary's leasing lease (0: not known, a failover timeout)
 
 
 @dataclass
@@ -169,6 +174,13 @@ class Replication:
         self.peers = [m for m in self.members if m != node_id]
         self.quorum = len(self.members) // 2 + 1
         self.timeout = failover_timeout_us
+        # A primary hands out message leases only while a majority has acknowledged
+        # one of its appends sent within ``lease_us``: half the failover timeout,
+        # so a successor waits out at most that after the old primary's last
+        # contact (a dead primary's messages come back sooner), with the other half
+        # as slack for acknowledgements that are slow to come back (heartbeats go
+        # every tenth of it). Confirming writes keeps the whole failover timeout.
+        self.lease_us = failover_timeout_us // 2
         self.heartbeat = heartbeat_us or max(10_000, failover_timeout_us // 10)
         self.rand = rand
         self.frame_entries_max = frame_entries_max
@@ -193,6 +205,7 @@ class Replication:
         self.role = REPLICA
         self.primary: Optional[str] = None
         self.last_contact = None   # when we last heard a primary (None: never)
+        self.contact_lease = 0     # that primary's lease_us (0: not known)
         self.primary_gone = False  # our stream from the primary broke: it may be dead
         self.election_at = None
         self.votes: dict = {}
@@ -230,6 +243,11 @@ class Replication:
         primary and may still be leasing for a failover timeout after that."""
         if self.vote_granted_at is None or self.vote_granted_to == candidate:
             return 10 * self.timeout
+        if self.last_contact is not None and self.last_contact > self.vote_granted_at:
+            # we heard a primary since (of that epoch or a later one): what it said
+            # of its lease covers that candidate (it was that candidate, or waited
+            # it out), see _lease_wait
+            return 10 * self.timeout
         return now - self.vote_granted_at
 
     def _up_to_date(self, last_epoch: int, last_lsn: int) -> bool:
@@ -256,12 +274,29 @@ class Replication:
         return self.role == PRIMARY and self.transfer_to is None and now < self.lease_until(now)
 
     def may_lease(self, now: int) -> bool:
-        """... and hand out message leases only once no older primary can still be leasing."""
-        return self.serving(now) and now >= self.lease_ok_at
+        """... and hand out message leases only while a majority heard it within
+        ``lease_us``, and once no older primary can still be leasing."""
+        return self.serving(now) and now >= self.lease_ok_at and now < self._majority_contact(now) + self.lease_us
 
     def lease_until(self, now: int) -> int:
+        return self._majority_contact(now) + self.timeout
+
+    def _majority_contact(self, now: int) -> int:
+        """The send time of the latest append a majority (this node counted) acknowledged."""
         times = sorted([now] + [self.acked_sent.get(p, -1 << 62) for p in self.peers], reverse=True)
-        return times[self.quorum - 1] + self.timeout
+        return times[self.quorum - 1]
+
+    def _lease_wait(self, since_contact: int, contact_lease: int, since_vote: int, transfer: bool) -> int:
+        """How long a new primary must wait before leasing, by what one voter says:
+        until the primary it last heard (which leases at most ``contact_lease``
+        past that contact; 0: not known, a failover timeout) and any candidate it
+        voted for since (its lease length unknown: a failover timeout) can no
+        longer lease. After a planned switchover the old primary stopped leasing
+        before it sent TimeoutNow, so only the other candidates count."""
+        other = self.timeout - since_vote
+        if transfer:
+            return other
+        return max((contact_lease or self.timeout) - since_contact, other)
 
     # ------------------------------------------------------------- inputs
     def start(self, now: int) -> list:
@@ -463,7 +498,8 @@ class Replication:
             return
         entries = [(lsn,) + self.log.at(lsn) for lsn in range(prev + 1, upto + 1)]
         out.append(Send(p, AppendReq(self.epoch, self.id, prev, pe[0], pe[1], entries,
-                                     min(self.commit_lsn, upto if entries else prev), now, self.commit_lsn)))
+                                     min(self.commit_lsn, upto if entries else prev), now, self.commit_lsn,
+                                     max(self.lease_us, self.lease_ok_at - now))))
         self.last_sent[p] = now
         if entries:
             self.next[p] = upto + 1  # pipelined: assume it lands; a refusal rewinds
@@ -522,6 +558,7 @@ class Replication:
         if self.role != REPLICA or self.primary != m.primary:
             self._become_replica(m.epoch, m.primary, now, out)
         self.last_contact = now
+        self.contact_lease = m.lease_us
         self.primary_gone = False
         self._reset_election_timer(now)
         mine = self.log.at(m.prev_lsn)
@@ -581,7 +618,7 @@ class Replication:
         self.campaign_at = now
         self.transfer_campaign = transfer
         own = self._since_vote(now, self.id)
-        self.votes = {self.id: own if transfer else min(own, self._since_contact(now))}
+        self.votes = {self.id: self._lease_wait(self._since_contact(now), self.contact_lease, own, transfer)}
         out.append(Persist(self.epoch, self.voted_for))
         out.append(Role(CANDIDATE, self.epoch, None))
         for p in self.peers:
@@ -611,7 +648,7 @@ class Replication:
             out.append(Persist(self.epoch, self.voted_for))  # fsync'd before the answer leaves
             self._reset_election_timer(now)
         out.append(Send(m.candidate, VoteResp(self.epoch, self.id, granted, False, self._since_contact(now),
-                                              since_vote)))
+                                              since_vote, self.contact_lease)))
 
     def _on_vote_resp(self, m: VoteResp, now: int, out: list) -> None:
         if m.pre:
@@ -630,8 +667,8 @@ class Replication:
             return
         # a planned switchover's old primary stopped leasing before it sent
         # TimeoutNow, so only other candidates' possible leases count then
-        self.votes[m.sender] = m.since_vote_us if self.transfer_campaign else min(m.since_contact_us,
-                                                                                   m.since_vote_us)
+        self.votes[m.sender] = self._lease_wait(m.since_contact_us, m.lease_us, m.since_vote_us,
+                                                self.transfer_campaign)
         self._check_won(now, out)
 
     def _check_won(self, now: int, out: list) -> None:
@@ -640,9 +677,11 @@ class Replication:
         self.role = PRIMARY
         self.primary = self.id
         self.transfer_to = None
-        # No older primary can still be leasing once the freshest contact any
-        # voter had with one is a failover timeout old.
-        self.lease_ok_at = now + max(0, self.timeout - min(self.votes.values()))
+        # No older primary can still be leasing once every voter's contact with
+        # one is older than that primary's lease (_lease_wait). A majority of the
+        # members voted, so at least one of them acknowledged whatever majority
+        # let an older primary lease last.
+        self.lease_ok_at = now + max(0, max(self.votes.values()))
         for p in self.peers:
             self.next[p] = self.log.last_lsn + 1
             self.match[p] = 0

@@ -124,6 +124,11 @@ class Driver:
     def may_lease(self) -> bool:
         return self.core.may_lease(mono_us())
 
+    def lease_wait_s(self) -> float:
+        """How long until this primary may lease, if it is waiting out an older one
+        (else a short pause: it is waiting for a majority to answer again)."""
+        return max(0.1, (self.core.lease_ok_at - mono_us()) / 1e6)
+
     def status(self) -> dict:
         c = self.core
         nodes = []
@@ -237,7 +242,7 @@ class Driver:
             q.put_nowait(pb.AppendFrame(
                 epoch=msg.epoch, primary=msg.primary, prev_lsn=msg.prev_lsn, prev_epoch=msg.prev_epoch,
                 prev_crc=msg.prev_crc, commit_lsn=msg.commit_lsn, sent_us=msg.sent_us,
-                primary_commit_lsn=msg.primary_commit,
+                primary_commit_lsn=msg.primary_commit, lease_us=msg.lease_us,
                 entries=[pb.Entry(lsn=lsn, epoch=ep, crc=crc, rec=b) for (lsn, ep, crc), b in zip(msg.entries, data)]))
         elif isinstance(msg, R.AppendResp):
             if self._replies is not None:
@@ -342,7 +347,7 @@ class Driver:
             return
         async with self.lock:
             await self._run(self.core.receive(R.VoteResp(r.epoch, r.sender, r.granted, r.pre, r.since_contact_us,
-                                                         r.since_vote_us), mono_us()))
+                                                         r.since_vote_us, r.lease_us), mono_us()))
 
     async def _timeout_now(self, peer: str, m: R.TimeoutNow) -> None:
         try:
@@ -403,7 +408,7 @@ class Driver:
                 await self._run(self.core.receive(R.AppendReq(
                     f.epoch, f.primary, f.prev_lsn, f.prev_epoch, f.prev_crc,
                     [(e.lsn, e.epoch, e.crc) for e in f.entries], f.commit_lsn, f.sent_us,
-                    f.primary_commit_lsn), mono_us()))
+                    f.primary_commit_lsn, f.lease_us), mono_us()))
                 return self._replies
             except Exception:
                 log.exception("frame from %s failed; resyncing the log view from the store", f.primary)
@@ -431,7 +436,8 @@ class Driver:
             return pb.VoteResponse(epoch=self.core.epoch, sender=self.id, granted=False, pre=req.pre,
                                    since_contact_us=0, since_vote_us=0)
         return pb.VoteResponse(epoch=r.epoch, sender=r.sender, granted=r.granted, pre=r.pre,
-                               since_contact_us=r.since_contact_us, since_vote_us=r.since_vote_us)
+                               since_contact_us=r.since_contact_us, since_vote_us=r.since_vote_us,
+                               lease_us=r.lease_us)
 
     async def serve_timeout_now(self, req, context):
         async with self.lock:

@@ -19,7 +19,7 @@ class Entry(_message.Message):
     def __init__(self, lsn: _Optional[int] = ..., epoch: _Optional[int] = ..., crc: _Optional[int] = ..., rec: _Optional[bytes] = ...) -> None: ...
 
 class AppendFrame(_message.Message):
-    __slots__ = ("epoch", "primary", "prev_lsn", "prev_epoch", "prev_crc", "entries", "commit_lsn", "sent_us", "primary_commit_lsn")
+    __slots__ = ("epoch", "primary", "prev_lsn", "prev_epoch", "prev_crc", "entries", "commit_lsn", "sent_us", "primary_commit_lsn", "lease_us")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_FIELD_NUMBER: _ClassVar[int]
     PREV_LSN_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class AppendFrame(_message.Message):
     COMMIT_LSN_FIELD_NUMBER: _ClassVar[int]
     SENT_US_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_COMMIT_LSN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_US_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     primary: str
     prev_lsn: int
@@ -38,7 +39,8 @@ class AppendFrame(_message.Message):
     commit_lsn: int
     sent_us: int
     primary_commit_lsn: int
-    def __init__(self, epoch: _Optional[int] = ..., primary: _Optional[str] = ..., prev_lsn: _Optional[int] = ..., prev_epoch: _Optional[int] = ..., prev_crc: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., commit_lsn: _Optional[int] = ..., sent_us: _Optional[int] = ..., primary_commit_lsn: _Optional[int] = ...) -> None: ...
+    lease_us: int
+    def __init__(self, epoch: _Optional[int] = ..., primary: _Optional[str] = ..., prev_lsn: _Optional[int] = ..., prev_epoch: _Optional[int] = ..., prev_crc: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., commit_lsn: _Optional[int] = ..., sent_us: _Optional[int] = ..., primary_commit_lsn: _Optional[int] = ..., lease_us: _Optional[int] = ...) -> None: ...
 
 class AppendAck(_message.Message):
     __slots__ = ("epoch", "sender", "ok", "match_lsn", "sent_us", "releases", "joining")
@@ -85,20 +87,22 @@ class VoteRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., candidate: _Optional[str] = ..., last_epoch: _Optional[int] = ..., last_lsn: _Optional[int] = ..., pre: _Optional[bool] = ..., transfer: _Optional[bool] = ...) -> None: ...
 
 class VoteResponse(_message.Message):
-    __slots__ = ("epoch", "sender", "granted", "pre", "since_contact_us", "since_vote_us")
+    __slots__ = ("epoch", "sender", "granted", "pre", "since_contact_us", "since_vote_us", "lease_us")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     GRANTED_FIELD_NUMBER: _ClassVar[int]
     PRE_FIELD_NUMBER: _ClassVar[int]
     SINCE_CONTACT_US_FIELD_NUMBER: _ClassVar[int]
     SINCE_VOTE_US_FIELD_NUMBER: _ClassVar[int]
+    LEASE_US_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     sender: str
     granted: bool
     pre: bool
     since_contact_us: int
     since_vote_us: int
-    def __init__(self, epoch: _Optional[int] = ..., sender: _Optional[str] = ..., granted: _Optional[bool] = ..., pre: _Optional[bool] = ..., since_contact_us: _Optional[int] = ..., since_vote_us: _Optional[int] = ...) -> None: ...
+    lease_us: int
+    def __init__(self, epoch: _Optional[int] = ..., sender: _Optional[str] = ..., granted: _Optional[bool] = ..., pre: _Optional[bool] = ..., since_contact_us: _Optional[int] = ..., since_vote_us: _Optional[int] = ..., lease_us: _Optional[int] = ...) -> None: ...
 
 class TimeoutNowRequest(_message.Message):
     __slots__ = ("epoch", "primary")

@@ -127,6 +127,41 @@ def test_sigkill_primary_fails_over_without_loss(cluster):
     assert set(sent) - {again.id} <= got
 
 
+def test_a_dead_primarys_leased_message_is_never_answered_with_nothing(cluster):
+    """R3. Right after a primary dies its successor waits out the old leases (R2:
+    at most half a failover timeout past the old primary's last contact). In that
+    time a receive of a queue whose messages are visible answers 503 unavailable
+    with Retry-After, never 204 ("nothing became visible"), and then hands the
+    message out with its retry count kept."""
+    nodes, _ = cluster
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    c = client(nodes[p])
+    until_ok(lambda: c.put_queue("dead", leaseTimeoutSeconds=60))
+    send_until_ok(c, "dead", b"x")
+    leased = wait_until(lambda: c.receive("dead", wait_s=1), 10, what="a lease")
+    nodes[p].kill()
+    killed_at = time.monotonic()
+    q, _ = wait_until(lambda: primary_of(nodes, exclude=(p,)), 15, what="a new primary")
+    c2, answers = client(nodes[q]), []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            d = c2.receive("dead")
+        except errors.Unavailable as e:
+            answers.append(("503", e.retry_after_s))
+        else:
+            answers.append(("200",) if d else ("204",))
+            if d:
+                break
+        time.sleep(0.02)
+    took = time.monotonic() - killed_at
+    assert answers and answers[-1] == ("200",), answers
+    assert ("204",) not in answers, answers
+    assert all(a[1] > 0 for a in answers if a[0] == "503"), answers  # each says when to come back
+    assert (d.id, d.retry_count) == (leased.id, 0)
+    print(f"redelivered {took:.2f} s after the SIGKILL, {len(answers) - 1} earlier answers were 503")
+
+
 def test_sigstop_primary_is_replaced_and_steps_down(cluster):
     nodes, stopped = cluster
     p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")

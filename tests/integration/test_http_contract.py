@@ -283,7 +283,8 @@ def test_delay_header_hides_message_until_due(api, queue):
     assert got.h("Spooler-Retry-Count") == "0"
 
 
-@pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf", "1209601", "1e400", "0x10", "1_0", "+5", "1e1", "5s", "1.2.3"])
+@pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf", "1209601", "1e400", "0x10", "1_0", "+5", "1e1", "5s", "1.2.3",
+                                   ""])
 def test_bad_delay_header_400(api, queue, value):
     r = api.send(queue, b"x", headers={"Spooler-Delay-Seconds": value})
     assert r.status == 400, r

@@ -481,3 +481,64 @@ def test_a_joining_replica_says_so_in_its_answers_until_it_has_joined():
     acks = [e.msg for e in out if isinstance(e, R.Send)]
     assert not c.joining and [a.joining for a in acks] == [False]
     assert kinds.index("Joined") < kinds.index("Send")
+
+
+def _cut_off(sim, nid):
+    """``nid`` is cut off both ways, its streams broken (it lives on)."""
+    sim.trace(f"cut off {nid} both ways")
+    _drop_in_flight(sim, nid)
+    for other in sim.members:
+        if other != nid:
+            sim.blocked.add((nid, other))
+            sim.blocked.add((other, nid))
+            o, n = sim.nodes[other], sim.nodes[nid]
+            o.run(o.core.primary_stream_broken(sim.now))
+            n.run(n.core.replica_stream_lost(other, sim.now))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_successor_leases_half_a_failover_timeout_after_the_old_primarys_last_contact(seed):
+    """R2, lease start. A primary hands out leases only while a majority heard it
+    within half a failover timeout (it keeps confirming writes for the whole
+    timeout), so its successor waits out only that half: the messages of a dead
+    primary's leases come back half a failover timeout sooner."""
+    sim = _scripted(seed, 3)
+    T = sim.timeout
+    old = _leasing_primary(sim)
+    cut_at = sim.now
+    _cut_off(sim, old.id)
+    _step_until(sim, lambda: any(n.id != old.id for n in _primaries(sim)), T, writes=True, what="successor")
+    new = next(n for n in _primaries(sim) if n.id != old.id)
+    _step_until(sim, lambda: _leasing(sim) == [new.id], T, writes=True, what="lease on the successor")
+    assert sim.now <= cut_at + T // 2 + 20 * MS, (sim.now - cut_at) / T
+    # and the old primary had stopped leasing by then, though it still confirms
+    # (it still counts a majority within the whole failover timeout)
+    assert not old.core.may_lease(sim.now) and old.core.role == R.PRIMARY
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_primary_that_dies_while_waiting_out_a_longer_lease_passes_the_wait_on(seed):
+    """R2, lease start, with lease lengths that differ (a build before 0.3.0 leases
+    for a whole failover timeout). P0 leases for a whole timeout and is cut off;
+    P1 wins and must wait that out; P1 is cut off too before its wait ends. P2,
+    elected from voters that last heard P1, must not lease while P0 still may:
+    P1's appends say how long past them someone may still lease, its own wait
+    included. At no step may two nodes lease at once (checked at every step)."""
+    sim = _scripted(seed, 5)
+    T = sim.timeout
+    p0 = _leasing_primary(sim)
+    p0.core.lease_us = T  # as an older build does
+    _run_for(sim, T // 5, writes=True)  # its heartbeats say so
+    assert p0.core.may_lease(sim.now)
+    _cut_off(sim, p0.id)
+    _step_until(sim, lambda: any(n.id != p0.id for n in _primaries(sim)), T, writes=True, what="P1")
+    p1 = next(n for n in _primaries(sim) if n.id != p0.id)
+    assert p0.core.may_lease(sim.now) and not p1.core.may_lease(sim.now)
+    # P1's first appends reach the others (EpochBegin), then it is cut off as well
+    _step_until(sim, lambda: all(sim.nodes[m].core.primary == p1.id for m in sim.members if m not in (p0.id, p1.id)),
+                T, writes=True, what="P1 heard by the others")
+    _cut_off(sim, p1.id)
+    _step_until(sim, lambda: any(n.id not in (p0.id, p1.id) for n in _primaries(sim)), 2 * T, writes=True,
+                what="P2")
+    p2 = next(n for n in _primaries(sim) if n.id not in (p0.id, p1.id))
+    _step_until(sim, lambda: _leasing(sim) == [p2.id], 2 * T, writes=True, what="lease on P2")
