@@ -152,6 +152,37 @@ def test_timeout_escalates_to_sigkill_when_term_is_ignored(tmp_path):
         kill_group_of(res.pid, gpid)
 
 
+def _exited(pid: int) -> bool:
+    """Exited and not yet reaped (a zombie): it finished on its own."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("stop_reason", [None, states.CANCELED])
+def test_a_command_that_finishes_while_the_runner_decides_keeps_its_own_result(tmp_path, stop_reason):
+    """The deadline passes (or a cancel comes) in the moment the command exits on
+    its own: it was not stopped, so its exit 0 is a success, not a timeout that
+    would spend a retry and run it again. (The check that decides is held here
+    until the command has exited.)"""
+    spawned = []
+
+    def should_stop():
+        if spawned and not getattr(should_stop, "held", False):
+            should_stop.held = True
+            wait_until(lambda: _exited(spawned[0]), 5.0, what="the command exiting")
+            time.sleep(0.2)  # and the deadline has surely passed
+            return stop_reason
+        return None
+
+    res = executor.run(["sleep", "0.15"], str(tmp_path / "o"), str(tmp_path / "e"), timeout_s=0.1,
+                       on_spawn=spawned.append, should_stop=should_stop)
+    assert spawned and should_stop.held
+    assert (res.reason, res.exit_code) == (None, 0), res
+
+
 def test_timeout_through_the_worker_counts_against_retries(spool):
     job_id = spool.submit("sleep", "30", opts=("--timeout", "0.3", "--max-retries", "0"))
     spool.run("worker", "--drain", timeout_s=60)

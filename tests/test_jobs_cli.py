@@ -96,6 +96,27 @@ def test_list_filters_by_state_and_status_counts(spool):
     assert st["counts"]["queued"] == 1 and st["counts"]["canceled"] == 1 and st["total"] == 2
 
 
+def test_plain_list_shows_attempts_crash_count_and_failure_reason(spool):
+    """API.md: status and list show the state, attempts, crash count and failure_reason."""
+    ok = spool.submit("true")
+    bad = spool.submit("false", opts=("--max-retries", "0"))
+    spool.run("worker", "--drain")
+    lines = {ln.split()[0]: ln for ln in spool.run("list").stdout.decode().splitlines()}
+    assert "attempts=1 crashes=0" in lines[ok] and "failure=" not in lines[ok], lines[ok]
+    assert "dead" in lines[bad] and "crashes=0" in lines[bad], lines[bad]
+    assert f"failure={spool.json('status', bad)['failure_reason']}" in lines[bad], lines[bad]
+
+
+def test_an_idempotency_key_given_before_submit_is_a_usage_error_not_dropped(spool):
+    """``spoolctl --key K submit`` names the server's API key; on a local submit it
+    would be dropped and the job made without the idempotency key meant for it."""
+    a = spool.submit("true", opts=("--key", "k1"))
+    r = spool.run("submit", "--", "true", global_args=("--key", "k1"), check=False)
+    assert r.returncode == 2 and b"idempotency key goes after it" in r.stderr, r
+    assert spool.json("status")["total"] == 1
+    assert spool.submit("true", opts=("--key", "k1")) == a
+
+
 def test_unknown_job_is_an_error_with_json_error_body(spool):
     r = spool.run("status", "nope", "--json", check=False)
     assert r.returncode == 1

@@ -118,6 +118,12 @@ def main(argv=None) -> int:
     _Parser.json_errors = "--json" in ours
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "submit" and not args.queue and args.idem_key is None and "submit" in ours \
+            and any(a == "--key" or a.startswith("--key=") for a in ours[:ours.index("submit")]):
+        # the global --key is the server's API key: on a local submit it would be
+        # dropped, and the job made without the idempotency key its author meant
+        parser.error("--key before the command is the server's API key (used with --queue); an idempotency "
+                     "key goes after it: spoolctl submit --key K -- CMD")
     as_json = getattr(args, "json", False)
     try:
         rc = args.func(args)

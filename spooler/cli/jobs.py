@@ -188,8 +188,11 @@ def cmd_list(args) -> int:
         jobs = store.list(args.state, args.limit)
     finally:
         store.close()
+    # API.md: state, attempts, crash count, failure_reason (the reason only when there is one)
     text = "\n".join(f"{j['id']}  {j['state']:<9} p={j['priority']:<4} attempts={len(j['attempts'])}"
-                     f"  {shown_command(j['command'])}" for j in jobs)
+                     f" crashes={j['crash_count']}"
+                     + (f" failure={j['failure_reason']}" if j["failure_reason"] else "")
+                     + f"  {shown_command(j['command'])}" for j in jobs)
     emit(args, {"jobs": jobs}, text)
     return 0
 

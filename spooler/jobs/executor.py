@@ -180,11 +180,17 @@ def run(argv: list, stdout_path: str, stderr_path: str, timeout_s: Optional[floa
                     kill_group(pid, proc, grace_s)
                     raise
             stop = should_stop()
-            if stop:
+            timed_out = not stop and deadline is not None and time.monotonic() >= deadline
+            if stop or timed_out:
+                # a command that finished on its own while we decided (should_stop
+                # reads the store) has its own result: it was not stopped, and a
+                # success must not be run again as a timeout
+                code = proc.poll()
+                if code is not None:
+                    break
                 kill_group(pid, proc, grace_s)
-                return Result(stop, proc.returncode, f"stopped: {stop}", pid)
-            if deadline is not None and time.monotonic() >= deadline:
-                kill_group(pid, proc, grace_s)
+                if stop:
+                    return Result(stop, proc.returncode, f"stopped: {stop}", pid)
                 return Result(states.TIMEOUT, proc.returncode, f"exceeded --timeout {timeout_s:g}s", pid)
     finally:
         if pidfd is not None:
