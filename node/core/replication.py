@@ -67,6 +67,7 @@ class VoteReq:
     last_lsn: int
     pre: bool = False
     transfer: bool = False  # planned switchover: granted despite a live primary
+    lease_us: int = 0       # the candidate's lease_us: how long it would lease on a vote (0: not known)
 
 
 @dataclass
@@ -78,6 +79,7 @@ class VoteResp:
     since_contact_us: int  # how long since this voter last heard a primary
     since_vote_us: int     # how long since it voted for some other candidate (who may have won)
     lease_us: int = 0      # that primary's leasing lease (0: not known, a failover timeout)
+    vote_lease_us: int = 0  # the lease_us of the candidate of since_vote_us (0: not known)
 
 
 @dataclass
@@ -221,6 +223,7 @@ class Replication:
         self.campaign_at = 0
         self.vote_granted_to = ""
         self.vote_granted_at = None
+        self.vote_granted_lease = 0
         self.transfer_campaign = False
         self.transfer_started = 0
         self.transfer_sent = False
@@ -286,16 +289,20 @@ class Replication:
         times = sorted([now] + [self.acked_sent.get(p, -1 << 62) for p in self.peers], reverse=True)
         return times[self.quorum - 1]
 
-    def _lease_wait(self, since_contact: int, contact_lease: int, since_vote: int, transfer: bool) -> int:
+    def _lease_wait(self, since_contact: int, contact_lease: int, since_vote: int, vote_lease: int,
+                    transfer: bool) -> int:
         """How long a new primary must wait before leasing, by what one voter says:
         until the primary it last heard (which leases at most ``contact_lease``
-        past that contact; 0: not known, a failover timeout) and any candidate it
-        voted for since (its lease length unknown: a failover timeout) can no
-        longer lease. After a planned switchover the old primary stopped leasing
-        before it sent TimeoutNow, so only the other candidates count."""
-        other = self.timeout - since_vote
-        if transfer:
+        past that contact) and the candidate it voted for since (which, had it
+        won, leased at most ``vote_lease`` past its campaign, before the vote)
+        can no longer lease; 0 for either: not known, a failover timeout. In a
+        planned switchover the old primary stopped leasing, and had waited out
+        every older one, before it sent TimeoutNow, so only the votes count."""
+        other = (vote_lease or self.timeout) - since_vote
+        if transfer and contact_lease:
             return other
+        # (a primary before 0.3.0 says nothing, and sends TimeoutNow without waiting
+        # out older primaries first: then the contact counts in a switchover too)
         return max((contact_lease or self.timeout) - since_contact, other)
 
     # ------------------------------------------------------------- inputs
@@ -303,6 +310,15 @@ class Replication:
         """After loading epoch, vote and log: wait as a replica for a primary."""
         self.started = True
         self.durable_lsn = self.log.last_lsn
+        if self.peers and self.epoch > 0:
+            # When we last heard a primary was lost with the process, and we may have
+            # acknowledged one just before: a primary may still lease on that, for
+            # a lease we do not know (0: a failover timeout). So our start counts
+            # as such a contact, and a new primary elected with our vote waits it out.
+            # (Epoch 0 on disk: we never accepted a primary, so never acknowledged
+            # one, as an epoch is persisted before anything of it is acknowledged;
+            # a brand-new cluster's first primary leases at once.)
+            self.last_contact, self.contact_lease = now, 0
         if self.joining:
             self.quiet_until = now + self.timeout
         out: list = []
@@ -322,6 +338,8 @@ class Replication:
                     self._become_replica(self.epoch, None, now, out)
                     return out
                 self.transfer_to = None  # the target never caught up: serve again
+            if self.transfer_to is not None and not self.transfer_sent:
+                self._maybe_finish_transfer(now, out)  # e.g. once lease_ok_at has passed
             if now >= self.lease_until(now):
                 # no majority contact within the failover timeout: stop serving
                 self._become_replica(self.epoch, None, now, out)
@@ -543,8 +561,12 @@ class Replication:
         # began: a target that is down never gets TimeoutNow, so this primary
         # serves again after the failover timeout instead of stepping down
         if t is not None and self.match.get(t, 0) >= self.log.last_lsn and self.commit_lsn >= self.log.last_lsn \
-                and self.acked_sent.get(t, -1 << 62) >= self.transfer_started and not self.peer_joining.get(t):
-            # (a target still joining would ignore TimeoutNow: wait for it to join)
+                and self.acked_sent.get(t, -1 << 62) >= self.transfer_started and not self.peer_joining.get(t) \
+                and now >= self.lease_ok_at:
+            # (a target still joining would ignore TimeoutNow: wait for it to join. And
+            # a primary still waiting out an older one's leases hands over only once
+            # that wait is over: the target's campaign counts no contact with a
+            # primary, only votes for other candidates, see _lease_wait)
             self.transfer_sent = True
             out.append(Send(t, TimeoutNow(self.epoch, self.id)))
 
@@ -618,12 +640,13 @@ class Replication:
         self.campaign_at = now
         self.transfer_campaign = transfer
         own = self._since_vote(now, self.id)
-        self.votes = {self.id: self._lease_wait(self._since_contact(now), self.contact_lease, own, transfer)}
+        self.votes = {self.id: self._lease_wait(self._since_contact(now), self.contact_lease, own,
+                                                self.vote_granted_lease, transfer)}
         out.append(Persist(self.epoch, self.voted_for))
         out.append(Role(CANDIDATE, self.epoch, None))
         for p in self.peers:
             out.append(Send(p, VoteReq(self.epoch, self.id, self.log.last_epoch, self.log.last_lsn,
-                                       transfer=transfer)))
+                                       transfer=transfer, lease_us=self.lease_us)))
         self._check_won(now, out)
         return out
 
@@ -641,14 +664,14 @@ class Replication:
             return
         granted = (m.epoch == self.epoch and self.voted_for in ("", m.candidate) and up_to_date
                    and self.role != PRIMARY and not self.joining)
-        since_vote = self._since_vote(now, m.candidate)
+        since_vote, vote_lease = self._since_vote(now, m.candidate), self.vote_granted_lease
         if granted:
             self.voted_for = m.candidate
-            self.vote_granted_to, self.vote_granted_at = m.candidate, now
+            self.vote_granted_to, self.vote_granted_at, self.vote_granted_lease = m.candidate, now, m.lease_us
             out.append(Persist(self.epoch, self.voted_for))  # fsync'd before the answer leaves
             self._reset_election_timer(now)
         out.append(Send(m.candidate, VoteResp(self.epoch, self.id, granted, False, self._since_contact(now),
-                                              since_vote, self.contact_lease)))
+                                              since_vote, self.contact_lease, vote_lease)))
 
     def _on_vote_resp(self, m: VoteResp, now: int, out: list) -> None:
         if m.pre:
@@ -668,7 +691,7 @@ class Replication:
         # a planned switchover's old primary stopped leasing before it sent
         # TimeoutNow, so only other candidates' possible leases count then
         self.votes[m.sender] = self._lease_wait(m.since_contact_us, m.lease_us, m.since_vote_us,
-                                                self.transfer_campaign)
+                                                m.vote_lease_us, self.transfer_campaign)
         self._check_won(now, out)
 
     def _check_won(self, now: int, out: list) -> None:

@@ -342,12 +342,12 @@ class Driver:
         try:
             r = await self._stubs[peer].Vote(pb.VoteRequest(
                 epoch=m.epoch, candidate=m.candidate, last_epoch=m.last_epoch, last_lsn=m.last_lsn,
-                pre=m.pre, transfer=m.transfer), timeout=self.core.timeout / 1e6)
+                pre=m.pre, transfer=m.transfer, lease_us=m.lease_us), timeout=self.core.timeout / 1e6)
         except grpc.RpcError:
             return
         async with self.lock:
             await self._run(self.core.receive(R.VoteResp(r.epoch, r.sender, r.granted, r.pre, r.since_contact_us,
-                                                         r.since_vote_us, r.lease_us), mono_us()))
+                                                         r.since_vote_us, r.lease_us, r.vote_lease_us), mono_us()))
 
     async def _timeout_now(self, peer: str, m: R.TimeoutNow) -> None:
         try:
@@ -430,14 +430,14 @@ class Driver:
         async with self.lock:
             self._vote_reply = None
             await self._run(self.core.receive(R.VoteReq(req.epoch, req.candidate, req.last_epoch, req.last_lsn,
-                                                        req.pre, req.transfer), mono_us()))
+                                                        req.pre, req.transfer, req.lease_us), mono_us()))
             r, self._vote_reply = self._vote_reply, None
         if r is None:  # ignored (leader stickiness): answer as a refusal
             return pb.VoteResponse(epoch=self.core.epoch, sender=self.id, granted=False, pre=req.pre,
                                    since_contact_us=0, since_vote_us=0)
         return pb.VoteResponse(epoch=r.epoch, sender=r.sender, granted=r.granted, pre=r.pre,
                                since_contact_us=r.since_contact_us, since_vote_us=r.since_vote_us,
-                               lease_us=r.lease_us)
+                               lease_us=r.lease_us, vote_lease_us=r.vote_lease_us)
 
     async def serve_timeout_now(self, req, context):
         async with self.lock:

@@ -71,23 +71,25 @@ class PendingRelease(_message.Message):
     def __init__(self, queue: _Optional[str] = ..., receive_id: _Optional[str] = ..., authorization: _Optional[str] = ...) -> None: ...
 
 class VoteRequest(_message.Message):
-    __slots__ = ("epoch", "candidate", "last_epoch", "last_lsn", "pre", "transfer")
+    __slots__ = ("epoch", "candidate", "last_epoch", "last_lsn", "pre", "transfer", "lease_us")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_FIELD_NUMBER: _ClassVar[int]
     LAST_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAST_LSN_FIELD_NUMBER: _ClassVar[int]
     PRE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_US_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     candidate: str
     last_epoch: int
     last_lsn: int
     pre: bool
     transfer: bool
-    def __init__(self, epoch: _Optional[int] = ..., candidate: _Optional[str] = ..., last_epoch: _Optional[int] = ..., last_lsn: _Optional[int] = ..., pre: _Optional[bool] = ..., transfer: _Optional[bool] = ...) -> None: ...
+    lease_us: int
+    def __init__(self, epoch: _Optional[int] = ..., candidate: _Optional[str] = ..., last_epoch: _Optional[int] = ..., last_lsn: _Optional[int] = ..., pre: _Optional[bool] = ..., transfer: _Optional[bool] = ..., lease_us: _Optional[int] = ...) -> None: ...
 
 class VoteResponse(_message.Message):
-    __slots__ = ("epoch", "sender", "granted", "pre", "since_contact_us", "since_vote_us", "lease_us")
+    __slots__ = ("epoch", "sender", "granted", "pre", "since_contact_us", "since_vote_us", "lease_us", "vote_lease_us")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     GRANTED_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +97,7 @@ class VoteResponse(_message.Message):
     SINCE_CONTACT_US_FIELD_NUMBER: _ClassVar[int]
     SINCE_VOTE_US_FIELD_NUMBER: _ClassVar[int]
     LEASE_US_FIELD_NUMBER: _ClassVar[int]
+    VOTE_LEASE_US_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     sender: str
     granted: bool
@@ -102,7 +105,8 @@ class VoteResponse(_message.Message):
     since_contact_us: int
     since_vote_us: int
     lease_us: int
-    def __init__(self, epoch: _Optional[int] = ..., sender: _Optional[str] = ..., granted: _Optional[bool] = ..., pre: _Optional[bool] = ..., since_contact_us: _Optional[int] = ..., since_vote_us: _Optional[int] = ..., lease_us: _Optional[int] = ...) -> None: ...
+    vote_lease_us: int
+    def __init__(self, epoch: _Optional[int] = ..., sender: _Optional[str] = ..., granted: _Optional[bool] = ..., pre: _Optional[bool] = ..., since_contact_us: _Optional[int] = ..., since_vote_us: _Optional[int] = ..., lease_us: _Optional[int] = ..., vote_lease_us: _Optional[int] = ...) -> None: ...
 
 class TimeoutNowRequest(_message.Message):
     __slots__ = ("epoch", "primary")

@@ -39,7 +39,7 @@ DEFINITE_FAILURE_KINDS = frozenset({
 DISRUPTIVE_NEMESES = frozenset({"kill", "stop", "partition", "power_loss", "disk_loss"})
 DUPLICATE_CAUSES = ("nack", "lease_expired", "primary_changed", "unknown_ack", "other")
 REQUIRED_ZEROS = ("lost", "unexpected", "acked_then_redelivered", "overlapping_leases",
-                  "failover_retry_increments", "double_primaries")
+                  "failover_retry_increments", "double_primaries", "leases_behind_a_newer_epoch")
 # Expiry stamps come from the server's wall clock converted to the monotonic clock; the
 # two clock reads of the conversion differ by microseconds. Overlap must exceed this.
 DEFAULT_SLACK_S = 0.001
@@ -173,6 +173,22 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         elif op.f in ("ack", "nack", "renew"):
             settles[op.inv.get("token")].append(op)
     deliveries.sort(key=lambda d: d.ok_t)
+
+    # -- one node leasing at a time: a lease granted in an epoch older than one
+    # already granted (answered before this receive was even sent) means two
+    # primaries were handing out leases at the same time ------------------------
+    behind, behind_details = 0, []
+    newest: Any = None  # (epoch, delivery) of the newest epoch answered so far
+    done = iter(deliveries)  # by ok_t
+    nxt = next(done, None)
+    for d in sorted(deliveries, key=lambda x: x.inv_t):
+        while nxt is not None and nxt.ok_t < d.inv_t:
+            if nxt.epoch is not None and (newest is None or nxt.epoch > newest[0]):
+                newest = (nxt.epoch, nxt)
+            nxt = next(done, None)
+        if d.epoch is not None and newest is not None and d.epoch < newest[0]:
+            behind += 1
+            _keep(behind_details, {"older": d.brief(), "newer": newest[1].brief()})
     by_token = {d.token: d for d in deliveries if d.token is not None}
     hidden_index = {q: _Intervals(v) for q, v in unknown_receives.items()}
 
@@ -422,6 +438,8 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         "overlapping_leases_details": overlap_details,
         "failover_retry_increments": retry_incr,
         "failover_retry_increments_details": retry_details,
+        "leases_behind_a_newer_epoch": behind,
+        "leases_behind_a_newer_epoch_details": behind_details,
         "double_primaries": len(double),
         "double_primaries_details": double,
         "body_mismatches": body_mismatches,
@@ -492,6 +510,7 @@ def format_table(report: dict) -> str:
                 ("overlapping_leases", report["overlapping_leases_details"]),
                 ("failover_retry_increments", report["failover_retry_increments_details"]),
                 ("double_primaries", report["double_primaries_details"]),
+                ("leases_behind_a_newer_epoch", report["leases_behind_a_newer_epoch_details"]),
                 ("body_mismatches", report["body_mismatch_details"])]
     for name, items in examples:
         if items:

@@ -69,7 +69,7 @@ def delivered_once(s, t, mid, body, token, epoch=1):
 
 
 REQUIRED = ("lost", "unexpected", "acked_then_redelivered", "overlapping_leases",
-            "failover_retry_increments", "double_primaries")
+            "failover_retry_increments", "double_primaries", "leases_behind_a_newer_epoch")
 
 
 def assert_only(report, **expected):
@@ -176,7 +176,7 @@ def test_unknown_send_that_appeared():
 
 def test_acked_then_redelivered():
     s = clean_sim()
-    s.recv(7.0, 7.01, "m1", "b1", "t1b")  # m1 was acked at 1.21
+    s.recv(7.0, 7.01, "m1", "b1", "t1b", epoch=2)  # m1 was acked at 1.21
     r = s.check()
     assert_only(r, acked_then_redelivered=1)
     assert r["acked_then_redelivered_details"][0]["id"] == "m1"
@@ -240,6 +240,22 @@ def test_redelivery_in_higher_epoch_is_not_overlapping():
     r = s.check()
     assert_only(r)
     assert r["duplicate_deliveries"]["primary_changed"] == 1
+
+
+def test_a_lease_of_an_older_epoch_granted_after_a_newer_one_is_counted():
+    """One node leasing at a time: a receive answered from epoch 2 before another
+    receive was even sent, which then got a lease of epoch 1, means epoch 1's
+    primary still handed out leases while epoch 2's did."""
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.send(1.02, 1.03, "b2", "m2")
+    s.send(1.04, 1.05, "b3", "m3")
+    s.recv(2.0, 2.01, "m1", "b1", "t1", epoch=2)
+    s.recv(2.5, 2.51, "m2", "b2", "t2", epoch=1)  # sent after the epoch-2 answer came
+    s.recv(2.005, 2.6, "m3", "b3", "t3", epoch=1)  # sent before it: may have been granted first
+    r = s.check()
+    assert_only(r, leases_behind_a_newer_epoch=1)
+    assert r["leases_behind_a_newer_epoch_details"][0]["older"]["epoch"] == 1
 
 
 def test_redelivery_after_concurrent_nack_is_not_overlapping():

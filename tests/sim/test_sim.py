@@ -542,3 +542,73 @@ def test_a_primary_that_dies_while_waiting_out_a_longer_lease_passes_the_wait_on
                 what="P2")
     p2 = next(n for n in _primaries(sim) if n.id not in (p0.id, p1.id))
     _step_until(sim, lambda: _leasing(sim) == [p2.id], 2 * T, writes=True, what="lease on P2")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_voter_that_restarts_reports_that_it_may_have_just_acknowledged_a_primary(seed):
+    """R2, lease start. A restarted node has lost when it last heard a primary, yet
+    it may have acknowledged one just before it went down, and that primary may
+    still lease on it. P0 leases with A's acknowledgements while B is cut off from
+    it; A restarts and, before P0 reaches it again, gives B the vote that makes B
+    primary (with some seeds A wins instead). The successor must not lease while
+    P0 still may (checked at every step): a node counts its own start as a
+    contact with a primary of unknown lease."""
+    sim = _scripted(seed, 3)
+    T = sim.timeout
+    p0 = _leasing_primary(sim)
+    _run_for(sim, T // 5, writes=False)  # every record everywhere: B's log is as complete as A's
+    a, b = [sim.nodes[m] for m in sim.members if m != p0.id]
+    sim.blocked |= {(p0.id, b.id), (b.id, p0.id)}
+    _step_until(sim, lambda: b.core.election_at - sim.now <= 6 * MS, 2 * T, what="B about to campaign")
+    assert p0.core.may_lease(sim.now)
+    sim.crash(a.id)
+    sim.restart(a.id)
+    sim.blocked |= {(p0.id, a.id), (a.id, p0.id)}  # P0's next heartbeat to A is late
+    _step_until(sim, lambda: any(n is not p0 for n in _primaries(sim)), 2 * T, what="a successor")
+    new = next(n for n in _primaries(sim) if n is not p0)
+    _step_until(sim, lambda: _leasing(sim) == [new.id], 2 * T, what="the successor leasing")
+
+
+@pytest.mark.parametrize("nodes", [3, 5])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_switchover_right_after_a_failover_hands_over_once_the_old_lease_is_over(seed, nodes):
+    """R2, lease start, planned switchover. P1 is elected while the cut-off P0 may
+    still lease, and before P1's wait is over it is told to hand over to another
+    node. The target's campaign counts only votes (P1 stopped leasing before it
+    sent TimeoutNow), so P1 must not send TimeoutNow until its own wait is over:
+    at no step may two nodes lease at once (checked at every step)."""
+    sim = _scripted(seed, nodes)
+    T = sim.timeout
+    p0 = _leasing_primary(sim)
+    _cut_off(sim, p0.id)
+    _step_until(sim, lambda: any(n is not p0 for n in _primaries(sim)), T, what="P1")
+    p1 = next(n for n in _primaries(sim) if n is not p0)
+    assert sim.now < p1.core.lease_ok_at and p0.core.may_lease(sim.now)  # the window this is about
+    _step_until(sim, lambda: p1.core.commit_lsn >= p1.core.log.last_lsn and p1.core.log.last_epoch == p1.core.epoch,
+                T, what="P1's EpochBegin committed")
+    target = next(m for m in sim.members if m not in (p0.id, p1.id))
+    p1.run(p1.core.transfer(target, sim.now))
+    _step_until(sim, lambda: sim.nodes[target].core.role == R.PRIMARY, 2 * T, what="the switchover")
+    _step_until(sim, lambda: _leasing(sim) == [target], 2 * T, what="the target leasing")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_candidate_with_a_longer_failover_timeout_is_waited_out_for_its_own_lease(seed):
+    """R2, lease start, nodes started with different --failover-timeout (as in the
+    middle of a rolling change of it). n1, with four times the others' timeout,
+    wins on votes alone and is cut off before any append of it lands: it may lease
+    on those votes for its own lease length. A voter reports the lease length the
+    candidate it voted for asked with (VoteReq.lease_us), so the next primary
+    waits that out, not its own. At no step may two nodes lease at once."""
+    sim = _scripted(seed, 3)
+    T = sim.timeout
+    n1 = sim.nodes["n1"]
+    c = n1.core
+    c.timeout, c.lease_us, c.heartbeat = 4 * T, 2 * T, 4 * T // 10
+    _run_for(sim, 20 * MS)
+    n1.run(c._campaign(sim.now, pre=False))
+    _step_until(sim, lambda: c.role == R.PRIMARY, T, what="n1 primary")
+    _cut_off(sim, "n1")
+    _step_until(sim, lambda: any(n is not n1 for n in _primaries(sim)), 3 * T, what="a successor")
+    new = next(n for n in _primaries(sim) if n is not n1)
+    _step_until(sim, lambda: _leasing(sim) == [new.id], 4 * T, what="the successor leasing")
