@@ -61,6 +61,9 @@ def test_output_latest_given_attempt_and_stderr(spool, tmp_path):
     j = spool.json("output", job_id, "--attempt", "1")
     assert j["content"] == "out 1\n" and j["attempt"] == 1 and j["stream"] == "stdout"
     assert spool.run("output", job_id, "--attempt", "7", check=False).returncode != 0
+    for bad in ("0", "-1"):  # not an attempt number at all: a usage error, not "no such attempt"
+        r = spool.run("output", job_id, "--attempt", bad, check=False)
+        assert r.returncode == 2 and b"numbered from 1" in r.stderr, r
 
 
 def test_priority_orders_claims(spool, tmp_path):

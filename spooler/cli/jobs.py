@@ -45,6 +45,13 @@ def _nonneg_int(s: str) -> int:
     return v
 
 
+def _attempt_number(s: str) -> int:
+    v = int_arg(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError("attempts are numbered from 1")
+    return v
+
+
 def _fmt_time(t) -> str:
     return "-" if t is None else time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t))
 
@@ -317,7 +324,7 @@ def register(sub) -> None:
 
     p = add_json(sub.add_parser("output", help="stdout (or stderr) of the latest or a given attempt"))
     p.add_argument("job")
-    p.add_argument("--attempt", type=int_arg, default=None, help="1-based attempt number")
+    p.add_argument("--attempt", type=_attempt_number, default=None, help="1-based attempt number")
     p.add_argument("--stderr", action="store_true")
     p.set_defaults(func=cmd_output)
 
