@@ -243,7 +243,8 @@ class Replication:
 
     def _since_vote(self, now: int, candidate: str) -> int:
         """Since we last granted a vote to another candidate: it may have become a
-        primary and may still be leasing for a failover timeout after that."""
+        primary and may still be leasing on that vote for the lease it asked with
+        (``vote_granted_lease``)."""
         if self.vote_granted_at is None or self.vote_granted_to == candidate:
             return 10 * self.timeout
         if self.last_contact is not None and self.last_contact > self.vote_granted_at:
