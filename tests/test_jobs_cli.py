@@ -61,9 +61,12 @@ def test_output_latest_given_attempt_and_stderr(spool, tmp_path):
     j = spool.json("output", job_id, "--attempt", "1")
     assert j["content"] == "out 1\n" and j["attempt"] == 1 and j["stream"] == "stdout"
     assert spool.run("output", job_id, "--attempt", "7", check=False).returncode != 0
-    for bad in ("0", "-1"):  # not an attempt number at all: a usage error, not "no such attempt"
-        r = spool.run("output", job_id, "--attempt", bad, check=False)
-        assert r.returncode == 2 and b"numbered from 1" in r.stderr, r
+    for bad in ("0", "-1"):  # out of range (invalid_argument), not "no such attempt" (not_found)
+        r = spool.run("output", job_id, "--attempt", bad, "--json", check=False)
+        assert r.returncode == 1 and json.loads(r.stdout)["error"]["kind"] == "invalid_argument", r
+        assert b"numbered from 1" in r.stderr, r
+    r = spool.run("output", job_id, "--attempt", "x", check=False)  # does not parse: a usage error
+    assert r.returncode == 2, r
 
 
 def test_priority_orders_claims(spool, tmp_path):
@@ -169,6 +172,20 @@ def test_test_knob_error_from_the_real_command(spool):
     r = spool.run("worker", "--drain", env={"SPOOLCTL_TEST_REAP_THRESHOLD": "0.01"}, check=False)
     assert r.returncode == 1
     assert b"SPOOLCTL_TEST_REAP_THRESHOLD" in r.stderr and b"[0.1, 3600]" in r.stderr
+
+
+@pytest.mark.parametrize("option,value,rc", [("--max-retries", "-1", 1), ("--max-retries", "1001", 1),
+                                             ("--max-crashes", "-1", 1), ("--priority", "1000001", 1),
+                                             ("--priority", "abc", 2), ("--max-crashes", "x", 2),
+                                             ("--priority", "1e3", 2)])
+def test_a_value_that_does_not_parse_is_a_usage_error_and_one_out_of_range_is_invalid_argument(spool, option,
+                                                                                            value, rc):
+    """docs/jobs.md: exit code 2 for a usage error (the value is not a number of
+    the option's kind), 1 with invalid_argument for a number out of its range."""
+    r = spool.run("submit", option, value, "--json", "--", "true", check=False)
+    assert r.returncode == rc, r
+    if rc == 1:
+        assert json.loads(r.stdout)["error"]["kind"] == "invalid_argument", r
 
 
 @pytest.mark.parametrize("argv", [["submit", "--priority", "10000000", "--", "true"],

@@ -38,20 +38,6 @@ def _store(args, settings=None, create: bool = False):
     return Store(args.spool, settings.busy_timeout_s, create=create)
 
 
-def _nonneg_int(s: str) -> int:
-    v = int_arg(s)
-    if v < 0:
-        raise argparse.ArgumentTypeError("must be >= 0")
-    return v
-
-
-def _attempt_number(s: str) -> int:
-    v = int_arg(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError("attempts are numbered from 1")
-    return v
-
-
 def _fmt_time(t) -> str:
     return "-" if t is None else time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t))
 
@@ -205,6 +191,8 @@ def cmd_list(args) -> int:
 
 
 def cmd_output(args) -> int:
+    if args.attempt is not None and args.attempt < 1:  # out of range, as --max-retries 1001 is
+        raise InvalidArgument(f"--attempt {args.attempt}: attempts are numbered from 1")
     store = _store(args)
     try:
         att = store.attempt(args.job, args.attempt)
@@ -292,9 +280,9 @@ def register(sub) -> None:
                    help="idempotency key: a repeat returns the first job's id (prevents duplicate "
                         "submission, not duplicate execution)")
     p.add_argument("--priority", type=int_arg, default=knobs.DEFAULT_PRIORITY, help="higher runs first (default 0)")
-    p.add_argument("--max-retries", type=_nonneg_int, default=knobs.DEFAULT_MAX_RETRIES,
+    p.add_argument("--max-retries", type=int_arg, default=knobs.DEFAULT_MAX_RETRIES,
                    help="job-owned failures retried before dead (default 3)")
-    p.add_argument("--max-crashes", type=_nonneg_int, default=knobs.DEFAULT_MAX_CRASHES,
+    p.add_argument("--max-crashes", type=int_arg, default=knobs.DEFAULT_MAX_CRASHES,
                    help="worker crashes survived before dead (default unbounded)")
     p.add_argument("--timeout", type=number_arg, default=None, help="seconds; then the process group is killed")
     p.add_argument("--queue", default=None, help="submit to this Spooler queue (at --server) instead of the spool")
@@ -324,7 +312,7 @@ def register(sub) -> None:
 
     p = add_json(sub.add_parser("output", help="stdout (or stderr) of the latest or a given attempt"))
     p.add_argument("job")
-    p.add_argument("--attempt", type=_attempt_number, default=None, help="1-based attempt number")
+    p.add_argument("--attempt", type=int_arg, default=None, help="1-based attempt number")
     p.add_argument("--stderr", action="store_true")
     p.set_defaults(func=cmd_output)
 
