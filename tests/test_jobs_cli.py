@@ -148,7 +148,15 @@ def test_capabilities_publishes_defaults_limits_and_knob_bounds(spool):
     d = caps["defaults"]
     assert d["heartbeat_interval_s"] == 5.0 and d["reap_threshold_s"] == 30.0 and d["busy_timeout_s"] == 5.0
     assert d["max_retries"] == 3 and d["max_crashes"] is None
-    assert caps["limits"]["concurrency_max"] == knobs.CONCURRENCY_MAX
+    lim = caps["limits"]
+    assert (lim["concurrency_min"], lim["concurrency_max"]) == (1, knobs.CONCURRENCY_MAX)
+    assert lim["timeout_s_above"] == 0 and lim["idempotency_key_bytes_min"] == 1
+    assert lim["max_retries_min"] == lim["max_crashes_min"] == 0
+    # each published bound is the one enforced
+    assert spool.run("submit", "--timeout", "0", "--", "true", check=False).returncode == 1
+    assert spool.run("worker", "--concurrency", str(lim["concurrency_min"] - 1), check=False).returncode == 1
+    assert spool.run("submit", "--max-retries", str(lim["max_retries_min"] - 1), "--", "true",
+                     check=False).returncode == 1
     k = caps["test_knobs"]
     assert set(k) == {"SPOOLCTL_TEST_HEARTBEAT_INTERVAL", "SPOOLCTL_TEST_REAP_THRESHOLD"}
     for name, spec in k.items():

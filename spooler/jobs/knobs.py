@@ -154,12 +154,17 @@ def capabilities(env: Optional[Mapping[str, str]] = None) -> dict:
         "limits": {
             "priority_min": PRIORITY_MIN,
             "priority_max": PRIORITY_MAX,
+            "max_retries_min": 0,
             "max_retries_max": MAX_RETRIES_MAX,
+            "max_crashes_min": 0,
             "max_crashes_max": MAX_CRASHES_MAX,
+            "timeout_s_above": 0.0,  # exclusive: a timeout must be more than this
             "timeout_s_max": TIMEOUT_S_MAX,
+            "concurrency_min": 1,
             "concurrency_max": CONCURRENCY_MAX,
             "command_args_max": COMMAND_ARGS_MAX,
             "command_bytes_max": COMMAND_BYTES_MAX,
+            "idempotency_key_bytes_min": 1,
             "idempotency_key_bytes_max": IDEMPOTENCY_KEY_BYTES_MAX,
             "busy_timeout_s_min": BUSY_TIMEOUT_S_MIN,
             "busy_timeout_s_max": BUSY_TIMEOUT_S_MAX,
