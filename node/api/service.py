@@ -833,11 +833,15 @@ class Service:
             return self.cluster(p)  # already the primary
         if e.role != "primary":
             raise errors.Unavailable("promote must be sent to the primary", retry_after_s=0.5)
-        if e.repl.core.transfer_refused(node) == "joining":
+        refused = e.repl.core.transfer_refused(node)
+        if refused == "joining":
             # it would ignore TimeoutNow, and this primary would step down for nothing
             raise errors.Unavailable(f"{node} is still joining (--join): it cannot take over until it holds the "
                                      "cluster's history; GET /v1/cluster shows when it has joined",
                                      retry_after_s=max(1.0, e.repl.core.timeout / 1e6))
+        if refused == "under_way":
+            raise errors.Unavailable(f"a switchover to {e.repl.core.transfer_to} is under way; GET /v1/cluster "
+                                     "tells when it is over", retry_after_s=max(1.0, e.repl.core.timeout / 1e6))
         await e.repl.transfer(node)
         # answer with the cluster as it is after the switchover: this node has
         # stepped down AND heard from the new primary (its first heartbeat), so

@@ -221,9 +221,9 @@ class Replication:
         self.lease_ok_at = 0
         self.transfer_to: Optional[str] = None
         self.campaign_at = 0
-        self.vote_granted_to = ""
-        self.vote_granted_at = None
-        self.vote_granted_lease = 0
+        # candidate -> (when we last granted it a vote, the lease it asked with): any
+        # of them may have won on our vote and lease on it (see _vote_wait)
+        self.votes_granted: dict = {}
         self.transfer_campaign = False
         self.transfer_started = 0
         self.transfer_sent = False
@@ -241,18 +241,24 @@ class Replication:
     def _since_contact(self, now: int) -> int:
         return (now - self.last_contact) if self.last_contact is not None else 10 * self.timeout
 
-    def _since_vote(self, now: int, candidate: str) -> int:
-        """Since we last granted a vote to another candidate: it may have become a
-        primary and may still be leasing on that vote for the lease it asked with
-        (``vote_granted_lease``)."""
-        if self.vote_granted_at is None or self.vote_granted_to == candidate:
-            return 10 * self.timeout
-        if self.last_contact is not None and self.last_contact > self.vote_granted_at:
-            # we heard a primary since (of that epoch or a later one): what it said
-            # of its lease covers that candidate (it was that candidate, or waited
-            # it out), see _lease_wait
-            return 10 * self.timeout
-        return now - self.vote_granted_at
+    def _vote_wait(self, now: int, candidate: str) -> tuple:
+        """(since, lease) of the vote we granted to a candidate other than
+        ``candidate`` that may still lease the longest on it: each may have become a
+        primary and lease on our vote for the lease it asked with. A vote is kept
+        per candidate (a later vote for ``candidate`` must not hide an earlier one
+        for another), and dropped once its lease is surely over, or once we have
+        heard a primary since (of that epoch or a later one: what it said of its
+        lease covers that candidate, which it was or waited out, see _lease_wait).
+        (10 timeouts, 0): none."""
+        best, best_end = (10 * self.timeout, 0), None
+        for c, (at, lease) in list(self.votes_granted.items()):
+            end = at + (lease or self.timeout)
+            if end <= now or (self.last_contact is not None and self.last_contact > at):
+                del self.votes_granted[c]
+                continue
+            if c != candidate and (best_end is None or end > best_end):
+                best, best_end = (now - at, lease), end
+        return best
 
     def _up_to_date(self, last_epoch: int, last_lsn: int) -> bool:
         return (last_epoch, last_lsn) >= (self.log.last_epoch, self.log.last_lsn)
@@ -459,6 +465,11 @@ class Replication:
 
     def transfer_refused(self, target: str) -> Optional[str]:
         """Why a switchover to ``target`` cannot happen now (None: it can be tried)."""
+        if self.transfer_to is not None:
+            # one at a time: starting again would forget that a TimeoutNow may be out
+            # (transfer_sent), and this primary would serve again while that target
+            # may still win, lease at once, and find it leasing too
+            return "under_way"
         if self.peer_joining.get(target):
             return "joining"  # it ignores TimeoutNow and refuses votes until it has joined
         return None
@@ -640,9 +651,9 @@ class Replication:
         self.primary = None
         self.campaign_at = now
         self.transfer_campaign = transfer
-        own = self._since_vote(now, self.id)
-        self.votes = {self.id: self._lease_wait(self._since_contact(now), self.contact_lease, own,
-                                                self.vote_granted_lease, transfer)}
+        own_since, own_lease = self._vote_wait(now, self.id)
+        self.votes = {self.id: self._lease_wait(self._since_contact(now), self.contact_lease, own_since, own_lease,
+                                                transfer)}
         out.append(Persist(self.epoch, self.voted_for))
         out.append(Role(CANDIDATE, self.epoch, None))
         for p in self.peers:
@@ -661,14 +672,14 @@ class Replication:
         if m.pre:
             granted = m.epoch > self.epoch and up_to_date and not heard_recently and not self.joining
             out.append(Send(m.candidate, VoteResp(m.epoch, self.id, granted, True, self._since_contact(now),
-                                                  self._since_vote(now, m.candidate))))
+                                                  self._vote_wait(now, m.candidate)[0])))
             return
         granted = (m.epoch == self.epoch and self.voted_for in ("", m.candidate) and up_to_date
                    and self.role != PRIMARY and not self.joining)
-        since_vote, vote_lease = self._since_vote(now, m.candidate), self.vote_granted_lease
+        since_vote, vote_lease = self._vote_wait(now, m.candidate)
         if granted:
             self.voted_for = m.candidate
-            self.vote_granted_to, self.vote_granted_at, self.vote_granted_lease = m.candidate, now, m.lease_us
+            self.votes_granted[m.candidate] = (now, m.lease_us)
             out.append(Persist(self.epoch, self.voted_for))  # fsync'd before the answer leaves
             self._reset_election_timer(now)
         out.append(Send(m.candidate, VoteResp(self.epoch, self.id, granted, False, self._since_contact(now),

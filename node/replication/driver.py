@@ -50,6 +50,7 @@ class Driver:
         # Replica: records a frame's handling found committed, applied once the
         # frame's acknowledgement has left (see serve_stream)
         self._apply_after_ack = 0
+        self._timeout_warned: set = set()  # candidates found to run with another --failover-timeout
         self._vote_reply = None
         self._snapshots: dict = {}
         self.stopped = False
@@ -427,6 +428,13 @@ class Driver:
         e.truncated(max(pos.lsn, e.core.lsn), pos.crc if pos.lsn >= e.core.lsn else e.applied_crc)
 
     async def serve_vote(self, req, context):
+        if req.lease_us and req.lease_us != self.core.lease_us and req.candidate not in self._timeout_warned:
+            # the lease waits after a restart and a replacement's quiet period assume
+            # this node's own timeout for nodes that do not say theirs: not safe then
+            self._timeout_warned.add(req.candidate)
+            log.warning("%s runs with --failover-timeout %.3f s, this node with %.3f s: give every node the "
+                        "same value (docs/operations.md)", req.candidate, 2 * req.lease_us / 1e6,
+                        self.core.timeout / 1e6)
         async with self.lock:
             self._vote_reply = None
             await self._run(self.core.receive(R.VoteReq(req.epoch, req.candidate, req.last_epoch, req.last_lsn,

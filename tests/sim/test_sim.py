@@ -449,7 +449,7 @@ def test_a_switchover_waits_for_a_joining_target_and_is_refused_while_it_says_so
     c.transfer("n2", 50)
     assert c.transfer_to == "n2"
     assert timeout_now(ack("n2", True, 60)) == []     # caught up, but joining: no TimeoutNow
-    assert c.transfer_refused("n2") == "joining"
+    assert c.transfer_refused("n2") == "under_way"    # (and no second switchover meanwhile)
     assert timeout_now(ack("n2", False, 70)) != []    # joined: hand over
 
     # a fresh primary that knows the target is joining refuses at once
@@ -599,7 +599,9 @@ def test_a_candidate_with_a_longer_failover_timeout_is_waited_out_for_its_own_le
     wins on votes alone and is cut off before any append of it lands: it may lease
     on those votes for its own lease length. A voter reports the lease length the
     candidate it voted for asked with (VoteReq.lease_us), so the next primary
-    waits that out, not its own. At no step may two nodes lease at once."""
+    waits that out, not its own. At no step may two nodes lease at once. (This
+    path only: a restarted node and a joining one assume their own timeout, so
+    docs/operations.md asks for the same --failover-timeout on every node.)"""
     sim = _scripted(seed, 3)
     T = sim.timeout
     n1 = sim.nodes["n1"]
@@ -612,3 +614,68 @@ def test_a_candidate_with_a_longer_failover_timeout_is_waited_out_for_its_own_le
     _step_until(sim, lambda: any(n is not n1 for n in _primaries(sim)), 3 * T, what="a successor")
     new = next(n for n in _primaries(sim) if n is not n1)
     _step_until(sim, lambda: _leasing(sim) == [new.id], 4 * T, what="the successor leasing")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_voters_later_vote_for_the_asker_does_not_hide_an_earlier_vote_for_another(seed):
+    """R2, lease start, 5 nodes. C and D vote for B, which wins on those votes alone
+    and is cut off before any append of it lands: it may lease on them. E then
+    campaigns three times in a row; C and D grant it the second time, but one
+    answer is lost, so E wins only the third time, when C's and D's latest vote
+    is for E itself. Their vote for B must still count: a voter keeps its votes
+    per candidate. At no step may two nodes lease at once."""
+    sim = _scripted(seed, 5)
+    T = sim.timeout
+    a = _leasing_primary(sim)
+    _run_for(sim, T // 5)
+    b, c, d, e = [sim.nodes[m] for m in sim.members if m != a.id]
+    _drop_in_flight(sim, a.id)
+    sim.crash(a.id)
+    for n in (b, c, d, e):
+        n.run(n.core.primary_stream_broken(sim.now))
+        n.core.election_at = sim.now + 10 * T  # the test decides who campaigns
+    sim.blocked |= {(b.id, e.id), (e.id, b.id)}
+    _run_for(sim, 60 * MS)
+    b.run(b.core._campaign(sim.now, pre=False))
+    _step_until(sim, lambda: b.core.role == R.PRIMARY, T, what="B primary")
+    for other in sim.members:  # B is cut off (A is down)
+        if other != b.id:
+            sim.blocked |= {(b.id, other), (other, b.id)}
+    _drop_in_flight(sim, b.id)
+    for n in (c, d, e):
+        n.core.election_at = sim.now + 10 * T
+    lost, send = [], sim.send
+
+    def lose_one(frm, to, msg):
+        if isinstance(msg, R.VoteResp) and to == e.id and msg.epoch == b.core.epoch + 1 and not lost:
+            lost.append(msg)
+            return
+        send(frm, to, msg)
+    sim.send = lose_one
+    for _ in range(3):
+        e.run(e.core._campaign(sim.now, pre=False))
+        _run_for(sim, 10 * MS)
+        if e.core.role == R.PRIMARY:
+            break
+    assert lost and e.core.role == R.PRIMARY
+    _step_until(sim, lambda: _leasing(sim) == [e.id], 2 * T, what="E leasing")
+
+
+def test_a_second_switchover_while_one_is_under_way_is_refused():
+    """R2. Starting a switchover again would forget that TimeoutNow is out: the
+    primary would serve (and lease) again after the failover timeout, while the
+    first target can still win a switchover campaign, which counts only votes,
+    and lease at once. One at a time; the primary that sent TimeoutNow steps down."""
+    T = 1_000_000
+    c = R.Replication("n1", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
+    c.start(0)
+    c._campaign(10, pre=False)
+    c.receive(R.VoteResp(1, "n3", True, False, 10 * T, 10 * T), 20)
+    c.appended([(1, 1, 7)], 30)
+    c.receive(R.AppendResp(1, "n3", True, 1, 30), 40)
+    c.transfer("n2", 50)
+    out = c.receive(R.AppendResp(1, "n2", True, 1, 60), 60)
+    assert any(isinstance(e, R.Send) and isinstance(e.msg, R.TimeoutNow) for e in out) and c.transfer_sent
+    assert c.transfer_refused("n2") == "under_way" and c.transfer("n2", 70) == [] and c.transfer_sent
+    c.tick(50 + T)
+    assert c.role == R.REPLICA and not c.may_lease(50 + T)  # stepped down, never served again
