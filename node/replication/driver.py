@@ -433,8 +433,8 @@ class Driver:
             # this node's own timeout for nodes that do not say theirs: not safe then
             self._timeout_warned.add(req.candidate)
             log.warning("%s runs with --failover-timeout %.3f s, this node with %.3f s: give every node the "
-                        "same value (docs/operations.md)", req.candidate, 2 * req.lease_us / 1e6,
-                        self.core.timeout / 1e6)
+                        "same value (docs/operations.md)", req.candidate,
+                        req.lease_us / self.core.lease_us * self.core.timeout / 1e6, self.core.timeout / 1e6)
         async with self.lock:
             self._vote_reply = None
             await self._run(self.core.receive(R.VoteReq(req.epoch, req.candidate, req.last_epoch, req.last_lsn,
