@@ -239,6 +239,22 @@ def test_cancel_running_job_kills_its_process_group(spool, tmp_path):
         stop_worker(w)
 
 
+def test_a_worker_counts_a_canceled_job_as_canceled_not_failed(spool):
+    """The worker's summary: `spoolctl cancel` kills the group itself, so the worker
+    may see the attempt end as a signal exit; it is a cancel, not the job's failure."""
+    job_id = spool.submit("sleep", "300")
+    w = spool.start_worker("--drain", "--json")
+    try:
+        wait_until(lambda: spool.job(job_id)["attempts"] and spool.job(job_id)["attempts"][0]["pid"], 15,
+                   what="job running with its pid recorded")
+        assert spool.json("cancel", job_id)["state"] == "canceled"
+        out, _ = w.communicate(timeout=30)  # --drain: it exits once nothing is queued or running
+    finally:
+        stop_worker(w)
+    summary = json.loads(out)
+    assert (summary["canceled"], summary["failed"], summary["succeeded"]) == (1, 0, 0), summary
+
+
 def test_cancel_of_a_finished_job_is_refused(spool):
     job_id = spool.submit("true")
     spool.run("worker", "--drain", timeout_s=30)

@@ -69,7 +69,7 @@ class Worker:
         self._reap_lock = threading.Lock()
         self._last_reap = 0.0
         self.reap_every_s = max(0.05, min(1.0, settings.heartbeat_interval_s / 2))
-        self.stats = {"claimed": 0, "succeeded": 0, "failed": 0, "stopped": 0, "reaped": 0,
+        self.stats = {"claimed": 0, "succeeded": 0, "failed": 0, "stopped": 0, "canceled": 0, "reaped": 0,
                       "busy_timeouts": 0}
         self.claim_latencies_s: list = []
         self.errors: list = []
@@ -265,7 +265,11 @@ class Worker:
             except apsw.BusyError:
                 if time.monotonic() > deadline:
                     raise
-        if reason is None and new_state == states.SUCCEEDED:
+        if new_state == states.CANCELED:
+            # canceled while it ran: `spoolctl cancel` may have killed the group itself,
+            # so the attempt can look like a non-zero exit here; it is not the job's failure
+            self._bump("canceled")
+        elif reason is None and new_state == states.SUCCEEDED:
             self._bump("succeeded")
         elif reason in states.JOB_OWNED:
             self._bump("failed")
