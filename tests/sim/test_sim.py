@@ -162,6 +162,18 @@ def _leasing_primary(sim):
                 what="leasing primary with confirmed writes")
     return sim.nodes[_leasing(sim)[0]]
 
+def _cut_off(sim, nid):
+    """``nid`` is cut off both ways, its streams broken (it lives on)."""
+    sim.trace(f"cut off {nid} both ways")
+    _drop_in_flight(sim, nid)
+    for other in sim.members:
+        if other != nid:
+            sim.blocked.add((nid, other))
+            sim.blocked.add((other, nid))
+            o, n = sim.nodes[other], sim.nodes[nid]
+            o.run(o.core.primary_stream_broken(sim.now))
+            n.run(n.core.replica_stream_lost(other, sim.now))
+
 
 @pytest.mark.parametrize("nodes", [3, 5])
 @pytest.mark.parametrize("seed", range(6))
@@ -179,15 +191,7 @@ def test_a_new_primary_waits_out_the_cut_off_primarys_lease(seed, nodes):
 
     # its streams break (what was in flight on them is gone) and stay down, both
     # ways; it lives on, still a primary
-    sim.trace(f"cut off {old.id} both ways")
-    _drop_in_flight(sim, old.id)
-    for other in sim.members:
-        if other != old.id:
-            sim.blocked.add((old.id, other))
-            sim.blocked.add((other, old.id))
-            o = sim.nodes[other]
-            o.run(o.core.primary_stream_broken(sim.now))
-            old.run(old.core.replica_stream_lost(other, sim.now))
+    _cut_off(sim, old.id)
 
     _step_until(sim, lambda: any(n is not old for n in _primaries(sim)), 2 * T, writes=True,
                 what="successor")
@@ -428,18 +432,24 @@ def test_a_replacement_acknowledges_nothing_for_its_first_failover_timeout():
     assert first_answer(True) == T + 10
 
 
-def test_a_switchover_waits_for_a_joining_target_and_is_refused_while_it_says_so():
-    """A replacement still joining ignores TimeoutNow (it does not vote yet), so a
-    primary that sent it one would step down for nothing. The primary learns from
-    the target's answers that it is joining: a switchover to it is refused, and one
-    already under way sends TimeoutNow only once the target answers that it joined."""
-    T = 1_000_000
+def _primary_n1(T):
+    """n1, primary of epoch 1 in a 3-node cluster (its own vote and n3's), record 1 appended."""
     c = R.Replication("n1", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
     c.start(0)
     c._campaign(10, pre=False)
     c.receive(R.VoteResp(1, "n3", True, False, 10 * T, 10 * T), 20)
     assert c.role == R.PRIMARY
     c.appended([(1, 1, 7)], 30)
+    return c
+
+
+def test_a_switchover_waits_for_a_joining_target_and_is_refused_while_it_says_so():
+    """A replacement still joining ignores TimeoutNow (it does not vote yet), so a
+    primary that sent it one would step down for nothing. The primary learns from
+    the target's answers that it is joining: a switchover to it is refused, and one
+    already under way sends TimeoutNow only once the target answers that it joined."""
+    T = 1_000_000
+    c = _primary_n1(T)
     ack = lambda peer, joining, now: c.receive(R.AppendResp(1, peer, True, 1, now, joining), now)  # noqa: E731
     timeout_now = lambda out: [e for e in out if isinstance(e, R.Send) and isinstance(e.msg, R.TimeoutNow)]  # noqa: E731
     ack("n3", False, 40)
@@ -453,11 +463,7 @@ def test_a_switchover_waits_for_a_joining_target_and_is_refused_while_it_says_so
     assert timeout_now(ack("n2", False, 70)) != []    # joined: hand over
 
     # a fresh primary that knows the target is joining refuses at once
-    d = R.Replication("n1", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
-    d.start(0)
-    d._campaign(10, pre=False)
-    d.receive(R.VoteResp(1, "n3", True, False, 10 * T, 10 * T), 20)
-    d.appended([(1, 1, 7)], 30)
+    d = _primary_n1(T)
     d.receive(R.AppendResp(1, "n2", True, 1, 30, True), 40)
     assert d.transfer("n2", 50) == [] and d.transfer_to is None and d.serving(60)
     assert d.transfer_refused("n3") is None
@@ -482,18 +488,6 @@ def test_a_joining_replica_says_so_in_its_answers_until_it_has_joined():
     assert not c.joining and [a.joining for a in acks] == [False]
     assert kinds.index("Joined") < kinds.index("Send")
 
-
-def _cut_off(sim, nid):
-    """``nid`` is cut off both ways, its streams broken (it lives on)."""
-    sim.trace(f"cut off {nid} both ways")
-    _drop_in_flight(sim, nid)
-    for other in sim.members:
-        if other != nid:
-            sim.blocked.add((nid, other))
-            sim.blocked.add((other, nid))
-            o, n = sim.nodes[other], sim.nodes[nid]
-            o.run(o.core.primary_stream_broken(sim.now))
-            n.run(n.core.replica_stream_lost(other, sim.now))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -667,11 +661,7 @@ def test_a_second_switchover_while_one_is_under_way_is_refused():
     first target can still win a switchover campaign, which counts only votes,
     and lease at once. One at a time; the primary that sent TimeoutNow steps down."""
     T = 1_000_000
-    c = R.Replication("n1", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
-    c.start(0)
-    c._campaign(10, pre=False)
-    c.receive(R.VoteResp(1, "n3", True, False, 10 * T, 10 * T), 20)
-    c.appended([(1, 1, 7)], 30)
+    c = _primary_n1(T)
     c.receive(R.AppendResp(1, "n3", True, 1, 30), 40)
     c.transfer("n2", 50)
     out = c.receive(R.AppendResp(1, "n2", True, 1, 60), 60)
