@@ -527,11 +527,12 @@ class Service:
             if left <= 0:
                 if not self.engine.may_lease() and self.core.stats(queue, self.engine.now_us())["visible"]:
                     # messages are visible, but this node may not lease them yet: "nothing
-                    # became visible" would be false. A new primary waits out the old
-                    # one's leases (at most half a failover timeout from its last contact)
+                    # became visible" would be false. A new primary waits out older ones'
+                    # leases; a primary whose majority is slow to answer waits for it
                     wait = self.engine.repl.lease_wait_s()
-                    raise errors.Unavailable(f"a new primary: it hands out leases in {wait:.2f} s, once no older "
-                                             "primary can still hand them out", retry_after_s=max(0.1, wait))
+                    raise errors.Unavailable(f"this primary may not hand out leases for about {wait:.2f} s (an older "
+                                             "primary's may still run, or a majority has not answered lately)",
+                                             retry_after_s=wait)
                 return []
             vis = self.core.next_visible_at(queue)
             if vis is not None:
