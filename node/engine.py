@@ -721,6 +721,7 @@ class Engine:
         (and whether we are still joining)."""
         st = self.store
         epoch, voted, joining = st.get_meta("repl_epoch"), st.get_meta("voted_for"), st.get_meta("joining")
+        lease_seen = st.get_meta("lease_seen_us")
         self.store_generation += 1
         st.close()
         db = os.path.join(self.data_dir, "spool.db")
@@ -738,6 +739,8 @@ class Engine:
         with self.store.db:  # ours, not the primary's: in the same transaction
             self.store.set_meta("repl_epoch", epoch or 0)
             self.store.set_meta("voted_for", voted or "")
+            if lease_seen is not None:
+                self.store.set_meta("lease_seen_us", lease_seen)
             if joining is not None:
                 self.store.set_meta("joining", joining)
         self.core = Core(rand=os.urandom)

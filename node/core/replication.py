@@ -4,7 +4,7 @@ No IO, no clock: inputs are ``tick(now)``, ``receive(msg, now)``,
 ``appended(...)`` (the local log grew and is fsync'd) and a few commands; each
 returns a list of effects for the IO shell to carry out **in order**:
 
-    Persist(epoch, voted_for)   -- fsync before any message that depends on it
+    Persist(epoch, voted_for, lease_seen) -- fsync before any message that depends on it
     Joined()                    -- a joining node holds the cluster's history: persist that
     Truncate(after_lsn)         -- drop unapplied log records after this lsn
     Store(req)                  -- write the records of this AppendReq and fsync
@@ -93,6 +93,7 @@ class TimeoutNow:
 class Persist:
     epoch: int
     voted_for: str
+    lease_seen: int = 0  # see Replication.lease_seen
 
 
 @dataclass
@@ -203,6 +204,15 @@ class Replication:
         # not renew its lease with the replacement's acknowledgements.
         self.joining = False
         self.quiet_until = 0
+        # The longest lease that any acknowledgement or vote we gave lately may
+        # carry: an append's lease_us, a granted candidate's lease_us (0 from an
+        # older build: a failover timeout of ours). A restart loses when we last
+        # heard a primary and whom we voted for, so our start stands in for both,
+        # with this lease (see start): a node whose own --failover-timeout is
+        # shorter than another's must not assume its own. Raised before the
+        # acknowledgement or vote leaves; lowered only once every acknowledgement
+        # given with the higher figure is older than it (_note_lease).
+        self.lease_seen = 0
         # volatile
         self.role = REPLICA
         self.primary: Optional[str] = None
@@ -228,6 +238,7 @@ class Replication:
         self.transfer_started = 0
         self.transfer_sent = False
         self.started = False
+        self._lease_window = (0, 0)  # (since, the longest lease acknowledged or voted since then)
 
     # ------------------------------------------------------------- helpers
     def _reset_election_timer(self, now: int, fast: bool = False) -> None:
@@ -260,6 +271,28 @@ class Replication:
                 best, best_end = (now - at, lease), end
         return best
 
+    def _persist(self) -> Persist:
+        return Persist(self.epoch, self.voted_for, self.lease_seen)
+
+    def _note_lease(self, lease: int, now: int) -> bool:
+        """We are about to acknowledge an append, or grant a vote, that someone may
+        lease on for ``lease``: keep ``lease_seen`` at least that (True: it changed,
+        persist it before the answer leaves). It is lowered to the longest lease of
+        the current window once the window is longer than ``lease_seen``: every
+        answer given before the window is then older than its own lease."""
+        lease = lease or self.timeout
+        since, longest = self._lease_window
+        longest = max(longest, lease)
+        new = max(self.lease_seen, lease)
+        if now - since > self.lease_seen:
+            new, self._lease_window = longest, (now, lease)
+        else:
+            self._lease_window = (since, longest)
+        if new == self.lease_seen:
+            return False
+        self.lease_seen = new
+        return True
+
     def _up_to_date(self, last_epoch: int, last_lsn: int) -> bool:
         return (last_epoch, last_lsn) >= (self.log.last_epoch, self.log.last_lsn)
 
@@ -269,7 +302,7 @@ class Replication:
         if changed:
             self.epoch = epoch
             self.voted_for = ""
-            out.append(Persist(self.epoch, self.voted_for))
+            out.append(self._persist())
         self.role = REPLICA
         self.primary = primary
         self.transfer_to = None
@@ -317,15 +350,22 @@ class Replication:
         """After loading epoch, vote and log: wait as a replica for a primary."""
         self.started = True
         self.durable_lsn = self.log.last_lsn
+        self._lease_window = (now, 0)
         if self.peers and self.epoch > 0:
-            # When we last heard a primary was lost with the process, and we may have
-            # acknowledged one just before: a primary may still lease on that, for
-            # a lease we do not know (0: a failover timeout). So our start counts
-            # as such a contact, and a new primary elected with our vote waits it out.
+            # When we last heard a primary, and whom we voted for, were lost with
+            # the process, and we may have acknowledged a primary or voted for a
+            # candidate just before: either may still lease on that, for at most
+            # lease_seen (0, from a store of a build before 0.4.0: not known, a
+            # failover timeout of ours). So our start counts as such a contact
+            # and as such a vote (for a candidate no one is called, so that it
+            # counts in every campaign, a switchover's too), and a new primary
+            # elected with our vote waits them out.
             # (Epoch 0 on disk: we never accepted a primary, so never acknowledged
             # one, as an epoch is persisted before anything of it is acknowledged;
             # a brand-new cluster's first primary leases at once.)
-            self.last_contact, self.contact_lease = now, 0
+            stand_in = self.lease_seen or self.timeout
+            self.last_contact, self.contact_lease = now, stand_in
+            self.votes_granted[""] = (now, stand_in)
         if self.joining:
             self.quiet_until = now + self.timeout
         out: list = []
@@ -435,7 +475,7 @@ class Replication:
             self.joining = False
             # as if we had voted for it: no second primary of this epoch gets our vote
             self.voted_for = req.primary
-            out.append(Persist(self.epoch, self.voted_for))
+            out.append(self._persist())
             out.append(Joined())
 
     def replica_stream_lost(self, peer: str, now: int) -> list:
@@ -593,6 +633,8 @@ class Replication:
             self._become_replica(m.epoch, m.primary, now, out)
         self.last_contact = now
         self.contact_lease = m.lease_us
+        if self._note_lease(m.lease_us, now):
+            out.append(self._persist())  # before anything that answers this append
         self.primary_gone = False
         self._reset_election_timer(now)
         mine = self.log.at(m.prev_lsn)
@@ -654,7 +696,7 @@ class Replication:
         own_since, own_lease = self._vote_wait(now, self.id)
         self.votes = {self.id: self._lease_wait(self._since_contact(now), self.contact_lease, own_since, own_lease,
                                                 transfer)}
-        out.append(Persist(self.epoch, self.voted_for))
+        out.append(self._persist())
         out.append(Role(CANDIDATE, self.epoch, None))
         for p in self.peers:
             out.append(Send(p, VoteReq(self.epoch, self.id, self.log.last_epoch, self.log.last_lsn,
@@ -679,8 +721,9 @@ class Replication:
         since_vote, vote_lease = self._vote_wait(now, m.candidate)
         if granted:
             self.voted_for = m.candidate
-            self.votes_granted[m.candidate] = (now, m.lease_us)
-            out.append(Persist(self.epoch, self.voted_for))  # fsync'd before the answer leaves
+            self.votes_granted[m.candidate] = (now, m.lease_us or self.timeout)
+            self._note_lease(m.lease_us, now)
+            out.append(self._persist())  # fsync'd before the answer leaves
             self._reset_election_timer(now)
         out.append(Send(m.candidate, VoteResp(self.epoch, self.id, granted, False, self._since_contact(now),
                                               since_vote, self.contact_lease, vote_lease)))

@@ -62,6 +62,7 @@ class Driver:
         c = self.core
         c.epoch = int(st.get_meta("repl_epoch") or 0)
         c.voted_for = st.get_meta("voted_for") or ""
+        c.lease_seen = int(st.get_meta("lease_seen_us") or 0)
         rows = list(st.db.execute("SELECT lsn, epoch, crc FROM log ORDER BY lsn"))
         if rows:
             first = rows[0]
@@ -178,7 +179,7 @@ class Driver:
                 else:
                     e.apply_upto(eff.lsn)
             elif isinstance(eff, R.Persist):
-                await e.store_io(self._persist, eff.epoch, eff.voted_for)
+                await e.store_io(self._persist, eff.epoch, eff.voted_for, eff.lease_seen)
             elif isinstance(eff, R.Store):
                 lsns = [x[0] for x in eff.req.entries]
                 rows = [(lsn, ep, crc, self._frame_bytes[lsn]) for lsn, ep, crc in eff.req.entries]
@@ -201,11 +202,12 @@ class Driver:
                 await e.store_io(self._set_joining, False)
                 log.info("joined the cluster in epoch %d: this node votes again", self.core.epoch)
 
-    def _persist(self, epoch: int, voted_for: str) -> None:
+    def _persist(self, epoch: int, voted_for: str, lease_seen: int) -> None:
         st = self.engine.store
         with st.db:  # one transaction: fsync'd at commit (synchronous=FULL)
             st.set_meta("repl_epoch", epoch)
             st.set_meta("voted_for", voted_for)
+            st.set_meta("lease_seen_us", lease_seen)
 
     def _truncate(self, after_lsn: int) -> int:
         st = self.engine.store
@@ -429,11 +431,13 @@ class Driver:
 
     async def serve_vote(self, req, context):
         if req.lease_us and req.lease_us != self.core.lease_us and req.candidate not in self._timeout_warned:
-            # the lease waits after a restart and a replacement's quiet period assume
-            # this node's own timeout for nodes that do not say theirs: not safe then
+            # leases stay safe (waits use the lease each node says, or the longest one
+            # a restarted node had answered), but a replacement's quiet period is its
+            # own timeout, and a node with a much shorter timeout than its primary's
+            # campaigns between that primary's heartbeats
             self._timeout_warned.add(req.candidate)
-            log.warning("%s runs with --failover-timeout %.3f s, this node with %.3f s: give every node the "
-                        "same value (docs/operations.md)", req.candidate,
+            log.warning("%s runs with --failover-timeout %.3f s, this node with %.3f s: keep them equal outside a "
+                        "rolling change of the setting (docs/operations.md)", req.candidate,
                         req.lease_us / self.core.lease_us * self.core.timeout / 1e6, self.core.timeout / 1e6)
         async with self.lock:
             self._vote_reply = None

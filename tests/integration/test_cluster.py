@@ -109,7 +109,7 @@ def test_sigkill_primary_fails_over_without_loss(cluster):
         c2.ack(leased.token)
     assert e.value.reason == "primary_changed"
     # the leased message is visible again with its retry count (after the lease fence)
-    again = wait_until(lambda: c2.receive("q", wait_s=1), 10, what="the redelivery")
+    again = until_ok(lambda: c2.receive("q", wait_s=1), 10, what="the redelivery")
     assert (again.id, again.retry_count) == (leased.id, 0)
     # the old primary comes back as a replica and catches up
     nodes[p].start()
@@ -160,6 +160,33 @@ def test_a_dead_primarys_leased_message_is_never_answered_with_nothing(cluster):
     assert all(a[1] > 0 for a in answers if a[0] == "503"), answers  # each says when to come back
     assert (d.id, d.retry_count) == (leased.id, 0)
     print(f"redelivered {took:.2f} s after the SIGKILL, {len(answers) - 1} earlier answers were 503")
+
+
+def _meta(node, key):
+    import sqlite3
+    db = sqlite3.connect(f"file:{os.path.join(node.data_dir, 'spool.db')}?mode=ro", uri=True, timeout=5)
+    try:
+        row = db.execute("SELECT v FROM meta WHERE k = ?", (key,)).fetchone()
+        return row[0] if row else None
+    finally:
+        db.close()
+
+
+def test_replicas_persist_the_longest_lease_they_acknowledged(cluster):
+    """R2 with different --failover-timeout (DESIGN, "Serving and leasing"): a
+    replica's restart stands in for the contact and the vote it lost, with the
+    longest lease it acknowledged, which must therefore be on its disk: here the
+    primary's half failover timeout (0.5 s), in microseconds."""
+    nodes, _ = cluster
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    c = client(nodes[p])
+    until_ok(lambda: c.put_queue("ls"))
+    send_until_ok(c, "ls", b"x")
+    for i, n in nodes.items():
+        if i != p:
+            assert wait_until(lambda: (_meta(n, "lease_seen_us") or 0) >= 500_000, 10,
+                              what=f"{i}'s lease_seen_us") is True
+            assert _meta(n, "lease_seen_us") <= 1_000_000
 
 
 def test_sigstop_primary_is_replaced_and_steps_down(cluster):

@@ -1,5 +1,7 @@
 """Power loss of whole node processes (SPOOLER_TEST_VFS=buffered: nothing reaches
 the disk before fsync, so SIGKILL = power cut), single node and cluster."""
+import time
+
 from integration.test_cluster import primary_of, send_until_ok, until_ok, view
 from node.main import EXIT_STORE_FAILED
 from nodeproc import NodeProc, start_cluster, wait_until
@@ -9,10 +11,17 @@ from spooler.http import HttpClient
 BUFFERED = {"SPOOLER_TEST_VFS": "buffered"}
 
 
-def drain(c, queue):
-    got = []
+def drain(c, queue, timeout_s=15):
+    got, deadline = [], time.monotonic() + timeout_s
     while True:
-        d = c.receive(queue)
+        try:
+            d = c.receive(queue)
+        except errors.Unavailable:
+            # a new primary still waiting out older primaries' leases (R2) says so
+            # with 503 and Retry-After, which the SDK retries; so do we
+            assert time.monotonic() < deadline, "receive still unavailable"
+            time.sleep(0.02)
+            continue
         if d is None:
             return got
         got.append(d.id)

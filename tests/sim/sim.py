@@ -43,6 +43,7 @@ class LocalSync:
 class Disk:
     epoch: int = 0
     voted_for: str = ""
+    lease_seen: int = 0
     log: list = field(default_factory=list)  # [(epoch, crc, payload)], lsn = index + 1
     joining: bool = False  # a replacement's empty disk (--join) until it has joined
 
@@ -62,9 +63,10 @@ class SimNode:
 
     def boot(self):
         sim = self.sim
-        c = R.Replication(self.id, sim.members, failover_timeout_us=sim.timeout, rand=sim.rng.random,
+        c = R.Replication(self.id, sim.members, failover_timeout_us=sim.timeout_for(self.id), rand=sim.rng.random,
                           frame_entries_max=sim.rng.choice([1, 3, 64]), frames_in_flight_max=sim.rng.choice([1, 4]))
         c.epoch, c.voted_for, c.joining = self.disk.epoch, self.disk.voted_for, self.disk.joining
+        c.lease_seen = self.disk.lease_seen
         c.log.entries = [(e, crc) for e, crc, _ in self.disk.log]
         self.core = c
         self.run(c.start(sim.now))
@@ -101,7 +103,7 @@ class SimNode:
             if isinstance(eff, (R.Truncate, R.Store, R.Role)):
                 self.flush_volatile()
             if isinstance(eff, R.Persist):
-                self.disk.epoch, self.disk.voted_for = eff.epoch, eff.voted_for
+                self.disk.epoch, self.disk.voted_for, self.disk.lease_seen = eff.epoch, eff.voted_for, eff.lease_seen
             elif isinstance(eff, R.Joined):
                 self.disk.joining = False
             elif isinstance(eff, R.Truncate):
@@ -124,11 +126,18 @@ class SimNode:
 
 
 class Sim:
-    def __init__(self, seed: int, nodes: int = 3, steps: int = 400, verbose: bool = False):
+    def __init__(self, seed: int, nodes: int = 3, steps: int = 400, verbose: bool = False, mixed: bool = False):
         self.seed = seed
         self.rng = random.Random(seed)
         self.members = [f"n{i + 1}" for i in range(nodes)]
         self.timeout = 200 * MS
+        # mixed: every node runs with its own --failover-timeout, drawn again at
+        # each restart (a rolling change of it); self.timeout is the longest
+        self.mixed = mixed
+        self.timeout_choices = [200 * MS, 400 * MS, 800 * MS] if mixed else [self.timeout]
+        self.timeouts = {nid: self.rng.choice(self.timeout_choices) for nid in self.members}
+        if mixed:
+            self.timeout = max(self.timeout_choices)
         self.now = 0
         self.steps = steps
         self.verbose = verbose
@@ -152,6 +161,9 @@ class Sim:
             self.nodes[nid] = SimNode(self, nid)
         for n in list(self.nodes.values()):
             n.boot()
+
+    def timeout_for(self, nid) -> int:
+        return self.timeouts[nid]
 
     def trace(self, s):
         line = f"[{self.now / 1000:9.1f}ms] {s}"
@@ -214,7 +226,9 @@ class Sim:
         if n.up:
             return
         n.up = True
-        self.trace(f"{nid} RESTART (epoch {n.disk.epoch}, log {len(n.disk.log)})")
+        if self.mixed and self.rng.random() < 0.5:
+            self.timeouts[nid] = self.rng.choice(self.timeout_choices)
+        self.trace(f"{nid} RESTART (epoch {n.disk.epoch}, log {len(n.disk.log)}, timeout {self.timeouts[nid] // MS} ms)")
         n.boot()
 
     def flush_noops(self):
@@ -386,19 +400,20 @@ class Sim:
             assert lsn <= top and logs[p.id][lsn - 1] == (ep, crc), f"acknowledged write lsn {lsn} lost"
 
 
-def run_seed(seed: int, nodes: int = 3, steps: int = 400, verbose: bool = False) -> Sim:
-    sim = Sim(seed, nodes, steps, verbose)
+def run_seed(seed: int, nodes: int = 3, steps: int = 400, verbose: bool = False, mixed: bool = False) -> Sim:
+    sim = Sim(seed, nodes, steps, verbose, mixed)
     try:
         sim.run()
     except AssertionError as e:
         tail = "\n".join(sim.log_lines[-40:])
-        raise AssertionError(f"seed {seed} ({nodes} nodes) failed: {e}\n"
-                             f"replay: python -m tests.sim.sim {seed} {nodes}\nlast events:\n{tail}") from None
+        raise AssertionError(f"seed {seed} ({nodes} nodes{', mixed timeouts' if mixed else ''}) failed: {e}\n"
+                             f"replay: python -m tests.sim.sim {seed} {nodes}{' mixed' if mixed else ''}\n"
+                             f"last events:\n{tail}") from None
     return sim
 
 
 if __name__ == "__main__":
     seed = int(sys.argv[1])
     nodes = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    s = run_seed(seed, nodes, verbose=True)
+    s = run_seed(seed, nodes, verbose=True, mixed="mixed" in sys.argv[3:])
     print(f"ok: {len(s.committed)} committed, {len(s.acked)} acknowledged, epochs {sorted(s.primaries)}")
