@@ -717,11 +717,26 @@ class Engine:
         dest.close()
 
     def install_snapshot_sync(self, path: str) -> None:
-        """Writer thread: replace the store with a primary's copy, keep our vote
-        (and whether we are still joining)."""
+        """Writer thread: replace the store with a primary's copy, keep our vote,
+        the longest lease we answered, and whether we are still joining."""
         st = self.store
-        epoch, voted, joining = st.get_meta("repl_epoch"), st.get_meta("voted_for"), st.get_meta("joining")
-        lease_seen = st.get_meta("lease_seen_us")
+        keep = {k: st.get_meta(k) for k in ("repl_epoch", "voted_for", "lease_seen_us", "joining")}
+        # ours, not the primary's, written into the copy (one transaction, fsync'd)
+        # before it replaces our store: a crash at any point leaves either our old
+        # store or the copy with our values, never the primary's. A value we never
+        # had is written as "none" too, not inherited (lease_seen 0: not known).
+        incoming = Store(path, vfs=st.vfs, synchronous=st.synchronous)
+        try:
+            with incoming.db:
+                incoming.set_meta("repl_epoch", keep["repl_epoch"] or 0)
+                incoming.set_meta("voted_for", keep["voted_for"] or "")
+                incoming.set_meta("lease_seen_us", keep["lease_seen_us"] or 0)
+                if keep["joining"] is not None:
+                    incoming.set_meta("joining", keep["joining"])
+                else:
+                    incoming.db.execute("DELETE FROM meta WHERE k = 'joining'")
+        finally:
+            incoming.close()  # the last connection: its WAL is checkpointed into the file
         self.store_generation += 1
         st.close()
         db = os.path.join(self.data_dir, "spool.db")
@@ -736,13 +751,6 @@ class Engine:
             os.close(fd)
         self.store = Store(db, vfs=st.vfs, synchronous=st.synchronous, log_keep_records=st.log_keep_records,
                            log_keep_bytes=st.log_keep_bytes)
-        with self.store.db:  # ours, not the primary's: in the same transaction
-            self.store.set_meta("repl_epoch", epoch or 0)
-            self.store.set_meta("voted_for", voted or "")
-            if lease_seen is not None:
-                self.store.set_meta("lease_seen_us", lease_seen)
-            if joining is not None:
-                self.store.set_meta("joining", joining)
         self.core = Core(rand=os.urandom)
         self.unapplied.clear()
         self.recent.clear()

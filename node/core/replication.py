@@ -80,6 +80,7 @@ class VoteResp:
     since_vote_us: int     # how long since it voted for some other candidate (who may have won)
     lease_us: int = 0      # that primary's leasing lease (0: not known, a failover timeout)
     vote_lease_us: int = 0  # the lease_us of the candidate of since_vote_us (0: not known)
+    voter_epoch: int = 0    # the voter's own epoch (0: not known)
 
 
 @dataclass
@@ -199,11 +200,15 @@ class Replication:
         # until it holds everything its primary has committed, up to a record of
         # the primary's own epoch (and so every record committed before it came).
         # Counting its vote sooner could elect a node that lacks confirmed writes.
-        # For its first failover timeout it does not even acknowledge appends: a
-        # primary its lost disk had stopped acknowledging (for a newer one) must
-        # not renew its lease with the replacement's acknowledgements.
+        # At first it does not even acknowledge appends: a primary its lost disk
+        # had stopped acknowledging (for a newer one) must not regain a majority
+        # with the replacement's acknowledgements. Such a primary last had a
+        # majority before this start, so it has stopped serving once its own
+        # failover timeout has passed since (it steps down before it counts a
+        # late acknowledgement, _on_append_resp); that timeout is twice the lease
+        # its appends state, or ours if longer, or if they state none.
         self.joining = False
-        self.quiet_until = 0
+        self.join_started = 0
         # The longest lease that any acknowledgement or vote we gave lately may
         # carry: an append's lease_us, a granted candidate's lease_us (0 from an
         # older build: a failover timeout of ours). A restart loses when we last
@@ -367,7 +372,7 @@ class Replication:
             self.last_contact, self.contact_lease = now, stand_in
             self.votes_granted[""] = (now, stand_in)
         if self.joining:
-            self.quiet_until = now + self.timeout
+            self.join_started = now
         out: list = []
         if not self.peers:  # a single node elects itself at once
             return self._campaign(now, pre=False)
@@ -578,6 +583,11 @@ class Replication:
     def _on_append_resp(self, m: AppendResp, now: int, out: list) -> None:
         if self.role != PRIMARY or m.epoch != self.epoch:
             return
+        if now >= self.lease_until(now):
+            # past the failover timeout without a majority: step down as tick would,
+            # before a late acknowledgement (a replacement's, say) could renew us
+            self._become_replica(self.epoch, None, now, out)
+            return
         p = m.sender
         self.acked_sent[p] = max(self.acked_sent.get(p, -1 << 62), m.sent_us)
         self.peer_joining[p] = m.joining
@@ -627,7 +637,7 @@ class Replication:
         if m.epoch < self.epoch:
             out.append(Send(m.primary, AppendResp(self.epoch, self.id, False, self.log.last_lsn, m.sent_us)))
             return
-        if self.joining and now < self.quiet_until:
+        if self.joining and now < self.join_started + max(self.timeout, 2 * m.lease_us):
             return  # no acknowledgement yet (see joining): the primary retries
         if self.role != REPLICA or self.primary != m.primary:
             self._become_replica(m.epoch, m.primary, now, out)
@@ -714,7 +724,7 @@ class Replication:
         if m.pre:
             granted = m.epoch > self.epoch and up_to_date and not heard_recently and not self.joining
             out.append(Send(m.candidate, VoteResp(m.epoch, self.id, granted, True, self._since_contact(now),
-                                                  self._vote_wait(now, m.candidate)[0])))
+                                                  self._vote_wait(now, m.candidate)[0], voter_epoch=self.epoch)))
             return
         granted = (m.epoch == self.epoch and self.voted_for in ("", m.candidate) and up_to_date
                    and self.role != PRIMARY and not self.joining)
@@ -730,6 +740,15 @@ class Replication:
 
     def _on_vote_resp(self, m: VoteResp, now: int, out: list) -> None:
         if m.pre:
+            if not m.granted and m.voter_epoch > self.epoch and self.role != PRIMARY:
+                # refused by a voter already in a later epoch than the one we would
+                # campaign for: join its epoch (etcd's pre-candidate does too). Else a
+                # node holding the longest log but an older epoch (it missed an
+                # election that left no primary behind, its winner gone) could never
+                # pass a pre-vote, and the others could never win its vote: no
+                # primary ever, with a majority up.
+                self._become_replica(m.voter_epoch, None, now, out)
+                return
             if self.role != PRIMARY and m.granted and m.epoch == self.epoch + 1:
                 self.pre_votes[m.sender] = m.since_contact_us
                 if len(self.pre_votes) >= self.quorum:

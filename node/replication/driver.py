@@ -350,7 +350,8 @@ class Driver:
             return
         async with self.lock:
             await self._run(self.core.receive(R.VoteResp(r.epoch, r.sender, r.granted, r.pre, r.since_contact_us,
-                                                         r.since_vote_us, r.lease_us, r.vote_lease_us), mono_us()))
+                                                         r.since_vote_us, r.lease_us, r.vote_lease_us, r.voter_epoch),
+                                                mono_us()))
 
     async def _timeout_now(self, peer: str, m: R.TimeoutNow) -> None:
         try:
@@ -441,15 +442,22 @@ class Driver:
                         req.lease_us / self.core.lease_us * self.core.timeout / 1e6, self.core.timeout / 1e6)
         async with self.lock:
             self._vote_reply = None
-            await self._run(self.core.receive(R.VoteReq(req.epoch, req.candidate, req.last_epoch, req.last_lsn,
-                                                        req.pre, req.transfer, req.lease_us), mono_us()))
+            try:
+                await self._run(self.core.receive(R.VoteReq(req.epoch, req.candidate, req.last_epoch, req.last_lsn,
+                                                            req.pre, req.transfer, req.lease_us), mono_us()))
+            except Exception:
+                # a Persist that failed left the core ahead of the disk (its epoch,
+                # vote, lease_seen): load them back, as a failed frame does, and refuse
+                log.exception("vote request from %s failed; reloading the persistent state", req.candidate)
+                self._vote_reply = None
+                await self._resync()
             r, self._vote_reply = self._vote_reply, None
-        if r is None:  # ignored (leader stickiness): answer as a refusal
+        if r is None:  # ignored (leader stickiness), or failed: answer as a refusal
             return pb.VoteResponse(epoch=self.core.epoch, sender=self.id, granted=False, pre=req.pre,
                                    since_contact_us=0, since_vote_us=0)
         return pb.VoteResponse(epoch=r.epoch, sender=r.sender, granted=r.granted, pre=r.pre,
                                since_contact_us=r.since_contact_us, since_vote_us=r.since_vote_us,
-                               lease_us=r.lease_us, vote_lease_us=r.vote_lease_us)
+                               lease_us=r.lease_us, vote_lease_us=r.vote_lease_us, voter_epoch=r.voter_epoch)
 
     async def serve_timeout_now(self, req, context):
         async with self.lock:

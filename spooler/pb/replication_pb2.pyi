@@ -89,7 +89,7 @@ class VoteRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., candidate: _Optional[str] = ..., last_epoch: _Optional[int] = ..., last_lsn: _Optional[int] = ..., pre: _Optional[bool] = ..., transfer: _Optional[bool] = ..., lease_us: _Optional[int] = ...) -> None: ...
 
 class VoteResponse(_message.Message):
-    __slots__ = ("epoch", "sender", "granted", "pre", "since_contact_us", "since_vote_us", "lease_us", "vote_lease_us")
+    __slots__ = ("epoch", "sender", "granted", "pre", "since_contact_us", "since_vote_us", "lease_us", "vote_lease_us", "voter_epoch")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     GRANTED_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class VoteResponse(_message.Message):
     SINCE_VOTE_US_FIELD_NUMBER: _ClassVar[int]
     LEASE_US_FIELD_NUMBER: _ClassVar[int]
     VOTE_LEASE_US_FIELD_NUMBER: _ClassVar[int]
+    VOTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     sender: str
     granted: bool
@@ -106,7 +107,8 @@ class VoteResponse(_message.Message):
     since_vote_us: int
     lease_us: int
     vote_lease_us: int
-    def __init__(self, epoch: _Optional[int] = ..., sender: _Optional[str] = ..., granted: _Optional[bool] = ..., pre: _Optional[bool] = ..., since_contact_us: _Optional[int] = ..., since_vote_us: _Optional[int] = ..., lease_us: _Optional[int] = ..., vote_lease_us: _Optional[int] = ...) -> None: ...
+    voter_epoch: int
+    def __init__(self, epoch: _Optional[int] = ..., sender: _Optional[str] = ..., granted: _Optional[bool] = ..., pre: _Optional[bool] = ..., since_contact_us: _Optional[int] = ..., since_vote_us: _Optional[int] = ..., lease_us: _Optional[int] = ..., vote_lease_us: _Optional[int] = ..., voter_epoch: _Optional[int] = ...) -> None: ...
 
 class TimeoutNowRequest(_message.Message):
     __slots__ = ("epoch", "primary")

@@ -271,6 +271,17 @@ class Sim:
     def nemesis(self):
         r = self.rng.random()
         ids = self.members
+        if self.mixed and r < 0.004:
+            # a node's disk is lost and a replacement starts on an empty one (--join),
+            # with a timeout of its own; one at a time (losing a majority's disks
+            # loses data whatever the rules)
+            if not any(n.disk.joining for n in self.nodes.values()):
+                nid = self.rng.choice(ids)
+                self.crash(nid)
+                self.nodes[nid].disk = Disk(joining=True)
+                self.trace(f"{nid} DISK LOST")
+                self.restart(nid)
+            return
         if r < 0.02:
             self.crash(self.rng.choice(ids))
         elif r < 0.06:

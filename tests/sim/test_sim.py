@@ -413,7 +413,7 @@ def test_a_replacement_joins_only_once_it_holds_every_write_committed_in_the_cur
     sim.crash(b)
     sim.nodes[b].disk = Disk(joining=True)  # its disk is lost; the replacement joins while P is up
     sim.restart(b)
-    sim.nodes[b].core.quiet_until = 0
+    sim.nodes[b].core.join_started = -(1 << 40)  # no quiet period
     _step_until(sim, lambda: not sim.nodes[b].core.joining, 10 * T, what="the replacement joining")
     assert len(sim.nodes[b].disk.log) >= sim.nodes[p].core.commit_lsn  # it holds what P committed
     sim.crash(p)  # at once
@@ -427,22 +427,103 @@ def test_a_replacement_joins_only_once_it_holds_every_write_committed_in_the_cur
 
 def test_a_replacement_acknowledges_nothing_for_its_first_failover_timeout():
     """R1a. The lost disk may have stopped acknowledging a primary for a newer one;
-    a replacement started at once must not renew that old primary's lease with
-    acknowledgements of its own, so for one failover timeout after it starts it
-    acknowledges no append (and a member that is not joining does at once)."""
+    a replacement started at once must not give that old primary a majority again
+    with acknowledgements of its own, so it acknowledges no append until that
+    primary has surely stopped serving: a failover timeout after it starts, of
+    its own or, if longer, the primary's (twice the lease its appends state).
+    A member that is not joining acknowledges at once."""
     T = 1_000_000
 
-    def first_answer(joining):
+    def first_answer(joining, lease_us=T // 2):
         c = R.Replication("n2", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
         c.joining = joining
         c.start(0)
-        hb = R.AppendReq(1, "n1", 0, 0, 0, [], 0, 10, 0)
-        for now in (10, T // 2, T + 10):
+        hb = R.AppendReq(1, "n1", 0, 0, 0, [], 0, 10, 0, lease_us)
+        for now in (10, T // 2, T + 10, 3 * T + 10, 4 * T + 10):
             acks = [e for e in c.receive(hb, now) if isinstance(e, R.Send) and isinstance(e.msg, R.AppendResp)]
             if acks:
                 return now
     assert first_answer(False) == 10
     assert first_answer(True) == T + 10
+    assert first_answer(True, lease_us=0) == T + 10          # a build that states none: ours
+    assert first_answer(True, lease_us=2 * T) == 4 * T + 10  # a primary with 4 T: its own
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_replacement_with_a_shorter_timeout_never_restores_a_deposed_primary_with_a_longer_one(seed):
+    """R1a and R2 with different --failover-timeout. P0 (n1, four times the others'
+    timeout) leases and is cut off; Q is elected with A's vote and commits its
+    epoch's first record on A's old disk. A's disk is lost, and its replacement
+    (its own, shorter timeout) is reached by P0, which still counts itself primary
+    for its longer timeout, and not by Q. Acknowledging P0 after only the
+    replacement's own timeout would give P0 a majority again: it would lease
+    beside Q, and commit records of its old epoch where Q committed its own. The
+    replacement waits out P0's timeout, stated by P0's appends (twice their
+    lease). Checked at every step: one node leasing, committed records never
+    changed."""
+    sim = _scripted(seed, 3)
+    T = sim.timeout
+    p0 = _long_timeout_primary_n1(sim)
+    _run_for(sim, T // 5)
+    _cut_off(sim, p0.id)
+    _step_until(sim, lambda: any(n is not p0 for n in _primaries(sim)), 4 * T, what="Q elected")
+    q = next(n for n in _primaries(sim) if n is not p0)
+    a = next(sim.nodes[m] for m in sim.members if m not in (p0.id, q.id))
+    _step_until(sim, lambda: q.core.commit_lsn >= q.core.log.last_lsn and q.core.log.last_epoch == q.core.epoch,
+                2 * T, what="Q's EpochBegin committed")
+    assert p0.core.role == R.PRIMARY  # within its longer serving window: the case this is about
+    sim.crash(a.id)
+    sim.nodes[a.id].disk = Disk(joining=True)
+    sim.restart(a.id)
+    sim.blocked -= {(p0.id, a.id), (a.id, p0.id)}  # P0 (still cut off from Q) reaches the replacement
+    sim.blocked |= {(q.id, a.id), (a.id, q.id)}
+    _run_for(sim, 6 * T, writes=True)
+    assert p0.core.role != R.PRIMARY
+    sim.blocked.clear()
+    sim.trace("heal")
+    _run_for(sim, 6 * T, writes=True)
+    _run_for(sim, 3 * T, writes=False)
+    sim.final_checks()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_node_with_the_longest_log_but_an_older_epoch_still_gets_elected(seed):
+    """Liveness, 3 nodes, one of them gone. n3 won epoch 2 with n2's vote and died
+    at once (its disk lost, or down for good); n1 never heard of epoch 2 and holds
+    records of epoch 1 that n2 lacks. n2 may not win (n1's log is longer), and n1's
+    pre-vote for epoch 2 is no news to n2. A voter in a later epoch says so in its
+    refusal, and n1 joins that epoch, so its next pre-vote asks for a newer one and
+    it is elected. (Found by the random runs with mixed timeouts and lost disks.)"""
+    import zlib
+    sim = _scripted(seed, 3)
+    T = sim.timeout
+    for nid in sim.members:
+        sim.crash(nid)
+    log, crc = [], 0
+    for i in range(3):
+        payload = f"r{i}".encode()
+        crc = zlib.crc32(payload, crc)
+        sim.payloads[(i + 1, 1, crc)] = payload
+        log.append((1, crc, payload))
+    sim.nodes["n1"].disk = Disk(epoch=1, voted_for="n1", log=list(log))
+    sim.nodes["n2"].disk = Disk(epoch=2, voted_for="n3", log=list(log[:1]))
+    sim.restart("n1")
+    sim.restart("n2")
+    _step_until(sim, lambda: _primaries(sim), 20 * T, what="a primary of n1 and n2")
+    assert _primaries(sim)[0].id == "n1" and _primaries(sim)[0].core.epoch > 2
+
+
+def test_a_primary_past_its_failover_timeout_steps_down_before_counting_a_late_acknowledgement():
+    """R2. A primary that has had no majority for its failover timeout steps down
+    at its next tick; an acknowledgement that arrives before that tick must not
+    renew it (a replacement's quiet period counts on that)."""
+    T = 1_000_000
+    c = _primary_n1(T)
+    c.receive(R.AppendResp(1, "n3", True, 1, 30), 40)
+    assert c.serving(40)
+    out = c.receive(R.AppendResp(1, "n2", True, 1, T + 20), T + 40)  # majority contact was at 30
+    assert c.role == R.REPLICA and not c.serving(T + 40)
+    assert any(isinstance(e, R.Role) and e.role == R.REPLICA for e in out)
 
 
 def _primary_n1(T):
