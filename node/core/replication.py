@@ -316,6 +316,7 @@ class Replication:
         self.transfer_to = None
         if primary is not None:
             self.primary_gone = False
+            self.pre_votes = {}  # a pre-vote round under way is over: we follow a primary
         self._reset_election_timer(now)
         if changed or was != (self.role, self.primary):
             out.append(Role(REPLICA, self.epoch, primary))
@@ -752,7 +753,9 @@ class Replication:
                 # primary ever, with a majority up.
                 self._become_replica(m.voter_epoch, None, now, out)
                 return
-            if self.role != PRIMARY and m.granted and m.epoch == self.epoch + 1:
+            # (a yes that arrives once we follow a primary again is stale: counting it
+            # would start an election against a healthy primary)
+            if self.role != PRIMARY and m.granted and m.epoch == self.epoch + 1 and not self._heard_recently(now):
                 self.pre_votes[m.sender] = m.since_contact_us
                 if len(self.pre_votes) >= self.quorum:
                     self.pre_votes = {}

@@ -37,6 +37,7 @@ class _State:
         self.pending: dict = {}     # offset -> bytes, not yet on disk
         self.size = size            # the size every handle sees
         self.truncated_to = None
+        self.handles = 0            # open handles on the path
 
 
 class BufferedFile(apsw.VFSFile):
@@ -50,7 +51,20 @@ class BufferedFile(apsw.VFSFile):
                 st = _State(super().xFileSize())
                 if path:
                     vfs.files[path] = st
+            st.handles += 1
         self.st = st
+        self.path = path
+
+    def xClose(self):
+        # the last handle gone with nothing unsynced: forget the path, so that a
+        # file put there later (os.replace of a snapshot) is seen as it is
+        with self.vfs.lock:
+            st = self.st
+            st.handles -= 1
+            if st.handles <= 0 and not st.pending and st.truncated_to is None \
+                    and self.vfs.files.get(self.path) is st:
+                del self.vfs.files[self.path]
+        return super().xClose()
 
     # every handle reads and writes through the shared state of its path
     @property

@@ -515,6 +515,31 @@ def test_the_node_with_the_longest_log_but_an_older_epoch_still_gets_elected(see
     assert _primaries(sim)[0].id == "n1" and _primaries(sim)[0].core.epoch > 2
 
 
+def test_pre_vote_grants_that_arrive_after_a_primary_was_heard_start_no_election():
+    """Liveness (R6). A refused candidate retries soon and asks for pre-votes; the
+    winner's first append arrives and the node follows it; then grants that voters
+    gave before they heard the winner arrive. Counting them would start an
+    election in a newer epoch, whose answers would depose the healthy primary."""
+    T = 2_000_000
+    c = R.Replication("n4", ["n1", "n2", "n3", "n4", "n5"], failover_timeout_us=T, rand=lambda: 0.5)
+    c.start(0)
+    now = T + 200_000
+    c.tick(now)  # pre-votes for epoch 1
+    for v in ("n1", "n2"):
+        c.receive(R.VoteResp(1, v, True, True, 10 * T, 10 * T), now + 1)
+    assert c.role == R.CANDIDATE and c.epoch == 1
+    c.receive(R.VoteResp(1, "n1", False, False, 10 * T, 10 * T), now + 60_000)  # a split vote
+    retry = c.election_at
+    assert any(isinstance(e, R.Send) and isinstance(e.msg, R.VoteReq) and e.msg.pre for e in c.tick(retry))
+    c.receive(R.AppendReq(1, "n5", 0, 0, 0, [], 0, retry, 0, T // 2), retry + 40_000)  # n5 won epoch 1
+    assert c.role == R.REPLICA and c.primary == "n5"
+    out = []
+    for v in ("n1", "n2"):
+        out += c.receive(R.VoteResp(2, v, True, True, 10 * T, 10 * T), retry + 80_000)
+    assert not any(isinstance(e, R.Send) and isinstance(e.msg, R.VoteReq) for e in out)
+    assert (c.role, c.epoch, c.primary) == (R.REPLICA, 1, "n5")
+
+
 def test_a_primary_past_its_failover_timeout_steps_down_before_counting_a_late_acknowledgement():
     """R2. A primary that has had no majority for its failover timeout steps down
     at its next tick; an acknowledgement that arrives before that tick must not

@@ -46,7 +46,13 @@ def test_the_copy_holds_our_values_before_it_replaces_our_store(tmp_path, monkey
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError):
         eng.install_snapshot_sync(copy)
-    assert _meta(copy) == (7, "n2", 5_000_000, 1)  # the copy, as a crash would leave it
+    # the file that would replace the store holds them itself, with no -wal beside it
+    # (os.replace moves only the main file)
+    assert not os.path.exists(copy + "-wal")
+    alone = str(tmp_path / "alone.db")
+    with open(copy, "rb") as src, open(alone, "wb") as dst:
+        dst.write(src.read())
+    assert _meta(alone) == (7, "n2", 5_000_000, 1)
 
 
 def test_a_value_we_never_had_is_not_taken_from_the_primary(tmp_path):
