@@ -432,14 +432,13 @@ class Driver:
 
     async def serve_vote(self, req, context):
         if req.lease_us and req.lease_us != self.core.lease_us and req.candidate not in self._timeout_warned:
-            # leases stay safe (waits use the lease each node says, or the longest one
-            # a restarted node had answered), but a replacement's quiet period is its
-            # own timeout, and a node with a much shorter timeout than its primary's
-            # campaigns between that primary's heartbeats
+            # leases stay safe (every wait uses the lease a frame or vote states, or the
+            # longest one a restarted node had answered), but a node with a much
+            # shorter timeout than its primary's campaigns between its heartbeats
             self._timeout_warned.add(req.candidate)
             log.warning("%s runs with --failover-timeout %.3f s, this node with %.3f s: keep them equal outside a "
                         "rolling change of the setting (docs/operations.md)", req.candidate,
-                        req.lease_us / self.core.lease_us * self.core.timeout / 1e6, self.core.timeout / 1e6)
+                        2 * req.lease_us / 1e6, self.core.timeout / 1e6)
         async with self.lock:
             self._vote_reply = None
             try:
