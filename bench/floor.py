@@ -199,8 +199,12 @@ def _start(role: str, d: str, replicas: list, i: int) -> tuple:
     cmd = [sys.executable, "-m", "bench.floor", "--serve", role, "--db", os.path.join(d, f"{role}{i}.db")]
     if replicas:
         cmd += ["--replicas", ",".join(replicas)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # stderr to a file, never an undrained pipe: a server that logs enough would
+    # block on a full pipe and stall the whole run
+    err_path = os.path.join(d, f"{role}{i}.stderr")
+    with open(err_path, "w") as err:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     deadline = time.monotonic() + READY_TIMEOUT_S
     import selectors
 
@@ -214,7 +218,9 @@ def _start(role: str, d: str, replicas: list, i: int) -> tuple:
         if p.poll() is not None:
             break
     p.kill()
-    raise RuntimeError(f"bare {role} did not start: {p.stderr.read()[-500:] if p.poll() is not None else 'timeout'}")
+    p.wait()
+    with open(err_path) as f:
+        raise RuntimeError(f"bare {role} did not start: {f.read()[-500:] or 'timeout'}")
 
 
 def _shape(nodes: int, n: int, n_seq: int, n_batches: int, repeats: int) -> dict:

@@ -84,6 +84,44 @@ class Limits:
         return dict(vars(self))
 
 
+class Reply:
+    """A proposal's outcome delivered by a plain call instead of a future: the
+    callback ``cb(reply, result, error)`` runs right where the record is applied
+    (or refused), a turn of the event loop sooner than a future's callback or an
+    awaiting task would. It has the part of a future's interface the engine
+    uses (done, set_result, set_exception) and ``cancel``: a caller that went
+    away (its stream ended) is not called. The callback must not raise; if it
+    does, the error is logged and the engine goes on."""
+
+    __slots__ = ("_cb", "_done")
+
+    def __init__(self, cb: Callable):
+        self._cb = cb
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancel(self) -> bool:
+        was, self._done = self._done, True
+        return not was
+
+    def set_result(self, result) -> None:
+        self._finish(result, None)
+
+    def set_exception(self, e: BaseException) -> None:
+        self._finish(None, e)
+
+    def _finish(self, result, e) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._cb(self, result, e)
+        except Exception:
+            log.exception("a reply callback failed")
+
+
 class Engine:
     def __init__(self, data_dir: str, node_id: str = "n1", limits: Optional[Limits] = None,
                  clock_us: Callable[[], int] = wall_us, vfs: Optional[str] = None,
@@ -280,18 +318,19 @@ class Engine:
                 and sum(len(r[3]) for r in rows) <= self.inline_commit_bytes_max)
 
     # ------------------------------------------------------------- writes
-    def propose(self, rec, internal: bool = False) -> asyncio.Future:
+    def propose(self, rec, internal: bool = False, reply: Optional[Reply] = None):
         """Queue a record for the next group commit; the future resolves to the
         core's apply result once the record is durable (and applied).
         ``internal``: the node's own records (expiries, drops) are never refused
-        for back-pressure (they are bounded by the leases and messages that exist)."""
+        for back-pressure (they are bounded by the leases and messages that exist).
+        ``reply``: tell it instead of a future (returned as given)."""
         if self.failed is not None:
             raise errors.Unavailable("node stopped after a storage failure", retry_after_s=1.0)
         if self.role != "primary" or (not internal and not self.serving()):
             raise errors.Unavailable("not the primary, or no quorum", retry_after_s=0.5)
         if not internal and len(self._pending) >= self.limits.pending_records_max:
             raise errors.Unavailable("write queue full", retry_after_s=0.5)
-        fut = asyncio.get_running_loop().create_future()
+        fut = asyncio.get_running_loop().create_future() if reply is None else reply
         self._pending.append((rec, fut))
         self._wake.set()
         return fut

@@ -14,6 +14,7 @@ the next batch — the same shape as the node's group commit.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Awaitable, Callable, Optional
 
@@ -37,11 +38,16 @@ class _NoSession(Exception):
 
 
 class _Waiter:
-    __slots__ = ("fut", "write", "call", "chan")
+    __slots__ = ("fut", "write", "call", "chan", "which", "on_ok")
 
-    def __init__(self, fut, write: bool, chan):
+    def __init__(self, fut, write: bool, chan, which: str = "", on_ok=None):
         self.fut = fut
         self.write = write
+        # on_ok(result): called by the stream's reader itself when the answer is a
+        # ``which`` result (not an error), before the requester resumes: an
+        # auto-batched send's callers get their results a turn of the loop sooner
+        self.which = which
+        self.on_ok = on_ok
         self.call = None  # the stream it was written to; None = not written yet
         # the channel of its stream: what its failure may move the client away
         # from (not a newer stream's, which the client may have moved to since)
@@ -89,7 +95,7 @@ class _Session:
         if old is not None and not old.done():
             asyncio.ensure_future(_half_close(old))
 
-    async def request(self, which: str, req, *, write: bool, timeout_s: float):
+    async def request(self, which: str, req, *, write: bool, timeout_s: float, on_ok=None):
         if self.c._closed:  # not grpc's UsageError from a closed channel
             raise RuntimeError("the client is closed")
         if not self.supported:
@@ -101,7 +107,7 @@ class _Session:
         loop = asyncio.get_running_loop()
         self.next_id += 1
         rid = self.next_id
-        w = _Waiter(loop.create_future(), write, self.chan)
+        w = _Waiter(loop.create_future(), write, self.chan, which, on_ok)
         self.waiting[rid] = w
         self.outbox.append((rid, api_pb2.SessionRequest(id=rid, **{which: req})))
         self._start_writer()
@@ -161,6 +167,11 @@ class _Session:
                 w = self.waiting.get(resp.id)
                 if w is not None and not w.fut.done():
                     w.fut.set_result(resp)
+                    if w.on_ok is not None and resp.WhichOneof("result") == w.which:
+                        try:
+                            w.on_ok(getattr(resp, w.which))
+                        except Exception:  # noqa: BLE001 - the requester still gets the answer
+                            pass
         except grpc.RpcError as e:
             err = e
         except asyncio.CancelledError:
@@ -217,6 +228,17 @@ async def _half_close(call) -> None:
         await call.done_writing()
     except Exception:  # noqa: BLE001 - already broken: its reader reports it
         pass
+
+
+def _deliver(batch: list, r: api_pb2.SendBatchResponse) -> None:
+    """A send batch's answer to its callers (each caller's future once)."""
+    for (_, fut), res in zip(batch, send_outcomes(r)):
+        if fut.done():
+            continue
+        if isinstance(res, errors.SpoolerError):
+            fut.set_exception(res)
+        else:
+            fut.set_result(res)
 
 
 def _fail_all(batch: list, e: BaseException) -> None:
@@ -339,6 +361,8 @@ class AsyncClient(Nodes):
             if self._closing:  # a retry after close() began: it would meet a closed channel
                 raise RuntimeError("the client is closed")
             fut = asyncio.get_running_loop().create_future()
+            if not self._in_flight and not self._pending:
+                return self._send_alone(req, fut)
             self._pending.append((req, fut))
             if self._in_flight < self.batches_in_flight_max:
                 self._start_flush()
@@ -368,6 +392,30 @@ class AsyncClient(Nodes):
         except errors.SpoolerError:
             return False
 
+    def _send_alone(self, req: tuple, fut: asyncio.Future):
+        """A send while no other is pending or on its way: its caller sends it
+        itself, as a batch of one, a turn of the loop sooner than a flush task
+        would. Sends made meanwhile batch as usual (a flush task starts for them,
+        since this one counts as a batch in flight). close() waits for it as for a
+        flush. -> a coroutine (the in-flight count is taken before it starts, so a
+        second send in the same turn of the loop does not also go alone)."""
+        self._in_flight += 1
+        ended = asyncio.get_running_loop().create_future()
+        self._flushes.add(ended)
+
+        async def alone():
+            try:
+                await self._send_batch_now([(req, fut)])
+            finally:
+                self._flushes.discard(ended)
+                ended.set_result(None)
+                self._in_flight -= 1
+                if self._pending and self._in_flight < self.batches_in_flight_max:
+                    self._start_flush()
+            return fut.result()  # _send_batch_now completed it, one way or the other
+
+        return alone()
+
     def _start_flush(self) -> None:
         self._in_flight += 1
         t = asyncio.ensure_future(self._flush())
@@ -390,7 +438,7 @@ class AsyncClient(Nodes):
     async def _send_batch_now(self, batch: list) -> None:
         self.send_rpcs += 1
         try:
-            r = await self._send_request([b[0] for b in batch])
+            r = await self._send_request([b[0] for b in batch], on_ok=functools.partial(_deliver, batch))
         except errors.SpoolerError as e:
             if len(batch) > 1 and is_batch_entry_error(e):
                 # refused before anything was stored: one bad entry fails the whole
@@ -406,13 +454,7 @@ class AsyncClient(Nodes):
         except Exception as e:  # noqa: BLE001 - e.g. the channel was closed under it: its callers hear of it
             _fail_all(batch, e)
             return
-        for (_, fut), res in zip(batch, send_outcomes(r)):
-            if fut.done():
-                continue
-            if isinstance(res, errors.SpoolerError):
-                fut.set_exception(res)
-            else:
-                fut.set_result(res)
+        _deliver(batch, r)  # (done already by the stream's reader, if the answer came on the Session)
 
     async def send_batch(self, queue: str, bodies: list, *, delay_s: float = 0.0) -> list:
         """One RPC, one log record: all stored or none. Tried again after
@@ -423,13 +465,14 @@ class AsyncClient(Nodes):
         return batch_results(await call_with_retries(lambda: self._send_request(sends), self.retry_attempts,
                                                      stop_when=self._gone))
 
-    async def _send_request(self, sends: list) -> api_pb2.SendBatchResponse:
+    async def _send_request(self, sends: list, on_ok=None) -> api_pb2.SendBatchResponse:
         """One send batch: on the Session in the compact form when it fits, else
-        (a node without Session) a unary SendBatch with one entry per message."""
+        (a node without Session) a unary SendBatch with one entry per message.
+        ``on_ok``: see _Waiter (Session only)."""
         if self.session.supported:
             try:
                 return await self.session.request("send_batch", batch_request(sends), write=True,
-                                                  timeout_s=self.timeout_s)
+                                                  timeout_s=self.timeout_s, on_ok=on_ok)
             except _NoSession:
                 pass
         return await self._call(self.stub.SendBatch, batch_request(sends, compact=False), write=True)

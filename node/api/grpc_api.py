@@ -17,6 +17,7 @@ from spooler import errors
 from spooler.pb import api_pb2, api_pb2_grpc
 from node.api.forward import FORWARDED
 from node.api.service import SETTINGS, Service
+from node.engine import Reply
 
 log = logging.getLogger("spooler.grpc")
 
@@ -52,16 +53,20 @@ def _delivery_pb(d) -> api_pb2.Delivery:
                             lease_expires_at=d.expires_at, queue=d.queue)
 
 
-async def _send_batch(svc: Service, p, req, out=None) -> api_pb2.SendBatchResponse:
-    """``out``: the message to fill (a Session answer's field: no copy), else a new one."""
-    n_run = len(req.bodies)
-    res = await svc.send(p, [(e.queue, e.body, e.delay_seconds, e.dedup_key) for e in req.entries],
-                         (req.queue, req.bodies, req.delay_seconds) if n_run else None)
-    out = api_pb2.SendBatchResponse() if out is None else out
+def _send_args(req) -> tuple:
+    """A SendBatchRequest -> Service.send's (entries, run)."""
+    return ([(e.queue, e.body, e.delay_seconds, e.dedup_key) for e in req.entries],
+            (req.queue, req.bodies, req.delay_seconds) if req.bodies else None)
+
+
+def _fill_send(out: api_pb2.SendBatchResponse, n_run: int, res: list) -> api_pb2.SendBatchResponse:
+    """Service.send's results into a SendBatchResponse: a run that stored every
+    message answers as ``run_ids`` (a run is stored whole or not at all: one
+    queue), the entries one result each."""
     per_entry = res
     if n_run:
         run = res[len(res) - n_run:]
-        if all(err is None for _, _, err in run):
+        if run[0][2] is None:
             per_entry = res[:len(res) - n_run]
             out.run_ids.extend([mid for mid, _, _ in run])
     add = out.results.add
@@ -70,6 +75,12 @@ async def _send_batch(svc: Service, p, req, out=None) -> api_pb2.SendBatchRespon
         if err is not None:
             r.error.CopyFrom(errors.to_detail(err))
     return out
+
+
+async def _send_batch(svc: Service, p, req, out=None) -> api_pb2.SendBatchResponse:
+    """``out``: the message to fill (a Session answer's field: no copy), else a new one."""
+    res = await svc.send(p, *_send_args(req))
+    return _fill_send(api_pb2.SendBatchResponse() if out is None else out, len(req.bodies), res)
 
 
 async def _receive_batch(svc: Service, p, req, out=None) -> api_pb2.ReceiveResponse:
@@ -317,21 +328,60 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
             answers.append(resp)
             wake.set()
 
+        memo: list = []  # this stream's key, once it passed (Service.authenticate)
+
+        def failed(rid: int, which: str, e: BaseException) -> api_pb2.SessionResponse:
+            if isinstance(e, errors.SpoolerError):
+                self.metrics.http_errors.labels(e.kind).inc()
+                return api_pb2.SessionResponse(id=rid, error=errors.to_detail(e))
+            log.error("unexpected error in Session %s", which, exc_info=e)
+            return api_pb2.SessionResponse(id=rid, error=errors.to_detail(errors.Internal("internal error")))
+
         async def handle(rid: int, which: str, req) -> None:
             try:
-                p = svc.authenticate(auth, forwarded)
+                p = svc.authenticate(auth, forwarded, memo)
                 resp = api_pb2.SessionResponse(id=rid)
                 out = getattr(resp, which)
                 out.SetInParent()  # the answer names its result even when it is empty (a receive of nothing)
                 await _SESSION_CALLS[which](svc, p, req, out)
-            except errors.SpoolerError as e:
-                self.metrics.http_errors.labels(e.kind).inc()
-                resp = api_pb2.SessionResponse(id=rid, error=errors.to_detail(e))
-            except Exception:
-                log.exception("unexpected error in Session %s", which)
-                resp = api_pb2.SessionResponse(id=rid, error=errors.to_detail(errors.Internal("internal error")))
+            except Exception as e:
+                resp = failed(rid, which, e)
             tasks.discard(asyncio.current_task())  # before the answer: the writer may look at once
             answer(resp)
+
+        def sent(rid: int, n_run: int, reply: Reply, result, error) -> None:
+            """A send begun in start() is committed (or refused): answer it. Called by
+            the engine where it applies the record (Reply), never after the stream
+            ended (the end cancels what is left in ``tasks``)."""
+            tasks.discard(reply)
+            if error is None:
+                try:
+                    resp = api_pb2.SessionResponse(id=rid)
+                    resp.send_batch.SetInParent()
+                    _fill_send(resp.send_batch, n_run, svc.send_results(result))
+                except Exception as e:
+                    error = e
+            if error is not None:
+                resp = failed(rid, "send_batch", error)
+            answer(resp)
+
+        def start(rid: int, which: str, req) -> None:
+            """A send to the primary is checked and proposed right here, and answered
+            by the engine's call of ``sent``: the write path of a Session send costs
+            no task. Everything else (and a send this node forwards) runs in a task."""
+            if which == "send_batch" and not svc.forwards():
+                reply = Reply(functools.partial(sent, rid, len(req.bodies)))
+                try:
+                    begun = svc.send_begin(svc.authenticate(auth, forwarded, memo), *_send_args(req), reply=reply)
+                except Exception as e:
+                    answer(failed(rid, which, e))
+                    return
+                if begun is not None:
+                    tasks.add(reply)
+                    return
+            t = asyncio.ensure_future(handle(rid, which, req))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
 
         async def read() -> None:
             """Back-pressure, not errors: past the limit (requests running plus
@@ -351,9 +401,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                         answer(api_pb2.SessionResponse(id=r.id, error=errors.to_detail(
                             errors.InvalidArgument("session request names no call"))))
                     else:
-                        t = asyncio.ensure_future(handle(r.id, which, getattr(r, which)))
-                        tasks.add(t)
-                        t.add_done_callback(tasks.discard)
+                        start(r.id, which, getattr(r, which))
             finally:
                 reading = False
                 wake.set()

@@ -1,29 +1,79 @@
-"""Prometheus metrics (one registry per node, so tests can run several)."""
+"""Prometheus metrics (one registry per node, so tests can run several).
+
+The write path's own figures (sends, acks, group commits and their durations)
+are counted in plain integers and bucket arrays on the event loop, and turned
+into Prometheus families only when /metrics is read: prometheus-client's
+Counter.inc and Histogram.observe take a lock each time, and a commit observed
+both ways cost more than the rest of the commit's bookkeeping."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from bisect import bisect_left
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from spooler.pb import log_pb2
+
+
+class Count:
+    """A counter bumped on the event loop only (no lock); ``inc`` as prometheus-client's."""
+
+    __slots__ = ("name", "doc", "value")
+
+    def __init__(self, name: str, doc: str):
+        self.name, self.doc, self.value = name, doc, 0
+
+    def inc(self, n: int = 1) -> None:
+        self.value += n
+
+    def family(self):
+        f = CounterMetricFamily(self.name, self.doc)
+        f.add_metric([], self.value)
+        return f
+
+
+class Buckets:
+    """A histogram observed on the event loop only (no lock)."""
+
+    __slots__ = ("name", "doc", "bounds", "counts", "sum")
+
+    def __init__(self, name: str, doc: str, bounds: tuple):
+        self.name, self.doc, self.bounds = name, doc, tuple(float(b) for b in bounds)
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect_left(self.bounds, v)] += 1
+        self.sum += v
+
+    def family(self):
+        f = HistogramMetricFamily(self.name, self.doc)
+        acc, buckets = 0, []
+        for bound, n in zip(self.bounds + (float("inf"),), self.counts):
+            acc += n
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), acc))
+        f.add_metric([], buckets, self.sum)
+        return f
 
 
 class Metrics:
     def __init__(self, engine):
         self.engine = engine
         r = self.registry = CollectorRegistry()
-        self.sends = Counter("spooler_sends", "Messages stored (duplicates excluded)", registry=r)
-        self.duplicates = Counter("spooler_send_duplicates", "Sends answered as dedup duplicates", registry=r)
-        self.receives = Counter("spooler_receives", "Messages leased to consumers", registry=r)
-        self.acks = Counter("spooler_acks", "Messages acked", registry=r)
-        self.nacks = Counter("spooler_nacks", "Messages nacked by consumers", registry=r)
-        self.expiries = Counter("spooler_lease_expiries", "Leases that timed out (server-side nacks)", registry=r)
-        self.drops = Counter("spooler_retention_drops", "Messages dropped by retention", registry=r)
-        self.commit_records = Histogram("spooler_commit_batch_records", "Log records per group commit",
-                                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096), registry=r)
-        self.fsync_seconds = Histogram("spooler_commit_seconds", "Duration of one group commit (write + fsync)",
-                                       buckets=(.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .5, 1),
-                                       registry=r)
+        self.sends = Count("spooler_sends", "Messages stored (duplicates excluded)")
+        self.duplicates = Count("spooler_send_duplicates", "Sends answered as dedup duplicates")
+        self.receives = Count("spooler_receives", "Messages leased to consumers")
+        self.acks = Count("spooler_acks", "Messages acked")
+        self.nacks = Count("spooler_nacks", "Messages nacked by consumers")
+        self.expiries = Count("spooler_lease_expiries", "Leases that timed out (server-side nacks)")
+        self.drops = Count("spooler_retention_drops", "Messages dropped by retention")
+        self.commit_records = Buckets("spooler_commit_batch_records", "Log records per group commit",
+                                      (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
+        self.fsync_seconds = Buckets("spooler_commit_seconds", "Duration of one group commit (write + fsync)",
+                                     (.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .5, 1))
         self.http_errors = Counter("spooler_errors", "Errors answered, by kind", ["kind"], registry=r)
+        r.register(_LoopCollector(self.sends, self.duplicates, self.receives, self.acks, self.nacks, self.expiries,
+                                  self.drops, self.commit_records, self.fsync_seconds))
         r.register(_StateCollector(engine))
         engine.on_apply.append(self._on_apply)
         engine.metrics = self
@@ -46,7 +96,7 @@ class Metrics:
             if dup:
                 self.duplicates.inc(dup)
         elif op == "settle":
-            # counted per record, not per entry: each inc() takes the counter's lock
+            # counted per record, not per entry
             acks = nacks = expiries = 0
             ACK, NACK = log_pb2.ACK, log_pb2.NACK
             for e, changed in zip(rec.settle.entries, result):
@@ -67,6 +117,17 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _LoopCollector:
+    """Exposes the Count and Buckets figures (read on the loop, where /metrics runs)."""
+
+    def __init__(self, *figures):
+        self.figures = figures
+
+    def collect(self):
+        for f in self.figures:
+            yield f.family()
 
 
 class _StateCollector:

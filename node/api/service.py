@@ -148,8 +148,18 @@ class Service:
             wake.set()
 
     # -------------------------------------------------------------- auth
-    def authenticate(self, authorization: Optional[str], forwarded: str = "") -> Principal:
-        """``forwarded``: "" for a client's call, else the forwarding node's id (or "1")."""
+    def authenticate(self, authorization: Optional[str], forwarded: str = "", memo: Optional[list] = None) -> Principal:
+        """``forwarded``: "" for a client's call, else the forwarding node's id (or "1").
+
+        ``memo``: a list a Session stream keeps (its Authorization is fixed for its
+        life). A key that passed is remembered there with the keys it was checked
+        against (this core, its ``keys_version``); while no key has been put or
+        deleted since, the stream's next request skips the hashing. A deleted key
+        changes the version, so it stops working on open streams at once."""
+        if memo:
+            core = self.core
+            if memo[0] is core and memo[1] == core.keys_version:
+                return memo[2]
         try:
             p = self._authenticate(authorization)
         except errors.Unauthenticated:
@@ -166,13 +176,17 @@ class Service:
                 raise errors.Unavailable(_not_ready(e), retry_after_s=0.5) from None
             raise
         via = forwarded if forwarded in self.engine.repl.addresses else ""
-        return Principal(p.admin, p.queue, p.scopes, p.key_id, authorization or "", bool(forwarded), via)
+        p = Principal(p.admin, p.queue, p.scopes, p.key_id, authorization or "", bool(forwarded), via)
+        if memo is not None:
+            core = self.core
+            memo[:] = (core, core.keys_version, p)
+        return p
 
     def _primary_address(self) -> Optional[str]:
         e = self.engine
         return e.repl.addresses.get(e.primary_id) if e.primary_id else None
 
-    def _forwards(self) -> bool:
+    def forwards(self) -> bool:
         """This node passes client calls on to the primary (``_remote`` says where).
         Such a call's shape is checked here first: a malformed request gets the
         same 400 from every node, also while no primary is known."""
@@ -182,7 +196,7 @@ class Service:
     def _remote(self, p: Principal) -> Optional[str]:
         """The primary's address when this call must be forwarded, else None."""
         e = self.engine
-        if not self._forwards():
+        if not self.forwards():
             if not e.ready:
                 # elected, but the records its predecessor committed are not all
                 # applied here until its first record commits: what it holds now
@@ -385,6 +399,17 @@ class Service:
         None, or the SpoolerError of an entry that apply refused (its queue was
         deleted in the same group commit); the other entries are stored.
         """
+        fut = self.send_begin(p, entries, run)
+        if fut is None:
+            return await self.fwd.send(self._remote(p), p.auth, entries, run)
+        return self.send_results(await fut)
+
+    def send_begin(self, p: Principal, entries: list, run: Optional[tuple] = None, reply=None):
+        """The synchronous part of ``send``: every check, then the proposal. -> the
+        proposal's future (its result goes through ``send_results``), or None when
+        this node does not hold the primary's state and the send must be forwarded
+        (only the shape is checked then). ``reply``: an engine Reply to tell instead
+        of a future; a Session stream answers from it: no task per send."""
         lim = self.limits
         n = len(entries) + (len(run[1]) if run else 0)
         if not n:
@@ -394,8 +419,8 @@ class Service:
         # the shape first, on every node alike (a replica before it forwards): names,
         # sizes, delays, keys; then the primary's own checks: scope, queue, room
         self._send_shape(entries, run)
-        if self._forwards():
-            return await self.fwd.send(self._remote(p), p.auth, entries, run)
+        if self.forwards():
+            return None
         rec = log_pb2.Record()
         send = rec.send_compact if run and run[1] else rec.send
         add = send.entries.add
@@ -423,7 +448,11 @@ class Service:
                 self._id_counter += len(bodies)
                 send.run_delay_us = round(delay_s * US) if delay_s else 0
                 send.run_bodies.extend(bodies)
-        results = await self.engine.propose(rec)
+        return self.engine.propose(rec, reply=reply)
+
+    @staticmethod
+    def send_results(results: list) -> list:
+        """A committed send's apply result -> [(id, duplicate, error)] (see ``send``)."""
         return [("", False, errors.make(d, "queue was deleted while the send was committed")) if mid is None
                 else (mid, d, None) for mid, d in results]
 
@@ -498,7 +527,7 @@ class Service:
         wait_s = self._seconds(wait_s, "wait", 0.0, self.limits.wait_s_max)
         if not 1 <= max_n <= self.limits.batch_entries_max:
             raise errors.InvalidArgument(f"max messages must be 1..{self.limits.batch_entries_max}")
-        if self._forwards():
+        if self.forwards():
             if receive_id:
                 self._check_receive_id(receive_id)
             return await self.fwd.receive(self._remote(p), p.auth, queue, wait_s, max_n, receive_id,
@@ -707,7 +736,7 @@ class Service:
         await self.settle(p, [(token, "nack", delay_s)])
 
     async def renew(self, p: Principal, token: str) -> str:
-        if self._forwards():
+        if self.forwards():
             self.decode_token(token)
             return (await self.fwd.settle(self._remote(p), p.auth, [(token, "renew", 0.0)], False))[0]
         lease = self._live_lease(p, token)
@@ -721,7 +750,7 @@ class Service:
             raise errors.InvalidArgument("nothing to settle")
         if len(items) > self.limits.batch_entries_max:
             raise errors.InvalidArgument(f"at most {self.limits.batch_entries_max} items in a batch")
-        if self._forwards():
+        if self.forwards():
             if not per_item_errors:  # a batch's malformed items are answered one by one, by the primary
                 for token, action, delay_s in items:
                     self._settle_shape(token, action, delay_s)

@@ -201,6 +201,7 @@ class Core:
         self.next_seq = 1                # message order (oldest first)
         self.queues: dict[str, Queue] = {}
         self.keys: dict[str, tuple] = {}  # key id -> (sha256, queue, scopes tuple)
+        self.keys_version = 0            # bumped by every key put or delete (the edge's auth memo)
         self.leases: dict[int, Lease] = {}
         self.lease_heap: list = []       # (expires_at, lease id)
         self.next_lease_id = 1
@@ -506,11 +507,13 @@ class Core:
 
     def _apply_key_put(self, op, ts):
         self.keys[op.id] = (bytes(op.secret_sha256), op.queue, tuple(op.scopes))
+        self.keys_version += 1
         self.dirty.keys.add(op.id)
         return None
 
     def _apply_key_delete(self, op, ts):
         found = self.keys.pop(op.id, None) is not None
+        self.keys_version += 1
         self.dirty.keys.add(op.id)
         return found
 
