@@ -74,7 +74,7 @@ class Message:
         return datetime.fromisoformat(self.expires_at.replace("Z", "+00:00"))
 
 
-@dataclass
+@dataclass(slots=True)
 class SendResult:
     id: str
     duplicate: bool

@@ -69,12 +69,30 @@ def _fill_send(out: api_pb2.SendBatchResponse, n_run: int, res: list) -> api_pb2
         if run[0][2] is None:
             per_entry = res[:len(res) - n_run]
             out.run_ids.extend([mid for mid, _, _ in run])
+    _fill_entries(out, per_entry)
+    return out
+
+
+def _fill_applied(out: api_pb2.SendBatchResponse, n_run: int, applied: list) -> None:
+    """As _fill_send, straight from the core's apply result [(id or None, duplicate
+    or error kind)] (the Session's Reply gets that): the run's ids are not made
+    into Service.send's triples first."""
+    per_entry = applied
+    if n_run:
+        run = applied[len(applied) - n_run:]
+        if run[0][0] is not None:
+            per_entry = applied[:len(applied) - n_run]
+            out.run_ids.extend([mid for mid, _ in run])
+    if per_entry:
+        _fill_entries(out, Service.send_results(per_entry))
+
+
+def _fill_entries(out: api_pb2.SendBatchResponse, triples: list) -> None:
     add = out.results.add
-    for mid, dup, err in per_entry:
+    for mid, dup, err in triples:
         r = add(id=mid, duplicate=dup)
         if err is not None:
             r.error.CopyFrom(errors.to_detail(err))
-    return out
 
 
 async def _send_batch(svc: Service, p, req, out=None) -> api_pb2.SendBatchResponse:
@@ -358,7 +376,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                 try:
                     resp = api_pb2.SessionResponse(id=rid)
                     resp.send_batch.SetInParent()
-                    _fill_send(resp.send_batch, n_run, svc.send_results(result))
+                    _fill_applied(resp.send_batch, n_run, result)
                 except Exception as e:
                     error = e
             if error is not None:
