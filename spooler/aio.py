@@ -14,7 +14,6 @@ the next batch — the same shape as the node's group commit.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from typing import Awaitable, Callable, Optional
 
@@ -361,8 +360,6 @@ class AsyncClient(Nodes):
             if self._closing:  # a retry after close() began: it would meet a closed channel
                 raise RuntimeError("the client is closed")
             fut = asyncio.get_running_loop().create_future()
-            if not self._in_flight and not self._pending:
-                return self._send_alone(req, fut)
             self._pending.append((req, fut))
             if self._in_flight < self.batches_in_flight_max:
                 self._start_flush()
@@ -392,30 +389,6 @@ class AsyncClient(Nodes):
         except errors.SpoolerError:
             return False
 
-    def _send_alone(self, req: tuple, fut: asyncio.Future):
-        """A send while no other is pending or on its way: its caller sends it
-        itself, as a batch of one, a turn of the loop sooner than a flush task
-        would. Sends made meanwhile batch as usual (a flush task starts for them,
-        since this one counts as a batch in flight). close() waits for it as for a
-        flush. -> a coroutine (the in-flight count is taken before it starts, so a
-        second send in the same turn of the loop does not also go alone)."""
-        self._in_flight += 1
-        ended = asyncio.get_running_loop().create_future()
-        self._flushes.add(ended)
-
-        async def alone():
-            try:
-                await self._send_batch_now([(req, fut)])
-            finally:
-                self._flushes.discard(ended)
-                ended.set_result(None)
-                self._in_flight -= 1
-                if self._pending and self._in_flight < self.batches_in_flight_max:
-                    self._start_flush()
-            return fut.result()  # _send_batch_now completed it, one way or the other
-
-        return alone()
-
     def _start_flush(self) -> None:
         self._in_flight += 1
         t = asyncio.ensure_future(self._flush())
@@ -437,8 +410,14 @@ class AsyncClient(Nodes):
 
     async def _send_batch_now(self, batch: list) -> None:
         self.send_rpcs += 1
+        delivered: list = []  # the stream's reader answered the callers already (on_ok)
+
+        def on_ok(r) -> None:
+            _deliver(batch, r)
+            delivered.append(True)
+
         try:
-            r = await self._send_request([b[0] for b in batch], on_ok=functools.partial(_deliver, batch))
+            r = await self._send_request([b[0] for b in batch], on_ok=on_ok)
         except errors.SpoolerError as e:
             if len(batch) > 1 and is_batch_entry_error(e):
                 # refused before anything was stored: one bad entry fails the whole
@@ -454,7 +433,8 @@ class AsyncClient(Nodes):
         except Exception as e:  # noqa: BLE001 - e.g. the channel was closed under it: its callers hear of it
             _fail_all(batch, e)
             return
-        _deliver(batch, r)  # (done already by the stream's reader, if the answer came on the Session)
+        if not delivered:  # a unary answer (no Session)
+            _deliver(batch, r)
 
     async def send_batch(self, queue: str, bodies: list, *, delay_s: float = 0.0) -> list:
         """One RPC, one log record: all stored or none. Tried again after
