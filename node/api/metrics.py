@@ -7,10 +7,12 @@ Counter.inc and Histogram.observe take a lock each time, and a commit observed
 both ways cost more than the rest of the commit's bookkeeping."""
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.samples import Sample
 
 from spooler.pb import log_pb2
 
@@ -18,29 +20,31 @@ from spooler.pb import log_pb2
 class Count:
     """A counter bumped on the event loop only (no lock); ``inc`` as prometheus-client's."""
 
-    __slots__ = ("name", "doc", "value")
+    __slots__ = ("name", "doc", "value", "created")
 
     def __init__(self, name: str, doc: str):
         self.name, self.doc, self.value = name, doc, 0
+        self.created = time.time()  # exposed as <name>_created, as prometheus-client's own counters do
 
     def inc(self, n: int = 1) -> None:
         self.value += n
 
     def family(self):
         f = CounterMetricFamily(self.name, self.doc)
-        f.add_metric([], self.value)
+        f.add_metric([], self.value, created=self.created)
         return f
 
 
 class Buckets:
     """A histogram observed on the event loop only (no lock)."""
 
-    __slots__ = ("name", "doc", "bounds", "counts", "sum")
+    __slots__ = ("name", "doc", "bounds", "counts", "sum", "created")
 
     def __init__(self, name: str, doc: str, bounds: tuple):
         self.name, self.doc, self.bounds = name, doc, tuple(float(b) for b in bounds)
         self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
         self.sum = 0.0
+        self.created = time.time()
 
     def observe(self, v: float) -> None:
         self.counts[bisect_left(self.bounds, v)] += 1
@@ -53,6 +57,7 @@ class Buckets:
             acc += n
             buckets.append(("+Inf" if bound == float("inf") else repr(bound), acc))
         f.add_metric([], buckets, self.sum)
+        f.samples.append(Sample(self.name + "_created", {}, self.created))
         return f
 
 

@@ -16,6 +16,7 @@ import math
 import os
 import re
 import struct
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -158,7 +159,7 @@ class Service:
         changes the version, so it stops working on open streams at once."""
         if memo:
             core = self.core
-            if memo[0] is core and memo[1] == core.keys_version:
+            if memo[0]() is core and memo[1] == core.keys_version:
                 return memo[2]
         try:
             p = self._authenticate(authorization)
@@ -179,7 +180,9 @@ class Service:
         p = Principal(p.admin, p.queue, p.scopes, p.key_id, authorization or "", bool(forwarded), via)
         if memo is not None:
             core = self.core
-            memo[:] = (core, core.keys_version, p)
+            # the core by a weak reference: a core a snapshot replaced is not kept
+            # alive by an idle stream (it no longer matches, so the key is checked again)
+            memo[:] = (weakref.ref(core), core.keys_version, p)
         return p
 
     def _primary_address(self) -> Optional[str]:

@@ -53,3 +53,79 @@ def test_counts_and_buckets_expose_prometheus_families():
     assert 'spooler_commit_seconds_bucket{le="+Inf"} 4.0' in text
     assert "spooler_commit_seconds_count 4.0" in text
     assert "spooler_commit_seconds_sum 2.0065" in text
+    # and the _created samples prometheus-client's own Counter and Histogram expose
+    assert "spooler_sends_created " in text and "spooler_commit_seconds_created " in text
+
+
+def test_the_scrape_has_the_shape_prometheus_clients_own_figures_had():
+    """The same figures through prometheus-client's Counter and Histogram: the same
+    sample names, labels and values (a dashboard sees no difference)."""
+    from prometheus_client import Counter, Histogram
+    from prometheus_client.parser import text_string_to_metric_families
+
+    bounds = (.0001, .00025, .0005, .001, 1)
+    theirs = CollectorRegistry()
+    c = Counter("spooler_acks", "acks", registry=theirs)
+    h = Histogram("spooler_commit_seconds", "commit", buckets=bounds, registry=theirs)
+    ours_c, ours_h = Count("spooler_acks", "acks"), Buckets("spooler_commit_seconds", "commit", bounds)
+    for v in (0.00005, 0.0001, 0.0003, 0.002, 5.0):
+        h.observe(v)
+        ours_h.observe(v)
+    c.inc(7)
+    ours_c.inc(7)
+    ours = CollectorRegistry()
+    ours.register(_LoopCollector(ours_c, ours_h))
+
+    def samples(reg):
+        return sorted((s.name, tuple(sorted(s.labels.items())), s.value)
+                      for fam in text_string_to_metric_families(generate_latest(reg).decode())
+                      for s in fam.samples if not s.name.endswith("_created"))
+
+    def created(reg):
+        return sorted(s.name for fam in text_string_to_metric_families(generate_latest(reg).decode())
+                      for s in fam.samples if s.name.endswith("_created"))
+
+    assert samples(ours) == samples(theirs)
+    assert created(ours) == created(theirs)
+
+
+def _service_with_core():
+    import hashlib
+    import types
+
+    from node.api.service import Service
+    from node.core.spool import Core
+
+    engine = types.SimpleNamespace(core=Core(rand=lambda n: b"\0" * n), cluster=False, role="primary",
+                                   primary_id="n1", ready=True, repl=types.SimpleNamespace(addresses={}))
+    svc = Service.__new__(Service)  # only what authenticate reads
+    svc.engine = engine
+    svc._admin = [hashlib.sha256(b"adm").digest()]
+    return svc, engine
+
+
+def test_a_streams_key_memo_is_used_until_the_keys_change():
+    from spooler.pb import log_pb2
+
+    svc, engine = _service_with_core()
+    memo: list = []
+    p = svc.authenticate("Bearer adm", "", memo)
+    assert svc.authenticate("Bearer adm", "", memo) is p  # remembered: not checked again
+    engine.core._apply_key_put(log_pb2.KeyPut(id="k1", secret_sha256=b"x" * 32, queue="q", scopes=["send"]), 0)
+    assert svc.authenticate("Bearer adm", "", memo) is not p  # a key changed: checked again
+
+
+def test_a_streams_key_memo_does_not_keep_a_replaced_core_alive():
+    import gc
+    import weakref
+
+    from node.core.spool import Core
+
+    svc, engine = _service_with_core()
+    memo: list = []
+    p = svc.authenticate("Bearer adm", "", memo)
+    old = weakref.ref(engine.core)
+    engine.core = Core(rand=lambda n: b"\0" * n)  # what a snapshot install does
+    gc.collect()
+    assert old() is None, "an idle stream's memo kept the replaced core alive"
+    assert svc.authenticate("Bearer adm", "", memo) is not p  # and the new core's keys are checked
