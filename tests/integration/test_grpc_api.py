@@ -159,6 +159,31 @@ def test_sync_auto_batching_coalesces_concurrent_sends(node, client):
     assert client.send_rpcs < n  # concurrent sends shared RPCs
 
 
+def test_sixty_four_senders_share_each_rpc(node):
+    """The peers' harness shape: 64 coroutines, each sending again as soon as its send
+    is answered. Every batch's callers are answered together and send again together,
+    so each RPC carries all 64 (the benchmark's 5,000 sends take 79 RPCs). A client that
+    let the first of them go out alone would need about twice as many RPCs (a defect that
+    halved the 3-node benchmark once)."""
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("g64")
+            sem = asyncio.Semaphore(64)
+
+            async def one(i):
+                async with sem:
+                    return await c.send("g64", b"%d" % i)
+
+            n = 64 * 20
+            rpcs0 = c.send_rpcs
+            res = await asyncio.gather(*[one(i) for i in range(n)])
+            assert len({r.id for r in res}) == n
+            return c.send_rpcs - rpcs0, n
+
+    rpcs, n = asyncio.run(main())
+    assert rpcs <= n // 64 + 2, rpcs
+
+
 def test_async_client_auto_batching_and_one_bad_entry(node):
     async def main():
         async with AsyncClient(node.grpc_target, node.admin_key) as c:
