@@ -450,7 +450,14 @@ def _forwarding_setup(c, queue, lease_s, forward_timeout_s):
     prim = c.primary()
     rep = next(n for n in c.ids if n != prim)
     direct = HttpClient(c.url(prim), c.admin_key, timeout_s=5)
-    direct.put_queue(queue, leaseTimeoutSeconds=lease_s)
+
+    def put() -> bool:
+        try:
+            direct.put_queue(queue, leaseTimeoutSeconds=lease_s)
+            return True
+        except errors.Unavailable:  # a new primary answers 503 until its epoch is open
+            return False
+    wait_until(put, 10, what="the primary to take the queue")
     forwarded = HttpClient(c.url(rep), c.admin_key, timeout_s=forward_timeout_s)
     wait_until(lambda: forwarded.send(queue, b"m"), 10, what="a send through the replica")
     c.wait_converged()
