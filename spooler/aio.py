@@ -441,25 +441,24 @@ class AsyncClient(Nodes):
         ``unavailable`` only (known not stored)."""
         bodies = list(bodies)
         check_batch(queue, bodies, delay_s)
-        # already the compact form (one queue, one delay, bodies only): built once
+        sends = [(queue, b, delay_s, "") for b in bodies]
+        # already the compact form (one queue, one delay, bodies only): made once, not checked per attempt
         run = api_pb2.SendBatchRequest(queue=queue, bodies=bodies, delay_seconds=delay_s)
-        return batch_results(await call_with_retries(
-            lambda: self._send_request(None, compact=run, entries=lambda: [(queue, b, delay_s, "") for b in bodies]),
-            self.retry_attempts, stop_when=self._gone))
+        return batch_results(await call_with_retries(lambda: self._send_request(sends, compact=run),
+                                                     self.retry_attempts, stop_when=self._gone))
 
-    async def _send_request(self, sends: Optional[list], on_ok=None, compact=None,
-                            entries=None) -> api_pb2.SendBatchResponse:
+    async def _send_request(self, sends: list, on_ok=None, compact=None) -> api_pb2.SendBatchResponse:
         """One send batch: on the Session in the compact form when it fits, else
         (a node without Session) a unary SendBatch with one entry per message.
-        ``on_ok``: see _Waiter (Session only). ``compact``: the request in the compact
-        form, made by the caller, with ``entries()`` giving ``sends`` for the unary form."""
+        ``on_ok``: see _Waiter (Session only). ``compact``: ``sends`` in the compact
+        form, when the caller knows it fits."""
         if self.session.supported:
             try:
                 return await self.session.request("send_batch", compact or batch_request(sends), write=True,
                                                   timeout_s=self.timeout_s, on_ok=on_ok)
             except _NoSession:
                 pass
-        return await self._call(self.stub.SendBatch, batch_request(sends or entries(), compact=False), write=True)
+        return await self._call(self.stub.SendBatch, batch_request(sends, compact=False), write=True)
 
     # --------------------------------------------------------- receiving
     async def receive(self, queue: str, *, wait_s: float = 0.0, max_messages: int = 1) -> list:
