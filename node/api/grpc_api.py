@@ -475,6 +475,23 @@ GRPC_OPTIONS = [
 ]
 
 
+class _NoSuchMethod(grpc.GenericRpcHandler):
+    """Asked last, for a method no service here has: UNIMPLEMENTED as gRPC itself
+    would answer, plus what every other error carries (the kind, here
+    ``method_not_allowed`` as for a wrong HTTP method, and the epoch)."""
+
+    def __init__(self, svc: Service):
+        self.svc = svc
+
+    def service(self, details):
+        method = details.method
+
+        async def refuse(requests, context):  # the request bytes are never read
+            await _abort(self.svc, context, errors.MethodNotAllowed(f"no such gRPC method: {method}"[:300]))
+
+        return grpc.stream_stream_rpc_method_handler(refuse)
+
+
 async def build_server(svc: Service, metrics, address: str, tls=None) -> tuple:
     server = grpc.aio.server(options=GRPC_OPTIONS, maximum_concurrent_rpcs=10_000)
     add_spooler_service(SpoolerServicer(svc, metrics), server)
@@ -483,6 +500,7 @@ async def build_server(svc: Service, metrics, address: str, tls=None) -> tuple:
     replication_pb2_grpc.add_ReplicationServicer_to_server(ReplicationServicer(svc.engine.repl), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_generic_rpc_handlers((_NoSuchMethod(svc),))  # after every service: the fallback  # after every service: the fallback
     port = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind gRPC to {address}")

@@ -328,3 +328,24 @@ def test_the_health_status_says_not_serving_once_the_node_stops(node):
         assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         ch.close()
+
+
+def test_an_unknown_method_is_unimplemented_with_a_kind_and_the_epoch(node):
+    """gRPC answers a method nobody serves with a bare UNIMPLEMENTED; ours carries
+    the kind and the epoch like every other error, for unary and streaming calls."""
+    ch = grpc.insecure_channel(node.grpc_target)
+    for path, shape in (("/spooler.v1.Spooler/NoSuchCall", "unary"), ("/nobody.Here/Stream", "stream")):
+        with pytest.raises(grpc.RpcError) as e:
+            if shape == "unary":
+                ch.unary_unary(path)(b"", timeout=5)
+            else:
+                next(ch.stream_stream(path)(iter([b"\x01", b"\x02"]), timeout=5))
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        md = dict(e.value.trailing_metadata())
+        assert md["spooler-error-kind"] == "method_not_allowed", md
+        assert int(md["spooler-epoch"]) >= 1
+        assert path in e.value.details()
+    ch.close()
+    # the services themselves still answer
+    with Client(node.grpc_target, node.admin_key) as c:
+        assert c.cluster().role == "primary"
