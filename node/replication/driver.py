@@ -132,7 +132,7 @@ class Driver:
         return max(0.1, (self.core.lease_ok_at - mono_us()) / 1e6)
 
     def status(self) -> dict:
-        c = self.core
+        c, now = self.core, mono_us()
         nodes = []
         for m in c.members:
             # a candidate is not the primary: "replica", as at the top level (API.md's two roles)
@@ -142,6 +142,12 @@ class Driver:
                 d["matchLsn"] = c.match.get(m, 0)
             elif m == self.id:
                 d["lsn"] = c.log.last_lsn
+            # how long ago this node last heard that one, where it keeps track: a
+            # primary of each replica's acknowledgements, a replica of its primary;
+            # null: not heard since this node started or the primary changed
+            if m != self.id and (c.role == R.PRIMARY or m == c.primary):
+                heard = c.acked_sent.get(m) if c.role == R.PRIMARY else c.last_contact
+                d["lastContactMs"] = None if heard is None or heard < 0 else round(max(0, now - heard) / 1e3, 1)
             if (c.joining if m == self.id else c.role == R.PRIMARY and c.peer_joining.get(m)):
                 d["joining"] = True  # a replacement that does not vote yet
             nodes.append(d)

@@ -133,8 +133,12 @@ def cmd_keys_delete(args):
 
 def cmd_cluster_status(args):
     d = _client(args).cluster()
-    lines = [f"node {d['nodeId']} ({d['role']}), epoch {d['epoch']}, primary {d['primary']}"]
-    lines += [f"  {n['id']} {n['role']} {n.get('address', '')}" for n in d["nodes"]]
+    lines = [f"node {d['nodeId']} ({d['role']}), epoch {d['epoch']}, "
+             + (f"primary {d['primary']}" if d.get("primary") else "no primary known")]
+    for n in d["nodes"]:
+        heard = n.get("lastContactMs", "")
+        heard = "" if heard == "" else ("  never heard" if heard is None else f"  heard {heard / 1e3:.1f} s ago")
+        lines.append(f"  {n['id']} {n['role']} {n.get('address', '')}{' joining' if n.get('joining') else ''}{heard}")
     emit(args, d, "\n".join(lines))
 
 

@@ -284,6 +284,36 @@ def test_a_minority_confirms_nothing(cluster):
         c.receive("q")  # and it hands out no leases
 
 
+def test_the_cluster_document_says_how_long_ago_each_member_was_heard(cluster):
+    """On the primary each replica's entry has lastContactMs (its latest
+    acknowledgement), on a replica the primary's entry has it; a killed replica's
+    figure grows while the live one's stays fresh, and spoolctl prints both."""
+    import subprocess
+    import sys
+    nodes, _ = cluster
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    gone, live = [i for i in nodes if i != p]
+
+    def heard(of, at):
+        v = view(nodes[at])
+        return v and next(n for n in v["nodes"] if n["id"] == of).get("lastContactMs", "absent")
+
+    fresh_ms = FAILOVER_S * 1e3  # heartbeats come far more often than the failover timeout
+    wait_until(lambda: all(isinstance(heard(r, p), float) and heard(r, p) < fresh_ms for r in (gone, live)),
+               10, what="both replicas heard by the primary")
+    wait_until(lambda: isinstance(heard(p, live), float) and heard(p, live) < fresh_ms, 10,
+               what="the primary heard by a replica")
+    assert heard(live, live) == "absent" and heard(gone, live) == "absent"  # a replica tracks its primary only
+    nodes[gone].kill()
+    wait_until(lambda: heard(gone, p) > 2 * fresh_ms, 10, what="the killed replica's silence to show")
+    assert heard(live, p) < fresh_ms
+    out = subprocess.run([sys.executable, "-m", "spooler", "--server", nodes[p].http_url, "--key",
+                          nodes[p].admin_key, "cluster", "status"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.split()[0] == gone)
+    assert float(line.split("heard ")[1].split(" s ago")[0]) >= 2 * FAILOVER_S, out.stdout
+
+
 def test_a_replica_left_alone_is_not_ready_and_forwards_nothing(cluster):
     """The primary and the other replica gone: within a failover timeout the survivor
     stops naming the dead primary, answers /readyz 503 and every call 503 unavailable
