@@ -1,7 +1,12 @@
 """`make cluster`: three spooler-node processes on 127.0.0.1 for trying things out.
 
-HTTP 8081-8083, gRPC 50061-50063, data under ./var/cluster/nN, one admin key.
-Ctrl-C (or SIGTERM) stops all three; each is ended by its pid.
+HTTP 8081-8083, gRPC 50061-50063 (first ports from SPOOLER_CLUSTER_HTTP_PORT and
+SPOOLER_CLUSTER_GRPC_PORT), data under ./var/cluster/nN (SPOOLER_CLUSTER_DIR), one
+admin key (SPOOLER_ADMIN_KEY, default dev-admin-key). Each node's stdout lines
+(its ready line) are printed with its id in front; its log goes to stderr as it
+is. A node that exits is reported once, and the others keep running (stopping
+one is how a failover is tried); once none is left, this exits 1. Ctrl-C (or
+SIGTERM) stops all of them; each is ended by its pid.
 """
 from __future__ import annotations
 
@@ -9,17 +14,36 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+
+IDS = ("n1", "n2", "n3")
+
+
+def _port(name: str, default: int) -> int:
+    raw = os.environ.get(name, str(default))
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535 - len(IDS):
+        raise SystemExit(f"{name} must be a port number (1-{65535 - len(IDS)}), not {raw!r}")
+    return port
+
+
+def _echo(node_id: str, stream) -> None:
+    for line in stream:
+        print(f"{node_id}: {line.decode(errors='replace').rstrip()}", flush=True)
 
 
 def main() -> int:
     key = os.environ.get("SPOOLER_ADMIN_KEY", "dev-admin-key")
     base = os.environ.get("SPOOLER_CLUSTER_DIR", "./var/cluster")
-    ids = ["n1", "n2", "n3"]
-    grpc = {i: 50061 + k for k, i in enumerate(ids)}
-    http = {i: 8081 + k for k, i in enumerate(ids)}
-    peers = ",".join(f"{i}=127.0.0.1:{grpc[i]}" for i in ids)
-    procs = {}
+    http0, grpc0 = _port("SPOOLER_CLUSTER_HTTP_PORT", 8081), _port("SPOOLER_CLUSTER_GRPC_PORT", 50061)
+    grpc = {i: grpc0 + k for k, i in enumerate(IDS)}
+    http = {i: http0 + k for k, i in enumerate(IDS)}
+    peers = ",".join(f"{i}=127.0.0.1:{grpc[i]}" for i in IDS)
+    procs: dict = {}
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -28,19 +52,27 @@ def main() -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        for i in ids:
+        for i in IDS:
             cmd = [sys.executable, "-m", "node.main", "--id", i, "--data", os.path.join(base, i),
                    "--http", f"127.0.0.1:{http[i]}", "--grpc", f"127.0.0.1:{grpc[i]}", "--peers", peers,
                    "--admin-key", key]
-            procs[i] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-        print(f"3 nodes: HTTP {', '.join(f'{i}=http://127.0.0.1:{http[i]}' for i in ids)}", flush=True)
-        print(f"admin key: {key}   try: curl -s -H 'Authorization: Bearer {key}' http://127.0.0.1:8081/v1/cluster",
-              flush=True)
+            procs[i] = subprocess.Popen(cmd, stdout=subprocess.PIPE)
+            threading.Thread(target=_echo, args=(i, procs[i].stdout), daemon=True).start()
+        print(f"3 nodes: HTTP {', '.join(f'{i}=http://127.0.0.1:{http[i]}' for i in IDS)}; "
+              f"gRPC {','.join(f'127.0.0.1:{grpc[i]}' for i in IDS)}", flush=True)
+        print(f"admin key: {key}   try: export SPOOLER_URL=http://127.0.0.1:{http['n1']} SPOOLER_KEY={key}; "
+              f".venv/bin/spoolctl cluster status", flush=True)
         print("Ctrl-C stops the cluster.", flush=True)
+        ended: set = set()
         while not stop["now"]:
             for i, p in procs.items():
-                if p.poll() is not None:
-                    print(f"{i} exited with {p.returncode}", flush=True)
+                if i not in ended and p.poll() is not None:
+                    ended.add(i)
+                    print(f"{i} exited with {p.returncode}"
+                          + ("; the others keep running" if len(ended) < len(procs) else ""), flush=True)
+            if len(ended) == len(procs):
+                print("no node is left running", flush=True)
+                return 1
             time.sleep(0.2)
     finally:
         for p in procs.values():

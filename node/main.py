@@ -77,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--max-body-bytes must be 1..{Limits().batch_bytes_max}")
     if any((a.tls_cert, a.tls_key, a.tls_ca)) and not all((a.tls_cert, a.tls_key, a.tls_ca)):
         p.error("--tls-cert, --tls-key and --tls-ca go together")
+    if a.join and len([x for x in a.peers.split(",") if x.strip()]) < 2:
+        # a lone node has no cluster to take its history from: it would just serve
+        p.error("--join (SPOOLER_JOIN) replaces a member of a cluster: it needs --peers naming every member")
     if a.log_keep_records < 1:
         p.error("--log-keep-records must be >= 1")
     if a.log_keep_bytes < 0:

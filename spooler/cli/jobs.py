@@ -78,7 +78,8 @@ def _job_text(job: dict) -> str:
     lines = [f"job {job['id']}: {job['state']}",
              f"  command:     {shown_command(job['command'])}",
              f"  priority:    {job['priority']}",
-             f"  failures:    {job['failure_count']} of max_retries {job['max_retries']}",
+             f"  failures:    {job['failure_count']} (dead after {job['max_retries'] + 1}: "
+             f"max_retries {job['max_retries']})",
              f"  crashes:     {job['crash_count']} of max_crashes "
              f"{'unbounded' if job['max_crashes'] is None else job['max_crashes']}"]
     if job["failure_reason"]:

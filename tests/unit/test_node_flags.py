@@ -15,6 +15,9 @@ from node.main import parse_args
     (["--admin-key", " padded"], "--admin-key must be 1..512 characters"),
     (["--admin-key", "bell\x07"], "--admin-key must be 1..512 characters"),
     (["--failover-timeout", "0"], "--failover-timeout must be > 0"),
+    # a replacement with no cluster named would serve as a lone primary at once
+    (["--join"], "--join (SPOOLER_JOIN) replaces a member of a cluster"),
+    (["--join", "--peers", "n1=127.0.0.1:1"], "--join (SPOOLER_JOIN) replaces a member of a cluster"),
 ])
 def test_a_setting_out_of_range_stops_the_node_at_start(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
@@ -56,5 +59,5 @@ def test_numbers_from_the_environment_are_numbers(monkeypatch):
     monkeypatch.setenv("SPOOLER_FAILOVER_TIMEOUT", "0.5")
     monkeypatch.setenv("SPOOLER_LOG_KEEP_BYTES", "1024")
     monkeypatch.setenv("SPOOLER_JOIN", "1")
-    a = parse_args([])
+    a = parse_args(["--peers", "n1=127.0.0.1:1,n2=127.0.0.1:2"])
     assert (a.failover_timeout, a.log_keep_bytes, a.join) == (0.5, 1024, True)
