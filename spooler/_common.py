@@ -95,6 +95,25 @@ def message_of(d: api_pb2.Delivery) -> Message:
     return Message(d.id, d.body, d.lease_token, d.retry_count, d.lease_expires_at, d.queue)
 
 
+def cluster_dict(c: api_pb2.ClusterInfo) -> dict:
+    """A ClusterInfo as GET /v1/cluster's document (node/api/grpc_api.py's
+    cluster_pb is the way back)."""
+    nodes = []
+    for n in c.nodes:
+        d = {"id": n.id, "role": n.role, "address": n.address}
+        if n.lsn:
+            d["lsn"] = n.lsn
+        if n.match_lsn:
+            d["matchLsn"] = n.match_lsn
+        if n.joining:
+            d["joining"] = True
+        if n.HasField("last_contact_ms"):
+            d["lastContactMs"] = None if n.last_contact_ms < 0 else n.last_contact_ms
+        nodes.append(d)
+    return {"nodeId": c.node_id, "role": c.role, "epoch": c.epoch, "primary": c.primary or None,
+            "commitLsn": c.commit_lsn, "appliedLsn": c.applied_lsn, "nodes": nodes}
+
+
 def queue_dict(q: api_pb2.Queue) -> dict:
     s, st = q.settings, q.stats
     return {"name": q.name,

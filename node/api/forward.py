@@ -16,7 +16,7 @@ from typing import Optional
 import grpc
 
 from spooler import errors
-from spooler._common import GRPC_OPTIONS, map_rpc_error, queue_dict, send_outcomes, settings_pb
+from spooler._common import GRPC_OPTIONS, cluster_dict, map_rpc_error, queue_dict, send_outcomes, settings_pb
 from spooler.pb import api_pb2, api_pb2_grpc
 
 FORWARDED = "spooler-forwarded"
@@ -248,5 +248,4 @@ class Forwarder:
 
     async def promote(self, a, auth, node):
         r = await self.call(a, "Promote", api_pb2.PromoteRequest(node=node), auth, True, extra_s=5)
-        return {"nodeId": r.node_id, "role": r.role, "epoch": r.epoch, "primary": r.primary or None,
-                "nodes": [{"id": n.id, "role": n.role, "address": n.address} for n in r.nodes]}
+        return cluster_dict(r)

@@ -42,10 +42,18 @@ def _queue_pb(doc: dict) -> api_pb2.Queue:
                                  nacked_total=st["nackedTotal"], lease_expired_total=st["leaseExpiredTotal"]))
 
 
-def _cluster_pb(d: dict) -> api_pb2.ClusterInfo:
+def cluster_pb(d: dict) -> api_pb2.ClusterInfo:
+    """GET /v1/cluster's document as a ClusterInfo (spooler._common.cluster_dict
+    is the way back)."""
+    nodes = []
+    for n in d["nodes"]:
+        pb = api_pb2.NodeInfo(id=n["id"], role=n["role"], address=n.get("address", ""), lsn=n.get("lsn", 0),
+                              match_lsn=n.get("matchLsn", 0), joining=n.get("joining", False))
+        if "lastContactMs" in n:
+            pb.last_contact_ms = -1.0 if n["lastContactMs"] is None else n["lastContactMs"]
+        nodes.append(pb)
     return api_pb2.ClusterInfo(node_id=d["nodeId"], role=d["role"], epoch=d["epoch"], primary=d["primary"] or "",
-                               nodes=[api_pb2.NodeInfo(id=n["id"], role=n["role"], address=n.get("address", ""),
-                                                       lsn=n.get("lsn", 0)) for n in d["nodes"]])
+                               commit_lsn=d.get("commitLsn", 0), applied_lsn=d.get("appliedLsn", 0), nodes=nodes)
 
 
 def _delivery_pb(d) -> api_pb2.Delivery:
@@ -311,11 +319,11 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
 
     @rpc
     async def GetCluster(self, p, req, ctx):
-        return _cluster_pb(self.svc.cluster(p))
+        return cluster_pb(self.svc.cluster(p))
 
     @rpc
     async def Promote(self, p, req, ctx):
-        return _cluster_pb(await self.svc.promote(p, req.node))
+        return cluster_pb(await self.svc.promote(p, req.node))
 
     async def Session(self, requests, context):
         """Many requests on one stream, each answered by id as soon as it completes.

@@ -297,30 +297,40 @@ class DeleteKeyRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("id", "role", "address", "lsn")
+    __slots__ = ("id", "role", "address", "lsn", "match_lsn", "joining", "last_contact_ms")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LSN_FIELD_NUMBER: _ClassVar[int]
+    MATCH_LSN_FIELD_NUMBER: _ClassVar[int]
+    JOINING_FIELD_NUMBER: _ClassVar[int]
+    LAST_CONTACT_MS_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: str
     address: str
     lsn: int
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., lsn: _Optional[int] = ...) -> None: ...
+    match_lsn: int
+    joining: bool
+    last_contact_ms: float
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., lsn: _Optional[int] = ..., match_lsn: _Optional[int] = ..., joining: _Optional[bool] = ..., last_contact_ms: _Optional[float] = ...) -> None: ...
 
 class ClusterInfo(_message.Message):
-    __slots__ = ("node_id", "role", "epoch", "primary", "nodes")
+    __slots__ = ("node_id", "role", "epoch", "primary", "nodes", "commit_lsn", "applied_lsn")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_LSN_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_LSN_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     epoch: int
     primary: str
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., primary: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+    commit_lsn: int
+    applied_lsn: int
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., primary: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., commit_lsn: _Optional[int] = ..., applied_lsn: _Optional[int] = ...) -> None: ...
 
 class PromoteRequest(_message.Message):
     __slots__ = ("node",)

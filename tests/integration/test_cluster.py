@@ -234,6 +234,16 @@ def test_planned_switchover(cluster):
             timeout=15)
     assert info.primary == p and info.epoch > epoch2, info
     assert int(dict(call.trailing_metadata())["spooler-epoch"]) == info.epoch
+    assert info.commit_lsn >= 12 and info.applied_lsn >= 12, info  # the lsn fields ride on gRPC too
+    # a promote sent to a replica is forwarded; its answer is the same document
+    # as the primary's (the lsn fields and the replicas' entries included)
+    third = next(i for i in nodes if i not in (p, target))
+    wait_until(lambda: primary_of(nodes) == (p, info.epoch), 10, what="the switch back")
+    wait_until(lambda: (view(nodes[third]) or {}).get("primary") == p, 10, what="the third node to follow")
+    d3 = until_ok(lambda: client(nodes[third]).promote(target), what="a forwarded promote")
+    assert d3["primary"] == target and d3["nodeId"] == p and d3["role"] == "replica", d3
+    assert set(d3) == set(d) and d3["commitLsn"] >= info.commit_lsn and d3["appliedLsn"] >= info.applied_lsn, d3
+    assert next(n for n in d3["nodes"] if n["id"] == p)["lsn"] >= d3["appliedLsn"]  # its own entry, as at home
 
 
 def test_a_switchover_that_does_not_happen_is_not_a_200(cluster):
