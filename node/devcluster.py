@@ -4,8 +4,9 @@ HTTP 8081-8083, gRPC 50061-50063 (first ports from SPOOLER_CLUSTER_HTTP_PORT and
 SPOOLER_CLUSTER_GRPC_PORT), data under ./var/cluster/nN (SPOOLER_CLUSTER_DIR), one
 admin key (SPOOLER_ADMIN_KEY, default dev-admin-key). Each node's stdout lines
 (its ready line) are printed with its id in front; its log goes to stderr as it
-is. A node that exits is reported once, and the others keep running (stopping
-one is how a failover is tried); once none is left, this exits 1. Ctrl-C (or
+is. Their pids are printed at the start. A node that exits is reported once, and
+the others keep running (stopping one is how a failover is tried); once none
+is left, this exits 1. Ctrl-C (or
 SIGTERM) stops all of them; each is ended by its pid.
 """
 from __future__ import annotations
@@ -31,9 +32,21 @@ def _port(name: str, default: int) -> int:
     return port
 
 
+_OUT = threading.Lock()  # one line at a time: the three echo threads and main() share stdout
+
+
+def say(text: str) -> None:
+    with _OUT:
+        try:
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+        except (BrokenPipeError, ValueError):  # stdout went away (`make cluster | head`): the nodes go on
+            pass
+
+
 def _echo(node_id: str, stream) -> None:
     for line in stream:
-        print(f"{node_id}: {line.decode(errors='replace').rstrip()}", flush=True)
+        say(f"{node_id}: {line.decode(errors='replace').rstrip()}")
 
 
 def main() -> int:
@@ -58,20 +71,21 @@ def main() -> int:
                    "--admin-key", key]
             procs[i] = subprocess.Popen(cmd, stdout=subprocess.PIPE)
             threading.Thread(target=_echo, args=(i, procs[i].stdout), daemon=True).start()
-        print(f"3 nodes: HTTP {', '.join(f'{i}=http://127.0.0.1:{http[i]}' for i in IDS)}; "
-              f"gRPC {','.join(f'127.0.0.1:{grpc[i]}' for i in IDS)}", flush=True)
-        print(f"admin key: {key}   try: export SPOOLER_URL=http://127.0.0.1:{http['n1']} SPOOLER_KEY={key}; "
-              f".venv/bin/spoolctl cluster status", flush=True)
-        print("Ctrl-C stops the cluster.", flush=True)
+        say(f"3 nodes: HTTP {', '.join(f'{i}=http://127.0.0.1:{http[i]}' for i in IDS)}; "
+            f"gRPC {','.join(f'127.0.0.1:{grpc[i]}' for i in IDS)}; "
+            f"pids {', '.join(f'{i}={p.pid}' for i, p in procs.items())}")
+        say(f"admin key: {key}   try: export SPOOLER_URL=http://127.0.0.1:{http['n1']} SPOOLER_KEY={key}; "
+            f".venv/bin/spoolctl cluster status")
+        say("Ctrl-C stops the cluster.")
         ended: set = set()
         while not stop["now"]:
             for i, p in procs.items():
                 if i not in ended and p.poll() is not None:
                     ended.add(i)
-                    print(f"{i} exited with {p.returncode}"
-                          + ("; the others keep running" if len(ended) < len(procs) else ""), flush=True)
+                    say(f"{i} exited with {p.returncode}"
+                        + ("; the others keep running" if len(ended) < len(procs) else ""))
             if len(ended) == len(procs):
-                print("no node is left running", flush=True)
+                say("no node is left running")
                 return 1
             time.sleep(0.2)
     finally:

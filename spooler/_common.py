@@ -101,17 +101,20 @@ def cluster_dict(c: api_pb2.ClusterInfo) -> dict:
     nodes = []
     for n in c.nodes:
         d = {"id": n.id, "role": n.role, "address": n.address}
-        if n.lsn:
+        if n.HasField("lsn"):
             d["lsn"] = n.lsn
-        if n.match_lsn:
+        if n.HasField("match_lsn"):
             d["matchLsn"] = n.match_lsn
         if n.joining:
             d["joining"] = True
         if n.HasField("last_contact_ms"):
             d["lastContactMs"] = None if n.last_contact_ms < 0 else n.last_contact_ms
         nodes.append(d)
-    return {"nodeId": c.node_id, "role": c.role, "epoch": c.epoch, "primary": c.primary or None,
-            "commitLsn": c.commit_lsn, "appliedLsn": c.applied_lsn, "nodes": nodes}
+    doc = {"nodeId": c.node_id, "role": c.role, "epoch": c.epoch, "primary": c.primary or None}
+    if c.HasField("commit_lsn"):  # (an older node does not say)
+        doc["commitLsn"], doc["appliedLsn"] = c.commit_lsn, c.applied_lsn
+    doc["nodes"] = nodes
+    return doc
 
 
 def queue_dict(q: api_pb2.Queue) -> dict:

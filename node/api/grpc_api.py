@@ -47,13 +47,13 @@ def cluster_pb(d: dict) -> api_pb2.ClusterInfo:
     is the way back)."""
     nodes = []
     for n in d["nodes"]:
-        pb = api_pb2.NodeInfo(id=n["id"], role=n["role"], address=n.get("address", ""), lsn=n.get("lsn", 0),
-                              match_lsn=n.get("matchLsn", 0), joining=n.get("joining", False))
+        pb = api_pb2.NodeInfo(id=n["id"], role=n["role"], address=n.get("address", ""), joining=n.get("joining", False),
+                              lsn=n.get("lsn"), match_lsn=n.get("matchLsn"))  # (None: not set)
         if "lastContactMs" in n:
             pb.last_contact_ms = -1.0 if n["lastContactMs"] is None else n["lastContactMs"]
         nodes.append(pb)
     return api_pb2.ClusterInfo(node_id=d["nodeId"], role=d["role"], epoch=d["epoch"], primary=d["primary"] or "",
-                               commit_lsn=d.get("commitLsn", 0), applied_lsn=d.get("appliedLsn", 0), nodes=nodes)
+                               commit_lsn=d.get("commitLsn"), applied_lsn=d.get("appliedLsn"), nodes=nodes)
 
 
 def _delivery_pb(d) -> api_pb2.Delivery:
@@ -488,14 +488,17 @@ class _NoSuchMethod(grpc.GenericRpcHandler):
     would answer, plus what every other error carries (the kind, here
     ``method_not_allowed`` as for a wrong HTTP method, and the epoch)."""
 
-    def __init__(self, svc: Service):
-        self.svc = svc
+    def __init__(self, svc: Service, metrics=None):
+        self.svc, self.metrics = svc, metrics
 
     def service(self, details):
         method = details.method
 
         async def refuse(requests, context):  # the request bytes are never read
-            await _abort(self.svc, context, errors.MethodNotAllowed(f"no such gRPC method: {method}"[:300]))
+            e = errors.MethodNotAllowed(f"no such gRPC method: {method}"[:300])
+            if self.metrics:
+                self.metrics.http_errors.labels(e.kind).inc()  # counted as every other error is
+            await _abort(self.svc, context, e)
 
         return grpc.stream_stream_rpc_method_handler(refuse)
 
@@ -508,7 +511,7 @@ async def build_server(svc: Service, metrics, address: str, tls=None) -> tuple:
     replication_pb2_grpc.add_ReplicationServicer_to_server(ReplicationServicer(svc.engine.repl), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.add_generic_rpc_handlers((_NoSuchMethod(svc),))  # after every service: the fallback  # after every service: the fallback
+    server.add_generic_rpc_handlers((_NoSuchMethod(svc, metrics),))  # after every service: the fallback
     port = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind gRPC to {address}")

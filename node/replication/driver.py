@@ -143,8 +143,9 @@ class Driver:
             elif m == self.id:
                 d["lsn"] = c.log.last_lsn
             # how long ago this node last heard that one, where it keeps track: a
-            # primary of each replica's acknowledgements, a replica of its primary;
-            # null: not heard since this node started or the primary changed
+            # primary of each replica's acknowledgements (its vote until the first
+            # one), a replica of its primary; null: not heard since this node
+            # started or took office
             if m != self.id and (c.role == R.PRIMARY or m == c.primary):
                 heard = c.acked_sent.get(m) if c.role == R.PRIMARY else c.last_contact
                 d["lastContactMs"] = None if heard is None or heard < 0 else round(max(0, now - heard) / 1e3, 1)

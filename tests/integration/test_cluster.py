@@ -309,14 +309,18 @@ def test_the_cluster_document_says_how_long_ago_each_member_was_heard(cluster):
         return v and next(n for n in v["nodes"] if n["id"] == of).get("lastContactMs", "absent")
 
     fresh_ms = FAILOVER_S * 1e3  # heartbeats come far more often than the failover timeout
-    wait_until(lambda: all(isinstance(heard(r, p), float) and heard(r, p) < fresh_ms for r in (gone, live)),
-               10, what="both replicas heard by the primary")
-    wait_until(lambda: isinstance(heard(p, live), float) and heard(p, live) < fresh_ms, 10,
-               what="the primary heard by a replica")
+    def fresh(of, at):
+        h = heard(of, at)
+        return isinstance(h, float) and h < fresh_ms
+    wait_until(lambda: fresh(gone, p) and fresh(live, p), 10, what="both replicas heard by the primary")
+    wait_until(lambda: fresh(p, live), 10, what="the primary heard by a replica")
     assert heard(live, live) == "absent" and heard(gone, live) == "absent"  # a replica tracks its primary only
     nodes[gone].kill()
-    wait_until(lambda: heard(gone, p) > 2 * fresh_ms, 10, what="the killed replica's silence to show")
-    assert heard(live, p) < fresh_ms
+    def silent():
+        h = heard(gone, p)  # (None while a view fails under load: poll again)
+        return isinstance(h, float) and h > 2 * fresh_ms
+    wait_until(silent, 10, what="the killed replica's silence to show")
+    wait_until(lambda: fresh(live, p), 10, what="the live replica still heard")
     out = subprocess.run([sys.executable, "-m", "spooler", "--server", nodes[p].http_url, "--key",
                           nodes[p].admin_key, "cluster", "status"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -46,7 +46,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_make_cluster_runs_three_nodes_reports_an_exit_once_and_stops_them_all(tmp_path):
-    http0, grpc0 = _consecutive_free(3), _consecutive_free(3)
+    http0 = _consecutive_free(6)
+    grpc0 = http0 + 3
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLER_")} | {
         "SPOOLER_CLUSTER_HTTP_PORT": str(http0), "SPOOLER_CLUSTER_GRPC_PORT": str(grpc0),
         "SPOOLER_CLUSTER_DIR": str(tmp_path / "cluster"), "SPOOLER_ADMIN_KEY": "k-devcluster"}
@@ -72,12 +73,13 @@ def test_make_cluster_runs_three_nodes_reports_an_exit_once_and_stops_them_all(t
             (f"n{k + 1}", f"127.0.0.1:{http0 + k}") for k in range(3)]
         assert {r["grpc"] for r in up} == {f"127.0.0.1:{grpc0 + k}" for k in range(3)}
         assert any(f"SPOOLER_URL=http://127.0.0.1:{http0}" in x for x in seen)
-        # the nodes are the devcluster's children
+        # the pids it prints are its three children, the nodes
+        pids = dict(x.split("=") for x in next(x for x in seen if "; pids " in x).split("; pids ")[1].split(", "))
+        node_pids = [int(x) for x in pids.values()]
         out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(p.pid)], capture_output=True, text=True)
-        kids = {line.split()[0]: line for line in out.stdout.splitlines() if "node.main" in line}
-        assert len(kids) == 3, out.stdout
-        node_pids = [int(x) for x in kids]
-        n2 = next(int(pid) for pid, line in kids.items() if "--id n2" in line)
+        kids = {int(line.split()[0]): line for line in out.stdout.splitlines() if "node.main" in line}
+        assert sorted(kids) == sorted(node_pids) and "--id n2" in kids[int(pids["n2"])], (pids, out.stdout)
+        n2 = int(pids["n2"])
         env_cli = env | {"SPOOLER_URL": f"http://127.0.0.1:{http0}", "SPOOLER_KEY": "k-devcluster"}
 
         def status():

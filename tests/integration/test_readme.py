@@ -65,15 +65,27 @@ def test_the_spoolctl_lines_work_as_written(node, tmp_path):
     assert "(primary)" in out, out
 
 
+def _by_line(script: str, cwd) -> list:
+    """Run a block of one-line commands; [(command, its stdout)] in order."""
+    cmds = [x for x in script.splitlines() if x.strip() and not x.lstrip().startswith("#")]
+    marked = "".join(f"{c}\necho '@@@{k}'\n" for k, c in enumerate(cmds))
+    out = _bash(marked, cwd)
+    parts = re.split(r"^@@@\d+\n", out, flags=re.M)
+    assert len(parts) == len(cmds) + 1 and parts[-1] == "", out
+    return list(zip(cmds, parts))
+
+
 def test_the_job_runner_lines_work_as_written(tmp_path):
-    script = block_with("sh", "submit --max-retries 2").replace(".venv/bin/", f"{BIN}/")
-    out = _bash(script + '\necho "JOB=$JOB"\n', tmp_path)
-    job = out.rsplit("JOB=", 1)[1].strip()
-    assert job and "hello" in out
-    dead = next(json.loads(x) for x in out.splitlines() if x.startswith('{"jobs"'))
-    assert job in [j["id"] for j in dead["jobs"]], dead  # listed before the retry brings it back
-    [j] = [j for j in dead["jobs"] if j["id"] == job]
-    assert j["state"] == "dead" and len(j["attempts"]) == 3
+    steps = _by_line(block_with("sh", "submit --max-retries 2").replace(".venv/bin/", f"{BIN}/"), tmp_path)
+    out = dict((c.split("#")[0].split()[1] if c.startswith("$S") else c.split("=")[0], o) for c, o in steps)
+    assert out["output"] == "hello\n"  # the first attempt's stdout, exactly
+    status = out["status"]
+    job = re.match(r"job (\S+): dead\n", status).group(1)
+    assert status.count("  attempt ") == 3, status  # the first run and its 2 retries
+    dead = json.loads(out["list"])
+    [j] = [j for j in dead["jobs"] if j["id"] == job]  # listed before the retry brings it back
+    assert j["state"] == "dead" and [a["exit_code"] for a in j["attempts"]] == [1, 1, 1], j
+    assert out["retry"] == f"{job}\n"
 
 
 def test_the_python_example_works_as_written_and_ends(node, tmp_path):

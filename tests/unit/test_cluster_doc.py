@@ -2,6 +2,7 @@
 promote or a cluster call forwarded by a replica, or read through the SDK)."""
 from node.api.grpc_api import cluster_pb
 from spooler._common import cluster_dict
+from spooler.pb import api_pb2
 
 
 def test_the_cluster_document_round_trips_through_cluster_info():
@@ -11,6 +12,19 @@ def test_the_cluster_document_round_trips_through_cluster_info():
                      {"id": "n3", "role": "replica", "address": "h3:1", "joining": True, "lastContactMs": None},
                      {"id": "n4", "role": "replica", "address": "h4:1", "lastContactMs": 0.0}]}
     assert cluster_dict(cluster_pb(doc)) == doc
-    lone = {"nodeId": "n2", "role": "replica", "epoch": 0, "primary": None, "commitLsn": 0, "appliedLsn": 0,
-            "nodes": [{"id": "n2", "role": "replica", "address": "h2:1"}]}
-    assert cluster_dict(cluster_pb(lone)) == lone
+    # zeros are said, not dropped: a fresh primary's replicas have matchLsn 0, a new node lsn 0
+    fresh = {"nodeId": "n2", "role": "primary", "epoch": 1, "primary": "n2", "commitLsn": 0, "appliedLsn": 0,
+             "nodes": [{"id": "n2", "role": "primary", "address": "h2:1", "lsn": 0},
+                       {"id": "n1", "role": "replica", "address": "h1:1", "matchLsn": 0, "lastContactMs": None}]}
+    assert cluster_dict(cluster_pb(fresh)) == fresh
+
+
+def test_an_older_nodes_cluster_info_reads_without_the_fields_it_never_sent():
+    """A 0.4.1 node sends no lsn figures at the top and its own lsn as a plain field."""
+    old = api_pb2.ClusterInfo(node_id="n1", role="replica", epoch=3, primary="n2",
+                              nodes=[api_pb2.NodeInfo(id="n1", role="replica", address="h1:1", lsn=9),
+                                     api_pb2.NodeInfo(id="n2", role="primary", address="h2:1")])
+    d = cluster_dict(api_pb2.ClusterInfo.FromString(old.SerializeToString()))
+    assert d == {"nodeId": "n1", "role": "replica", "epoch": 3, "primary": "n2",
+                 "nodes": [{"id": "n1", "role": "replica", "address": "h1:1", "lsn": 9},
+                           {"id": "n2", "role": "primary", "address": "h2:1"}]}
