@@ -75,7 +75,11 @@ class Forwarder:
         return s
 
     async def call(self, address: str, method: str, req, auth: str, write: bool, extra_s: float = 0.0,
-                   timeout_s: float | None = None):
+                   timeout_s: float | None = None, handing_to: str | None = None):
+        """Forward one call to the primary at ``address``. It is cut short once this
+        node takes another node for the primary, but not while that node is
+        ``handing_to`` or unknown: a promote's own success changes the primary
+        (and leaves none known for a moment), and its answer is on the way."""
         md = ((FORWARDED, self.node_id),) + ((("authorization", auth),) if auth else ())
         call = getattr(self.stub(address), method)(
             req, metadata=md, timeout=(self.timeout_s if timeout_s is None else timeout_s) + extra_s)
@@ -85,7 +89,8 @@ class Forwarder:
                 done, _ = await asyncio.wait({task}, timeout=0.05)
                 if done:
                     return task.result()
-                if self.current_primary() != address:
+                now = self.current_primary()
+                if now != address and not (handing_to and now in (handing_to, None)):
                     # a new primary was elected while we waited on the old one (paused or
                     # cut off): stop waiting; the caller retries against the new one
                     task.cancel()
@@ -246,6 +251,7 @@ class Forwarder:
     async def delete_key(self, a, auth, kid):
         await self.call(a, "DeleteKey", api_pb2.DeleteKeyRequest(id=kid), auth, True)
 
-    async def promote(self, a, auth, node):
-        r = await self.call(a, "Promote", api_pb2.PromoteRequest(node=node), auth, True, extra_s=5)
+    async def promote(self, a, auth, node, node_address):
+        r = await self.call(a, "Promote", api_pb2.PromoteRequest(node=node), auth, True, extra_s=5,
+                            handing_to=node_address)
         return cluster_dict(r)

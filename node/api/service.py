@@ -860,7 +860,7 @@ class Service:
         if node not in e.repl.addresses:  # every member has the same --peers
             raise errors.InvalidArgument(f"unknown node {node}")
         if (a := self._remote(p)):
-            return await self.fwd.promote(a, p.auth, node)
+            return await self.fwd.promote(a, p.auth, node, e.repl.addresses[node])
         self._global_admin(p)
         if node == e.node_id and e.role == "primary":
             return self.cluster(p)  # already the primary
