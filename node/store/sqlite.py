@@ -47,6 +47,10 @@ CREATE TABLE IF NOT EXISTS keys(id TEXT PRIMARY KEY, sha256 BLOB NOT NULL, queue
                                 scopes TEXT NOT NULL) WITHOUT ROWID;
 """
 
+# the WAL's working size, made up front (Store._prefill_wal): a little more than
+# SQLite's cycle of 1,000 frames of a 4 KiB page and its 24-byte header
+WAL_PREFILL_BYTES = 1100 * (4096 + 24) + 32
+
 # 2 added the segments table; a store of version 1 simply has none yet
 SCHEMA_VERSION = 2
 
@@ -119,6 +123,7 @@ class Store:
             self.set_meta("schema_version", SCHEMA_VERSION)
         elif int(v) != SCHEMA_VERSION:
             raise RuntimeError(f"store schema {v} is not {SCHEMA_VERSION}")
+        self._prefill_wal()
         # The log's record sizes as running totals, for compaction by bytes: the
         # log's lsns are contiguous, so _log_sum[k] is the size of every record
         # before lsn _log_first + k (and _log_sum[0] a base of no meaning).
@@ -143,6 +148,37 @@ class Store:
         # cycle well inside it (SQLite checkpoints the WAL every 1,000 pages).
         db.execute(f"PRAGMA journal_size_limit={int(self.wal_keep_bytes)}")
         return db
+
+    def _prefill_wal(self) -> None:
+        """Give the WAL file its working size up front, in zeros.
+
+        A commit that appends to the WAL changes the file's size, so its
+        fdatasync must also commit the file system's journal; a commit that
+        overwrites the WAL where it already extends syncs the data alone. SQLite
+        starts the WAL over after each checkpoint (every 1,000 pages) without
+        shrinking the file, so a node that has run a while only overwrites, but
+        a node just started (SQLite deletes the WAL when it closes) would append
+        for its first thousand commits: measured here, 172 against 107 us per
+        one-row commit alone, and more with other nodes syncing at the same time.
+
+        Safe whatever the WAL holds: only bytes past its end are written, and
+        SQLite reads a WAL only as far as its frames' checksums and salts chain
+        from its header, so zeros are never taken for a frame (nor are the
+        stale frames of an earlier cycle, which is how SQLite reuses the file)."""
+        wal = self.path + "-wal"
+        try:
+            have = os.path.getsize(wal)
+        except FileNotFoundError:
+            return
+        want = min(WAL_PREFILL_BYTES, self.wal_keep_bytes)  # never past what SQLite cuts it back to
+        if have >= want:
+            return
+        fd = os.open(wal, os.O_WRONLY)
+        try:
+            os.pwrite(fd, bytes(want - have), have)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         if self._reader is not None:

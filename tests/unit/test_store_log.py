@@ -94,3 +94,37 @@ def test_the_wal_file_shrinks_back_after_a_large_transaction(tmp_path):
     st.append([(2, 1, 0, b"x")])  # the WAL starts over, and its file is cut back
     assert os.path.getsize(path + "-wal") <= 1 << 20
     st.close()
+
+
+def _copy_as_after_a_crash(src: str, dst: str) -> None:
+    """The files as a kill -9 would leave them: the open store's db and WAL, not closed."""
+    import shutil
+    for suffix in ("", "-wal"):
+        shutil.copyfile(src + suffix, dst + suffix)
+
+
+def test_a_new_store_has_its_wal_at_working_size_and_commits_overwrite_it(tmp_path):
+    from node.store.sqlite import WAL_PREFILL_BYTES
+    path = os.path.join(str(tmp_path), "spool.db")
+    st = Store(path)
+    assert os.path.getsize(path + "-wal") == WAL_PREFILL_BYTES
+    _append(st, 1, 500, 300)  # 500 commits: each writes inside the file, none grows it
+    _append(st, 501, 1, 300)
+    for lsn in range(502, 1002):
+        st.append([(lsn, 1, 0, b"r" * 300)])
+    assert os.path.getsize(path + "-wal") == WAL_PREFILL_BYTES
+    # the zeros past the last frame are never read as records: a copy taken
+    # without closing (as after a crash) opens with every record and no other
+    other = os.path.join(str(tmp_path), "copy.db")
+    _copy_as_after_a_crash(path, other)
+    st.close()
+    st2 = Store(other)
+    assert _log(st2) == (1, 1001, 1001 * 300, 1001)
+    st2.close()
+
+
+def test_the_prefill_never_goes_past_the_size_the_wal_is_cut_back_to(tmp_path):
+    path = os.path.join(str(tmp_path), "spool.db")
+    st = Store(path, wal_keep_bytes=1 << 20)
+    assert os.path.getsize(path + "-wal") == 1 << 20
+    st.close()
