@@ -6,6 +6,10 @@ gRPC server and the engine.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # python -m node.main: settle what must precede grpc's import (node/process.py)
+    from node.process import prepare as _prepare
+    _GRPC_IO = _prepare()
+
 import argparse
 import asyncio
 import json
@@ -219,12 +223,16 @@ async def serve(args) -> int:
     return exit_code
 
 
-def main(argv=None) -> int:
+def main(argv=None, grpc_io: str = "") -> int:
+    """``grpc_io``: what node.process.prepare settled, for the log (the
+    ``spooler-node`` script and ``python -m node.main`` both run it first)."""
     args = parse_args(argv)
     if os.environ.get("SPOOLER_SWITCH_INTERVAL"):
         sys.setswitchinterval(float(os.environ["SPOOLER_SWITCH_INTERVAL"]))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s",
                         stream=sys.stderr)
+    log.info("gRPC I/O path: %s (GRPC_EXPERIMENTS=%s)", grpc_io or "not settled (node.process not run)",
+             os.environ.get("GRPC_EXPERIMENTS", ""))
     try:
         return asyncio.run(serve(args))
     except KeyboardInterrupt:
@@ -232,4 +240,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(grpc_io=_GRPC_IO))

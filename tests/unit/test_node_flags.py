@@ -61,3 +61,24 @@ def test_numbers_from_the_environment_are_numbers(monkeypatch):
     monkeypatch.setenv("SPOOLER_JOIN", "1")
     a = parse_args(["--peers", "n1=127.0.0.1:1,n2=127.0.0.1:2"])
     assert (a.failover_timeout, a.log_keep_bytes, a.join) == (0.5, 1024, True)
+
+
+def test_a_node_process_takes_grpcs_older_io_path_before_grpc_is_imported():
+    from node.process import GRPC_IO_LEGACY, prepare
+    env: dict = {}
+    assert prepare(env, modules={}) == "legacy" and env["GRPC_EXPERIMENTS"] == GRPC_IO_LEGACY
+    # an operator's own setting is left alone, and so is the opt-out
+    env = {"GRPC_EXPERIMENTS": "-something"}
+    assert prepare(env, modules={}) == "operator" and env["GRPC_EXPERIMENTS"] == "-something"
+    env = {"SPOOLER_GRPC_IO": "default"}
+    assert prepare(env, modules={}) == "default" and "GRPC_EXPERIMENTS" not in env
+    # once grpc is imported the setting would be ignored: it says so instead of pretending
+    env = {}
+    assert prepare(env, modules={"grpc": object()}) == "too late" and "GRPC_EXPERIMENTS" not in env
+
+
+def test_an_unknown_grpc_io_choice_stops_the_node():
+    from node.process import prepare
+    with pytest.raises(SystemExit) as e:
+        prepare({"SPOOLER_GRPC_IO": "fast"}, modules={})
+    assert "SPOOLER_GRPC_IO must be one of legacy, default" in str(e.value)

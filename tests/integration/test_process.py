@@ -1,0 +1,47 @@
+"""A node process settles gRPC's I/O path before grpc is imported (node/process.py),
+whichever way it is started: the ``spooler-node`` script (what make run, the
+Dockerfile and the systemd unit run) or ``python -m node.main`` (the tests, the
+drills, make cluster)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from nodeproc import NodeProc, wait_until
+from node.process import GRPC_IO_LEGACY
+
+LINE = f"gRPC I/O path: legacy (GRPC_EXPERIMENTS={GRPC_IO_LEGACY})"
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if k not in ("GRPC_EXPERIMENTS", "SPOOLER_GRPC_IO")}
+
+
+def test_python_m_node_main_runs_on_the_older_io_path(tmp_path, monkeypatch):
+    monkeypatch.delenv("GRPC_EXPERIMENTS", raising=False)
+    monkeypatch.delenv("SPOOLER_GRPC_IO", raising=False)
+    n = NodeProc(str(tmp_path / "n")).start()
+    try:
+        assert LINE in n.read_log()
+    finally:
+        n.kill()
+
+
+def test_the_spooler_node_script_runs_on_the_older_io_path(tmp_path):
+    script = os.path.join(os.path.dirname(sys.executable), "spooler-node")
+    if not os.path.exists(script):
+        pytest.skip("no spooler-node script beside this interpreter (not installed in a venv)")
+    log = tmp_path / "node.log"
+    with open(log, "wb") as err:
+        p = subprocess.Popen([script, "--id", "n1", "--data", str(tmp_path / "d"), "--http", "127.0.0.1:0",
+                              "--grpc", "127.0.0.1:0", "--admin-key", "k"], stdout=subprocess.PIPE, stderr=err,
+                             env=_env())
+    try:
+        ready = json.loads(p.stdout.readline() or b"{}")
+        assert ready.get("event") == "ready", log.read_text()
+        wait_until(lambda: LINE in log.read_text(), 5, what="the I/O path in the log")
+    finally:
+        p.kill()
+        p.wait()
