@@ -10,6 +10,7 @@ import asyncio
 import base64
 import binascii
 import hashlib
+import itertools
 import hmac
 import logging
 import math
@@ -38,6 +39,7 @@ _FROM_URLSAFE = str.maketrans("-_", "+/")
 KEY_ID_RE = re.compile(r"^[a-f0-9]{12}$")
 SCOPES = ("send", "receive", "admin")
 RECEIVE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+ISSUED_TOKENS_MAX = 16_384  # decode_token's memory of tokens it handed out (oldest forgotten first)
 TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{27,400}")  # URL-safe base64, unpadded; fullmatch
 SECONDS_RE = re.compile(r"[ \t]*([0-9]+(\.[0-9]*)?|\.[0-9]+)[ \t]*\Z")  # a header's or a query's seconds, e.g. "5", "0.25"
 
@@ -121,6 +123,9 @@ class Service:
         # caller, if the answer was lost, can give it back (release_receive).
         # Bounded by names, tokens and age.
         self._receipts: OrderedDict = OrderedDict()
+        # lease tokens handed out lately -> their decoded fields (decode_token's
+        # shortcut: unpacking one costs about 3 us, a settle of 100 acks 0.3 ms)
+        self._issued: dict = {}
         self._receipt_tokens = 0
         self._peer_releases: OrderedDict = OrderedDict()  # releases that came on acks, done
         self.session_wakes: set = set()  # the writers of open Session streams (shut_down wakes them)
@@ -584,9 +589,24 @@ class Service:
     # -------------------------------------------------------------- leases
     def encode_token(self, lease) -> str:
         raw = struct.pack(">BQQ", 1, lease.epoch, lease.id) + lease.nonce + lease.queue.encode()
-        return binascii.b2a_base64(raw, newline=False).translate(_TO_URLSAFE).rstrip(b"=").decode()
+        token = binascii.b2a_base64(raw, newline=False).translate(_TO_URLSAFE).rstrip(b"=").decode()
+        issued = self._issued
+        issued[token] = (lease.epoch, lease.id, lease.nonce, lease.queue)
+        if len(issued) > ISSUED_TOKENS_MAX:  # forget the older half (their leases have most likely ended)
+            self._issued = dict(itertools.islice(issued.items(), ISSUED_TOKENS_MAX // 2, None))
+        return token
 
     def decode_token(self, token: str) -> tuple:
+        """-> (epoch, lease id, nonce, queue). A token this node handed out lately is
+        looked up (``_issued``: its fields, as encode_token packed them); any other
+        is checked character by character and unpacked. Either way the lease gate
+        (Core.check_lease) decides whether it is still good."""
+        try:
+            got = self._issued.get(token)
+        except TypeError:  # not hashable: not a token
+            got = None
+        if got is not None:
+            return got
         try:
             # every character checked here: a2b_base64 would skip the ones it does not know
             if not isinstance(token, str) or not TOKEN_RE.fullmatch(token):
