@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import time
+import types
 from typing import Optional
 
 import grpc
@@ -377,7 +378,7 @@ class Driver:
                 # Shielded: if the primary dies mid-frame, gRPC cancels this handler;
                 # the frame's store-and-bookkeeping must still finish as one step, or
                 # the log on disk and the core's view of it would part ways.
-                replies = await asyncio.shield(self._handle_frame(f))
+                replies = await shielded(self._handle_frame(f))
                 rel = self._pending_releases(f.primary)
                 for r in replies:
                     if rel:
@@ -469,6 +470,41 @@ class Driver:
         async with self.lock:
             await self._run(self.core.receive(R.TimeoutNow(req.epoch, req.primary), mono_us()))
         return pb.ReplEmpty()
+
+
+async def shielded(coro):
+    """``await coro``, shielded from the caller's cancellation like
+    ``asyncio.shield``, but with no task unless ``coro`` really waits.
+
+    A replica's frame is usually handled without ever waiting (the lock is free
+    and the commit runs inline), and asyncio.shield would still wrap it in a task:
+    a turn of the loop to start it and another to hand its result back, on the
+    path of every acknowledgement. So ``coro`` is run here up to its first wait;
+    if it finishes, nothing could have cancelled it. If it waits, the rest runs in
+    a task as before (Python 3.12's eager tasks do the same)."""
+    try:
+        first = coro.send(None)
+    except StopIteration as done:
+        return done.value
+    return await asyncio.shield(asyncio.ensure_future(_resume(coro, first)))
+
+
+@types.coroutine
+def _resume(coro, waiting_on):
+    """Go on with ``coro``, which has already run up to awaiting ``waiting_on``."""
+    while True:
+        try:
+            yield waiting_on  # the task waits for it, then resumes us (asyncio sends None)
+        except BaseException as e:  # noqa: BLE001 - thrown in by the task: pass it on
+            try:
+                waiting_on = coro.throw(e)
+            except StopIteration as done:
+                return done.value
+        else:
+            try:
+                waiting_on = coro.send(None)
+            except StopIteration as done:
+                return done.value
 
 
 class ReplicationServicer(pb_grpc.ReplicationServicer):
