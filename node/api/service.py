@@ -10,8 +10,8 @@ import asyncio
 import base64
 import binascii
 import hashlib
-import itertools
 import hmac
+import itertools
 import logging
 import math
 import os
@@ -39,7 +39,7 @@ _FROM_URLSAFE = str.maketrans("-_", "+/")
 KEY_ID_RE = re.compile(r"^[a-f0-9]{12}$")
 SCOPES = ("send", "receive", "admin")
 RECEIVE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-ISSUED_TOKENS_MAX = 16_384  # decode_token's memory of tokens it handed out (oldest forgotten first)
+ISSUED_TOKENS_MAX = 16_384  # decode_token's memory of tokens handed out (past it, the older half is forgotten)
 TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{27,400}")  # URL-safe base64, unpadded; fullmatch
 SECONDS_RE = re.compile(r"[ \t]*([0-9]+(\.[0-9]*)?|\.[0-9]+)[ \t]*\Z")  # a header's or a query's seconds, e.g. "5", "0.25"
 
