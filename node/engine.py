@@ -764,7 +764,7 @@ class Engine:
         # before it replaces our store: a crash at any point leaves either our old
         # store or the copy with our values, never the primary's. A value we never
         # had is written as "none" too, not inherited (lease_seen 0: not known).
-        incoming = Store(path, vfs=st.vfs, synchronous=st.synchronous)
+        incoming = Store(path, vfs=st.vfs, synchronous=st.synchronous, prefill_wal=False)  # closed at once
         try:
             with incoming.db:
                 incoming.set_meta("repl_epoch", keep["repl_epoch"] or 0)

@@ -65,6 +65,7 @@ class Forwarder:
         self._token_names: OrderedDict = OrderedDict()   # lease token -> (queue, our name)
         self._polls: set = set()  # forwarded receives waiting for the primary's answer
         self.stopping = False
+        self.handover_grace_s = 2.0  # see call(): a forwarded promote's answer after the handover
 
     def stub(self, address: str):
         s = self._stubs.get(address)
@@ -79,18 +80,26 @@ class Forwarder:
         """Forward one call to the primary at ``address``. It is cut short once this
         node takes another node for the primary, but not while that node is
         ``handing_to`` or unknown: a promote's own success changes the primary
-        (and leaves none known for a moment), and its answer is on the way."""
+        (and leaves none known for a moment), and its answer is on the way. That
+        answer is waited for ``handover_grace_s`` at most from the change (a
+        paused old primary never sends it)."""
         md = ((FORWARDED, self.node_id),) + ((("authorization", auth),) if auth else ())
         call = getattr(self.stub(address), method)(
             req, metadata=md, timeout=(self.timeout_s if timeout_s is None else timeout_s) + extra_s)
         task = asyncio.ensure_future(call)
+        loop = asyncio.get_running_loop()
+        changed_at = None  # when this node first took another node (or none) for the primary
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=0.05)
                 if done:
                     return task.result()
                 now = self.current_primary()
-                if now != address and not (handing_to and now in (handing_to, None)):
+                if now != address and changed_at is None:
+                    changed_at = loop.time()
+                handing = (handing_to and now in (handing_to, None)
+                           and loop.time() - changed_at < self.handover_grace_s)
+                if now != address and not handing:
                     # a new primary was elected while we waited on the old one (paused or
                     # cut off): stop waiting; the caller retries against the new one
                     task.cancel()

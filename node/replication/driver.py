@@ -481,7 +481,12 @@ async def shielded(coro):
     a turn of the loop to start it and another to hand its result back, on the
     path of every acknowledgement. So ``coro`` is run here up to its first wait;
     if it finishes, nothing could have cancelled it. If it waits, the rest runs in
-    a task as before (Python 3.12's eager tasks do the same)."""
+    a task as before (Python 3.12's eager tasks do the same).
+
+    The first step runs in the caller's task and context: a timeout
+    (asyncio.timeout, wait_for) or a context variable set before the first wait
+    would belong to the caller, not to the task that finishes. The frame's path
+    uses neither (it waits only on the lock and the store's thread); keep it so."""
     try:
         first = coro.send(None)
     except StopIteration as done:

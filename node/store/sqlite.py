@@ -105,7 +105,10 @@ class CheckpointData:
 
 class Store:
     def __init__(self, path: str, vfs: Optional[str] = None, log_keep_records: int = 100_000,
-                 synchronous: str = "FULL", log_keep_bytes: int = 256 << 20, wal_keep_bytes: int = 64 << 20):
+                 synchronous: str = "FULL", log_keep_bytes: int = 256 << 20, wal_keep_bytes: int = 64 << 20,
+                 prefill_wal: bool = True):
+        """``prefill_wal``: make the WAL file its working size (_prefill_wal); off for a
+        store opened only to be edited and closed (a snapshot's copy)."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         self.vfs = vfs
@@ -123,7 +126,8 @@ class Store:
             self.set_meta("schema_version", SCHEMA_VERSION)
         elif int(v) != SCHEMA_VERSION:
             raise RuntimeError(f"store schema {v} is not {SCHEMA_VERSION}")
-        self._prefill_wal()
+        if prefill_wal:
+            self._prefill_wal()
         # The log's record sizes as running totals, for compaction by bytes: the
         # log's lsns are contiguous, so _log_sum[k] is the size of every record
         # before lsn _log_first + k (and _log_sum[0] a base of no meaning).

@@ -57,3 +57,27 @@ def test_other_forwarded_calls_are_cut_short_by_any_change():
         await f.call(OLD, "SendBatch", api_pb2.SendBatchRequest(queue="q", bodies=[b"x"]), "Bearer k", True)
     with pytest.raises(errors.OperationUnconfirmed):
         asyncio.run(main())
+
+
+def test_a_forwarded_promote_whose_answer_never_comes_is_given_up_after_the_grace():
+    # the old primary was paused after the handover began: the target took over,
+    # but the answer never arrives; the caller hears unconfirmed, not a 15 s wait
+    view = [OLD]
+
+    class _Paused:
+        def Promote(self, req, metadata=None, timeout=None):
+            async def run():
+                view[0] = TARGET
+                await asyncio.sleep(30)
+            return run()
+
+    async def main():
+        f = Forwarder(timeout_s=5, current_primary=lambda: view[0])
+        f.handover_grace_s = 0.2
+        f._stubs[OLD] = _Paused()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(errors.OperationUnconfirmed):
+            await f.promote(OLD, "Bearer k", "target", TARGET)
+        return loop.time() - t0
+    assert asyncio.run(main()) < 2.0
