@@ -95,18 +95,18 @@ class Forwarder:
                 if done:
                     return task.result()
                 now = self.current_primary()
-                if now != address and changed_at is None:
+                if now == address:
+                    continue
+                if changed_at is None:
                     changed_at = loop.time()
-                handing = (handing_to and now in (handing_to, None)
-                           and loop.time() - changed_at < self.handover_grace_s)
-                if now != address and not handing:
-                    # a new primary was elected while we waited on the old one (paused or
-                    # cut off): stop waiting; the caller retries against the new one
-                    task.cancel()
-                    if write:
-                        raise errors.OperationUnconfirmed("the primary changed while the call was forwarded")
-                    raise errors.Unavailable("the primary changed while the call was forwarded",
-                                             retry_after_s=0.1)
+                if handing_to and now in (handing_to, None) and loop.time() - changed_at < self.handover_grace_s:
+                    continue  # the promote's own handover: its answer is on the way
+                # a new primary was elected while we waited on the old one (paused or
+                # cut off): stop waiting; the caller retries against the new one
+                task.cancel()
+                if write:
+                    raise errors.OperationUnconfirmed("the primary changed while the call was forwarded")
+                raise errors.Unavailable("the primary changed while the call was forwarded", retry_after_s=0.1)
         except grpc.RpcError as e:
             raise map_rpc_error(e, write=write) from None
         finally:
