@@ -12,6 +12,7 @@ import grpc
 import tenacity
 
 from spooler import errors
+from spooler.ids import run_ids
 from spooler.pb import api_pb2
 
 # gRPC's message size limit, on both sides. A body (or a send_batch) that cannot
@@ -337,13 +338,19 @@ def check_batch(queue, bodies, delay_s) -> None:
         raise errors.MessageTooLarge(f"batch of {total} bytes; one request carries at most {BODIES_BYTES_MAX}")
 
 
+def compact_request(queue: str, bodies: list, delay_s: float) -> api_pb2.SendBatchRequest:
+    """A send batch in the compact form, asking for the run's ids in the compact
+    form too (send_outcomes reads either)."""
+    return api_pb2.SendBatchRequest(queue=queue, bodies=bodies, delay_seconds=delay_s, compact_run_ids=True)
+
+
 def batch_request(sends: list, compact: bool = True) -> api_pb2.SendBatchRequest:
     """sends: [(queue, body, delay_s, dedup_key)] -> one SendBatchRequest; in the
     compact form (one queue, one delay, bodies only) when every send fits it and
     ``compact`` (only on a Session: a node that has Session understands it)."""
     q0, _, d0, _ = sends[0]
     if compact and all(q == q0 and d == d0 and not k for q, _, d, k in sends):
-        return api_pb2.SendBatchRequest(queue=q0, bodies=[s[1] for s in sends], delay_seconds=d0)
+        return compact_request(q0, [s[1] for s in sends], d0)
     return api_pb2.SendBatchRequest(entries=[api_pb2.SendRequest(queue=q, body=b, delay_seconds=d, dedup_key=k)
                                              for q, b, d, k in sends])
 
@@ -352,7 +359,8 @@ def send_outcomes(r: api_pb2.SendBatchResponse) -> list:
     """Per message, in request order: a SendResult, or the SpoolerError of a message
     that was not stored (its queue was deleted while the batch was committed)."""
     out = [errors.from_detail(x.error) if x.HasField("error") else SendResult(x.id, x.duplicate) for x in r.results]
-    out.extend([SendResult(i, False) for i in r.run_ids])
+    ids = run_ids(r.run_id_prefix, r.run_id_first, r.run_count) if r.run_count else r.run_ids
+    out.extend([SendResult(i, False) for i in ids])
     return out
 
 

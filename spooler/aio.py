@@ -20,7 +20,7 @@ from typing import Awaitable, Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (MOVE_ON, Nodes, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, auth_metadata, batch_request, batch_results, call_with_retries,
+from spooler._common import (MOVE_ON, Nodes, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, auth_metadata, batch_request, compact_request, batch_results, call_with_retries,
                              _has_detail, is_batch_entry_error, map_rpc_error, message_of, never_sent, read_lost, queue_dict, renew_delay_s, send_outcomes,
                              settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request, settle_failed, PING_TIMEOUT_S)
@@ -443,7 +443,7 @@ class AsyncClient(Nodes):
         check_batch(queue, bodies, delay_s)
         sends = [(queue, b, delay_s, "") for b in bodies]
         # already the compact form (one queue, one delay, bodies only): made once, not checked per attempt
-        run = api_pb2.SendBatchRequest(queue=queue, bodies=bodies, delay_seconds=delay_s)
+        run = compact_request(queue, bodies, delay_s)
         return batch_results(await call_with_retries(lambda: self._send_request(sends, compact=run),
                                                      self.retry_attempts, stop_when=self._gone))
 

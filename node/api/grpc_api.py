@@ -81,18 +81,20 @@ def _fill_send(out: api_pb2.SendBatchResponse, n_run: int, res: list) -> api_pb2
     return out
 
 
-def _fill_applied(out: api_pb2.SendBatchResponse, n_run: int, applied: list) -> None:
-    """As _fill_send, straight from the core's apply result [(id or None, duplicate
-    or error kind)] (the Session's Reply gets that): the run's ids are not made
-    into Service.send's triples first."""
-    per_entry = applied
-    if n_run:
-        run = applied[len(applied) - n_run:]
-        if run[0][0] is not None:
-            per_entry = applied[:len(applied) - n_run]
-            out.run_ids.extend([mid for mid, _ in run])
-    if per_entry:
-        _fill_entries(out, Service.send_results(per_entry))
+def _fill_applied(out: api_pb2.SendBatchResponse, compact: bool, applied: tuple) -> None:
+    """As _fill_send, straight from the core's apply result (entries, run) (the
+    Session's Reply gets that): a stored run's ids are never made into Service.send's
+    triples, and with ``compact`` (the request's compact_run_ids) not made at all:
+    the answer names the run's prefix, first counter and count."""
+    entries, run = applied
+    if run is not None and run.error is None:
+        if compact:
+            out.run_id_prefix, out.run_id_first, out.run_count = run.prefix, run.first, run.n
+        else:
+            out.run_ids.extend(run.ids())
+        run = None
+    if entries or run is not None:  # (a run that stored nothing: one error per body)
+        _fill_entries(out, Service.send_results((entries, run)))
 
 
 def _fill_entries(out: api_pb2.SendBatchResponse, triples: list) -> None:
@@ -375,7 +377,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
             tasks.discard(asyncio.current_task())  # before the answer: the writer may look at once
             answer(resp)
 
-        def sent(rid: int, n_run: int, reply: Reply, result, error) -> None:
+        def sent(rid: int, compact: bool, reply: Reply, result, error) -> None:
             """A send begun in start() is committed (or refused): answer it. Called by
             the engine where it applies the record (Reply), never after the stream
             ended (the end cancels what is left in ``tasks``)."""
@@ -384,7 +386,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                 try:
                     resp = api_pb2.SessionResponse(id=rid)
                     resp.send_batch.SetInParent()
-                    _fill_applied(resp.send_batch, n_run, result)
+                    _fill_applied(resp.send_batch, compact, result)
                 except Exception as e:
                     error = e
             if error is not None:
@@ -396,7 +398,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
             by the engine's call of ``sent``: the write path of a Session send costs
             no task. Everything else (and a send this node forwards) runs in a task."""
             if which == "send_batch" and not svc.forwards():
-                reply = Reply(functools.partial(sent, rid, len(req.bodies)))
+                reply = Reply(functools.partial(sent, rid, req.compact_run_ids))
                 try:
                     begun = svc.send_begin(svc.authenticate(auth, forwarded, memo), *_send_args(req), reply=reply)
                 except Exception as e:

@@ -91,12 +91,11 @@ class Metrics:
         op = rec.WhichOneof("op")
         if op in ("send", "send_compact"):
             # only entries can be duplicates (a run carries no dedup keys)
-            n_run = len(getattr(rec, op).run_bodies)
-            entries = result[:len(result) - n_run]
+            entries, run = result
             dup = sum(1 for _, d in entries if d is True)
             stored = sum(1 for m, d in entries if m is not None and d is False)
-            if n_run and result[-1][0] is not None:
-                stored += n_run
+            if run is not None and run.error is None:
+                stored += run.n
             self.sends.inc(stored)
             if dup:
                 self.duplicates.inc(dup)

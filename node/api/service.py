@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from typing import Optional
 
 from spooler import errors
+from spooler.ids import message_id
 from spooler.pb import log_pb2
 from node.core import replication as R
 from node.core.spool import US, BadToken, StaleLeaseError, failure_queue_of
@@ -459,10 +460,19 @@ class Service:
         return self.engine.propose(rec, reply=reply)
 
     @staticmethod
-    def send_results(results: list) -> list:
-        """A committed send's apply result -> [(id, duplicate, error)] (see ``send``)."""
-        return [("", False, errors.make(d, "queue was deleted while the send was committed")) if mid is None
-                else (mid, d, None) for mid, d in results]
+    def send_results(applied: tuple) -> list:
+        """A committed send's apply result (Core._apply_send's (entries, run)) ->
+        [(id, duplicate, error)], the entries', then the run's (see ``send``)."""
+        entries, run = applied
+        out = [("", False, errors.make(d, "queue was deleted while the send was committed")) if mid is None
+               else (mid, d, None) for mid, d in entries]
+        if run is not None:
+            if run.error is None:
+                out.extend([(mid, False, None) for mid in run.ids()])
+            else:
+                out.extend([("", False, errors.make(run.error, "queue was deleted while the send was committed"))
+                            for _ in range(run.n)])
+        return out
 
     def _check_dedup_key(self, key: str) -> None:
         if len(key) > self.limits.dedup_key_chars_max or not key.isprintable():
@@ -505,7 +515,7 @@ class Service:
         """Message ids: a random per-process prefix and a counter (unique across
         restarts and nodes without a syscall per message)."""
         self._id_counter += 1
-        return f"{self._id_prefix}{self._id_counter:08x}"
+        return message_id(self._id_prefix, self._id_counter)
 
     def _lease_out(self, queue: str, max_n: int, via: str = "") -> list:
         """``via``: the node that forwarded this receive; its leases carry (node, when)

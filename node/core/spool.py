@@ -24,8 +24,9 @@ from bisect import bisect_right
 from hmac import compare_digest
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
+from spooler.ids import message_id, run_ids
 from spooler.pb import log_pb2
 
 US = 1_000_000
@@ -122,7 +123,7 @@ class Segment:
         self.removed = False       # its queue was deleted
 
     def id_of(self, i: int) -> str:
-        return f"{self.prefix}{self.first + i:08x}"
+        return message_id(self.prefix, self.first + i)
 
     def size_of(self, i: int) -> int:
         """The length of message ``i``'s body (from the bodies in memory, else the
@@ -134,6 +135,20 @@ class Segment:
     def untaken(self):
         taken = self.taken
         return [i for i in range(self.cur, self.n) if not taken[i]]
+
+
+class Run(NamedTuple):
+    """A compact run as its send's apply result names it. Stored (``error`` None):
+    the ids are ``prefix`` + hex of ``first`` .. ``first + n - 1`` (``ids()``),
+    made only by whoever reads them (a replica never does). Else ``error`` is the
+    kind that stored none of its ``n`` bodies (the queue was deleted)."""
+    prefix: str
+    first: int
+    n: int
+    error: Optional[str] = None
+
+    def ids(self) -> list:
+        return run_ids(self.prefix, self.first, self.n)
 
 
 class Lease:
@@ -267,7 +282,8 @@ class Core:
         return True
 
     def _apply_send(self, op, ts):
-        """Per entry: (id, duplicate) or (None, error kind)."""
+        """-> (entries, run). entries: per entry (id, duplicate) or (None, error
+        kind); run: None (the record has no run) or a ``Run``."""
         out = []
         queues = self.queues
         for e in op.entries:
@@ -297,33 +313,31 @@ class Core:
             heapq.heappush(q.retention, (m.expires_at, m.seq, mid))
             out.append((mid, False))
             self.dirty.queues.add(q.name)
-        if op.run_bodies:
-            self._apply_send_run(op, ts, out)
-        return out
+        return out, (self._apply_send_run(op, ts) if op.run_bodies else None)
 
     def _apply_send_compact(self, op, ts):
         return self._apply_send(op, ts)
 
-    def _apply_send_run(self, op, ts, out: list) -> None:
+    def _apply_send_run(self, op, ts):
         """The compact form: the same as one entry per body without a dedup key,
         held as one Segment (this is the hot path of batched sends)."""
         bodies = op.run_bodies
         n = len(bodies)
+        prefix, first = op.run_id_prefix, op.run_id_first
         q = self.queues.get(op.run_queue)
         if q is None:
-            out.extend([(None, "queue_not_found")] * n)
-            return
-        prefix, first, name = op.run_id_prefix, op.run_id_first, q.name
+            return Run(prefix, first, n, "queue_not_found")
+        name = q.name
         visible_at = ts + op.run_delay_us if op.run_delay_us > 0 else ts
         seg = Segment(self.next_seq, name, prefix, first, n, visible_at,
                       visible_at + q.settings["retention_us"], bodies)
         self.next_seq += n
         self._add_segment(q, seg, ts)
         self.dirty.segs[seg.seq0] = seg
-        out.extend([(f"{prefix}{c:08x}", False) for c in range(first, first + n)])
         q.counters["sent"] += n
         self.dirty.queues.add(name)
         self._tidy(q)
+        return Run(prefix, first, n)
 
     def _add_segment(self, q: Queue, seg: Segment, now: int) -> None:
         """Index a segment's untaken messages and place them (ready or delayed)."""

@@ -152,24 +152,32 @@ class SendResponse(_message.Message):
     def __init__(self, id: _Optional[str] = ..., duplicate: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class SendBatchRequest(_message.Message):
-    __slots__ = ("entries", "queue", "bodies", "delay_seconds")
+    __slots__ = ("entries", "queue", "bodies", "delay_seconds", "compact_run_ids")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     BODIES_FIELD_NUMBER: _ClassVar[int]
     DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_RUN_IDS_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[SendRequest]
     queue: str
     bodies: _containers.RepeatedScalarFieldContainer[bytes]
     delay_seconds: float
-    def __init__(self, entries: _Optional[_Iterable[_Union[SendRequest, _Mapping]]] = ..., queue: _Optional[str] = ..., bodies: _Optional[_Iterable[bytes]] = ..., delay_seconds: _Optional[float] = ...) -> None: ...
+    compact_run_ids: bool
+    def __init__(self, entries: _Optional[_Iterable[_Union[SendRequest, _Mapping]]] = ..., queue: _Optional[str] = ..., bodies: _Optional[_Iterable[bytes]] = ..., delay_seconds: _Optional[float] = ..., compact_run_ids: _Optional[bool] = ...) -> None: ...
 
 class SendBatchResponse(_message.Message):
-    __slots__ = ("results", "run_ids")
+    __slots__ = ("results", "run_ids", "run_id_prefix", "run_id_first", "run_count")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     RUN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIRST_FIELD_NUMBER: _ClassVar[int]
+    RUN_COUNT_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SendResponse]
     run_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, results: _Optional[_Iterable[_Union[SendResponse, _Mapping]]] = ..., run_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    run_id_prefix: str
+    run_id_first: int
+    run_count: int
+    def __init__(self, results: _Optional[_Iterable[_Union[SendResponse, _Mapping]]] = ..., run_ids: _Optional[_Iterable[str]] = ..., run_id_prefix: _Optional[str] = ..., run_id_first: _Optional[int] = ..., run_count: _Optional[int] = ...) -> None: ...
 
 class ReceiveRequest(_message.Message):
     __slots__ = ("queue", "wait_seconds", "max_messages", "receive_id", "caller_receive_id")

@@ -59,6 +59,42 @@ def test_session_answers_every_request_by_id(node):
     asyncio.run(main())
 
 
+def test_a_send_that_asks_for_compact_run_ids_gets_them_and_they_name_the_messages(node):
+    """compact_run_ids: the run's ids come back as prefix, first counter and count
+    (no run_ids); an entry before the run still has its own result; the ids the
+    compact answer names are the ids the messages are delivered with. A request
+    that does not ask (an older SDK) gets run_ids."""
+    from spooler._common import send_outcomes
+
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("s5")
+        req = api_pb2.SendBatchRequest(entries=[api_pb2.SendRequest(queue="s5", body=b"e")], queue="s5",
+                                       bodies=[b"r1", b"r2", b"r3"], compact_run_ids=True)
+        got = await _session(node, node.admin_key, [
+            api_pb2.SessionRequest(id=1, send_batch=req),
+            api_pb2.SessionRequest(id=2, send_batch=api_pb2.SendBatchRequest(queue="s5", bodies=[b"old"])),
+            api_pb2.SessionRequest(id=3, send_batch=api_pb2.SendBatchRequest(queue="nope", bodies=[b"x", b"y"],
+                                                                              compact_run_ids=True))])
+        a = got[1].send_batch
+        assert (a.run_count, len(a.run_ids), len(a.results)) == (3, 0, 1)
+        assert a.run_id_prefix and a.run_id_first
+        sent = [r.id for r in send_outcomes(a)]
+        assert sent[1:] == [f"{a.run_id_prefix}{a.run_id_first + i:08x}" for i in range(3)]
+        old = got[2].send_batch
+        assert (old.run_count, len(old.run_ids)) == (0, 1)
+        assert got[3].error.kind == "queue_not_found"  # a run that stored nothing is no compact answer
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            msgs = await c.receive("s5", max_messages=10)
+            assert [(m.id, m.body) for m in msgs] == list(zip(sent + [old.run_ids[0]], [b"e", b"r1", b"r2", b"r3",
+                                                                                         b"old"]))
+            # the SDK asks for the compact form and reads it
+            ids = [r.id for r in await c.send_batch("s5", [b"s1", b"s2"])]
+            assert ids == [m.id for m in await c.receive("s5", max_messages=10)]
+
+    asyncio.run(main())
+
+
 def test_session_refuses_a_bad_key_and_a_deleted_one(node):
     async def main():
         with pytest.raises(grpc.RpcError) as e:

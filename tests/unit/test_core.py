@@ -36,7 +36,9 @@ class Log:
         self.ids += 1
         rec = log_pb2.Record()
         rec.send.entries.add(queue=queue, id=f"m{self.ids}", body=body, delay_us=delay, dedup_key=key)
-        return self.commit(rec, at)[0]
+        entries, run = self.commit(rec, at)
+        assert run is None  # a record without a run
+        return entries[0]
 
     def settle(self, kind, queue, mid, at, delay=0):
         rec = log_pb2.Record()
@@ -312,7 +314,10 @@ def test_compact_run_is_the_same_as_one_entry_per_body(log):
     log.queue("q", retention_us=100 * S)
     log.queue("other")
     res = _run(log, "q", [b"a", b"b", b"c"], at=5, entries=[("other", b"e")])
-    assert res == [("m1", False), ("p0000001f", False), ("p00000020", False), ("p00000021", False)]
+    entries, run = res
+    assert entries == [("m1", False)]
+    assert run == ("p", 0x1f, 3, None)  # the ids are made only by whoever reads them
+    assert run.ids() == ["p0000001f", "p00000020", "p00000021"]
     got = recv(log, "q", 6, 10)
     assert [(m.id, m.body, m.retry) for m, _ in got] == [("p0000001f", b"a", 0), ("p00000020", b"b", 0),
                                                           ("p00000021", b"c", 0)]
@@ -328,7 +333,7 @@ def test_compact_run_with_a_delay_and_to_a_missing_queue(log):
     assert recv(log, "q", 10 + 5 * S - 1) == []
     [(m, _)] = recv(log, "q", 10 + 5 * S)
     assert (m.body, m.visible_at) == (b"late", 10 + 5 * S)
-    assert _run(log, "gone", [b"x", b"y"], at=11) == [(None, "queue_not_found")] * 2
+    assert _run(log, "gone", [b"x", b"y"], at=11) == ([], ("p", 0x1f, 2, "queue_not_found"))
 
 
 def test_a_record_of_an_unknown_kind_stops_apply(log):
@@ -496,7 +501,7 @@ def test_a_replica_heaps_stay_bounded(log):
     (messages acked, nacked back, dropped) are swept once they outnumber the live."""
     log.queue("q")
     for r in range(40):
-        ids = [mid for mid, _ in _run(log, "q", [b"x"] * 100, at=r)]
+        ids = _run(log, "q", [b"x"] * 100, at=r)[1].ids()
         ids += [log.send("q", b"one", at=r)[0] for _ in range(20)]
         for m, _ in recv(log, "q", r, 200):
             log.settle(log_pb2.ACK, "q", m.id, r)
