@@ -20,7 +20,7 @@ from typing import Awaitable, Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (MOVE_ON, Nodes, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, auth_metadata, batch_request, compact_request, batch_results, call_with_retries,
+from spooler._common import (MOVE_ON, Nodes, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, auth_metadata, batch_request, compact_request, settle_request, batch_results, call_with_retries,
                              _has_detail, is_batch_entry_error, map_rpc_error, message_of, never_sent, read_lost, queue_dict, renew_delay_s, send_outcomes,
                              settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request, settle_failed, PING_TIMEOUT_S)
@@ -29,7 +29,6 @@ from spooler.pb import api_pb2
 log = logging.getLogger("spooler.aio")
 
 
-_ACTIONS = {"ack": api_pb2.SETTLE_ACK, "nack": api_pb2.SETTLE_NACK, "renew": api_pb2.SETTLE_RENEW}
 
 
 class _NoSession(Exception):
@@ -499,8 +498,7 @@ class AsyncClient(Nodes):
         Ack/Nack/Renew on a node without one); the item's error is raised."""
         rpc = {"ack": self.stub.Ack, "nack": self.stub.Nack, "renew": self.stub.Renew}[action]
         if self.session.supported:
-            req = api_pb2.SettleBatchRequest(items=[api_pb2.SettleBatchRequest.Item(
-                token=token, action=_ACTIONS[action], delay_seconds=delay_s)])
+            req = settle_request([(token, action, delay_s)])
             try:
                 r = (await self.session.request("settle_batch", req, write=True, timeout_s=self.timeout_s)).results[0]
             except _NoSession:
@@ -562,8 +560,7 @@ class AsyncClient(Nodes):
 
     async def settle_batch(self, items: list) -> list:
         """items: [(token, "ack"|"nack"|"renew", delay_s)] -> per item None / expiresAt / SpoolerError."""
-        req = api_pb2.SettleBatchRequest(items=[api_pb2.SettleBatchRequest.Item(
-            token=t, action=_ACTIONS[a], delay_seconds=d) for t, a, d in items])
+        req = settle_request(items)
         # after unavailable only: the per-item answers are final
         r = await self._waited_for_by_close(call_with_retries(
             lambda: self._pipe("settle_batch", self.stub.SettleBatch, req, write=True),

@@ -23,7 +23,7 @@ from spooler import errors
 from spooler._common import (MOVE_ON, Nodes, keep_renewing_after, batch_size, check_batch, check_send_types, Message, SendResult, auth_metadata, batch_request, batch_results, call_with_retries_sync,
                              is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, send_outcomes,
                              settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
-                             release_request, settle_failed, PING_TIMEOUT_S)
+                             release_request, settle_failed, settle_request, PING_TIMEOUT_S)
 from spooler.pb import api_pb2
 
 log = logging.getLogger("spooler.client")
@@ -314,9 +314,7 @@ class Client(Nodes):
 
     def settle_batch(self, items: list) -> list:
         """items: [(token, "ack"|"nack"|"renew", delay_s)] -> per item None / expiresAt / SpoolerError."""
-        actions = {"ack": api_pb2.SETTLE_ACK, "nack": api_pb2.SETTLE_NACK, "renew": api_pb2.SETTLE_RENEW}
-        req = api_pb2.SettleBatchRequest(items=[api_pb2.SettleBatchRequest.Item(
-            token=t, action=actions[a], delay_seconds=d) for t, a, d in items])
+        req = settle_request(items)
         with self._waited_for_by_close():
             r = self._retried("SettleBatch", req, write=True)  # after unavailable only: per-item answers are final
         return [errors.from_detail(x.error) if x.HasField("error") else (x.expires_at or None) for x in r.results]

@@ -16,7 +16,8 @@ from typing import Optional
 import grpc
 
 from spooler import errors
-from spooler._common import GRPC_OPTIONS, cluster_dict, map_rpc_error, queue_dict, send_outcomes, settings_pb
+from spooler._common import (GRPC_OPTIONS, SETTLE_ACTIONS, cluster_dict, map_rpc_error, queue_dict, send_outcomes,
+                             settings_pb, settle_request)
 from spooler.pb import api_pb2, api_pb2_grpc
 
 FORWARDED = "spooler-forwarded"
@@ -32,14 +33,13 @@ def _put(d: OrderedDict, k, v, cap: int) -> None:
     d[k] = v
     while len(d) > cap:
         d.popitem(last=False)
-_ACTIONS = {"ack": api_pb2.SETTLE_ACK, "nack": api_pb2.SETTLE_NACK, "renew": api_pb2.SETTLE_RENEW}
 
 
 def _action_number(action) -> int:
     """The wire number of a settle action. An unknown number from a gRPC caller
     (named ``number N`` by grpc_api) goes on as it came, so the primary refuses
     it in the same words as when it is asked directly."""
-    n = _ACTIONS.get(action)
+    n = SETTLE_ACTIONS.get(action)
     if n is None and isinstance(action, str) and action.startswith("number "):
         try:
             n = int(action[7:])
@@ -237,9 +237,7 @@ class Forwarder:
             pause = min(pause * 2, 0.5)
 
     async def settle(self, a, auth, items, per_item_errors):
-        req = api_pb2.SettleBatchRequest(items=[api_pb2.SettleBatchRequest.Item(
-            token=t if isinstance(t, str) else "", action=_action_number(act), delay_seconds=d or 0.0)
-            for t, act, d in items])
+        req = settle_request([(t if isinstance(t, str) else "", act, d) for t, act, d in items], _action_number)
         r = await self.call(a, "SettleBatch", req, auth, True)
         out = [errors.from_detail(x.error) if x.HasField("error") else (x.expires_at or None) for x in r.results]
         if not per_item_errors:

@@ -115,10 +115,18 @@ async def _receive_batch(svc: Service, p, req, out=None) -> api_pb2.ReceiveRespo
     got = await svc.receive(p, req.queue, req.wait_seconds, req.max_messages or 1, req.receive_id,
                             req.caller_receive_id)
     out = api_pb2.ReceiveResponse() if out is None else out
-    add = out.messages.add  # built in place: no message built and then copied in
+    add = out.messages.add
     for d in got:
-        add(id=d.id, body=d.body, lease_token=d.token, retry_count=d.retry_count, lease_expires_at=d.expires_at,
-            queue=d.queue)
+        # built in place (no message built and then copied in), field by field and a
+        # zero retry count left unset: about two thirds of add()'s keywords' cost
+        m = add()
+        m.id = d.id
+        m.body = d.body
+        m.lease_token = d.token
+        m.lease_expires_at = d.expires_at
+        m.queue = d.queue
+        if d.retry_count:
+            m.retry_count = d.retry_count
     return out
 
 
