@@ -47,6 +47,28 @@ def test_send_receive_ack_nack_renew(client):
     assert client.receive("g2") == []
 
 
+def test_a_nack_delay_travels_in_every_settle_form(node, client):
+    """A nack's delay reaches the node from nack() and settle_batch(), sync and
+    async: the message is delayed, not visible (and a nack without one is visible
+    at once). The settle request leaves a zero delay unset; a non-zero one must
+    not be left out with it."""
+    client.put_queue("g9", leaseTimeoutSeconds=30)
+    client.send_batch("g9", [b"a", b"b", b"c", b"d", b"e", b"f"])
+    ms = client.receive("g9", wait_s=1, max_messages=6)
+    assert len(ms) == 6
+    client.nack(ms[0].token, delay_s=600)
+    assert client.settle_batch([(ms[1].token, "nack", 600), (ms[2].token, "nack", 0)]) == [None, None]
+
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.nack(ms[3].token, delay_s=600)
+            assert await c.settle_batch([(ms[4].token, "nack", 600), (ms[5].token, "nack", 0.0)]) == [None, None]
+
+    asyncio.run(main())
+    st = client.get_queue("g9")["stats"]
+    assert (st["delayed"], st["visible"], st["leased"]) == (4, 2, 0)
+
+
 def test_error_kinds_travel_in_trailers(node, client):
     client.put_queue("g3")
     ch = grpc.insecure_channel(node.grpc_target)
