@@ -47,7 +47,7 @@ def test_send_receive_ack_nack_renew(client):
     assert client.receive("g2") == []
 
 
-def test_a_nack_delay_travels_in_every_settle_form(node, client):
+def test_a_nack_delay_travels_in_every_settle_form_and_counts_come_back(node, client):
     """A nack's delay reaches the node from nack() and settle_batch(), sync and
     async: the message is delayed, not visible (and a nack without one is visible
     at once). The settle request leaves a zero delay unset; a non-zero one must
@@ -67,6 +67,17 @@ def test_a_nack_delay_travels_in_every_settle_form(node, client):
     asyncio.run(main())
     st = client.get_queue("g9")["stats"]
     assert (st["delayed"], st["visible"], st["leased"]) == (4, 2, 0)
+    # the two visible ones come back counted, in a batch answer (which leaves a zero count unset)
+    again = client.receive("g9", max_messages=10)
+    assert sorted((m.id, m.retry_count) for m in again) == sorted([(ms[2].id, 1), (ms[5].id, 1)])
+    client.settle_batch([(m.token, "nack", 0) for m in again])
+
+    async def on_session():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            return await c.receive("g9", max_messages=10)
+
+    assert sorted((m.id, m.retry_count) for m in asyncio.run(on_session())) == \
+        sorted([(ms[2].id, 2), (ms[5].id, 2)])
 
 
 def test_error_kinds_travel_in_trailers(node, client):
