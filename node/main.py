@@ -227,6 +227,9 @@ def main(argv=None, grpc_io: str = "") -> int:
     """``grpc_io``: what node.process.prepare settled, for the log (the
     ``spooler-node`` script and ``python -m node.main`` both run it first)."""
     args = parse_args(argv)
+    if grpc_io == "invalid":  # (after the flags: --help still answers)
+        from node.process import refusal
+        raise SystemExit(refusal())
     if os.environ.get("SPOOLER_SWITCH_INTERVAL"):
         sys.setswitchinterval(float(os.environ["SPOOLER_SWITCH_INTERVAL"]))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s",

@@ -32,13 +32,14 @@ GRPC_IO_CHOICES = ("legacy", "default")
 def prepare(environ=None, modules=None) -> str:
     """Settle the gRPC I/O path in ``environ`` (the process's) before grpc is
     imported. Returns what the process runs with: "legacy", "default", "operator"
-    (GRPC_EXPERIMENTS was set already) or "too late" (grpc was already imported)."""
+    (GRPC_EXPERIMENTS was set already) or "too late" (grpc was already imported);
+    "invalid" for a SPOOLER_GRPC_IO it does not know, which ``refusal`` words and
+    node.main refuses once the flags are parsed (so --help still answers)."""
     environ = os.environ if environ is None else environ
     modules = sys.modules if modules is None else modules
     choice = environ.get("SPOOLER_GRPC_IO", "legacy")
     if choice not in GRPC_IO_CHOICES:
-        raise SystemExit(f"spooler-node: SPOOLER_GRPC_IO must be one of {', '.join(GRPC_IO_CHOICES)}, "
-                         f"not {choice!r}")
+        return "invalid"
     if "GRPC_EXPERIMENTS" in environ:
         return "operator"
     if choice == "default":
@@ -47,6 +48,12 @@ def prepare(environ=None, modules=None) -> str:
         return "too late"
     environ["GRPC_EXPERIMENTS"] = GRPC_IO_LEGACY
     return "legacy"
+
+
+def refusal(environ=None) -> str:
+    """Why the node does not start with the SPOOLER_GRPC_IO it was given."""
+    choice = (os.environ if environ is None else environ).get("SPOOLER_GRPC_IO")
+    return f"spooler-node: SPOOLER_GRPC_IO must be one of {', '.join(GRPC_IO_CHOICES)}, not {choice!r}"
 
 
 def main(argv=None) -> int:

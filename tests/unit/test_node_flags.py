@@ -77,8 +77,15 @@ def test_a_node_process_takes_grpcs_older_io_path_before_grpc_is_imported():
     assert prepare(env, modules={"grpc": object()}) == "too late" and "GRPC_EXPERIMENTS" not in env
 
 
-def test_an_unknown_grpc_io_choice_stops_the_node():
+def test_an_unknown_grpc_io_choice_stops_the_node_after_the_flags(monkeypatch, capsys):
+    from node.main import main
     from node.process import prepare
+    env = {"SPOOLER_GRPC_IO": "fast"}
+    assert prepare(env, modules={}) == "invalid" and "GRPC_EXPERIMENTS" not in env
+    monkeypatch.setenv("SPOOLER_GRPC_IO", "fast")
     with pytest.raises(SystemExit) as e:
-        prepare({"SPOOLER_GRPC_IO": "fast"}, modules={})
-    assert "SPOOLER_GRPC_IO must be one of legacy, default" in str(e.value)
+        main(["--help"], grpc_io="invalid")
+    assert e.value.code == 0 and "--failover-timeout" in capsys.readouterr().out  # help still answers
+    with pytest.raises(SystemExit) as e:
+        main(["--id", "n1"], grpc_io="invalid")
+    assert str(e.value) == "spooler-node: SPOOLER_GRPC_IO must be one of legacy, default, not 'fast'"
