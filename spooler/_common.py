@@ -366,10 +366,12 @@ def settle_request(items, action_of=SETTLE_ACTIONS.__getitem__) -> api_pb2.Settl
     req = api_pb2.SettleBatchRequest()
     add = req.items.add
     for t, a, d in items:
+        action = action_of(a)  # (an unknown action fails first, as it did)
         it = add()
-        it.token = t
-        it.action = action_of(a)
-        if d:
+        if t is not None:  # None: unset, as Item(token=None) left it (the node refuses it)
+            it.token = t
+        it.action = action
+        if d is not None and d != 0:
             it.delay_seconds = d
     return req
 

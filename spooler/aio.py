@@ -29,8 +29,6 @@ from spooler.pb import api_pb2
 log = logging.getLogger("spooler.aio")
 
 
-
-
 class _NoSession(Exception):
     """The node has no Session RPC (an older node): use the unary RPCs."""
 

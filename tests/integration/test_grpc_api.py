@@ -78,6 +78,9 @@ def test_a_nack_delay_travels_in_every_settle_form_and_counts_come_back(node, cl
 
     assert sorted((m.id, m.retry_count) for m in asyncio.run(on_session())) == \
         sorted([(ms[2].id, 2), (ms[5].id, 2)])
+    # a missing token is the node's to refuse, one item at a time, as it always was
+    [refused] = client.settle_batch([(None, "ack", 0)])
+    assert isinstance(refused, errors.InvalidArgument)
 
 
 def test_error_kinds_travel_in_trailers(node, client):
