@@ -83,6 +83,31 @@ def test_a_nack_delay_travels_in_every_settle_form_and_counts_come_back(node, cl
     assert isinstance(refused, errors.InvalidArgument)
 
 
+def test_messages_sent_in_the_compact_form_are_counted_in_metrics(node, client):
+    """A batch in the compact form (one log record, its run returned by apply as
+    three figures) counts every message it stored in spooler_sends_total; one sent
+    to a deleted queue counts none."""
+    import re
+    import urllib.request
+
+    def sends():
+        with urllib.request.urlopen(node.http_url + "/metrics", timeout=10) as r:
+            return float(re.search(rb"^spooler_sends_total ([0-9.e+]+)$", r.read(), re.M).group(1))
+
+    client.put_queue("g10")
+    before = sends()
+    client.send_batch("g10", [b"a", b"b", b"c"])  # the sync client: entries, one per message
+
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.send_batch("g10", [b"d", b"e", b"f", b"g"])  # the Session: the compact form
+            with pytest.raises(errors.QueueNotFound):
+                await c.send_batch("no-such-queue", [b"h", b"i"])
+
+    asyncio.run(main())
+    assert sends() == before + 7
+
+
 def test_error_kinds_travel_in_trailers(node, client):
     client.put_queue("g3")
     ch = grpc.insecure_channel(node.grpc_target)
