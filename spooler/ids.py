@@ -5,8 +5,9 @@ api.proto's ``SendBatchResponse.run_id_*``).
 
 An id is the prefix followed by the counter in lowercase hex, at least 8
 digits: ``f"{prefix}{counter:08x}"``, written here in the form that costs
-about half as much in CPython (a batch of 100 makes 100 of them on every node
-and in the client)."""
+about half as much in CPython (the SDK makes a batch's hundred ids from a
+compact answer, and a primary one for each message it takes out of a
+segment)."""
 from __future__ import annotations
 
 
@@ -15,5 +16,6 @@ def message_id(prefix: str, counter: int) -> str:
 
 
 def run_ids(prefix: str, first: int, n: int) -> list:
-    """The ids of ``n`` consecutive counters from ``first``."""
+    """The ids of ``n`` consecutive counters from ``first`` (message_id's rule,
+    inline: a call per id would cost about as much again)."""
     return [prefix + hex(c)[2:].zfill(8) for c in range(first, first + n)]
