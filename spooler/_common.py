@@ -447,6 +447,29 @@ class Nodes:
 
     _grpc = grpc
 
+    def __init__(self, target: str = "127.0.0.1:50051", key: str = "", *, timeout_s: float = 30.0,
+                 batch_max: int = 100, batches_in_flight_max: int = 4, retry_attempts: int = 6,
+                 credentials=None, ping_timeout_s: float = PING_TIMEOUT_S):
+        """credentials: grpc channel credentials for a node running mTLS
+        (``grpc.ssl_channel_credentials(ca, key, cert)``); None = plaintext.
+        ping_timeout_s: a connection whose ping goes unanswered this long is
+        closed and its calls fail (a hung node); raise it on a slow link that
+        carries large messages."""
+        self._init_nodes(target, credentials, ping_timeout_s)
+        self.md = auth_metadata(key)
+        self.timeout_s = timeout_s
+        self.batch_max = batch_max
+        self.batches_in_flight_max = batches_in_flight_max
+        self.retry_attempts = retry_attempts
+        self._pending: list = []     # sends waiting for auto-batching
+        self._in_flight = 0          # auto-batching's send batches awaiting their answer
+        self.send_rpcs = 0           # SendBatch RPCs made by auto-batching (observability, tests)
+        self._release_supported = True
+        self._init_client()
+
+    def _init_client(self) -> None:
+        """What the sync or the asyncio client keeps of its own."""
+
     def _init_nodes(self, target: str, credentials, ping_timeout_s: float = PING_TIMEOUT_S) -> None:
         self._grpc_options = grpc_options(ping_timeout_s)
         self.target = target

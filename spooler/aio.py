@@ -20,10 +20,10 @@ from typing import Awaitable, Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (MOVE_ON, Nodes, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, auth_metadata, batch_request, compact_request, settle_request, batch_results, call_with_retries,
+from spooler._common import (MOVE_ON, Nodes, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, batch_request, compact_request, settle_request, batch_results, call_with_retries,
                              _has_detail, is_batch_entry_error, map_rpc_error, message_of, never_sent, read_lost, queue_dict, renew_delay_s, send_outcomes,
                              settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
-                             release_request, settle_failed, PING_TIMEOUT_S)
+                             release_request, settle_failed)
 from spooler.pb import api_pb2
 
 log = logging.getLogger("spooler.aio")
@@ -246,28 +246,11 @@ def _fail_all(batch: list, e: BaseException) -> None:
 class AsyncClient(Nodes):
     _grpc = grpc.aio
 
-    def __init__(self, target: str = "127.0.0.1:50051", key: str = "", *, timeout_s: float = 30.0,
-                 batch_max: int = 100, batches_in_flight_max: int = 4, retry_attempts: int = 6,
-                 credentials=None, ping_timeout_s: float = PING_TIMEOUT_S):
-        """credentials: grpc channel credentials for a node running mTLS
-        (``grpc.ssl_channel_credentials(ca, key, cert)``); None = plaintext.
-        ping_timeout_s: a connection whose ping goes unanswered this long is
-        closed and its calls fail (a hung node); raise it on a slow link that
-        carries large messages."""
-        self._init_nodes(target, credentials, ping_timeout_s)
-        self.md = auth_metadata(key)
-        self.timeout_s = timeout_s
-        self.batch_max = batch_max
-        self.batches_in_flight_max = batches_in_flight_max
-        self.retry_attempts = retry_attempts
-        self._pending: list = []     # (SendRequest, Future)
-        self._in_flight = 0
+    def _init_client(self) -> None:
         self._flushes: set = set()   # the flush tasks running
-        self.send_rpcs = 0           # SendBatch RPCs made by auto-batching (observability, tests)
         self.session = _Session(self)
         self._releases: set = set()   # releases of cancelled receives, still going
         self._settling: set = set()   # futures of acks, nacks and settle_batches in progress (close waits for them)
-        self._release_supported = True
         self._closed = False
         self._closing = False
 

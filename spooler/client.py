@@ -20,10 +20,10 @@ from typing import Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (MOVE_ON, Nodes, keep_renewing_after, batch_size, check_batch, check_send_types, Message, SendResult, auth_metadata, batch_request, batch_results, call_with_retries_sync,
+from spooler._common import (MOVE_ON, Nodes, keep_renewing_after, batch_size, check_batch, check_send_types, Message, SendResult, batch_request, batch_results, call_with_retries_sync,
                              is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, send_outcomes,
                              settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
-                             release_request, settle_failed, settle_request, PING_TIMEOUT_S)
+                             release_request, settle_failed, settle_request)
 from spooler.pb import api_pb2
 
 log = logging.getLogger("spooler.client")
@@ -42,32 +42,13 @@ def _settle_futures(batch: list, result=None, error: Optional[BaseException] = N
 class Client(Nodes):
     _grpc = grpc
 
-    def __init__(self, target: str = "127.0.0.1:50051", key: str = "", *, timeout_s: float = 30.0,
-                 batch_max: int = 100, batches_in_flight_max: int = 4, retry_attempts: int = 6,
-                 credentials=None, ping_timeout_s: float = PING_TIMEOUT_S):
-        """credentials: grpc channel credentials for a node running mTLS
-        (``grpc.ssl_channel_credentials(ca, key, cert)``); None = plaintext.
-        ping_timeout_s: a connection whose ping goes unanswered this long is
-        closed and its calls fail (a hung node); raise it on a slow link that
-        carries large messages."""
-        self._init_nodes(target, credentials, ping_timeout_s)
-        self.md = auth_metadata(key)
-        self.timeout_s = timeout_s
-        self.batch_max = batch_max
-        self.batches_in_flight_max = batches_in_flight_max
-        self.retry_attempts = retry_attempts
+    def _init_client(self) -> None:
         self._lock = threading.Lock()
-        self._pending: list = []
-        self._in_flight = 0
-        self.send_rpcs = 0           # SendBatch RPCs made by auto-batching (observability, tests)
-        self._pool = ThreadPoolExecutor(max_workers=batches_in_flight_max, thread_name_prefix="spooler-send")
-        self._release_supported = True
+        self._pool = ThreadPoolExecutor(max_workers=self.batches_in_flight_max, thread_name_prefix="spooler-send")
         self._closed = False  # close() began: no new sends, acks or nacks, no retries
         self._shut = False    # close() has sent what it held: no calls at all
         self._settles = 0     # acks, nacks and settle_batches in progress (close waits for them)
         self._settled = threading.Condition(self._lock)  # notified as each of those ends
-
-
 
     def _gone(self) -> bool:
         """close() began: a failed call is not tried again (its channel is closing)."""
