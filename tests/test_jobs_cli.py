@@ -123,6 +123,18 @@ def test_an_idempotency_key_given_before_submit_is_a_usage_error_not_dropped(spo
     assert spool.submit("true", opts=("--key", "k1")) == a
 
 
+@pytest.mark.parametrize("argv", [["submit"], ["submit", "--"], ["submit", "--json", "--"]])
+def test_submit_without_a_command_is_a_usage_error(spool, argv):
+    """README: usage errors exit 2; under --json the error is one JSON line on
+    stdout. A submit that names no command is one, and queues nothing."""
+    spool.submit("true")
+    r = spool.run(*argv, check=False)
+    assert r.returncode == 2, r
+    if "--json" in argv:
+        assert json.loads(r.stdout)["error"]["kind"] == "invalid_argument", r
+    assert spool.json("status")["total"] == 1
+
+
 def test_unknown_job_is_an_error_with_json_error_body(spool):
     r = spool.run("status", "nope", "--json", check=False)
     assert r.returncode == 1

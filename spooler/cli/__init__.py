@@ -118,6 +118,10 @@ def main(argv=None) -> int:
     _Parser.json_errors = "--json" in ours
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "json_before_action", False):  # spoolctl queue --json list
+        args.json = True
+    if args.command == "submit" and list(args.cmd or [])[:2] in ([], ["--"]):  # (a usage error: exit 2)
+        parser.error("submit needs a command: spoolctl submit [options] -- CMD [ARG...]")
     if args.command == "submit" and not args.queue and args.idem_key is None and "submit" in ours \
             and any(a == "--key" or a.startswith("--key=") for a in ours[:ours.index("submit")]):
         # the global --key is the server's API key: on a local submit it would be

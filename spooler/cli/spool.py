@@ -115,7 +115,8 @@ def cmd_stats(args):
 
 
 def cmd_keys_create(args):
-    scopes = [s.strip() for s in args.scope.split(",") if s.strip()]
+    given = args.scope or ["send,receive"]  # --scope may be given more than once: every one counts
+    scopes = list(dict.fromkeys(s.strip() for g in given for s in g.split(",") if s.strip()))
     k = _client(args).create_key(args.queue, scopes)  # "" is the node's to refuse, never "every queue"
     emit(args, k, k["key"])
 
@@ -153,8 +154,13 @@ def register(sub) -> None:
         p.set_defaults(func=func)
         return p
 
-    q = sub.add_parser("queue", help="create, inspect, list and delete queues").add_subparsers(dest="queue_cmd",
-                                                                                              metavar="ACTION")
+    def group(name, help, dest):
+        """A command with actions (``queue list``): --json goes before the action or after it."""
+        g = sub.add_parser(name, help=help)
+        g.add_argument("--json", dest="json_before_action", action="store_true", help="machine-readable output")
+        return g.add_subparsers(dest=dest, metavar="ACTION")
+
+    q = group("queue", "create, inspect, list and delete queues", "queue_cmd")
     q.required = True
     for action, func in (("create", cmd_queue_create), ("update", cmd_queue_create)):
         p = cmd(q, action, func, f"{action} a queue (PUT: creates or updates)")
@@ -184,16 +190,16 @@ def register(sub) -> None:
     cmd(sub, "redrive", cmd_redrive, "move the failure queue's messages back").add_argument("queue")
     cmd(sub, "stats", cmd_stats, "queue statistics").add_argument("queue", nargs="?")
 
-    k = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_cmd", metavar="ACTION")
+    k = group("keys", "API keys", "keys_cmd")
     k.required = True
     p = cmd(k, "create", cmd_keys_create, "create a scoped key (printed once)")
     p.add_argument("--queue", default="*", help="queue name, or * for every queue")
-    p.add_argument("--scope", default="send,receive", help="comma list of send, receive, admin")
+    p.add_argument("--scope", action="append", default=None,
+                   help="comma list of send, receive, admin; may be repeated (default send,receive)")
     cmd(k, "list", cmd_keys_list, "list keys (never the secrets)")
     cmd(k, "delete", cmd_keys_delete, "delete a key").add_argument("id")
 
-    c = sub.add_parser("cluster", help="cluster status and switchover").add_subparsers(dest="cluster_cmd",
-                                                                                     metavar="ACTION")
+    c = group("cluster", "cluster status and switchover", "cluster_cmd")
     c.required = True
     cmd(c, "status", cmd_cluster_status, "who is primary, epoch, members")
     cmd(c, "promote", cmd_cluster_promote, "planned switchover to NODE").add_argument("node")

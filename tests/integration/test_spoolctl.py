@@ -60,6 +60,28 @@ def test_every_spool_command_round_trips_in_json(node):
     assert run_json(node, "queue", "delete", "jobs") == (0, {"deleted": "jobs"})
 
 
+def test_json_may_come_before_or_after_the_action(node):
+    """API.md: ``spoolctl COMMAND [--json] ...``, and every command takes --json:
+    for the commands with actions, both ``queue --json list`` and ``queue list --json``."""
+    assert run(node, "queue", "create", "jq")[0] == 0
+    for argv in (["queue", "--json", "list"], ["queue", "list", "--json"], ["queue", "--json", "get", "jq"],
+                 ["cluster", "--json", "status"], ["keys", "--json", "list"]):
+        rc, out, err = run(node, *argv)
+        assert rc == 0 and out.count(b"\n") == 1, (argv, rc, out, err)
+        json.loads(out)
+    rc, out, _ = run(node, "queue", "--json", "get", "nope")
+    assert rc == 1 and json.loads(out)["error"]["kind"] == "queue_not_found"
+    rc, out, _ = run(node, "queue", "list")
+    assert rc == 0 and out.strip() and not out.startswith(b"{")  # plain text without --json
+
+
+def test_scope_may_be_repeated(node):
+    rc, k = run_json(node, "keys", "create", "--queue", "jq2", "--scope", "receive", "--scope", "send")
+    assert rc == 0 and sorted(k["scopes"]) == ["receive", "send"], k
+    rc, k = run_json(node, "keys", "create", "--queue", "jq2")
+    assert rc == 0 and sorted(k["scopes"]) == ["receive", "send"], k  # the default
+
+
 def test_binary_body_survives_stdin_to_stdout(node):
     assert run(node, "queue", "create", "bin")[0] == 0
     rc, out, err = run(node, "send", "bin", "-", stdin=BODY)
