@@ -90,21 +90,28 @@ class Reply:
     (or refused), a turn of the event loop sooner than a future's callback or an
     awaiting task would. It has the part of a future's interface the engine
     uses (done, set_result, set_exception) and ``cancel``: a caller that went
-    away (its stream ended) is not called. The callback must not raise; if it
+    away (its stream ended) is not called. ``on_settled(fn)``: ``fn()`` runs once
+    when the engine settles the proposal (applied or refused), cancelled or not:
+    the proposer's own bookkeeping (Service._sending). Neither must raise; if one
     does, the error is logged and the engine goes on."""
 
-    __slots__ = ("_cb", "_done")
+    __slots__ = ("_cb", "_done", "_then")
 
     def __init__(self, cb: Callable):
         self._cb = cb
         self._done = False
+        self._then = None
 
     def done(self) -> bool:
         return self._done
 
     def cancel(self) -> bool:
-        was, self._done = self._done, True
-        return not was
+        was = self._cb is not None and not self._done
+        self._cb = None
+        return was
+
+    def on_settled(self, fn: Callable) -> None:
+        self._then = fn
 
     def set_result(self, result) -> None:
         self._finish(result, None)
@@ -116,10 +123,17 @@ class Reply:
         if self._done:
             return
         self._done = True
-        try:
-            self._cb(self, result, e)
-        except Exception:
-            log.exception("a reply callback failed")
+        if self._then is not None:
+            _call_logged(self._then)
+        if self._cb is not None:
+            _call_logged(self._cb, self, result, e)
+
+
+def _call_logged(fn: Callable, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("a reply callback failed")
 
 
 class Engine:

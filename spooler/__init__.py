@@ -4,7 +4,7 @@
     from spooler.aio import AsyncClient # asyncio gRPC client
     from spooler.http import HttpClient # small HTTP/JSON client (what spoolctl uses)
 """
-__version__ = "0.4.4"
+__version__ = "0.4.5"
 
 
 def __getattr__(name):  # lazy: importing spooler.errors must not pull in the whole SDK

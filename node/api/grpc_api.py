@@ -329,7 +329,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
 
     @rpc
     async def GetCluster(self, p, req, ctx):
-        return cluster_pb(self.svc.cluster(p))
+        return cluster_pb(await self.svc.cluster(p))
 
     @rpc
     async def Promote(self, p, req, ctx):

@@ -236,7 +236,7 @@ def build_app(svc: Service, metrics) -> web.Application:
 
     # ----------------------------------------------------------- cluster
     async def cluster(request):
-        return _json(svc.cluster(principal(request)))
+        return _json(await svc.cluster(principal(request)))
 
     async def promote(request):
         p = principal(request)

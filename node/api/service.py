@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import binascii
 import hashlib
 import hmac
@@ -28,7 +29,7 @@ from spooler.ids import message_id
 from spooler.pb import log_pb2
 from node.core import replication as R
 from node.core.spool import US, BadToken, StaleLeaseError, failure_queue_of
-from node.engine import Engine, mono_us
+from node.engine import Engine, Reply, mono_us
 
 log = logging.getLogger("spooler.service")
 
@@ -107,6 +108,16 @@ def _not_ready(e) -> str:
     return "this node is taking over as primary"
 
 
+def _into_future(fut: asyncio.Future, _reply, result, error) -> None:
+    """A Reply's outcome into a future of the caller's (see Service.send_begin)."""
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
 class Service:
     def __init__(self, engine: Engine, admin_keys: list):
         self.engine = engine
@@ -133,6 +144,7 @@ class Service:
         # creations proposed and not yet answered, counted against their caps: a
         # check of the core alone let concurrent creates pass the cap together
         self._queues_creating: dict = {}  # name -> calls creating it
+        self._sending: dict = {}  # queue -> messages proposed to it, not yet applied or refused
         self._keys_creating = 0
 
     @property
@@ -393,10 +405,16 @@ class Service:
         q = self._queue(name)
         self.authorize(p, "admin", q.failure_queue)  # redrive empties the failure queue
         fq = self.core.queues.get(q.failure_queue)
-        if fq is not None and fq is not q and q.size + fq.size > self.limits.messages_per_queue_max:
-            raise errors.Unavailable(f"redrive would put {q.size + fq.size} messages in queue {name}; it holds at "
+        moving = {name: fq.size} if fq is not None and fq is not q else {}
+        after = q.size + self._sending.get(name, 0) + moving.get(name, 0)  # (sends on their way count)
+        if moving and after > self.limits.messages_per_queue_max:
+            raise errors.Unavailable(f"redrive would put {after} messages in queue {name}; it holds at "
                                      f"most {self.limits.messages_per_queue_max}", retry_after_s=1.0)
-        return await self.engine.propose(log_pb2.Record(redrive=log_pb2.Redrive(queue=name)))
+        self._pending_sends(moving, +1)  # until it applies, as a send's messages do
+        try:
+            return await self.engine.propose(log_pb2.Record(redrive=log_pb2.Redrive(queue=name)))
+        finally:
+            self._pending_sends(moving, -1)
 
     # ------------------------------------------------------------ messages
     async def send(self, p: Principal, entries: list, run: Optional[tuple] = None) -> list:
@@ -430,14 +448,17 @@ class Service:
         self._send_shape(entries, run)
         if self.forwards():
             return None
+        if not self.engine.ready:  # (as _remote: a queue may exist that this node has not applied yet)
+            raise errors.Unavailable(_not_ready(self.engine), retry_after_s=0.5)
         rec = log_pb2.Record()
         send = rec.send_compact if run and run[1] else rec.send
         add = send.entries.add
         checked: dict = {}  # queue -> room left; each queue is validated once per batch
+        rooms: dict = {}    # queue -> its room before this batch
         for queue, body, delay_s, key in entries:
             room = checked.get(queue)
             if room is None:
-                room = self._room(p, queue)
+                room = rooms[queue] = self._room(p, queue)
             if room <= 0:
                 raise self._full(queue)
             checked[queue] = room - 1
@@ -447,9 +468,10 @@ class Service:
             queue, bodies, delay_s = run
             room = checked.get(queue)
             if room is None:
-                room = self._room(p, queue)
+                room = rooms[queue] = self._room(p, queue)
             if room < len(bodies):
                 raise self._full(queue)
+            checked[queue] = room - len(bodies)
             if bodies:
                 send.run_queue = queue
                 send.run_id_prefix = self._id_prefix
@@ -457,7 +479,27 @@ class Service:
                 self._id_counter += len(bodies)
                 send.run_delay_us = round(delay_s * US) if delay_s else 0
                 send.run_bodies.extend(bodies)
-        return self.engine.propose(rec, reply=reply)
+        # this batch's messages per queue, for the caps of sends still to come
+        pending = {q: room - checked[q] for q, room in rooms.items()}
+        fut = None
+        if reply is None:  # (a Reply, not the engine's future: a caller that goes away stops nothing)
+            fut = asyncio.get_running_loop().create_future()
+            reply = Reply(functools.partial(_into_future, fut))
+        self.engine.propose(rec, reply=reply)
+        # Messages on their way to a queue count against its cap (_room) until the
+        # engine settles the record: applied (then the queue's size has them) or refused.
+        self._pending_sends(pending, +1)
+        reply.on_settled(functools.partial(self._pending_sends, pending, -1))
+        return reply if fut is None else fut
+
+    def _pending_sends(self, counts: dict, sign: int) -> None:
+        sending = self._sending
+        for q, n in counts.items():
+            left = sending.get(q, 0) + sign * n
+            if left > 0:
+                sending[q] = left
+            else:
+                sending.pop(q, None)
 
     @staticmethod
     def send_results(applied: tuple) -> list:
@@ -505,7 +547,7 @@ class Service:
         scope, that it exists; -> how many more messages it may hold."""
         self.check_name_any(queue)
         self.authorize(p, "send", queue)
-        return self.limits.messages_per_queue_max - self._queue(queue).size
+        return self.limits.messages_per_queue_max - self._queue(queue).size - self._sending.get(queue, 0)
 
     def _full(self, queue: str) -> errors.SpoolerError:
         return errors.Unavailable(f"queue {queue} holds its maximum of {self.limits.messages_per_queue_max} messages",
@@ -550,6 +592,8 @@ class Service:
                 self._check_receive_id(receive_id)
             return await self.fwd.receive(self._remote(p), p.auth, queue, wait_s, max_n, receive_id,
                                           release_for_s=self._release_for_s(queue))
+        if not self.engine.ready:  # (as _remote: a queue may exist that this node has not applied yet)
+            raise errors.Unavailable(_not_ready(self.engine), retry_after_s=0.5)
         self.authorize(p, "receive", queue)
         self._queue(queue)
         keys = [(self._caller(p), queue, self._check_receive_id(n)) for n in (receive_id, caller_receive_id) if n]
@@ -884,7 +928,15 @@ class Service:
         await self.engine.propose(log_pb2.Record(key_delete=log_pb2.KeyDelete(id=kid)))
 
     # ------------------------------------------------------------- cluster
-    def cluster(self, p: Principal) -> dict:
+    async def cluster(self, p: Principal) -> dict:
+        """This node's view. A replica that let a key through for the primary to
+        check (authenticate: one it does not know, perhaps not yet) has the
+        primary check it before answering, as every other call it forwards."""
+        if not p.admin and not p.key_id and (a := self._remote(p)):
+            await self.fwd.list_queues(a, p.auth)  # (401 for a key the primary does not know either)
+        return self.cluster_doc()
+
+    def cluster_doc(self) -> dict:
         e = self.engine
         st = e.repl.status()
         nodes = st["nodes"]
@@ -903,7 +955,7 @@ class Service:
             return await self.fwd.promote(a, p.auth, node, e.repl.addresses[node])
         self._global_admin(p)
         if node == e.node_id and e.role == "primary":
-            return self.cluster(p)  # already the primary
+            return self.cluster_doc()  # already the primary
         if e.role != "primary":
             raise errors.Unavailable("promote must be sent to the primary", retry_after_s=0.5)
         refused = e.repl.core.transfer_refused(node)
@@ -922,13 +974,13 @@ class Service:
         # (bounded: 5 s or two failover timeouts)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(5.0, 2 * e.repl.core.timeout / 1e6)
-        c = e.repl.core  # what the answer is built from (self.cluster): the same fields
+        c = e.repl.core  # what the answer is built from (self.cluster_doc): the same fields
         while loop.time() < deadline and (c.role == R.PRIMARY or not c.primary or c.primary == e.node_id):
             if c.role == R.PRIMARY and c.transfer_to is None:
                 break  # the target did not catch up in time: this node serves again
             await asyncio.sleep(0.01)
         if c.primary == node:
-            return self.cluster(p)
+            return self.cluster_doc()
         if c.role == R.PRIMARY or c.primary:
             # known not to have happened (a 200 here would read as success)
             now = f"{c.primary} is" if c.primary else "no node is"

@@ -85,3 +85,64 @@ def test_no_failure_queue_is_made_past_the_queue_cap(tmp_path, monkeypatch):
             assert (again.id, again.retry_count) == (d.id, 0)
             assert svc.queue_doc("a")["stats"]["failedTotal"] == 0  # nothing moved
     asyncio.run(main())
+
+
+def test_concurrent_sends_stop_at_the_message_cap(tmp_path):
+    """Messages proposed but not yet applied count against their queue's cap: sends
+    that arrive within one group commit cannot pass it together. Through plain
+    sends (a future), runs, and a Reply as a Session stream's send uses."""
+    from node.engine import Reply
+
+    async def main():
+        async with _node(tmp_path, messages_per_queue_max=5) as (eng, svc):
+            await svc.put_queue(ADMIN, "q", {})
+            ok, refused = await _outcomes([svc.send(ADMIN, [("q", b"x", 0.0, "")]) for _ in range(20)])
+            assert len(ok) == 5 and eng.core.queues["q"].size == 5
+            assert len(refused) == 15 and all(isinstance(e, errors.Unavailable) for e in refused), refused
+
+            await svc.put_queue(ADMIN, "r", {})
+            ok, refused = await _outcomes([svc.send(ADMIN, [], ("r", [b"y"] * 2, 0.0)) for _ in range(5)])
+            assert len(ok) == 2 and eng.core.queues["r"].size == 4 and len(refused) == 3
+
+            await svc.put_queue(ADMIN, "s", {})
+            answers = []
+            first, second = Reply(lambda *a: answers.append(a)), Reply(lambda *a: answers.append(a))
+            svc.send_begin(ADMIN, [], ("s", [b"z"] * 2, 0.0), reply=first)  # in one turn of the loop,
+            svc.send_begin(ADMIN, [], ("s", [b"z"] * 2, 0.0), reply=second)  # as a stream's reader does
+            second.cancel()  # its stream went away: its messages still count until applied
+            with pytest.raises(errors.Unavailable):
+                svc.send_begin(ADMIN, [], ("s", [b"z"] * 2, 0.0), reply=Reply(lambda *a: answers.append(a)))
+            svc.send_begin(ADMIN, [("s", b"z", 0.0, "")], reply=Reply(lambda *a: answers.append(a)))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while len(answers) < 2 and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            assert [error for _, _, error in answers] == [None, None]  # the cancelled one is not answered
+            assert eng.core.queues["s"].size == 5
+            assert svc._sending == {}  # every proposal settled, the cancelled one too: nothing left counted
+    asyncio.run(main())
+
+
+def test_a_redrive_and_sends_on_their_way_cannot_pass_the_cap_together(tmp_path):
+    async def main():
+        async with _node(tmp_path, messages_per_queue_max=5) as (eng, svc):
+            await svc.put_queue(ADMIN, "q", {"maxRetries": 0})
+            await svc.send(ADMIN, [], ("q", [b"1", b"2", b"3"], 0.0))
+            got = await svc.receive(ADMIN, "q", 0, 3)
+            await svc.settle(ADMIN, [(d.token, "nack", 0) for d in got])  # all three to q.failed
+            sending = svc.send(ADMIN, [], ("q", [b"4", b"5", b"6"], 0.0))  # checked and proposed at once
+            task = asyncio.ensure_future(sending)
+            await asyncio.sleep(0)
+            with pytest.raises(errors.Unavailable):
+                await svc.redrive(ADMIN, "q")  # 3 on their way + 3 to move > 5
+            await task
+            got = await svc.receive(ADMIN, "q", 0, 1)
+            await svc.settle(ADMIN, [(got[0].token, "ack", 0)])
+            redrive = asyncio.ensure_future(svc.redrive(ADMIN, "q"))  # 2 + 3 = 5: room, and counted while on its way
+            await asyncio.sleep(0)
+            with pytest.raises(errors.Unavailable):
+                svc.send_begin(ADMIN, [("q", b"7", 0.0, "")])
+            assert await redrive == 3
+            assert (eng.core.queues["q"].size, eng.core.queues["q.failed"].size) == (5, 0)
+            assert svc._sending == {}
+    asyncio.run(main())

@@ -398,6 +398,18 @@ def test_a_replica_refuses_malformed_keys_and_promotes_as_the_primary_does(clust
             assert resp.status == 400 and resp.json()["kind"] == "invalid_argument", (node, path, body, resp)
     keys = nodes[p].get("/v1/keys")[1]["keys"]
     assert keys == [], keys  # nothing was created on the way
+    # the cluster document is answered by each node itself, but a key the replica
+    # does not know is still checked (by the primary): 401, as on the primary
+    for node in (p, r):
+        resp = Api(nodes[node].http_url, nodes[node].admin_key).req("GET", "/v1/cluster",
+                                                                     key="spk_0123456789ab_made-up")
+        assert resp.status == 401 and resp.json()["kind"] == "unauthenticated", (node, resp)
+    scoped = Api(nodes[p].http_url, nodes[p].admin_key).req(
+        "POST", "/v1/keys", json.dumps({"queue": "q", "scopes": ["send"]}).encode()).json()["key"]
+    resp = wait_until(lambda: (lambda x: x if x.status == 200 else None)(
+        Api(nodes[r].http_url, nodes[r].admin_key).req("GET", "/v1/cluster", key=scoped)), 10,
+        what="the replica to answer a scoped key's cluster call")
+    assert resp.json()["nodeId"] == r  # the replica's own view
 
 
 def test_sdk_with_every_node_follows_the_cluster(cluster):

@@ -146,7 +146,10 @@ def test_a_primary_that_has_not_opened_its_epoch_answers_not_now_instead_of_from
         key = await svc.create_key(ADMIN, "q", ["send"])
         eng.ready = False  # as between the election and the first record's commit
         for call in (lambda: svc.get_queue(ADMIN, "q"), lambda: svc.get_queue(ADMIN, "missing"),
-                     lambda: svc.list_queues(ADMIN), lambda: svc.list_keys(ADMIN)):
+                     lambda: svc.list_queues(ADMIN), lambda: svc.list_keys(ADMIN),
+                     lambda: svc.send(ADMIN, [("missing", b"x", 0.0, "")]),
+                     lambda: svc.send(ADMIN, [], ("missing", [b"x"], 0.0)),
+                     lambda: svc.receive(ADMIN, "missing", 0.0)):
             with pytest.raises(errors.Unavailable):
                 await call()
         with pytest.raises(errors.Unavailable):

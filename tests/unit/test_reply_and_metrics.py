@@ -36,6 +36,22 @@ def test_a_cancelled_reply_is_never_called_and_a_failing_callback_does_not_reach
     assert r.done()
 
 
+def test_on_settled_runs_once_when_the_engine_settles_cancelled_or_not():
+    """The proposer's bookkeeping (Service._sending) must end with the proposal, also
+    when the caller went away before it was applied."""
+    for cancel in (False, True):
+        settled, calls = [], []
+        r = Reply(lambda *a: calls.append(a))
+        r.on_settled(lambda: settled.append(1))
+        if cancel:
+            r.cancel()
+        assert not r.done() and settled == []  # a cancel settles nothing: the record may still commit
+        r.set_exception(RuntimeError("refused"))
+        r.set_result("late")
+        assert r.done() and settled == [1]
+        assert len(calls) == (0 if cancel else 1)
+
+
 def test_counts_and_buckets_expose_prometheus_families():
     sends = Count("spooler_sends", "Messages stored")
     secs = Buckets("spooler_commit_seconds", "commit", (0.001, 0.01))
