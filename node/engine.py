@@ -200,8 +200,12 @@ class Engine:
     def load(self) -> None:
         """Rebuild the core: checkpointed tables, then replay the log after them."""
         st, core = self.store, self.core
-        now = self.clock_us()
         applied = st.applied_position()
+        # the newest applied record always stays in the log (compaction_point): its
+        # stamp is where this node's time resumes, even if the clock went back
+        for _, _, _, data in st.records_after(applied.lsn - 1, limit=1) if applied.lsn else ():
+            self.last_ts = max(self.last_ts, log_pb2.Record.FromString(data).ts_us)
+        now = self.now_us()
         for name, settings, counters in st.load_queues():
             core.load_queue(name, settings, counters)
         for queue, seq0, prefix, first, n, vis, exp, offs, gone in st.load_segments():
@@ -612,7 +616,7 @@ class Engine:
             if not self.serving():
                 continue
             spared = self.core.spared
-            due = self.core.due_expiries(self.clock_us(), spare=self._lost_contact)
+            due = self.core.due_expiries(self.now_us(), spare=self._lost_contact)
             if self.core.spared != spared:
                 self._wake_receivers()
                 log.info("gave back %d expired lease(s) of receives forwarded by a node that lost contact",
@@ -626,7 +630,7 @@ class Engine:
                 except errors.SpoolerError:
                     self.core.abort_expiries(due)  # not serving now; try again on a later tick
             # delayed messages whose time came: wake long polls on their queue
-            now = self.clock_us()
+            now = self.now_us()
             for name, ev in list(self._events.items()):
                 vis = self.core.next_visible_at(name)
                 if vis is not None and vis <= now:
@@ -638,7 +642,7 @@ class Engine:
             await asyncio.sleep(tick_s)
             if not self.serving():
                 continue
-            for queue, ids in self.core.due_drops(self.clock_us()):
+            for queue, ids in self.core.due_drops(self.now_us()):
                 try:
                     fut = self.propose(log_pb2.Record(drop=log_pb2.Drop(queue=queue, ids=ids)), internal=True)
                 except errors.SpoolerError:
@@ -839,4 +843,7 @@ class Engine:
         return out
 
     def now_us(self) -> int:
-        return self.clock_us()
+        """The node's time: its clock, but never before the newest record it
+        stamped or loaded (a clock stepped back must not hide what was sent)."""
+        t = self.clock_us()
+        return t if t >= self.last_ts else self.last_ts
