@@ -111,7 +111,10 @@ class Reply:
         return was
 
     def on_settled(self, fn: Callable) -> None:
-        self._then = fn
+        if self._done:  # (settled already: at once)
+            _call_logged(fn)
+        else:
+            self._then = fn
 
     def set_result(self, result) -> None:
         self._finish(result, None)
@@ -188,6 +191,8 @@ class Engine:
         self.write_epoch = 0              # epoch stamped on new records
         self.appended_lsn = 0
         self.last_ts = 0
+        # now_us's anchor: a wall time and the monotonic time it was read at
+        self._anchor_ts, self._anchor_mono = 0, mono_us()
         self.ready = False                # serving: primary, its EpochBegin applied, lease valid
         self.role = "replica"
         self.primary_id: Optional[str] = None
@@ -387,7 +392,7 @@ class Engine:
             self.appended_lsn += 1
             rec.lsn = self.appended_lsn
             # the primary's time, stamped once; never goes backwards
-            self.last_ts = rec.ts_us = max(self.last_ts, self.clock_us())
+            self.last_ts = rec.ts_us = max(self.last_ts, self.now_us())
             data = rec.SerializeToString()
             size += len(data)
             self.crc = chain(self.crc, data)
@@ -843,7 +848,18 @@ class Engine:
         return out
 
     def now_us(self) -> int:
-        """The node's time: its clock, but never before the newest record it
-        stamped or loaded (a clock stepped back must not hide what was sent)."""
-        t = self.clock_us()
-        return t if t >= self.last_ts else self.last_ts
+        """The node's time: its wall clock, except that it never goes back. It never
+        falls behind the newest record this node stamped, loaded or received, and
+        when the clock is behind it (stepped back, or slower than the primary
+        that stamped before us) it goes on from there at the monotonic clock's
+        pace until the wall clock catches up: leases still expire, delays still
+        end, and nothing sent before is hidden."""
+        t, m = self.clock_us(), mono_us()
+        floor = self._anchor_ts + (m - self._anchor_mono)
+        if self.last_ts > floor:
+            floor = self._anchor_ts = self.last_ts
+            self._anchor_mono = m
+        if t >= floor:
+            self._anchor_ts, self._anchor_mono = t, m
+            return t
+        return floor

@@ -405,16 +405,30 @@ class Service:
         q = self._queue(name)
         self.authorize(p, "admin", q.failure_queue)  # redrive empties the failure queue
         fq = self.core.queues.get(q.failure_queue)
-        moving = {name: fq.size} if fq is not None and fq is not q else {}
-        after = q.size + self._sending.get(name, 0) + moving.get(name, 0)  # (sends on their way count)
-        if moving and after > self.limits.messages_per_queue_max:
-            raise errors.Unavailable(f"redrive would put {after} messages in queue {name}; it holds at "
-                                     f"most {self.limits.messages_per_queue_max}", retry_after_s=1.0)
-        self._pending_sends(moving, +1)  # until it applies, as a send's messages do
-        try:
-            return await self.engine.propose(log_pb2.Record(redrive=log_pb2.Redrive(queue=name)))
-        finally:
-            self._pending_sends(moving, -1)
+        moving = {}
+        if fq is not None and fq is not q:
+            # what the failure queue holds when the redrive applies: what it holds now
+            # and what is on its way to it; the queue gets that on top of its own
+            moving[name] = fq.size + self._sending.get(fq.name, 0)
+            after = q.size + self._sending.get(name, 0) + moving[name]
+            if after > self.limits.messages_per_queue_max:
+                raise errors.Unavailable(f"redrive would put {after} messages in queue {name}; it holds at "
+                                         f"most {self.limits.messages_per_queue_max}", retry_after_s=1.0)
+        return await self._propose_counted(log_pb2.Record(redrive=log_pb2.Redrive(queue=name)), moving)
+
+    def _propose_counted(self, rec, pending: dict, reply: Optional[Reply] = None):
+        """Propose ``rec``, counting ``pending`` ({queue: messages it adds}) against the
+        queues' caps until the engine settles it, applied or refused; a caller that
+        goes away meanwhile changes nothing (the engine holds a Reply, not the
+        caller's future). -> ``reply``, or a future of the outcome."""
+        fut = None
+        if reply is None:
+            fut = asyncio.get_running_loop().create_future()
+            reply = Reply(functools.partial(_into_future, fut))
+        self.engine.propose(rec, reply=reply)
+        self._pending_sends(pending, +1)
+        reply.on_settled(functools.partial(self._pending_sends, pending, -1))
+        return reply if fut is None else fut
 
     # ------------------------------------------------------------ messages
     async def send(self, p: Principal, entries: list, run: Optional[tuple] = None) -> list:
@@ -479,18 +493,9 @@ class Service:
                 self._id_counter += len(bodies)
                 send.run_delay_us = round(delay_s * US) if delay_s else 0
                 send.run_bodies.extend(bodies)
-        # this batch's messages per queue, for the caps of sends still to come
-        pending = {q: room - checked[q] for q, room in rooms.items()}
-        fut = None
-        if reply is None:  # (a Reply, not the engine's future: a caller that goes away stops nothing)
-            fut = asyncio.get_running_loop().create_future()
-            reply = Reply(functools.partial(_into_future, fut))
-        self.engine.propose(rec, reply=reply)
         # Messages on their way to a queue count against its cap (_room) until the
         # engine settles the record: applied (then the queue's size has them) or refused.
-        self._pending_sends(pending, +1)
-        reply.on_settled(functools.partial(self._pending_sends, pending, -1))
-        return reply if fut is None else fut
+        return self._propose_counted(rec, {q: room - checked[q] for q, room in rooms.items()}, reply)
 
     def _pending_sends(self, counts: dict, sign: int) -> None:
         sending = self._sending

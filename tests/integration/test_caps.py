@@ -146,3 +146,59 @@ def test_a_redrive_and_sends_on_their_way_cannot_pass_the_cap_together(tmp_path)
             assert (eng.core.queues["q"].size, eng.core.queues["q.failed"].size) == (5, 0)
             assert svc._sending == {}
     asyncio.run(main())
+
+
+def test_a_caller_that_goes_away_leaves_its_messages_counted_until_they_apply(tmp_path):
+    """A send or a redrive whose caller is cancelled (a client gone, a deadline) after
+    it was proposed still lands: its messages count against the cap until then.
+    (The commit is held back by holding the replication lock it runs under, so the
+    caller's cancellation is seen through before the record can apply.)"""
+    async def cancelled_then_checked(eng, call, then):
+        async with eng.repl.lock:
+            gone = asyncio.ensure_future(call())
+            await asyncio.sleep(0)  # checked and proposed
+            gone.cancel()
+            for _ in range(5):  # every callback of the cancellation runs
+                await asyncio.sleep(0)
+            assert gone.cancelled()
+            with pytest.raises(errors.Unavailable):
+                then()
+
+    async def main():
+        async with _node(tmp_path, messages_per_queue_max=5) as (eng, svc):
+            await svc.put_queue(ADMIN, "q", {"maxRetries": 0})
+            await cancelled_then_checked(eng, lambda: svc.send(ADMIN, [], ("q", [b"x"] * 4, 0.0)),
+                                         lambda: svc.send_begin(ADMIN, [], ("q", [b"y"] * 2, 0.0)))
+            await _until(lambda: eng.core.queues["q"].size == 4 and not svc._sending)
+
+            got = await svc.receive(ADMIN, "q", 0, 4)
+            await svc.settle(ADMIN, [(d.token, "nack", 0) for d in got[:3]] + [(got[3].token, "ack", 0)])
+            assert (eng.core.queues["q"].size, eng.core.queues["q.failed"].size) == (0, 3)
+            await cancelled_then_checked(eng, lambda: svc.redrive(ADMIN, "q"),  # 3 on their way + 3 > 5
+                                         lambda: svc.send_begin(ADMIN, [], ("q", [b"z"] * 3, 0.0)))
+            await _until(lambda: eng.core.queues["q"].size == 3 and not svc._sending)
+    asyncio.run(main())
+
+
+def test_a_redrive_counts_what_is_on_its_way_to_the_failure_queue(tmp_path):
+    async def main():
+        async with _node(tmp_path, messages_per_queue_max=5) as (eng, svc):
+            await svc.put_queue(ADMIN, "q", {"maxRetries": 0})
+            await svc.send(ADMIN, [], ("q", [b"1", b"2", b"3", b"4"], 0.0))
+            got = await svc.receive(ADMIN, "q", 0, 3)
+            await svc.settle(ADMIN, [(d.token, "nack", 0) for d in got])  # three to q.failed, one stays
+            sending = asyncio.ensure_future(svc.send(ADMIN, [], ("q.failed", [b"5", b"6"], 0.0)))
+            await asyncio.sleep(0)  # on its way to the failure queue: the redrive would move it too
+            with pytest.raises(errors.Unavailable):
+                await svc.redrive(ADMIN, "q")  # 1 + 3 + 2 > 5
+            await sending
+            assert (eng.core.queues["q"].size, eng.core.queues["q.failed"].size) == (1, 5)
+    asyncio.run(main())
+
+
+async def _until(pred, timeout_s: float = 10.0):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not pred():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.01)

@@ -1,6 +1,7 @@
 """A wall clock stepped back (NTP, a VM restored) while a node was down: the node's
-time resumes at the newest record it holds, so what was sent before stays visible
-and new records are never stamped before old ones (in-process engine, injected clock)."""
+time resumes at the newest record it holds and goes on from there, so what was sent
+before stays visible, new records are never stamped before old ones, and leases
+still end (in-process engine, injected wall clock)."""
 import asyncio
 
 from node.api.service import Principal, Service
@@ -46,6 +47,13 @@ def test_a_clock_stepped_back_across_a_restart_hides_nothing_and_stamps_nothing_
             await svc.send(ADMIN, [("q", b"after", 0.0, "")])
             assert _last_stamp(eng) >= before  # the node's time did not go back with the clock
             assert [d.body for d in await svc.receive(ADMIN, "q", 0, 10)] == [b"after"]
+            # and its time goes on (at the monotonic clock's pace) while the wall clock
+            # stands an hour behind: a lease still expires, its message comes back
+            await svc.put_queue(ADMIN, "q", {"leaseTimeoutSeconds": 0.5})
+            await svc.send(ADMIN, [("q", b"leased", 0.0, "")])
+            [d] = await svc.receive(ADMIN, "q", 0, 1)
+            again = await svc.receive(ADMIN, "q", 10, 1)  # a long poll: answered when the lease ends
+            assert [(x.id, x.retry_count) for x in again] == [(d.id, 1)]
         finally:
             await eng.stop()
 
