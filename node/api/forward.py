@@ -127,6 +127,12 @@ class Forwarder:
         r = await self.call(a, "ListQueues", api_pb2.ListQueuesRequest(), auth, False)
         return [queue_dict(q) for q in r.queues]
 
+    async def check_key(self, a, auth) -> None:
+        """Has the primary check ``auth`` (a key this node does not know): raises
+        its error (unauthenticated) or returns. Asks for the cluster document,
+        which any key may read and which is small whatever the node holds."""
+        await self.call(a, "GetCluster", api_pb2.Empty(), auth, False)
+
     async def delete_queue(self, a, auth, name):
         await self.call(a, "DeleteQueue", api_pb2.QueueRequest(name=name), auth, True)
 

@@ -938,7 +938,7 @@ class Service:
         check (authenticate: one it does not know, perhaps not yet) has the
         primary check it before answering, as every other call it forwards."""
         if not p.admin and not p.key_id and (a := self._remote(p)):
-            await self.fwd.list_queues(a, p.auth)  # (401 for a key the primary does not know either)
+            await self.fwd.check_key(a, p.auth)  # (401 for a key the primary does not know either)
         return self.cluster_doc()
 
     def cluster_doc(self) -> dict:
