@@ -53,10 +53,7 @@ def test_concurrent_queue_creates_stop_at_the_cap(tmp_path):
 def test_a_redrive_that_would_overfill_its_queue_is_refused_and_moves_nothing(tmp_path):
     async def main():
         async with _node(tmp_path, messages_per_queue_max=5) as (eng, svc):
-            await svc.put_queue(ADMIN, "q", {"maxRetries": 0})
-            await svc.send(ADMIN, [], ("q", [b"1", b"2", b"3"], 0.0))
-            got = await svc.receive(ADMIN, "q", 0, 3)
-            await svc.settle(ADMIN, [(d.token, "nack", 0) for d in got])  # all three to q.failed
+            await _three_in_the_failure_queue(svc)
             await svc.send(ADMIN, [], ("q", [b"4", b"5", b"6"], 0.0))
             with pytest.raises(errors.Unavailable):
                 await svc.redrive(ADMIN, "q")
@@ -113,10 +110,7 @@ def test_concurrent_sends_stop_at_the_message_cap(tmp_path):
             with pytest.raises(errors.Unavailable):
                 svc.send_begin(ADMIN, [], ("s", [b"z"] * 2, 0.0), reply=Reply(lambda *a: answers.append(a)))
             svc.send_begin(ADMIN, [("s", b"z", 0.0, "")], reply=Reply(lambda *a: answers.append(a)))
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 10
-            while len(answers) < 2 and loop.time() < deadline:
-                await asyncio.sleep(0.01)
+            await _until(lambda: len(answers) == 2)
             assert [error for _, _, error in answers] == [None, None]  # the cancelled one is not answered
             assert eng.core.queues["s"].size == 5
             assert svc._sending == {}  # every proposal settled, the cancelled one too: nothing left counted
@@ -126,10 +120,7 @@ def test_concurrent_sends_stop_at_the_message_cap(tmp_path):
 def test_a_redrive_and_sends_on_their_way_cannot_pass_the_cap_together(tmp_path):
     async def main():
         async with _node(tmp_path, messages_per_queue_max=5) as (eng, svc):
-            await svc.put_queue(ADMIN, "q", {"maxRetries": 0})
-            await svc.send(ADMIN, [], ("q", [b"1", b"2", b"3"], 0.0))
-            got = await svc.receive(ADMIN, "q", 0, 3)
-            await svc.settle(ADMIN, [(d.token, "nack", 0) for d in got])  # all three to q.failed
+            await _three_in_the_failure_queue(svc)
             sending = svc.send(ADMIN, [], ("q", [b"4", b"5", b"6"], 0.0))  # checked and proposed at once
             task = asyncio.ensure_future(sending)
             await asyncio.sleep(0)
@@ -202,3 +193,11 @@ async def _until(pred, timeout_s: float = 10.0):
     while not pred():
         assert loop.time() < deadline, "timed out"
         await asyncio.sleep(0.01)
+
+
+async def _three_in_the_failure_queue(svc):
+    """Queue q (maxRetries 0), and three of its messages moved to q.failed."""
+    await svc.put_queue(ADMIN, "q", {"maxRetries": 0})
+    await svc.send(ADMIN, [], ("q", [b"1", b"2", b"3"], 0.0))
+    got = await svc.receive(ADMIN, "q", 0, 3)
+    await svc.settle(ADMIN, [(d.token, "nack", 0) for d in got])
