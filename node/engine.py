@@ -391,8 +391,8 @@ class Engine:
             rec.epoch = self.write_epoch
             self.appended_lsn += 1
             rec.lsn = self.appended_lsn
-            # the primary's time, stamped once; never goes backwards
-            self.last_ts = rec.ts_us = max(self.last_ts, self.now_us())
+            # the primary's time, stamped once; never goes backwards (now_us)
+            self.last_ts = rec.ts_us = self.now_us()
             data = rec.SerializeToString()
             size += len(data)
             self.crc = chain(self.crc, data)

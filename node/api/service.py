@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import functools
 import binascii
+import functools
 import hashlib
 import hmac
 import itertools
