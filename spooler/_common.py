@@ -144,11 +144,13 @@ def map_rpc_error(e: grpc.RpcError, write: bool = False) -> errors.SpoolerError:
         # a read that timed out changed nothing: plain unavailable (retry-safe), except
         # for a receive, which leases (see read_lost)
         return read_lost(f"no answer in time: {e.details()}")
-    if write and isinstance(err, errors.Unavailable) and not _has_detail(e):
+    if isinstance(err, errors.Unavailable) and not _has_detail(e):
         if never_sent(e):
             return errors.Unavailable(f"no connection to the node: {e.details()}", retry_after_s=1.0)
-        # no node answered "not accepted": the request may have been applied
-        return errors.OperationUnconfirmed(f"transport failure: {e.details()}")
+        if write:  # no node answered "not accepted": the request may have been applied
+            return errors.OperationUnconfirmed(f"transport failure: {e.details()}")
+        # the request may have reached the node: for a receive, leases may be held
+        return read_lost(f"transport failure after the request left: {e.details()}")
     return err
 
 
@@ -219,49 +221,91 @@ def _policy(attempts: int, *, send_with_key: bool = False, settle: bool = False,
                 reraise=True)
 
 
-async def call_with_retries(fn, attempts: int, *, first_failed: bool = False,
+async def call_with_retries(fn, attempts: int, *, first_failed: Optional[BaseException] = None,
                             stop_when: Optional[Callable[[], bool]] = None, **kw):
     """``attempts`` in all (at least 1), the first without any retry machinery (the
     hot path); tenacity only once a retry-safe failure happened. ``first_failed``:
-    the caller's own first attempt already failed retry-safely; all ``attempts``
-    here are retries. ``stop_when``: no further attempt once it says so (the
-    client closed); the last error is raised."""
-    if not first_failed:
+    the error of the caller's own first attempt, which failed retry-safely; all
+    ``attempts`` here are retries. ``stop_when``: no further attempt once it says
+    so (the client closed, a dedup window used up); the last error is raised."""
+    last = _LastError(first_failed)
+    if first_failed is None:
         try:
             return await fn()
         except errors.SpoolerError as e:
             if attempts <= 1 or not retryable(e, **kw) or (stop_when is not None and stop_when()):
                 raise
+            last.e = e
         attempts -= 1
     await asyncio.sleep(retry_wait_s(1))
     async for attempt in tenacity.AsyncRetrying(**_policy(attempts, stop_when=stop_when, **kw)):
         with attempt:
-            _not_closed(stop_when)
-            return await fn()
+            last.unless_stopped(stop_when)
+            try:
+                return await fn()
+            except errors.SpoolerError as e:
+                last.e = e
+                raise
 
 
-def _not_closed(stop_when: Optional[Callable[[], bool]]) -> None:
-    """Before a retry: a client closed meanwhile is not called again."""
-    if stop_when is not None and stop_when():
-        raise errors.Unavailable("the client was closed")
+class _LastError:
+    """A retry's last error: what the caller hears when a retry is stopped before it
+    is made (the client closed, a dedup window used up meanwhile), not a new one
+    that would say something else (an ``unavailable`` where the send may have landed)."""
+
+    __slots__ = ("e",)
+
+    def __init__(self, e: Optional[BaseException]):
+        self.e = e
+
+    def unless_stopped(self, stop_when: Optional[Callable[[], bool]]) -> None:
+        if stop_when is not None and stop_when():
+            raise self.e if self.e is not None else errors.Unavailable("the client was closed")
 
 
-def call_with_retries_sync(fn, attempts: int, *, first_failed: bool = False,
+def call_with_retries_sync(fn, attempts: int, *, first_failed: Optional[BaseException] = None,
                            stop_when: Optional[Callable[[], bool]] = None, **kw):
     """As call_with_retries."""
-    if not first_failed:
+    last = _LastError(first_failed)
+    if first_failed is None:
         try:
             return fn()
         except errors.SpoolerError as e:
             if attempts <= 1 or not retryable(e, **kw) or (stop_when is not None and stop_when()):
                 raise
+            last.e = e
         attempts -= 1
     time.sleep(retry_wait_s(1))
 
     def attempt():
-        _not_closed(stop_when)
-        return fn()
+        last.unless_stopped(stop_when)
+        try:
+            return fn()
+        except errors.SpoolerError as e:
+            last.e = e
+            raise
     return tenacity.Retrying(**_policy(attempts, stop_when=stop_when, **kw))(attempt)
+
+
+class DedupWindow:
+    """Whether a keyed send may still be sent again. A resend is harmless only while
+    the node would still find its key: the queue's dedup window, counted from the
+    first attempt's record. That record was made after ``t0`` (when the first
+    attempt began), and a resend may be recorded up to ``timeout_s`` after it
+    leaves; so once an attempt may have landed, a resend goes out only while
+    ``elapsed + timeout_s`` is inside the window. Before any attempt may have
+    landed (each was ``unavailable``: not accepted), resends are always safe."""
+
+    def __init__(self, t0: float, window_s: float, timeout_s: float, maybe_landed: bool):
+        self.t0, self.window_s, self.timeout_s = t0, window_s, timeout_s
+        self.maybe_landed = maybe_landed
+
+    def used_up(self) -> bool:
+        return self.maybe_landed and time.monotonic() - self.t0 + self.timeout_s >= self.window_s
+
+    def noting(self, e: BaseException) -> None:
+        if isinstance(e, errors.OperationUnconfirmed):
+            self.maybe_landed = True
 
 
 # A receive that failed with one of these leased nothing (the node answered it);
@@ -358,7 +402,15 @@ def batch_request(sends: list, compact: bool = True) -> api_pb2.SendBatchRequest
 SETTLE_ACTIONS = {"ack": api_pb2.SETTLE_ACK, "nack": api_pb2.SETTLE_NACK, "renew": api_pb2.SETTLE_RENEW}
 
 
-def settle_request(items, action_of=SETTLE_ACTIONS.__getitem__) -> api_pb2.SettleBatchRequest:
+def settle_action(a) -> int:
+    """"ack", "nack" or "renew" -> its SettleAction; anything else is invalid_argument."""
+    try:
+        return SETTLE_ACTIONS[a]
+    except (KeyError, TypeError):
+        raise errors.InvalidArgument(f"unknown settle action {a!r}: ack, nack or renew") from None
+
+
+def settle_request(items, action_of=settle_action) -> api_pb2.SettleBatchRequest:
     """[(token, action, delay_s)] -> one SettleBatchRequest. Each item is built where
     it lives in the request, and a zero delay is left unset: in CPython that costs
     about a third of building Item messages and copying them in (a batch of 100
@@ -376,12 +428,16 @@ def settle_request(items, action_of=SETTLE_ACTIONS.__getitem__) -> api_pb2.Settl
     return req
 
 
-def send_outcomes(r: api_pb2.SendBatchResponse) -> list:
+def send_outcomes(r: api_pb2.SendBatchResponse, n: Optional[int] = None) -> list:
     """Per message, in request order: a SendResult, or the SpoolerError of a message
-    that was not stored (its queue was deleted while the batch was committed)."""
+    that was not stored (its queue was deleted while the batch was committed).
+    ``n``: how many sends the request held; an answer that names another number of
+    outcomes cannot be matched to them (a faulty node): operation_unconfirmed."""
     out = [errors.from_detail(x.error) if x.HasField("error") else SendResult(x.id, x.duplicate) for x in r.results]
     ids = run_ids(r.run_id_prefix, r.run_id_first, r.run_count) if r.run_count else r.run_ids
     out.extend([SendResult(i, False) for i in ids])
+    if n is not None and len(out) != n:
+        raise errors.OperationUnconfirmed(f"the node answered {len(out)} outcomes for {n} sends")
     return out
 
 

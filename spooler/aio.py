@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Awaitable, Callable, Optional
 
 import grpc
@@ -22,7 +23,7 @@ import grpc
 from spooler import errors
 from spooler._common import (MOVE_ON, Nodes, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, batch_request, compact_request, settle_request, batch_results, call_with_retries,
                              _has_detail, is_batch_entry_error, map_rpc_error, message_of, never_sent, read_lost, queue_dict, renew_delay_s, send_outcomes,
-                             settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
+                             settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request, settle_failed)
 from spooler.pb import api_pb2
 
@@ -228,7 +229,12 @@ async def _half_close(call) -> None:
 
 def _deliver(batch: list, r: api_pb2.SendBatchResponse) -> None:
     """A send batch's answer to its callers (each caller's future once)."""
-    for (_, fut), res in zip(batch, send_outcomes(r)):
+    try:
+        outcomes = send_outcomes(r, len(batch))
+    except errors.SpoolerError as e:  # not one outcome per caller: none can be told which is theirs
+        _fail_all(batch, e)
+        return
+    for (_, fut), res in zip(batch, outcomes):
         if fut.done():
             continue
         if isinstance(res, errors.SpoolerError):
@@ -345,29 +351,43 @@ class AsyncClient(Nodes):
                 self._start_flush()
             return fut
 
+        t0 = time.monotonic()
         try:
             return await enqueue()
-        except errors.OperationUnconfirmed:
-            # a resend is harmless only with a key on a queue that deduplicates
-            if not dedup_key or self.retry_attempts <= 1 or not await self._dedups(queue):
+        except errors.OperationUnconfirmed as e:
+            # a resend is harmless only with a key, inside the queue's dedup window
+            if not dedup_key or self.retry_attempts <= 1:
                 raise
-            keyed = True
-        except errors.Unavailable:
+            window = DedupWindow(t0, await self._dedup_window_s(queue), self.timeout_s, maybe_landed=True)
+            if window.used_up():
+                raise
+            first = e
+        except errors.Unavailable as e:
             if self.retry_attempts <= 1:
                 raise
             # not accepted: a resend is safe. Whether a LATER unconfirmed attempt may be
-            # resent too depends, as above, on a key and a queue that deduplicates.
-            keyed = bool(dedup_key) and await self._dedups(queue)
-        return await call_with_retries(enqueue, self.retry_attempts - 1, first_failed=True, send_with_key=keyed)
+            # resent too depends, as above, on a key and the queue's dedup window.
+            window = DedupWindow(t0, await self._dedup_window_s(queue) if dedup_key else 0.0, self.timeout_s,
+                                 maybe_landed=False)
+            first = e
 
-    async def _dedups(self, queue: str) -> bool:
-        """Does ``queue`` deduplicate? A read, retried while the cluster is between
-        primaries; if it cannot be known, no (the caller then does not resend)."""
+        async def again():
+            try:
+                return await enqueue()
+            except errors.SpoolerError as e:
+                window.noting(e)
+                raise
+        return await call_with_retries(again, self.retry_attempts - 1, first_failed=first,
+                                       send_with_key=window.window_s > 0, stop_when=window.used_up)
+
+    async def _dedup_window_s(self, queue: str) -> float:
+        """``queue``'s dedup window, in seconds. A read, retried while the cluster is
+        between primaries; if it cannot be known, 0 (the caller then does not resend)."""
         try:
             q = await self.get_queue(queue)  # retried after unavailable
-            return q["settings"]["dedupWindowSeconds"] > 0
+            return float(q["settings"]["dedupWindowSeconds"])
         except errors.SpoolerError:
-            return False
+            return 0.0
 
     def _start_flush(self) -> None:
         self._in_flight += 1
@@ -408,7 +428,8 @@ class AsyncClient(Nodes):
             _fail_all(batch, e)
             return
         except asyncio.CancelledError:  # never leave a caller waiting
-            _fail_all(batch, errors.Unavailable("send was cancelled"))
+            # (it may have been written already: its outcome is unknown)
+            _fail_all(batch, errors.OperationUnconfirmed("the send was cancelled after it may have left"))
             raise
         except Exception as e:  # noqa: BLE001 - e.g. the channel was closed under it: its callers hear of it
             _fail_all(batch, e)

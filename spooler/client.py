@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -22,7 +23,7 @@ import grpc
 from spooler import errors
 from spooler._common import (MOVE_ON, Nodes, keep_renewing_after, batch_size, check_batch, check_send_types, Message, SendResult, batch_request, batch_results, call_with_retries_sync,
                              is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, send_outcomes,
-                             settings_pb, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
+                             settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request, settle_failed, settle_request)
 from spooler.pb import api_pb2
 
@@ -119,61 +120,70 @@ class Client(Nodes):
         """Auto-batched send; blocks until durable. Retried only where safe."""
         check_send_types(queue, body, delay_s, dedup_key)
         req = api_pb2.SendRequest(queue=queue, body=body, delay_seconds=delay_s, dedup_key=dedup_key)
+        t0 = time.monotonic()
         try:
             return self.send_async(req).result()
-        except errors.OperationUnconfirmed:
-            # a resend is harmless only with a key on a queue that deduplicates
-            if not dedup_key or self.retry_attempts <= 1 or not self._dedups(queue):
+        except errors.OperationUnconfirmed as e:
+            # a resend is harmless only with a key, inside the queue's dedup window
+            if not dedup_key or self.retry_attempts <= 1:
                 raise
-            keyed = True
-        except errors.Unavailable:
+            window = DedupWindow(t0, self._dedup_window_s(queue), self.timeout_s, maybe_landed=True)
+            if window.used_up():
+                raise
+            first = e
+        except errors.Unavailable as e:
             if self.retry_attempts <= 1:
                 raise
             # not accepted: a resend is safe. Whether a LATER unconfirmed attempt may be
-            # resent too depends, as above, on a key and a queue that deduplicates.
-            keyed = bool(dedup_key) and self._dedups(queue)
-        return call_with_retries_sync(lambda: self.send_async(req).result(), self.retry_attempts - 1,
-                                      first_failed=True, send_with_key=keyed)
+            # resent too depends, as above, on a key and the queue's dedup window.
+            window = DedupWindow(t0, self._dedup_window_s(queue) if dedup_key else 0.0, self.timeout_s,
+                                 maybe_landed=False)
+            first = e
 
-    def _dedups(self, queue: str) -> bool:
-        """As AsyncClient._dedups."""
+        def again():
+            try:
+                return self.send_async(req).result()
+            except errors.SpoolerError as e:
+                window.noting(e)
+                raise
+        return call_with_retries_sync(again, self.retry_attempts - 1, first_failed=first,
+                                      send_with_key=window.window_s > 0, stop_when=window.used_up)
+
+    def _dedup_window_s(self, queue: str) -> float:
+        """As AsyncClient._dedup_window_s."""
         try:
             q = self.get_queue(queue)  # retried after unavailable
-            return q["settings"]["dedupWindowSeconds"] > 0
+            return float(q["settings"]["dedupWindowSeconds"])
         except errors.SpoolerError:
-            return False
+            return 0.0
 
     def send_async(self, req: api_pb2.SendRequest) -> Future:
-        if self._closed:
-            raise RuntimeError("the client is closed")
         fut: Future = Future()
-        with self._lock:
+        with self._lock:  # (close() sets _closed under it, then shuts the pool down)
+            if self._closed:
+                raise RuntimeError("the client is closed")
             self._pending.append((req, fut))
-            start = self._in_flight < self.batches_in_flight_max
-            if start:
+            if self._in_flight < self.batches_in_flight_max:
                 self._in_flight += 1
-        if start:
-            self._pool.submit(self._flush)
+                self._pool.submit(self._flush)
         return fut
 
     def _flush(self) -> None:
-        try:
-            while True:
-                with self._lock:
-                    if not self._pending:
-                        return
-                    n = batch_size(self._pending, self.batch_max, lambda x: x[0].body)
-                    batch = self._pending[:n]
-                    del self._pending[:n]
-                self._send_batch_now(batch)
-        finally:
+        """Sends batches until none is pending. A flush ends only under the lock and
+        only with nothing pending, so a send appended meanwhile is never left
+        without one (send_async starts another while fewer than the maximum run)."""
+        while True:
             with self._lock:
-                self._in_flight -= 1
-                restart = bool(self._pending) and self._in_flight < self.batches_in_flight_max
-                if restart:
-                    self._in_flight += 1
-            if restart:  # sends that arrived while we were leaving
-                self._pool.submit(self._flush)
+                if not self._pending:
+                    self._in_flight -= 1
+                    return
+                n = batch_size(self._pending, self.batch_max, lambda x: x[0].body)
+                batch = self._pending[:n]
+                del self._pending[:n]
+            try:
+                self._send_batch_now(batch)
+            except Exception:  # noqa: BLE001 - its callers were told; the next batch still goes
+                log.exception("a send batch failed unexpectedly")
 
     def _send_batch_now(self, batch: list) -> None:
         self.send_rpcs += 1
@@ -191,7 +201,12 @@ class Client(Nodes):
         except BaseException as e:  # never leave a caller waiting
             _settle_futures(batch, error=e)
             raise
-        for (_, fut), res in zip(batch, send_outcomes(r)):
+        try:
+            outcomes = send_outcomes(r, len(batch))
+        except errors.SpoolerError as e:  # not one outcome per caller: none can be told which is theirs
+            _settle_futures(batch, error=e)
+            return
+        for (_, fut), res in zip(batch, outcomes):
             if isinstance(res, errors.SpoolerError):
                 _settle_futures([(None, fut)], error=res)
             else:

@@ -46,6 +46,10 @@ SEND_CASES = [
     ("unconfirmed", "", 0, 1, errors.OperationUnconfirmed),
     ("unconfirmed", "k", 0, 1, errors.OperationUnconfirmed),
     ("unconfirmed", "k", 60, 2, SendResult),
+    # the window (10 s) is shorter than a resend may take to be recorded (the 30 s
+    # timeout): a resend could land after the key is forgotten, so none is made
+    ("unconfirmed", "k", 10, 1, errors.OperationUnconfirmed),
+    ("unavailable", "k", 10, 2, errors.OperationUnconfirmed),
 ]
 
 
@@ -797,3 +801,38 @@ def test_async_close_does_not_wait_for_a_consumer_that_acked_and_polls_on(node):
         await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_sync_send_racing_close_is_refused_whole_or_sent_whole(monkeypatch):
+    """A send that begins as close() runs is either handed over (and then sent by
+    close) or refused as "the client is closed", leaving nothing behind: never a
+    pool error for a send that may still go out, never a send left waiting. The
+    send's own first step is slowed down so close() runs in the middle of it."""
+    import spooler.client as sync_client
+    entered = threading.Event()
+
+    class SlowFuture(Future):
+        def __init__(self):
+            super().__init__()
+            if threading.current_thread().name == "racing-send":
+                entered.set()
+                time.sleep(0.3)  # close() runs meanwhile
+
+    monkeypatch.setattr(sync_client, "Future", SlowFuture)
+    c = Client(DEAD, "k")
+    out = {}
+
+    def send():
+        try:
+            out["r"] = c.send("q", b"x")
+        except Exception as e:  # noqa: BLE001 - what it raised is the point
+            out["r"] = e
+
+    t = threading.Thread(target=send, name="racing-send")
+    t.start()
+    assert entered.wait(10)  # the send is in its slowed first step
+    c.close()
+    t.join(10)
+    assert not t.is_alive()
+    assert isinstance(out["r"], RuntimeError) and "closed" in str(out["r"]), out
+    assert c._pending == [] and c._in_flight == 0

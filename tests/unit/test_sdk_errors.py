@@ -1,0 +1,85 @@
+"""The SDK's error table and retry rules at their edges (no node needed)."""
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from spooler import errors
+from spooler._common import (DedupWindow, call_with_retries, call_with_retries_sync, map_rpc_error, retryable,
+                             send_outcomes, settle_request)
+from spooler.pb import api_pb2
+
+
+class _RpcError(grpc.RpcError):
+    def __init__(self, code, details, trailers=()):
+        self._code, self._details, self._trailers = code, details, trailers
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return self._trailers
+
+
+def test_a_read_whose_connection_broke_after_it_left_is_an_answer_lost():
+    """The same event on every path of both clients: a receive that may have leased
+    something is not silently tried again on another node (its caller hears of it)."""
+    broke = _RpcError(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)")
+    read = map_rpc_error(broke, write=False)
+    assert isinstance(read, errors.Unavailable) and getattr(read, "answer_lost", False)
+    assert not retryable(read, receive=True) and retryable(read)  # other reads: still retried
+    assert isinstance(map_rpc_error(broke, write=True), errors.OperationUnconfirmed)
+    never = _RpcError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: refused")
+    for write in (False, True):
+        e = map_rpc_error(never, write=write)
+        assert isinstance(e, errors.Unavailable) and not getattr(e, "answer_lost", False), write
+
+
+def test_an_answer_with_another_number_of_outcomes_is_unconfirmed():
+    r = api_pb2.SendBatchResponse(run_id_prefix="p", run_id_first=1, run_count=2)
+    assert [x.id for x in send_outcomes(r, 2)] == ["p00000001", "p00000002"]
+    with pytest.raises(errors.OperationUnconfirmed):
+        send_outcomes(r, 3)
+
+
+def test_an_unknown_settle_action_is_invalid_argument():
+    for bad in ("bogus", None, ["ack"]):
+        with pytest.raises(errors.InvalidArgument):
+            settle_request([("t", bad, 0)])
+
+
+def test_a_retry_stopped_before_it_is_made_raises_the_last_error_not_a_new_one():
+    """An ack that may have landed, then the client closes during the wait before its
+    retry: the caller hears operation_unconfirmed (it may have landed), not an
+    unavailable that would say it was not accepted."""
+    def closes_during_the_wait():
+        checks = iter([False])  # not yet closed when the first attempt fails; closed after
+        return lambda: next(checks, True)
+
+    def attempt():
+        raise errors.OperationUnconfirmed("transport failure")
+
+    with pytest.raises(errors.OperationUnconfirmed):
+        call_with_retries_sync(attempt, 6, stop_when=closes_during_the_wait(), settle=True)
+
+    async def attempt_async():
+        raise errors.OperationUnconfirmed("transport failure")
+
+    with pytest.raises(errors.OperationUnconfirmed):
+        asyncio.run(call_with_retries(attempt_async, 6, stop_when=closes_during_the_wait(), settle=True))
+
+
+def test_a_dedup_window_is_used_up_once_a_resend_could_land_after_it():
+    t0 = time.monotonic()
+    assert not DedupWindow(t0, 60, 30, maybe_landed=True).used_up()
+    assert DedupWindow(t0, 10, 30, maybe_landed=True).used_up()
+    w = DedupWindow(t0, 10, 30, maybe_landed=False)
+    assert not w.used_up()  # nothing may have landed: a resend is safe whatever the window
+    w.noting(errors.Unavailable("no primary"))
+    assert not w.used_up()
+    w.noting(errors.OperationUnconfirmed("quorum timed out"))
+    assert w.used_up()
