@@ -465,11 +465,19 @@ class AsyncClient(Nodes):
     async def receive(self, queue: str, *, wait_s: float = 0.0, max_messages: int = 1) -> list:
         """Tried again after ``unavailable`` (each attempt a receive of its own name:
         one that may have leased something is given back first)."""
-        return await call_with_retries(lambda: self._receive_once(queue, wait_s, max_messages), self.retry_attempts,
-                                       stop_when=self._gone, receive=True)
+        return await self._receive(queue, wait_s, max_messages)
 
-    async def _receive_once(self, queue: str, wait_s: float, max_messages: int) -> list:
+    async def _receive(self, queue: str, wait_s: float, max_messages: int, names: Optional[list] = None) -> list:
+        """``names``: each attempt's request is appended to it (the last one's answer
+        is the result), so that a caller that ends up not taking that answer can give
+        its leases back (consume, cancelled in the turn the answer came)."""
+        return await call_with_retries(lambda: self._receive_once(queue, wait_s, max_messages, names),
+                                       self.retry_attempts, stop_when=self._gone, receive=True)
+
+    async def _receive_once(self, queue: str, wait_s: float, max_messages: int, names: Optional[list] = None) -> list:
         req = receive_request(queue, wait_s, max_messages)
+        if names is not None:
+            names.append(req)
         try:
             r = await self._pipe("receive", self.stub.ReceiveBatch, req, write=False,
                                  timeout_s=self.timeout_s + wait_s)
@@ -585,10 +593,12 @@ class AsyncClient(Nodes):
 
         async def worker():
             stopped = asyncio.ensure_future(stop.wait())
-            recv = None
+            recv = taken = None
+            names: list = []  # the requests of recv's attempts
             try:
                 while not stop.is_set():
-                    recv = asyncio.ensure_future(self.receive(queue, wait_s=wait_s))
+                    names.clear()
+                    recv = asyncio.ensure_future(self._receive(queue, wait_s, 1, names))
                     await asyncio.wait({recv, stopped}, return_when=asyncio.FIRST_COMPLETED)
                     if not recv.done():
                         # stop during a long poll: give it up (a cancelled receive gives
@@ -597,6 +607,7 @@ class AsyncClient(Nodes):
                         await asyncio.wait({recv})
                         if recv.cancelled() or recv.exception() is not None:
                             break
+                    taken = recv
                     try:
                         msgs = recv.result()
                     except errors.Unavailable:
@@ -611,6 +622,10 @@ class AsyncClient(Nodes):
                     # back what it may have leased), instead of leasing for nobody
                     recv.cancel()
                     await asyncio.wait({recv})
+                elif (recv is not None and recv is not taken and not recv.cancelled() and recv.exception() is None
+                      and recv.result() and names):
+                    # cancelled in the turn its answer came: leased for nobody, given back
+                    await self._release(names[-1])
 
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")

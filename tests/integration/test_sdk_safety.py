@@ -252,17 +252,18 @@ def test_async_consumer_says_when_its_lease_is_lost(node, caplog):
 
 
 def _note_receive(c: AsyncClient):
-    """-> (an event set once ``c.receive`` is called, a function that undoes this)."""
+    """-> (an event set once a receive begins (``c._receive``, which both receive and
+    consume use), a function that undoes this)."""
     called = asyncio.Event()
-    receive = c.receive
+    receive = c._receive
 
     async def spy(*a, **kw):
         called.set()
         return await receive(*a, **kw)
-    c.receive = spy
+    c._receive = spy
 
     def restore():
-        c.receive = receive
+        c._receive = receive
     return called, restore
 
 
@@ -836,3 +837,32 @@ def test_sync_send_racing_close_is_refused_whole_or_sent_whole(monkeypatch):
     assert not t.is_alive()
     assert isinstance(out["r"], RuntimeError) and "closed" in str(out["r"]), out
     assert c._pending == [] and c._in_flight == 0
+
+
+def test_consume_cancelled_as_its_receive_is_answered_gives_the_message_back(node):
+    """A consume cancelled in the very turn its receive's answer came (asyncio.wait_for
+    running out, say) never handles that message; it gives the lease back, so the
+    message is visible again at once with its retry count as it was."""
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("cq", leaseTimeoutSeconds=60)
+            await c.send("cq", b"job")
+            real = c._receive
+
+            async def answered_then_cancelled(*a, **kw):
+                msgs = await real(*a, **kw)
+                task.cancel()  # consume is cancelled as the answer comes in
+                return msgs
+            c._receive = answered_then_cancelled
+            handled = []
+
+            async def handler(m):
+                handled.append(m.id)
+            task = asyncio.ensure_future(c.consume("cq", handler, wait_s=1))
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            c._receive = real
+            assert handled == []
+            again = await c.receive("cq", wait_s=5)  # not after the 60 s lease: given back
+            assert [(m.body, m.retry_count) for m in again] == [(b"job", 0)]
+    asyncio.run(asyncio.wait_for(main(), 30))
