@@ -546,6 +546,9 @@ class Nodes:
             ch = (g.secure_channel(t, self._credentials, options=self._grpc_options) if self._credentials
                   else g.insecure_channel(t, options=self._grpc_options))
             got = self._channels[self._target_i] = (ch, api_pb2_grpc.SpoolerStub(ch))
+        # (one pair, assigned at once: a thread reads the channel and the stub of one
+        # node together (``_current``), never the stub of one and the channel of the next)
+        self._current = got
         self.channel, self.stub = got
 
     def _all_channels(self) -> list:

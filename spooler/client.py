@@ -74,10 +74,11 @@ class Client(Nodes):
     def __exit__(self, *exc):
         self.close()
 
-    def _call(self, rpc, req, *, write: bool, timeout_s: Optional[float] = None):
+    def _call(self, method: str, req, *, write: bool, timeout_s: Optional[float] = None):
         if self._shut:
             raise RuntimeError("the client is closed")
-        ch = self.channel  # the channel ``rpc`` belongs to (its stub was read just now)
+        ch, stub = self._current  # one node's pair: a failure is charged to the channel it used
+        rpc = getattr(stub, method)
         try:
             return rpc(req, metadata=self.md, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as e:
@@ -85,7 +86,7 @@ class Client(Nodes):
 
     def _retried(self, method: str, req, *, write: bool):
         """As AsyncClient._retried."""
-        return call_with_retries_sync(lambda: self._call(getattr(self.stub, method), req, write=write),
+        return call_with_retries_sync(lambda: self._call(method, req, write=write),
                                       self.retry_attempts, stop_when=self._gone)
 
     def _failed(self, e: grpc.RpcError, write: bool, ch) -> errors.SpoolerError:
@@ -188,7 +189,7 @@ class Client(Nodes):
     def _send_batch_now(self, batch: list) -> None:
         self.send_rpcs += 1
         try:
-            r = self._call(self.stub.SendBatch, batch_request([(e.queue, e.body, e.delay_seconds, e.dedup_key)
+            r = self._call("SendBatch", batch_request([(e.queue, e.body, e.delay_seconds, e.dedup_key)
                                                                for e, _ in batch], compact=False), write=True)
         except errors.SpoolerError as e:
             if len(batch) > 1 and is_batch_entry_error(e):
@@ -235,8 +236,8 @@ class Client(Nodes):
         req = receive_request(queue, wait_s, max_messages)  # (refuses a count below 1)
         if self._shut:
             raise RuntimeError("the client is closed")
-        rpc = self.stub.Receive if max_messages == 1 else self.stub.ReceiveBatch
-        ch = self.channel
+        ch, stub = self._current  # (as in _call)
+        rpc = stub.Receive if max_messages == 1 else stub.ReceiveBatch
         fut = rpc.future(req, metadata=self.md, timeout=self.timeout_s + wait_s)
         try:
             while stop is not None and not fut.done():
@@ -285,7 +286,7 @@ class Client(Nodes):
 
         def once():
             try:
-                return self._call(getattr(self.stub, method), req, write=True)
+                return self._call(method, req, write=True)
             except errors.StaleLease as e:
                 if state["maybe_landed"] and e.reason == errors.StaleLease.SETTLED:
                     return None  # our earlier attempt landed
@@ -305,7 +306,7 @@ class Client(Nodes):
 
     def renew(self, token: str) -> str:
         return call_with_retries_sync(
-            lambda: self._call(self.stub.Renew, api_pb2.LeaseRequest(token=token), write=True).expires_at,
+            lambda: self._call("Renew", api_pb2.LeaseRequest(token=token), write=True).expires_at,
             self.retry_attempts, settle=True, stop_when=self._gone)
 
     def settle_batch(self, items: list) -> list:

@@ -866,3 +866,49 @@ def test_consume_cancelled_as_its_receive_is_answered_gives_the_message_back(nod
             again = await c.receive("cq", wait_s=5)  # not after the 60 s lease: given back
             assert [(m.body, m.retry_count) for m in again] == [(b"job", 0)]
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_sync_failure_is_charged_to_the_node_the_call_went_to(node):
+    """Two threads over a node change: thread A's call is paused after it began (the
+    pause sits where the client checks that it is open), thread B's failure moves
+    the client from the dead node to the live one, then A goes on. A's call and the
+    failure it may meet belong to one node, read together: the client is not moved
+    back to the dead node by a call that was made on the live one's stub or the
+    other way round."""
+    go_on, paused = threading.Event(), threading.Event()
+
+    class Pausing(Client):
+        @property
+        def _shut(self):
+            if threading.current_thread().name == "A" and not paused.is_set():
+                paused.set()
+                go_on.wait(10)
+            return self.__dict__.get("_shut_v", False)
+
+        @_shut.setter
+        def _shut(self, v):
+            self.__dict__["_shut_v"] = v
+
+    c = Pausing(f"{DEAD},{node.grpc_target}", node.admin_key, retry_attempts=1, timeout_s=5)
+    try:
+        assert c.target_now() == DEAD
+        out = {}
+
+        def a():
+            try:
+                out["A"] = c.get_queue("q")
+            except errors.SpoolerError as e:  # (queue_not_found from the live node: no move)
+                out["A"] = e
+        ta = threading.Thread(target=a, name="A")
+        ta.start()
+        assert paused.wait(10)  # A's call has begun
+        with pytest.raises(errors.Unavailable):
+            c.get_queue("q")  # B: fails on DEAD, moves the client to the live node
+        assert c.target_now() == node.grpc_target
+        go_on.set()
+        ta.join(10)
+        assert not ta.is_alive()
+        assert c.target_now() == node.grpc_target, out  # A did not move it back to the dead node
+    finally:
+        go_on.set()
+        c.close()
