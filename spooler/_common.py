@@ -463,7 +463,8 @@ def keep_renewing_after(log, m, e: errors.SpoolerError) -> bool:
         log.warning("renew of %s failed (%s): the lease is lost, the message will be delivered again",
                     m.id, e.reason)
         return False
-    if isinstance(e, (errors.Unavailable, errors.OperationUnconfirmed)):  # not known to be lost: again soon
+    if isinstance(e, (errors.Unavailable, errors.OperationUnconfirmed, errors.Internal)):
+        # not known to be lost (an internal error changed nothing, or was the transport's): again soon
         log.warning("renew of %s failed: %s", m.id, e)
         return True
     log.warning("renew of %s failed: %s; no more renewals", m.id, e)  # a definite answer (e.g. queue gone)

@@ -83,3 +83,19 @@ def test_a_dedup_window_is_used_up_once_a_resend_could_land_after_it():
     assert not w.used_up()
     w.noting(errors.OperationUnconfirmed("quorum timed out"))
     assert w.used_up()
+
+
+def test_renewals_go_on_after_errors_that_do_not_say_the_lease_is_lost():
+    import logging
+
+    from spooler._common import keep_renewing_after
+
+    class M:
+        id = "m1"
+    log = logging.getLogger("test")
+    for e in (errors.Unavailable("no primary"), errors.OperationUnconfirmed("timed out"),
+              errors.Internal("transport: RST_STREAM")):
+        assert keep_renewing_after(log, M, e), e
+    for e in (errors.StaleLease("gone", reason="expired"), errors.QueueNotFound("deleted"),
+              errors.Forbidden("no scope")):
+        assert not keep_renewing_after(log, M, e), e
