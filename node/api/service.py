@@ -22,7 +22,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Optional
+from typing import Callable, Optional
 
 from spooler import errors
 from spooler.ids import message_id
@@ -108,6 +108,16 @@ def _not_ready(e) -> str:
     return "this node is taking over as primary"
 
 
+def _tally(into: dict, counts: dict, sign: int) -> None:
+    """Add (sign +1) or take back (-1) ``counts`` in ``into``; a name at 0 is dropped."""
+    for k, n in counts.items():
+        left = into.get(k, 0) + sign * n
+        if left > 0:
+            into[k] = left
+        else:
+            into.pop(k, None)
+
+
 def _into_future(fut: asyncio.Future, _reply, result, error) -> None:
     """A Reply's outcome into a future of the caller's (see Service.send_begin)."""
     if fut.done():
@@ -143,7 +153,7 @@ class Service:
         self.session_wakes: set = set()  # the writers of open Session streams (shut_down wakes them)
         # creations proposed and not yet answered, counted against their caps: a
         # check of the core alone let concurrent creates pass the cap together
-        self._queues_creating: dict = {}  # name -> calls creating it
+        self._queues_creating: dict = {}  # name -> calls creating it (until the engine settles them)
         self._sending: dict = {}  # queue -> messages proposed to it, not yet applied or refused
         self._keys_creating = 0
 
@@ -353,14 +363,8 @@ class Service:
         if name not in queues and name not in creating:
             if len(queues) + sum(1 for n in creating if n not in queues) >= self.limits.queues_max:
                 raise errors.InvalidArgument(f"at most {self.limits.queues_max} queues")
-        creating[name] = creating.get(name, 0) + 1
-        try:
-            created = await self.engine.propose(log_pb2.Record(queue_put=log_pb2.QueuePut(name=name, settings=st)))
-        finally:
-            if creating[name] == 1:
-                del creating[name]
-            else:
-                creating[name] -= 1
+        created = await self._propose_counted(log_pb2.Record(queue_put=log_pb2.QueuePut(name=name, settings=st)),
+                                              functools.partial(_tally, creating, {name: 1}))
         return created, self.queue_doc(name)
 
     async def get_queue(self, p: Principal, name: str) -> dict:
@@ -414,21 +418,26 @@ class Service:
             if after > self.limits.messages_per_queue_max:
                 raise errors.Unavailable(f"redrive would put {after} messages in queue {name}; it holds at "
                                          f"most {self.limits.messages_per_queue_max}", retry_after_s=1.0)
-        return await self._propose_counted(log_pb2.Record(redrive=log_pb2.Redrive(queue=name)), moving)
+        return await self._propose_counted(log_pb2.Record(redrive=log_pb2.Redrive(queue=name)),
+                                           functools.partial(_tally, self._sending, moving))
 
-    def _propose_counted(self, rec, pending: dict, reply: Optional[Reply] = None):
-        """Propose ``rec``, counting ``pending`` ({queue: messages it adds}) against the
-        queues' caps until the engine settles it, applied or refused; a caller that
-        goes away meanwhile changes nothing (the engine holds a Reply, not the
-        caller's future). -> ``reply``, or a future of the outcome."""
+    def _propose_counted(self, rec, count: Callable[[int], None], reply: Optional[Reply] = None):
+        """Propose ``rec``; ``count(+1)`` now and ``count(-1)`` once the engine settles
+        it, applied or refused: what it adds counts against its cap until then (the
+        messages it sends, the queue or key it makes). A caller that goes away
+        meanwhile changes nothing: the engine holds a Reply, not the caller's future.
+        -> ``reply``, or a future of the outcome."""
         fut = None
         if reply is None:
             fut = asyncio.get_running_loop().create_future()
             reply = Reply(functools.partial(_into_future, fut))
         self.engine.propose(rec, reply=reply)
-        self._pending_sends(pending, +1)
-        reply.on_settled(functools.partial(self._pending_sends, pending, -1))
+        count(+1)
+        reply.on_settled(functools.partial(count, -1))
         return reply if fut is None else fut
+
+    def _count_key(self, sign: int) -> None:
+        self._keys_creating += sign
 
     # ------------------------------------------------------------ messages
     async def send(self, p: Principal, entries: list, run: Optional[tuple] = None) -> list:
@@ -495,16 +504,8 @@ class Service:
                 send.run_bodies.extend(bodies)
         # Messages on their way to a queue count against its cap (_room) until the
         # engine settles the record: applied (then the queue's size has them) or refused.
-        return self._propose_counted(rec, {q: room - checked[q] for q, room in rooms.items()}, reply)
-
-    def _pending_sends(self, counts: dict, sign: int) -> None:
-        sending = self._sending
-        for q, n in counts.items():
-            left = sending.get(q, 0) + sign * n
-            if left > 0:
-                sending[q] = left
-            else:
-                sending.pop(q, None)
+        return self._propose_counted(rec, functools.partial(
+            _tally, self._sending, {q: room - checked[q] for q, room in rooms.items()}), reply)
 
     @staticmethod
     def send_results(applied: tuple) -> list:
@@ -910,12 +911,8 @@ class Service:
         secret = base64.urlsafe_b64encode(os.urandom(24)).rstrip(b"=").decode()
         sha = hashlib.sha256(secret.encode()).digest()  # only the hash is stored
         scopes = sorted(set(scopes))
-        self._keys_creating += 1
-        try:
-            await self.engine.propose(log_pb2.Record(key_put=log_pb2.KeyPut(id=kid, secret_sha256=sha, queue=queue,
-                                                                             scopes=scopes)))
-        finally:
-            self._keys_creating -= 1
+        await self._propose_counted(log_pb2.Record(key_put=log_pb2.KeyPut(id=kid, secret_sha256=sha, queue=queue,
+                                                                            scopes=scopes)), self._count_key)
         return {"id": kid, "key": f"spk_{kid}_{secret}", "queue": queue, "scopes": scopes}
 
     async def list_keys(self, p: Principal) -> list:

@@ -144,30 +144,33 @@ def test_a_caller_that_goes_away_leaves_its_messages_counted_until_they_apply(tm
     it was proposed still lands: its messages count against the cap until then.
     (The commit is held back by holding the replication lock it runs under, so the
     caller's cancellation is seen through before the record can apply.)"""
-    async def cancelled_then_checked(eng, call, then):
-        async with eng.repl.lock:
-            gone = asyncio.ensure_future(call())
-            await asyncio.sleep(0)  # checked and proposed
-            gone.cancel()
-            for _ in range(5):  # every callback of the cancellation runs
-                await asyncio.sleep(0)
-            assert gone.cancelled()
-            with pytest.raises(errors.Unavailable):
-                then()
-
     async def main():
         async with _node(tmp_path, messages_per_queue_max=5) as (eng, svc):
             await svc.put_queue(ADMIN, "q", {"maxRetries": 0})
-            await cancelled_then_checked(eng, lambda: svc.send(ADMIN, [], ("q", [b"x"] * 4, 0.0)),
-                                         lambda: svc.send_begin(ADMIN, [], ("q", [b"y"] * 2, 0.0)))
+            await _cancelled_then_checked(eng, lambda: svc.send(ADMIN, [], ("q", [b"x"] * 4, 0.0)),
+                                          lambda: svc.send_begin(ADMIN, [], ("q", [b"y"] * 2, 0.0)))
             await _until(lambda: eng.core.queues["q"].size == 4 and not svc._sending)
 
             got = await svc.receive(ADMIN, "q", 0, 4)
             await svc.settle(ADMIN, [(d.token, "nack", 0) for d in got[:3]] + [(got[3].token, "ack", 0)])
             assert (eng.core.queues["q"].size, eng.core.queues["q.failed"].size) == (0, 3)
-            await cancelled_then_checked(eng, lambda: svc.redrive(ADMIN, "q"),  # 3 on their way + 3 > 5
-                                         lambda: svc.send_begin(ADMIN, [], ("q", [b"z"] * 3, 0.0)))
+            await _cancelled_then_checked(eng, lambda: svc.redrive(ADMIN, "q"),  # 3 on their way + 3 > 5
+                                          lambda: svc.send_begin(ADMIN, [], ("q", [b"z"] * 3, 0.0)))
             await _until(lambda: eng.core.queues["q"].size == 3 and not svc._sending)
+    asyncio.run(main())
+
+
+def test_a_queue_or_key_whose_creator_went_away_counts_until_it_applies(tmp_path):
+    async def main():
+        async with _node(tmp_path, queues_max=2, keys_max=1) as (eng, svc):
+            await svc.put_queue(ADMIN, "a", {})
+            await _cancelled_then_checked(eng, lambda: svc.put_queue(ADMIN, "b", {}),
+                                          lambda: svc.put_queue(ADMIN, "c", {}), errors.InvalidArgument, await_then=True)
+            await _until(lambda: sorted(eng.core.queues) == ["a", "b"] and not svc._queues_creating)
+            await _cancelled_then_checked(eng, lambda: svc.create_key(ADMIN, "*", ["send"]),
+                                          lambda: svc.create_key(ADMIN, "*", ["send"]), errors.InvalidArgument,
+                                          await_then=True)
+            await _until(lambda: len(eng.core.keys) == 1 and svc._keys_creating == 0)
     asyncio.run(main())
 
 
@@ -185,6 +188,23 @@ def test_a_redrive_counts_what_is_on_its_way_to_the_failure_queue(tmp_path):
             await sending
             assert (eng.core.queues["q"].size, eng.core.queues["q.failed"].size) == (1, 5)
     asyncio.run(main())
+
+
+async def _cancelled_then_checked(eng, call, then, refused=errors.Unavailable, await_then=False):
+    """Start ``call``, let it be checked and proposed, cancel its caller, and see
+    ``then`` refused (``refused``) while the commit is held back (by holding the
+    replication lock it runs under)."""
+    async with eng.repl.lock:
+        gone = asyncio.ensure_future(call())
+        await asyncio.sleep(0)  # checked and proposed
+        gone.cancel()
+        for _ in range(5):  # every callback of the cancellation runs
+            await asyncio.sleep(0)
+        assert gone.cancelled()
+        with pytest.raises(refused):
+            got = then()
+            if await_then:  # (bounded: were it let through, it would wait for the held-back commit)
+                await asyncio.wait_for(got, 5)
 
 
 async def _until(pred, timeout_s: float = 10.0):
