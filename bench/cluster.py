@@ -198,6 +198,8 @@ def run_workload(n: int = 5000, n_seq: int = 1000, n_batches: int = 200, repeats
             f"first 201 {out['ready_s']} s later")
         asyncio.run(spool._workload(cl.nodes[p], n, n_seq, n_batches, repeats, log, samples, extra,
                                     probe=_ClusterProbe(cl, p), label="spooler 3-node"))
+        out["other_client"] = spool._other_client(cl.nodes[p].grpc_target, cl.nodes[p].admin_key, n_seq,
+                                                  n_batches, repeats, log)
         out["primary_at_end"] = dict(zip(("node", "epoch"), cl.primary() or (None, None)))
         if out["primary_at_end"] != out["primary_at_start"]:
             out["warning"] = "the primary changed during the workload"

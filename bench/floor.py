@@ -7,6 +7,8 @@ figure can be read against what its own libraries do without it:
 * the client writes each request as raw bytes on one open bidi stream (no protobuf
   message, no SDK), and the harness of the 64-in-flight figure is the peers' one
   (a semaphore and one coroutine per send) with a 20-line batcher behind it;
+* the servers run gRPC's older I/O path, as a Spooler node does by default (the client
+  is this process, on whichever path the benchmark's client runs);
 * a "primary" process commits each request as one row (SQLite WAL, synchronous=FULL,
   on its event loop) and answers with 16 bytes per message (an id);
 * for 3 nodes, the primary first writes each request to two "replica" processes over
@@ -195,6 +197,14 @@ async def _workload(target: str, n: int, n_seq: int, n_batches: int) -> dict:
 
 
 # ------------------------------------------------------------------ running it
+def _server_env() -> dict:
+    """The bare servers take the gRPC I/O path a Spooler node takes by default (node/process.py),
+    whatever this process's client runs; the bare client is this process, like Spooler's."""
+    from spooler.grpc_io import LEGACY
+
+    return dict(os.environ, GRPC_EXPERIMENTS=LEGACY)
+
+
 def _start(role: str, d: str, replicas: list, i: int) -> tuple:
     cmd = [sys.executable, "-m", "bench.floor", "--serve", role, "--db", os.path.join(d, f"{role}{i}.db")]
     if replicas:
@@ -203,7 +213,7 @@ def _start(role: str, d: str, replicas: list, i: int) -> tuple:
     # block on a full pipe and stall the whole run
     err_path = os.path.join(d, f"{role}{i}.stderr")
     with open(err_path, "w") as err:
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=_server_env(),
                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     deadline = time.monotonic() + READY_TIMEOUT_S
     import selectors

@@ -255,6 +255,20 @@ def run_jobs() -> dict:
         return {"error": f"run() raised {type(e).__name__}: {e}"}
 
 
+def settle_client_io(choice: str) -> str:
+    """Put this process's gRPC client on ``choice`` before anything imports grpc, the way a
+    user of the SDK opts in (spooler/grpc_io.py), without handing SPOOLER_GRPC_IO on to the
+    nodes this process starts: they make their own choice (node/process.py). Returns what
+    the process runs with ("operator" when GRPC_EXPERIMENTS was set already)."""
+    from spooler import grpc_io
+
+    env = dict(os.environ, SPOOLER_GRPC_IO=choice)
+    got = grpc_io.prepare(env, default=choice)
+    if "GRPC_EXPERIMENTS" in env:
+        os.environ["GRPC_EXPERIMENTS"] = env["GRPC_EXPERIMENTS"]
+    return got
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=int(os.environ.get("SPOOLER_BENCH_N", "5000")),
@@ -272,8 +286,13 @@ def main(argv=None) -> int:
     ap.add_argument("--failover-repeats", type=int, default=3, help="failovers per signal, each on a fresh cluster")
     ap.add_argument("--peer-failover-repeats", type=int, default=1,
                     help="runs of each peer's failover.py, each on a fresh cluster")
+    ap.add_argument("--client-grpc-io", choices=("legacy", "default"),
+                    default=os.environ.get("SPOOLER_BENCH_CLIENT_IO", "legacy"),
+                    help="gRPC I/O path of the benchmark's client (SPOOLER_GRPC_IO, spooler/grpc_io.py); "
+                         "a child process measures the other path's sequential and batch figures beside it")
     ap.add_argument("--out", default=str(RESULTS), help="where to write the JSON as well")
     a = ap.parse_args(argv)
+    client_io = settle_client_io(a.client_grpc_io)
 
     from bench import floor
     from bench import peers as peers_mod
@@ -283,6 +302,8 @@ def main(argv=None) -> int:
     result = {"benchmark": "spooler single-node and 3-node vs peers",
               "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
               "caveat": CAVEAT, "machine": machine()}
+    result["machine"]["client_grpc_io"] = client_io
+    log(f"the benchmark's client runs gRPC's {client_io} I/O path; the nodes run theirs (legacy by default)")
 
     log(f"spooler: 1 node, N={a.n}, sequential {a.n_seq}, {a.batches} batches of 100, x{a.repeats}")
     result["spooler"] = spool.run(n=a.n, n_seq=a.n_seq, n_batches=a.batches, repeats=a.repeats, log=log)

@@ -220,6 +220,18 @@ async def _workload(node, n, n_seq, n_batches, repeats, log, samples, extra, pro
                     pass
 
 
+def _other_client(target, key, n_seq, n_batches, repeats, log) -> dict:
+    from spooler import grpc_io
+
+    mine = "legacy" if os.environ.get("GRPC_EXPERIMENTS") == grpc_io.LEGACY else "default"
+    other = "default" if mine == "legacy" else "legacy"
+    log(f"client on gRPC's {other} I/O path (the workload's client: {mine}): sequential and "
+        f"batch of 100, x{repeats}")
+    r = other_client(target, key, other, n_seq, n_batches, repeats)
+    log(f"client on {other}: {r.get('median') or r.get('error')}")
+    return r
+
+
 def run(n: int = 5000, n_seq: int = 1000, n_batches: int = 200, repeats: int = 3, log=print) -> dict:
     """Start one node, run the workload ``repeats`` times, stop the node. Never raises for a
     node failure: the result then carries ``error`` and whatever samples were taken."""
@@ -234,6 +246,7 @@ def run(n: int = 5000, n_seq: int = 1000, n_batches: int = 200, repeats: int = 3
     try:
         node.start()
         asyncio.run(_workload(node, n, n_seq, n_batches, repeats, log, samples, extra))
+        out["other_client"] = _other_client(node.grpc_target, node.admin_key, n_seq, n_batches, repeats, log)
     except BaseException as e:  # noqa: BLE001 - report, never hide, and still stop the node
         out["error"] = f"{type(e).__name__}: {e}"
         out["node_alive"] = node.alive()
@@ -248,6 +261,68 @@ def run(n: int = 5000, n_seq: int = 1000, n_batches: int = 200, repeats: int = 3
     return out
 
 
-if __name__ == "__main__":
+CLIENT_IO_FIGURES = ("send_sequential_p50_ms", "send_sequential_per_s", "send_batch_100_per_s")
+
+
+def other_client(target: str, key: str, io: str, n_seq: int, n_batches: int, repeats: int,
+                 timeout_s: float = 300.0) -> dict:
+    """The sequential and batch-of-100 figures again, from a child process whose client runs
+    gRPC's other I/O path (``io``: SPOOLER_GRPC_IO, spooler/grpc_io.py), against the same
+    node while it is up: the SDK's default beside the benchmark client's opt-in, in one run.
+    Never raises: a failure is reported in the result."""
     import json
-    print(json.dumps(run(), indent=2))
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"} | {"SPOOLER_GRPC_IO": io}
+    cmd = [sys.executable, "-m", "bench.spool", "--client-only", target, "--key", key, "--n-seq", str(n_seq),
+           "--batches", str(n_batches), "--repeats", str(repeats)]
+    try:
+        p = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:  # subprocess.run kills the child by its pid on the timeout
+        return {"client_grpc_io": io, "error": f"no answer within {timeout_s} s"}
+    if p.returncode != 0:
+        return {"client_grpc_io": io, "error": p.stderr[-1000:]}
+    return json.loads(p.stdout)
+
+
+async def _client_only(target: str, key: str, n_seq: int, n_batches: int, repeats: int) -> dict:
+    import spooler
+    from spooler import AsyncClient
+
+    samples = {f: [] for f in CLIENT_IO_FIGURES}
+    async with AsyncClient(target, key) as c:
+        for r in range(1, repeats + 1):
+            for name, phase in (("seq", lambda q: _sequential(c, q, n_seq)),
+                                ("batch", lambda q: _batched(c, q, n_batches))):
+                q = f"bench-client-io-{name}-{r}"
+                await c.put_queue(q)
+                for k, v in (await phase(q)).items():
+                    if k in samples:
+                        samples[k].append(v)
+                await c.delete_queue(q)
+    return {"client_grpc_io": spooler.GRPC_IO, "median": {k: _round(k, statistics.median(v)) for k, v in
+                                                          samples.items() if v}, "samples": samples}
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m bench.spool")
+    ap.add_argument("--client-only", metavar="TARGET", help="only the client: sequential and batch figures "
+                    "against a running node (what other_client runs)")
+    ap.add_argument("--key", default="")
+    ap.add_argument("--n-seq", type=int, default=1000)
+    ap.add_argument("--batches", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args(argv)
+    if a.client_only:
+        out = asyncio.run(_client_only(a.client_only, a.key, a.n_seq, a.batches, a.repeats))
+    else:
+        out = run(n_seq=a.n_seq, n_batches=a.batches, repeats=a.repeats)
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,7 +4,20 @@
     from spooler.aio import AsyncClient # asyncio gRPC client
     from spooler.http import HttpClient # small HTTP/JSON client (what spoolctl uses)
 """
-__version__ = "0.4.5"
+__version__ = "0.4.6"
+
+# gRPC's I/O path, settled before anything imports grpc (spooler/grpc_io.py): the SDK
+# changes nothing unless its user sets SPOOLER_GRPC_IO=legacy
+from spooler import grpc_io as _grpc_io  # noqa: E402
+
+GRPC_IO = _grpc_io.prepare(default="default")
+if GRPC_IO == "invalid":
+    import warnings
+    warnings.warn(_grpc_io.refusal() + "; grpcio's default I/O path stays", RuntimeWarning, stacklevel=2)
+elif GRPC_IO == "too late":
+    import warnings
+    warnings.warn("SPOOLER_GRPC_IO=legacy came too late: grpc was imported before spooler, "
+                  "so it runs its default I/O path", RuntimeWarning, stacklevel=2)
 
 
 def __getattr__(name):  # lazy: importing spooler.errors must not pull in the whole SDK
