@@ -13,6 +13,10 @@ targets), cluster (bench/cluster.py: Spooler as 3 nodes with quorum confirm, the
 ratios against the same peer runs, failover after SIGKILL and SIGSTOP of the primary, the
 peers' own failover.py each on a fresh cluster, and the replication issue's targets), jobs
 (bench/jobs.py, the job runner's own benchmark, when it imports). See docs/benchmarks.md.
+
+The benchmark's client runs gRPC's older I/O path (--client-grpc-io, as an SDK user opts in
+with SPOOLER_GRPC_IO=legacy); each workload's other_client has the sequential and batch
+figures of a client on the SDK's default path, measured in a child process beside it.
 """
 from __future__ import annotations
 
