@@ -209,6 +209,8 @@ def run_workload(n: int = 5000, n_seq: int = 1000, n_batches: int = 200, repeats
         if isinstance(e, KeyboardInterrupt):
             raise
     finally:
+        from bench.memory import proc_memory
+        out["memory"] = proc_memory([n.pid for n in cl.nodes.values() if n.proc is not None])
         cl.close()
     out["median"] = {k: _round(k, statistics.median(v)) for k, v in samples.items() if v}
     out["samples"] = samples

@@ -274,6 +274,9 @@ def run_peer(name: str, n: int = 5000, repeats: int = 3, log=print) -> dict:
                 out["runs"].append(res)
                 log(f"peers: {name} run {r}/{repeats}: " +
                     json.dumps({k: res.get(k) for k in FIGURES}))
+            if pc.up_ok:  # the cluster's footprint after the workload, as bench.spool and bench.cluster read ours
+                from bench.memory import proc_memory
+                out["memory"] = proc_memory(sorted(set(pc.pids + _recorded_pids(pc.state_dir))))
     except Exception as e:  # noqa: BLE001
         out["error"] = f"{type(e).__name__}: {e}"
     good = [x for x in out["runs"] if "error" not in x]

@@ -12,7 +12,9 @@ peer's own cluster.sh), ratios and targets (single node vs peers, the single-nod
 targets), cluster (bench/cluster.py: Spooler as 3 nodes with quorum confirm, the same workload,
 ratios against the same peer runs, failover after SIGKILL and SIGSTOP of the primary, the
 peers' own failover.py each on a fresh cluster, and the replication issue's targets), jobs
-(bench/jobs.py, the job runner's own benchmark, when it imports). See docs/benchmarks.md.
+(bench/jobs.py, the job runner's own benchmark, when it imports), memory (bench/memory.py: a
+node's resident size per message held) and memory_beside_peers (each system's resident size
+after the same workload). See docs/benchmarks.md.
 
 The benchmark's client runs gRPC's older I/O path (--client-grpc-io, as an SDK user opts in
 with SPOOLER_GRPC_IO=legacy); each workload's other_client has the sequential and batch
@@ -259,6 +261,27 @@ def run_jobs() -> dict:
         return {"error": f"run() raised {type(e).__name__}: {e}"}
 
 
+def memory_beside_peers(result: dict) -> dict:
+    """Resident memory (MiB, summed over a system's processes) after the same workload:
+    Spooler's 1 node and 3 nodes, and each peer's 3 nodes; the peak (VmHWM) and what was
+    resident at the end. Ratios: Spooler's 3 nodes / the peer's, peak against peak."""
+    out = {}
+    one = (result.get("spooler") or {}).get("memory")
+    three = ((result.get("cluster") or {}).get("spooler") or {}).get("memory")
+    if one:
+        out["spooler_1_node"] = {"peak_rss_mib": one["peak_rss_mib"], "rss_mib": one["rss_mib"]}
+    if three:
+        out["spooler_3_nodes"] = {"peak_rss_mib": three["peak_rss_mib"], "rss_mib": three["rss_mib"]}
+    for name, p in (result.get("peers") or {}).items():
+        m = p.get("memory")
+        if not m:
+            continue
+        out[name] = {"peak_rss_mib": m["peak_rss_mib"], "rss_mib": m["rss_mib"], "processes": len(m["processes"])}
+        if three and m["peak_rss_mib"]:
+            out[name]["spooler_3_nodes_peak_over_this"] = round(three["peak_rss_mib"] / m["peak_rss_mib"], 2)
+    return out
+
+
 def settle_client_io(choice: str) -> str:
     """Put this process's gRPC client on ``choice`` before anything imports grpc, the way a
     user of the SDK opts in (spooler/grpc_io.py), without handing SPOOLER_GRPC_IO on to the
@@ -284,6 +307,7 @@ def main(argv=None) -> int:
                     help="all | none | comma list of nats-jetstream,rabbitmq-quorum")
     ap.add_argument("--no-jobs", action="store_true", help="skip bench/jobs.py")
     ap.add_argument("--no-bare", action="store_true", help="skip bench/floor.py (the bare stack)")
+    ap.add_argument("--no-memory", action="store_true", help="skip bench/memory.py (a node's memory per message)")
     ap.add_argument("--no-cluster", action="store_true", default=os.environ.get("SPOOLER_BENCH_CLUSTER") == "0",
                     help="skip the 3-node part (workload, failover, the peers' failover.py)")
     ap.add_argument("--failover-timeout", type=float, default=2.0, help="the nodes' --failover-timeout, seconds")
@@ -313,6 +337,13 @@ def main(argv=None) -> int:
     result["spooler"] = spool.run(n=a.n, n_seq=a.n_seq, n_batches=a.batches, repeats=a.repeats, log=log)
     if "error" in result["spooler"]:
         log(f"spooler: ERROR {result['spooler']['error']}")
+
+    if a.no_memory:
+        result["memory"] = {"skipped": "--no-memory"}
+    else:
+        from bench import memory
+        log("memory: one fresh node per scenario: batches, keyed sends, leases")
+        result["memory"] = memory.run(log=log)
 
     if a.no_bare:
         result["bare_stack"] = {"skipped": "--no-bare"}
@@ -355,6 +386,7 @@ def main(argv=None) -> int:
             (result["cluster"].get("spooler") or {}).get("median", {}), bare.get("three_nodes") or {})
         passed = {k: v.get("passed") for k, v in result["cluster"]["targets"].items() if isinstance(v, dict)}
         log(f"cluster targets: {passed}")
+    result["memory_beside_peers"] = memory_beside_peers(result)
     result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     result["elapsed_s"] = round(time.perf_counter() - t0, 1)
 

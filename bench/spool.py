@@ -254,6 +254,9 @@ def run(n: int = 5000, n_seq: int = 1000, n_batches: int = 200, repeats: int = 3
         if isinstance(e, KeyboardInterrupt):
             raise
     finally:
+        if node.proc is not None:
+            from bench.memory import proc_memory
+            out["memory"] = proc_memory([node.pid])  # the node's footprint after the workload
         node.kill()
         shutil.rmtree(data_dir, ignore_errors=True)
     out["median"] = {k: _round(k, statistics.median(v)) for k, v in samples.items() if v}

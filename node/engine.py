@@ -683,7 +683,10 @@ class Engine:
         # about to delete: a replica that needs those records gets a snapshot, and
         # no record is asked of the store after it has gone.
         self.repl.core.log.compact(c.compact_upto)
+        t = time.perf_counter()
         await self.store_io(self._checkpoint_now_sync, c)
+        if self.metrics:
+            self.metrics.checkpoint_seconds.observe(time.perf_counter() - t)
         # Bodies now live in the store: drop them from memory.
         for mid, m in c.persisted_msgs:
             if not m.removed:

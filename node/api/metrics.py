@@ -76,9 +76,12 @@ class Metrics:
                                       (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
         self.fsync_seconds = Buckets("spooler_commit_seconds", "Duration of one group commit (write + fsync)",
                                      (.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .5, 1))
+        self.checkpoint_seconds = Buckets("spooler_checkpoint_seconds",
+                                          "Duration of one checkpoint (the applied state written, the log compacted)",
+                                          (.001, .005, .01, .05, .1, .5, 1, 5, 10))
         self.http_errors = Counter("spooler_errors", "Errors answered, by kind", ["kind"], registry=r)
         r.register(_LoopCollector(self.sends, self.duplicates, self.receives, self.acks, self.nacks, self.expiries,
-                                  self.drops, self.commit_records, self.fsync_seconds))
+                                  self.drops, self.commit_records, self.fsync_seconds, self.checkpoint_seconds))
         r.register(_StateCollector(engine))
         engine.on_apply.append(self._on_apply)
         engine.metrics = self

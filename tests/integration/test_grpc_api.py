@@ -410,3 +410,23 @@ def test_an_unknown_method_is_unimplemented_with_a_kind_and_the_epoch(node):
     # the services themselves still answer
     with Client(node.grpc_target, node.admin_key) as c:
         assert c.cluster().role == "primary"
+
+
+def test_each_checkpoint_is_counted_and_timed_in_metrics(node, client):
+    """spooler_checkpoint_seconds counts the checkpoints a node takes (about one a
+    second while anything changes) and sums their time."""
+    import re
+    import urllib.request
+
+    def checkpoints():
+        with urllib.request.urlopen(node.http_url + "/metrics", timeout=10) as r:
+            body = r.read()
+        count = re.search(rb"^spooler_checkpoint_seconds_count ([0-9.e+]+)$", body, re.M)
+        total = re.search(rb"^spooler_checkpoint_seconds_sum ([0-9.e+]+)$", body, re.M)
+        return float(count.group(1)), float(total.group(1))
+
+    client.put_queue("g11")
+    n0, s0 = checkpoints()
+    client.send("g11", b"x")  # something changed: the next checkpoint writes it
+    wait_until(lambda: checkpoints()[0] > n0, timeout_s=10, what="a checkpoint counted")
+    assert checkpoints()[1] > s0
