@@ -141,14 +141,24 @@ def http_headers(err: SpoolerError) -> dict:
     return {}
 
 
-def from_http(status: int, body: bytes, headers: Optional[dict] = None) -> SpoolerError:
+def from_http(status: int, body: bytes, headers: Optional[dict] = None, method: str = "") -> SpoolerError:
+    """An error answer -> its SpoolerError. An answer that names no kind of ours (a proxy's
+    own 502 or 504, a bare 500) says nothing of what happened behind it: for a read
+    (``method`` GET or HEAD) that is ``unavailable``, safe to ask again; for a write,
+    sent on by the proxy or not, ``operation_unconfirmed``, unless the status is 503
+    (``unavailable``, as the contract's) or under 500 (the status's own kind)."""
     try:
         d = json.loads(body or b"{}")
         kind = d.get("kind", "")
     except (ValueError, AttributeError):
         d, kind = {}, ""
     if kind not in ERRORS:
-        cls = _BY_HTTP_STATUS.get(status, Internal)
+        if status >= 500 and method.upper() in ("GET", "HEAD"):
+            cls = Unavailable
+        elif status >= 500 and status != 503:
+            cls = OperationUnconfirmed
+        else:
+            cls = _BY_HTTP_STATUS.get(status, Internal)
         kind = cls.kind
     retry_after = 0.0
     if headers and headers.get("Retry-After"):

@@ -92,7 +92,7 @@ class HttpClient:
         if rh.get("Spooler-Epoch", "").isdigit():
             self.last_epoch = int(rh["Spooler-Epoch"])
         if resp.status >= 400:
-            raise errors.from_http(resp.status, data, rh)
+            raise errors.from_http(resp.status, data, rh, method)
         return resp.status, rh, data
 
     def _json(self, method, path, obj=None):

@@ -99,3 +99,49 @@ def test_renewals_go_on_after_errors_that_do_not_say_the_lease_is_lost():
     for e in (errors.StaleLease("gone", reason="expired"), errors.QueueNotFound("deleted"),
               errors.Forbidden("no scope")):
         assert not keep_renewing_after(log, M, e), e
+
+
+def test_an_error_answer_without_a_kind_of_ours_is_read_by_what_the_request_was():
+    """A proxy's own 502 or 504, or a bare 500, says nothing of what happened behind
+    it: a read may be asked again (unavailable), a write may have landed
+    (operation_unconfirmed). Answers that name a kind keep it."""
+    import http.server
+    import threading
+
+    from spooler.http import HttpClient
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            n = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(n)
+            status = int(self.path.rsplit("/", 1)[-1]) if self.path[-3:].isdigit() else 502
+            body = b'{"kind": "stale_lease", "message": "m", "reason": "expired"}' if status == 409 else b"<html/>"
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = do_DELETE = _answer
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        c = HttpClient(f"http://127.0.0.1:{srv.server_address[1]}", "k", timeout_s=10)
+        for status in (500, 502, 504):
+            with pytest.raises(errors.Unavailable):
+                c.request("GET", f"/v1/queues/q/{status}")
+            with pytest.raises(errors.OperationUnconfirmed):
+                c.request("POST", f"/v1/queues/q/messages/{status}", b"x")
+        with pytest.raises(errors.Unavailable):
+            c.request("POST", "/v1/queues/q/messages/503", b"x")
+        with pytest.raises(errors.StaleLease) as e:
+            c.request("POST", "/v1/ack/409")
+        assert e.value.reason == "expired"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join(10)
