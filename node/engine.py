@@ -35,6 +35,7 @@ from typing import Callable, Optional
 from spooler import errors
 from spooler.pb import log_pb2
 from node.core.spool import QUEUES_MAX, Core
+from node.process import release_memory
 from node.store.sqlite import CheckpointData, Store, chain
 
 log = logging.getLogger("spooler.engine")
@@ -162,6 +163,10 @@ class Engine:
         self.store_generation = 0  # bumped when a snapshot replaces the store
         self.core = Core(rand=os.urandom)
         self.checkpoint_interval_s = checkpoint_interval_s
+        # memory that checkpoints let go of is handed back to the OS at most this often
+        self.release_interval_s = float(os.environ.get("SPOOLER_RELEASE_MEMORY_INTERVAL", "5"))
+        self._bodies_dropped = False
+        self._released_at = -1 << 62
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer")
         self._io_jobs = 0                 # store calls submitted to the writer thread, not yet done
         # a commit of at most this many records runs on the loop thread when the
@@ -673,6 +678,14 @@ class Engine:
             except Exception as e:
                 self._fail(e)
                 return
+            if self._bodies_dropped and mono_us() - self._released_at >= self.release_interval_s * 1e6:
+                # the bodies a checkpoint let go of stay with the C library until it is
+                # asked to hand them back (node/process.py: release_memory)
+                self._bodies_dropped = False
+                self._released_at = mono_us()
+                released = await asyncio.to_thread(release_memory)
+                if released is not None and self.metrics:
+                    self.metrics.memory_released.inc(released)
 
     async def checkpoint_now(self) -> None:
         """Write what changed since the last checkpoint, then let memory go of what
@@ -695,6 +708,8 @@ class Engine:
             m.src = None  # its own row (or none) speaks for it now
         for seg in c.persisted_segs:
             seg.bodies = None
+        if c.persisted_msgs or c.persisted_segs:
+            self._bodies_dropped = True
 
     def _take_checkpoint(self) -> CheckpointData:
         """Copy what changed, on the loop thread, consistent at the applied lsn."""

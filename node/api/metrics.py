@@ -79,9 +79,13 @@ class Metrics:
         self.checkpoint_seconds = Buckets("spooler_checkpoint_seconds",
                                           "Duration of one checkpoint (the applied state written, the log compacted)",
                                           (.001, .005, .01, .05, .1, .5, 1, 5, 10))
+        self.memory_released = Count("spooler_memory_released_bytes",
+                                     "Bytes the resident size fell by when the node handed the C library's free "
+                                     "memory back to the OS after checkpoints")
         self.http_errors = Counter("spooler_errors", "Errors answered, by kind", ["kind"], registry=r)
         r.register(_LoopCollector(self.sends, self.duplicates, self.receives, self.acks, self.nacks, self.expiries,
-                                  self.drops, self.commit_records, self.fsync_seconds, self.checkpoint_seconds))
+                                  self.drops, self.commit_records, self.fsync_seconds, self.checkpoint_seconds,
+                                  self.memory_released))
         r.register(_StateCollector(engine))
         engine.on_apply.append(self._on_apply)
         engine.metrics = self
