@@ -204,7 +204,9 @@ class Forwarder:
         """In the background, tell primary ``a`` to give back a receive's leases, retrying
         until it answers, another primary takes over (its leases are then stale and the
         messages visible again anyway) or ``for_s`` has passed (by then the leases
-        have expired, or the primary has forgotten the name)."""
+        have expired, or the primary has forgotten the name). While this node knows
+        no primary (it is cut off, or an election runs) the release waits: the
+        primary is often still ``a`` once this node hears from it again."""
         if len(self._releases) >= self.releases_max:
             log.warning("%d lost-answer releases already pending: this one is dropped (its leases will expire)",
                         len(self._releases))
@@ -224,18 +226,22 @@ class Forwarder:
     async def _release_by_call(self, a, auth, queue, receive_id, for_s) -> None:
         loop = asyncio.get_running_loop()
         end, pause = loop.time() + for_s, 0.02
-        while self.current_primary() == a:
-            try:
-                n = await self.call(a, "ReleaseReceive", api_pb2.ReleaseReceiveRequest(
-                    queue=queue, receive_id=receive_id), auth, False,
-                    timeout_s=max(0.05, min(2.0, end - loop.time())))
-                if n.released:
-                    log.info("primary gave back %d lease(s) of a receive whose answer was lost", n.released)
-                return
-            except errors.SpoolerError as e:
-                if isinstance(e, _FINAL):
-                    log.warning("release of a lost receive answer refused: %s", e)
+        while True:
+            primary = self.current_primary()
+            if primary is not None and primary != a:
+                return  # another primary took over: the leases are stale, their messages visible again
+            if primary == a:
+                try:
+                    n = await self.call(a, "ReleaseReceive", api_pb2.ReleaseReceiveRequest(
+                        queue=queue, receive_id=receive_id), auth, False,
+                        timeout_s=max(0.05, min(2.0, end - loop.time())))
+                    if n.released:
+                        log.info("primary gave back %d lease(s) of a receive whose answer was lost", n.released)
                     return
+                except errors.SpoolerError as e:
+                    if isinstance(e, _FINAL):
+                        log.warning("release of a lost receive answer refused: %s", e)
+                        return
             if loop.time() + pause >= end:
                 log.warning("could not give back a lost receive answer's leases in time")
                 return

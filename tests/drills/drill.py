@@ -259,8 +259,8 @@ class Drill:
                 with Client(self.cluster.procs[c.node].grpc_target, self.cluster.admin_key,
                             timeout_s=CLIENT_TIMEOUT_S, retry_attempts=1) as g:
                     req = batch_request([(QUEUE, b.encode(), 0.0, "") for b in bodies])  # the compact form
-                    res = batch_results(g._call(g.stub.SendBatch, req, write=True))
-            except Exception as e:  # noqa: BLE001
+                    res = batch_results(g._call("SendBatch", req, write=True))
+            except errors.SpoolerError as e:
                 typ, fields = classify(e)
                 for op in ops:
                     getattr(op, typ)(**fields)

@@ -81,3 +81,37 @@ def test_a_forwarded_promote_whose_answer_never_comes_is_given_up_after_the_grac
             await f.promote(OLD, "Bearer k", "target", TARGET)
         return loop.time() - t0
     assert asyncio.run(main()) < 2.0
+
+
+class _Releaser:
+    """A primary that answers ReleaseReceive, counting the calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def ReleaseReceive(self, req, metadata=None, timeout=None):
+        self.calls += 1
+
+        async def run():
+            return api_pb2.ReleaseReceiveResponse(released=1)
+        return run()
+
+
+def test_a_release_waits_out_a_time_with_no_primary_known_and_goes_to_the_same_one():
+    """A forwarding node cut off from the primary (it knows none for a while) keeps
+    a lost answer's release and sends it once it hears from that primary again: a
+    drill saw the release dropped at the cut, and the lease expire into a retry
+    count nobody had caused. A third node taking over ends it (the leases are stale)."""
+    async def main(views):
+        view = [views[0]]
+        f = Forwarder(timeout_s=5, current_primary=lambda: view[0])
+        primary = f._stubs[OLD] = _Releaser()
+        f.release_soon(OLD, "Bearer k", "q", "name", 10.0)
+        for v in views[1:]:
+            await asyncio.sleep(0.15)
+            view[0] = v
+        await asyncio.wait_for(asyncio.gather(*f._releases), 5)
+        return primary.calls
+
+    assert asyncio.run(main([None, None, OLD])) == 1
+    assert asyncio.run(main([None, OTHER])) == 0
