@@ -47,7 +47,7 @@ def release_memory() -> Optional[int]:
     A node keeps message bodies in memory only until its next checkpoint, but the
     C library keeps what they took (the parsed requests, the log records) for
     reuse, so after a burst of sends the node stayed as large as at its peak: 200,000
-    messages sent in batches left it about 110 MiB larger, against about 13 MiB once
+    messages sent in batches left it about 110 MiB larger, against 6-7 MiB once
     this is called after the checkpoint that let the bodies go (docs/benchmarks.md).
     ctypes lets go of the GIL while it runs, so it is called off the event loop."""
     global _LIBC
