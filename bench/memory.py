@@ -3,25 +3,26 @@
 Two kinds of figure, both read from ``/proc/<pid>/status`` (``VmRSS``: resident now;
 ``VmHWM``: the most it was resident at once):
 
-* ``run()``: one fresh ``spooler-node`` and the asyncio SDK. Its resident size idle, then
-  after each fill below, once the node has checkpointed (bodies leave memory at a
-  checkpoint, DESIGN.md) and its size has settled. Each step's growth divided by its
-  messages is that step's bytes per message:
+* ``run()``: three scenarios, each on a fresh ``spooler-node`` with the asyncio SDK: the
+  node's resident size idle, then holding the messages below, read once the node has
+  checkpointed everything (bodies leave memory at a checkpoint, DESIGN.md) and its size
+  has held still. The growth divided by the messages is ``bytes_per_message``:
 
   - ``batch``: ``n_batch`` messages sent with ``send_batch`` of 1,000 (the compact form:
     one segment object per batch, DESIGN.md "Segments");
   - ``keyed``: ``n_keyed`` sends, 64 in flight, each with its own dedup key, to a queue with
     a dedup window of an hour (one message object and one dedup entry each: what sends
     that are safe to retry cost);
-  - ``leased``: ``n_leased`` of the batch's messages received (100 at a time) and not
-    acked (one lease object and one token each).
+  - ``leased``: ``n_lease_fill`` messages sent in batches, then ``n_leased`` of them received
+    (100 at a time) and not acked (one lease object and one token each: ``bytes_per_lease``).
 
 * ``proc_memory(pids)``: the resident size of given processes, which bench.spool,
   bench.cluster and bench.peers read at the end of each workload: the same workload's
   footprint for Spooler and for each peer's three nodes.
 
-Python's allocator keeps freed small objects for reuse, so resident sizes move in steps and
-do not fall back when things are freed; the figures are what the operating system sees.
+Python's allocator and the C library keep freed memory for reuse (a node hands the C
+library's back after a checkpoint lets bodies go, node/process.py), so resident sizes move
+in steps; the figures are what the operating system sees, an upper bound on the objects.
 
     .venv/bin/python -m bench.memory            # prints JSON
 """
@@ -151,22 +152,21 @@ async def _scenario(node, kind: str, n: int, n_leased: int) -> dict:
     return out
 
 
-SCENARIOS = (("batch", "n_batch", 0), ("keyed", "n_keyed", 0), ("leased", "n_lease_fill", "n_leased"))
-
-
 def run(n_batch: int = 200_000, n_keyed: int = 50_000, n_lease_fill: int = 20_000, n_leased: int = 10_000,
         log=print) -> dict:
     """Each scenario on a fresh node; never raises for a node failure (that scenario's
     result carries ``error``)."""
     params = {"n_batch": n_batch, "n_keyed": n_keyed, "n_lease_fill": n_lease_fill, "n_leased": n_leased}
     out = {"system": "spooler", "nodes": 1, "message_bytes": len(BODY), "params": params, "scenarios": {}}
-    for name, n_key, leased_key in SCENARIOS:
+    # name -> (how the messages are sent, how many, how many of them are then leased)
+    scenarios = {"batch": ("batch", n_batch, 0), "keyed": ("keyed", n_keyed, 0),
+                 "leased": ("batch", n_lease_fill, n_leased)}
+    for name, (kind, n, leased) in scenarios.items():
         data_dir = tempfile.mkdtemp(prefix="spooler-bench-mem-")
         node = NodeProc(data_dir, node_id="mem1")
-        kind = "keyed" if name == "keyed" else "batch"
         try:
             node.start()
-            r = asyncio.run(_scenario(node, kind, params[n_key], params[leased_key] if leased_key else 0))
+            r = asyncio.run(_scenario(node, kind, n, leased))
         except BaseException as e:  # noqa: BLE001 - report, never hide, and still stop the node
             r = {"error": f"{type(e).__name__}: {e}", "node_log_tail": node.read_log()[-2000:]}
             if isinstance(e, KeyboardInterrupt):

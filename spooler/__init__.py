@@ -11,12 +11,10 @@ __version__ = "0.4.6"
 from spooler import grpc_io as _grpc_io  # noqa: E402
 
 GRPC_IO = _grpc_io.prepare(default="default")
-if GRPC_IO == "invalid":
+if GRPC_IO in ("invalid", "too late"):
     import warnings
-    warnings.warn(_grpc_io.refusal() + "; grpcio's default I/O path stays", RuntimeWarning, stacklevel=2)
-elif GRPC_IO == "too late":
-    import warnings
-    warnings.warn("SPOOLER_GRPC_IO=legacy came too late: grpc was imported before spooler, "
+    warnings.warn(_grpc_io.refusal() + "; grpcio's default I/O path stays" if GRPC_IO == "invalid" else
+                  "SPOOLER_GRPC_IO=legacy came too late: grpc was imported before spooler, "
                   "so it runs its default I/O path", RuntimeWarning, stacklevel=2)
 
 
