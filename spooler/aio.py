@@ -198,7 +198,7 @@ class _Session:
             return
         detail = None
         if isinstance(e, grpc.RpcError):
-            if e.code() == grpc.StatusCode.UNAVAILABLE and current:
+            if e.code() in MOVE_ON and current:  # as a unary call that ended so would
                 self.c._next_target(self.chan)
             if _has_detail(e):  # the node said why (e.g. unauthenticated): that is the answer
                 detail = map_rpc_error(e)

@@ -369,7 +369,13 @@ class Core:
                 + len(q.seg_delayed) <= 2 * live:
             return
         msgs = q.msgs
-        q.retention = [e for e in q.retention if (m := msgs.get(e[2])) is not None and m.expires_at == e[0]]
+        # a lease that ends gives its message a retention entry of its own while the
+        # first may still be queued (_give_back): keep one entry per message
+        kept = {}
+        for e in q.retention:
+            if (m := msgs.get(e[2])) is not None and m.expires_at == e[0]:
+                kept[e[2]] = e
+        q.retention = list(kept.values())
         q.ready = [e for e in q.ready if (m := msgs.get(e[2])) is not None and m.gen == e[1] and m.state == READY]
         q.delayed = [e for e in q.delayed
                      if (m := msgs.get(e[3])) is not None and m.gen == e[2] and m.state == DELAYED]
@@ -839,6 +845,8 @@ class Core:
                     continue
                 if m.state == LEASED:
                     continue  # dropped when its lease ends (see _retry_or_fail)
+                if ids and ids[-1] == mid:
+                    continue  # its second entry (see _tidy): equal entries pop one after another
                 ids.append(mid)
             sh = q.seg_retention
             while sh and sh[0][0] <= now and len(ids) < max_n:

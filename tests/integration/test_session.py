@@ -212,6 +212,43 @@ def test_a_broken_session_makes_writes_unconfirmed_and_reads_unavailable():
     asyncio.run(main())
 
 
+class _EndingServer:
+    """Reads one Session request, then ends the stream with ``code`` and no detail,
+    the way a node on its way down ends its calls (CANCELLED) or loses them."""
+
+    def __init__(self, code):
+        self.code = code
+
+    async def start(self):
+        async def session(requests, ctx):
+            async for _ in requests:
+                await ctx.abort(self.code, "ending")
+
+        self.server, self.port = await _fake_node(Session=_session_handler(session))
+        return self
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE])
+def test_a_session_the_node_ends_moves_the_client_to_its_next_node(code):
+    """A unary call that ends CANCELLED or UNAVAILABLE moves the client on (MOVE_ON);
+    a Session stream the node ends the same way must too, at once, not only after
+    the next call has failed on the same node."""
+    async def main():
+        a, b = await _EndingServer(code).start(), await _EndingServer(code).start()
+        try:
+            targets = f"127.0.0.1:{a.port},127.0.0.1:{b.port}"
+            async with AsyncClient(targets, "k", retry_attempts=1) as c:
+                assert c.target_now() == f"127.0.0.1:{a.port}"
+                with pytest.raises(errors.OperationUnconfirmed):
+                    await c.send_batch("q", [b"x"])
+                assert c.target_now() == f"127.0.0.1:{b.port}"
+        finally:
+            await a.server.stop(None)
+            await b.server.stop(None)
+
+    asyncio.run(main())
+
+
 def test_a_full_session_holds_the_client_back_instead_of_failing(tmp_path):
     """Past its in-flight limit a Session stops reading (back-pressure): every
     request is answered, none fails, and no more than the limit run at once."""

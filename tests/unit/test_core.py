@@ -218,6 +218,34 @@ def test_leased_message_past_retention_drops_when_lease_ends(log):
     assert mid not in log.core.queues["q"].msgs
 
 
+def test_due_drops_names_each_message_once(log):
+    """A lease that ends before retention does (here a primary change) gives the
+    message a second retention entry while its first is still queued: the Drop
+    proposed for it names it once, not once per entry."""
+    log.queue("q", retention_us=10 * S)
+    mid, _ = log.send("q", at=0)
+    recv(log, "q", 1)
+    log.new_epoch(2)  # the lease ends; its message is visible again, retention unchanged
+    [(m, _)] = recv(log, "q", 3)
+    log.new_epoch(4)  # and once more
+    assert log.core.due_drops(10 * S) == [("q", [mid])]
+
+
+def test_leases_ending_again_and_again_leave_one_retention_entry(log):
+    """Each lease that ends pushes its message's retention entry again; the sweep
+    (_tidy) keeps one per message, so a message leased and given back thousands
+    of times does not grow its queue's heaps without end."""
+    log.queue("q", retention_us=3600 * S)
+    log.send("q", at=0)
+    for i in range(3000):
+        recv(log, "q", 1 + i)
+        log.new_epoch(1 + i)
+    other, _ = log.send("q", at=5000)
+    [(m, lease)] = [x for x in recv(log, "q", 5000, n=2) if x[0].id == other]
+    log.settle(log_pb2.ACK, "q", other, 5001)  # a settle sweeps its queue's heaps
+    assert len(log.core.queues["q"].retention) == 1
+
+
 def test_dedup_window(log):
     log.queue("q", dedup_window_us=10 * S)
     a = log.send("q", at=0, key="k")
