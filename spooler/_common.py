@@ -20,6 +20,7 @@ from spooler.pb import api_pb2
 # and on a Session that would break the stream under every call riding it.
 MESSAGE_BYTES_MAX = 16 * 1024 * 1024
 BODIES_BYTES_MAX = MESSAGE_BYTES_MAX - 64 * 1024  # room for the rest of the request
+NAME_CHARS_MAX = 16 * 1024  # a queue name or dedup key the SDK sends at all (see check_send_types)
 
 PING_INTERVAL_MS = 2_000
 PING_TIMEOUT_S = 5.0  # the clients' ping_timeout_s default
@@ -367,6 +368,15 @@ def check_send_types(queue, body, delay_s, dedup_key) -> None:
         raise TypeError(f"dedup_key must be a str, not {type(dedup_key).__name__}")
     if len(body) > BODIES_BYTES_MAX:
         raise errors.MessageTooLarge(f"message of {len(body)} bytes; no node takes more than {BODIES_BYTES_MAX}")
+    if len(queue) > NAME_CHARS_MAX or len(dedup_key) > NAME_CHARS_MAX:
+        # far over any node's limit (255, 128) and within the request's spare room:
+        # refused here, so that it fails alone instead of breaking the Session
+        raise errors.InvalidArgument(f"a queue name or dedup key of over {NAME_CHARS_MAX} characters")
+
+
+def _framed(n: int) -> int:
+    """A body of ``n`` bytes in a request: its field's tag, its length, itself."""
+    return n + 2 + (n >= 1 << 7) + (n >= 1 << 14) + (n >= 1 << 21)
 
 
 def check_batch(queue, bodies, delay_s) -> None:
@@ -378,8 +388,11 @@ def check_batch(queue, bodies, delay_s) -> None:
         if type(b) is not bytes:  # (as check_send_types; bytes subclasses are checked there)
             check_send_types(queue, b, delay_s, "")
     total = sum(map(len, bodies))
-    if total > BODIES_BYTES_MAX:
-        raise errors.MessageTooLarge(f"batch of {total} bytes; one request carries at most {BODIES_BYTES_MAX}")
+    if total + 5 * len(bodies) > BODIES_BYTES_MAX:  # near the limit: count each body's framing too
+        total = sum(map(_framed, map(len, bodies)))
+        if total > BODIES_BYTES_MAX:
+            raise errors.MessageTooLarge(f"batch of {total} bytes with its framing; one request carries at "
+                                         f"most {BODIES_BYTES_MAX}")
 
 
 def compact_request(queue: str, bodies: list, delay_s: float) -> api_pb2.SendBatchRequest:
@@ -512,6 +525,14 @@ class Nodes:
         ping_timeout_s: a connection whose ping goes unanswered this long is
         closed and its calls fail (a hung node); raise it on a slow link that
         carries large messages."""
+        for name, v in (("batch_max", batch_max), ("batches_in_flight_max", batches_in_flight_max),
+                        ("retry_attempts", retry_attempts)):
+            # 0 would leave auto-batching spinning on empty batches, or sends never
+            # flushed, or calls never made
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, not {v!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a number > 0, not {timeout_s!r}")
         self._init_nodes(target, credentials, ping_timeout_s)
         self.md = auth_metadata(key)
         self.timeout_s = timeout_s
@@ -536,6 +557,7 @@ class Nodes:
         # one channel (and stub) per node, made on first use and kept: moving back and
         # forth between nodes reuses them, and calls in flight on one keep it open
         self._channels: dict = {}
+        self._channels_closed = False  # close() closed every channel (set just before it does)
         self._open()
 
     def _open(self) -> None:
@@ -563,6 +585,8 @@ class Nodes:
         """Move on to the next node. ``failed_channel``: the channel of the call that
         failed; if the client already moved away from it (another call failed first,
         e.g. many timing out together), it stays where it is now."""
+        if self._channels_closed:
+            return  # close() closed them: a call failing because of it moves nothing, opens nothing
         if len(self._targets) > 1 and (failed_channel is None or failed_channel is self.channel):
             self._target_i = (self._target_i + 1) % len(self._targets)
             self._open()

@@ -144,13 +144,25 @@ class _Session:
 
     async def _write(self, call) -> None:
         try:
-            while self.outbox and call is self.call:
+            # Nothing leaves before the stream is connected: a node that never
+            # completes the connection (its host drops the handshake, or accepts it
+            # and says nothing) has then been sent nothing, and what waits in the
+            # outbox fails ``unavailable`` (safe to retry elsewhere), not
+            # ``operation_unconfirmed``.
+            await call.wait_for_connection()
+            while self.outbox and call is self.call and not call.done():
                 rid, msg = self.outbox.pop(0)
                 w = self.waiting.get(rid)
                 if w is None or w.fut.done():
                     continue  # its caller gave up (timeout): never send it
                 w.call = call  # from here on its outcome is unknown if the stream breaks
-                await call.write(msg)
+                try:
+                    await call.write(msg)
+                except asyncio.InvalidStateError:  # the stream ended (or was closed) before it went
+                    w.call = None
+                    if not w.fut.done():
+                        w.fut.set_exception(errors.Unavailable("session stream closed before the request was sent"))
+                    raise
         except Exception:  # noqa: BLE001 - the stream is broken: its reader reports how
             call.cancel()
         finally:
@@ -277,6 +289,7 @@ class AsyncClient(Nodes):
             await asyncio.wait(list(self._releases), timeout=RELEASE_TIMEOUT_S + 0.5)
         self._closed = True
         self.session.close()
+        self._channels_closed = True
         for ch in self._all_channels():
             await ch.close()
 
@@ -297,6 +310,16 @@ class AsyncClient(Nodes):
             if e.code() in MOVE_ON:
                 self._next_target(ch)
             raise err from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our caller was cancelled: that goes on up
+            # grpc.aio cancelled the call under us (close() closed its channel):
+            # the caller hears what a call the node ended would say
+            if write:
+                raise errors.OperationUnconfirmed("the client closed while the call was in flight: "
+                                                  "outcome unknown") from None
+            raise read_lost("the client closed while the call was in flight") from None
 
     async def _retried(self, method: str, req, *, write: bool):
         """A queue, key or cluster call: tried again after ``unavailable`` (known
@@ -422,8 +445,12 @@ class AsyncClient(Nodes):
             if len(batch) > 1 and is_batch_entry_error(e):
                 # refused before anything was stored: one bad entry fails the whole
                 # batch, so send each alone and only it fails
-                for one in batch:
-                    await self._send_batch_now([one])
+                for i, one in enumerate(batch):
+                    try:
+                        await self._send_batch_now([one])
+                    except BaseException:  # cut short (cancelled): the rest never left
+                        _fail_all(batch[i + 1:], errors.Unavailable("not sent: its batch's resend was cut short"))
+                        raise
                 return
             _fail_all(batch, e)
             return

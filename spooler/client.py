@@ -65,6 +65,8 @@ class Client(Nodes):
             self._settled.wait_for(lambda: not self._settles, timeout=self.timeout_s)
         self._pool.shutdown(wait=True)  # the sends already handed over go out
         self._shut = True
+        with self._lock:  # (a failing call moves the client under this lock: _failed)
+            self._channels_closed = True
         for ch in self._all_channels():
             ch.close()
 

@@ -520,9 +520,10 @@ def test_a_receive_whose_answer_was_lost_is_not_retried(node, tmp_path):
 
 def test_a_node_that_never_answers_does_not_hold_up_the_next_nodes_session(node):
     """The first node accepts the connection and says nothing (a hung process the
-    kernel still completes handshakes for). Its Session write hangs; the client
-    moves on, and the stream it opens to the next node must not wait behind that
-    write: the next send goes through at once."""
+    kernel still completes handshakes for). Its Session never connects, so the
+    send never left: ``unavailable`` (safe to retry), not ``operation_unconfirmed``.
+    The client moves on, and the stream it opens to the next node must not wait
+    behind the first: the next send goes through at once."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(16)
@@ -545,7 +546,7 @@ def test_a_node_that_never_answers_does_not_hold_up_the_next_nodes_session(node)
             await c0.put_queue("silent")
         c = AsyncClient(f"{silent},{node.grpc_target}", node.admin_key, timeout_s=1, retry_attempts=1)
         try:
-            with pytest.raises((errors.Unavailable, errors.OperationUnconfirmed)):
+            with pytest.raises(errors.Unavailable):
                 await c.send("silent", b"first")
             assert c.target_now() == node.grpc_target
             r = await asyncio.wait_for(c.send("silent", b"second"), 5)

@@ -402,3 +402,123 @@ def test_a_receive_whose_answer_is_lost_gives_its_messages_back(tmp_path):
             await eng.stop()
 
     asyncio.run(main())
+
+
+class _CallEndingAtWrite:
+    """A Session call that ended between the writer's check and its write: grpc.aio
+    refuses the write (InvalidStateError) before anything is sent."""
+
+    def __init__(self):
+        self.cancelled = False
+
+    async def wait_for_connection(self):
+        return None
+
+    def done(self):
+        return False
+
+    async def write(self, msg):
+        raise asyncio.InvalidStateError("RPC already finished.")
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_a_request_the_ended_stream_refused_to_write_is_unavailable():
+    """A write grpc refused was never sent: its caller hears ``unavailable`` (safe
+    to retry) at once, not ``operation_unconfirmed`` from the stream's end."""
+    from spooler.aio import _Waiter
+
+    async def main():
+        async with AsyncClient("127.0.0.1:1", "k") as c:
+            s, call = c.session, _CallEndingAtWrite()
+            s.call, s.stub, s.chan = call, c.stub, c.channel
+            fut = asyncio.get_running_loop().create_future()
+            s.waiting[1] = _Waiter(fut, True, c.channel, "send_batch")
+            s.outbox.append((1, api_pb2.SessionRequest(id=1)))
+            await s._write(call)
+            assert call.cancelled and fut.done()
+            with pytest.raises(errors.Unavailable):
+                fut.result()
+            s.call = None
+
+    asyncio.run(main())
+
+
+async def _unary_node(send_batch=None, get_queue=None):
+    """A node stand-in without Session (an older node): the SDK's unary path."""
+    handlers = {}
+    if send_batch:
+        handlers["SendBatch"] = grpc.unary_unary_rpc_method_handler(
+            send_batch, request_deserializer=api_pb2.SendBatchRequest.FromString,
+            response_serializer=api_pb2.SendBatchResponse.SerializeToString)
+    if get_queue:
+        handlers["GetQueue"] = grpc.unary_unary_rpc_method_handler(
+            get_queue, request_deserializer=api_pb2.QueueRequest.FromString,
+            response_serializer=api_pb2.Queue.SerializeToString)
+    return await _fake_node(**handlers)
+
+
+def test_a_batch_resent_one_by_one_leaves_no_caller_waiting_when_cut_short():
+    """A batch refused for one entry is resent one send at a time; when that is cut
+    short (its flush cancelled), the sends not yet made fail ``unavailable`` instead
+    of waiting for ever."""
+    from spooler.errors import grpc_trailers
+
+    async def main():
+        started = asyncio.Event()
+
+        async def send_batch(req, ctx):
+            if len(req.entries) > 1:
+                await ctx.abort(grpc.StatusCode.NOT_FOUND, "no such queue",
+                                trailing_metadata=grpc_trailers(errors.QueueNotFound("nope")))
+            started.set()
+            await asyncio.sleep(5)
+            return api_pb2.SendBatchResponse(results=[api_pb2.SendResponse(id="u")])
+
+        server, port = await _unary_node(send_batch=send_batch)
+        try:
+            c = AsyncClient(f"127.0.0.1:{port}", "k", timeout_s=10, batches_in_flight_max=1, retry_attempts=1)
+            sends = [asyncio.ensure_future(c.send("q", b"%d" % i)) for i in range(6)]
+            await asyncio.wait_for(started.wait(), 5)  # the first single send is on its way
+            for t in list(c._flushes):
+                t.cancel()
+            done, pending = await asyncio.wait(sends, timeout=5)
+            assert not pending
+            assert isinstance(sends[0].exception(), errors.OperationUnconfirmed)  # it may have left
+            assert all(isinstance(s.exception(), errors.Unavailable) for s in sends[1:])  # never sent
+            await c.close()
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("write", [False, True])
+def test_a_call_cut_off_by_close_is_an_error_of_ours_not_a_bare_cancel(write):
+    """close() closes the channels under a unary call still waiting (a node without
+    Session, or a queue call): its caller, who cancelled nothing, hears
+    ``unavailable`` (a read) or ``operation_unconfirmed`` (a write), not
+    asyncio.CancelledError."""
+    async def main():
+        arrived = asyncio.Event()
+
+        async def slow(req, ctx):
+            arrived.set()
+            await asyncio.sleep(10)
+
+        server, port = await _unary_node(send_batch=slow, get_queue=slow)
+        try:
+            c = AsyncClient(f"127.0.0.1:{port}", "k", timeout_s=30, retry_attempts=1)
+            call = (c._call(c.stub.SendBatch, api_pb2.SendBatchRequest(), write=True) if write
+                    else c.get_queue("q"))
+            t = asyncio.ensure_future(call)
+            await asyncio.wait_for(arrived.wait(), 5)
+            await c.close()
+            done, _ = await asyncio.wait([t], timeout=5)
+            assert done and not t.cancelled()
+            assert isinstance(t.exception(), errors.OperationUnconfirmed if write else errors.Unavailable)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())

@@ -27,3 +27,90 @@ def test_a_client_opens_its_channels_with_its_own_ping_timeout():
         assert dict(c._grpc_options)["grpc.http2.ping_timeout_ms"] == 12_000
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("option", ["batch_max", "batches_in_flight_max", "retry_attempts", "timeout_s"])
+@pytest.mark.parametrize("bad", [0, -1, "4", True])
+def test_a_client_option_below_one_is_refused(option, bad):
+    """batch_max=0 left auto-batching spinning on empty batches and
+    batches_in_flight_max=0 left every send waiting: refused at construction."""
+    with pytest.raises(ValueError):
+        Client("127.0.0.1:9", **{option: bad})
+    with pytest.raises(ValueError):
+        AsyncClient("127.0.0.1:9", **{option: bad})
+
+
+def test_a_batch_over_grpcs_limit_only_with_its_framing_is_refused_before_it_is_sent():
+    """167,000 bodies of 100 bytes are under the bodies' limit (16.70 MB) but over
+    gRPC's 16 MiB once each body's tag and length are counted: message_too_large
+    here, instead of a local gRPC refusal that breaks the Session under other calls."""
+    from spooler import errors
+    from spooler._common import BODIES_BYTES_MAX, check_batch, compact_request
+
+    bodies = [b"x" * 100] * 167_000
+    assert sum(map(len, bodies)) <= BODIES_BYTES_MAX < compact_request("q", bodies, 0).ByteSize()
+    with pytest.raises(errors.MessageTooLarge):
+        check_batch("q", bodies, 0)
+    check_batch("q", [b"x" * 100] * 100_000, 0)  # well inside: passes
+
+
+@pytest.mark.parametrize("field", ["queue", "dedup_key"])
+def test_a_name_or_key_too_long_for_any_node_is_refused_before_it_is_sent(field):
+    from spooler import errors
+    from spooler._common import NAME_CHARS_MAX, check_send_types
+
+    args = {"queue": "q", "dedup_key": "k", field: "n" * (NAME_CHARS_MAX + 1)}
+    with pytest.raises(errors.InvalidArgument):
+        check_send_types(args["queue"], b"x", 0, args["dedup_key"])
+    check_send_types("q" * 255, b"x", 0, "k" * 128)  # a node's own limits: passed on, it answers
+
+
+def test_a_call_failing_because_close_closed_its_channel_opens_no_new_one():
+    """A sync call in flight in another thread fails CANCELLED when close() closes
+    its channel: the client neither moves to its next node nor opens a channel there
+    after close."""
+    import threading
+    import time
+    from concurrent import futures
+
+    import grpc
+
+    from spooler.pb import api_pb2
+
+    arrived = threading.Event()
+
+    def slow(req, ctx):
+        arrived.set()
+        time.sleep(3)
+        return api_pb2.Queue(name=req.name)
+
+    servers, ports = [], []
+    for _ in range(2):
+        s = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        s.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("spooler.v1.Spooler", {
+            "GetQueue": grpc.unary_unary_rpc_method_handler(
+                slow, request_deserializer=api_pb2.QueueRequest.FromString,
+                response_serializer=api_pb2.Queue.SerializeToString)}),))
+        ports.append(s.add_insecure_port("127.0.0.1:0"))
+        s.start()
+        servers.append(s)
+    try:
+        c = Client(",".join(f"127.0.0.1:{p}" for p in ports), "k", retry_attempts=1)
+        got = []
+        t = threading.Thread(target=lambda: got.append(_outcome(lambda: c.get_queue("q"))))
+        t.start()
+        assert arrived.wait(5)
+        c.close()
+        t.join(10)
+        assert got and not isinstance(got[0], dict)  # the call failed (how is another test's)
+        assert list(c._channels) == [0] and c.target_now() == f"127.0.0.1:{ports[0]}"
+    finally:
+        for s in servers:
+            s.stop(None)
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        return e
