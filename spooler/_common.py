@@ -454,6 +454,16 @@ def send_outcomes(r: api_pb2.SendBatchResponse, n: Optional[int] = None) -> list
     return out
 
 
+def settle_outcomes(r, n: int) -> list:
+    """A SettleBatch answer, per item in request order: None (ack, nack), the new
+    expiry (renew), or the item's SpoolerError. An answer naming another number of
+    outcomes than ``n`` items cannot be matched to them (a faulty node); the items
+    may have been applied: operation_unconfirmed."""
+    if len(r.results) != n:
+        raise errors.OperationUnconfirmed(f"the node answered {len(r.results)} outcomes for {n} settles")
+    return [errors.from_detail(x.error) if x.HasField("error") else (x.expires_at or None) for x in r.results]
+
+
 def batch_results(r: api_pb2.SendBatchResponse) -> list:
     """send_batch's answer: every SendResult, or the first message's error raised."""
     out = send_outcomes(r)
@@ -501,9 +511,14 @@ def settle_failed(log, m, action: str, e: errors.SpoolerError) -> bool:
 
 
 def renew_delay_s(expires_at: str, now: Optional[datetime] = None) -> float:
-    """Renew at half the remaining lease time (at least 50 ms from now)."""
+    """Renew at half the remaining lease time (at least 50 ms from now). An expiry
+    that cannot be read (a faulty node's empty answer) renews again in a second,
+    instead of ending the renewer while the handler runs on."""
     from datetime import timezone
-    exp = datetime.fromisoformat(expires_at.replace("Z", "+00:00"))
+    try:
+        exp = datetime.fromisoformat(expires_at.replace("Z", "+00:00"))
+    except (AttributeError, TypeError, ValueError):
+        return 1.0
     now = now or datetime.now(timezone.utc)
     return max(0.05, (exp - now).total_seconds() / 2)
 

@@ -21,7 +21,7 @@ from typing import Awaitable, Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (MOVE_ON, Nodes, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, batch_request, compact_request, settle_request, batch_results, call_with_retries,
+from spooler._common import (MOVE_ON, Nodes, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, batch_request, compact_request, settle_request, settle_outcomes, batch_results, call_with_retries,
                              _has_detail, is_batch_entry_error, map_rpc_error, message_of, never_sent, read_lost, queue_dict, renew_delay_s, send_outcomes,
                              settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request, settle_failed)
@@ -537,13 +537,14 @@ class AsyncClient(Nodes):
         if self.session.supported:
             req = settle_request([(token, action, delay_s)])
             try:
-                r = (await self.session.request("settle_batch", req, write=True, timeout_s=self.timeout_s)).results[0]
+                out = settle_outcomes(await self.session.request("settle_batch", req, write=True,
+                                                                 timeout_s=self.timeout_s), 1)[0]
             except _NoSession:
                 pass
             else:
-                if r.HasField("error"):
-                    raise errors.from_detail(r.error)
-                return r.expires_at or None
+                if isinstance(out, errors.SpoolerError):
+                    raise out
+                return out
         r = await self._call(rpc, api_pb2.LeaseRequest(token=token, delay_seconds=delay_s), write=True)
         return getattr(r, "expires_at", None)
 
@@ -602,7 +603,7 @@ class AsyncClient(Nodes):
         r = await self._waited_for_by_close(call_with_retries(
             lambda: self._pipe("settle_batch", self.stub.SettleBatch, req, write=True),
             self.retry_attempts, stop_when=self._gone))
-        return [errors.from_detail(x.error) if x.HasField("error") else (x.expires_at or None) for x in r.results]
+        return settle_outcomes(r, len(req.items))
 
     # --------------------------------------------------------- consuming
     async def consume(self, queue: str, handler: Callable[[Message], Awaitable[None]], *, concurrency: int = 1,

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (MOVE_ON, Nodes, keep_renewing_after, batch_size, check_batch, check_send_types, Message, SendResult, batch_request, batch_results, call_with_retries_sync,
+from spooler._common import (MOVE_ON, Nodes, keep_renewing_after, batch_size, check_batch, check_send_types, Message, SendResult, batch_request, settle_outcomes, batch_results, call_with_retries_sync,
                              is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, send_outcomes,
                              settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request, settle_failed, settle_request)
@@ -316,7 +316,7 @@ class Client(Nodes):
         req = settle_request(items)
         with self._waited_for_by_close():
             r = self._retried("SettleBatch", req, write=True)  # after unavailable only: per-item answers are final
-        return [errors.from_detail(x.error) if x.HasField("error") else (x.expires_at or None) for x in r.results]
+        return settle_outcomes(r, len(req.items))
 
     # --------------------------------------------------------- consuming
     def consume(self, queue: str, handler: Callable[[Message], None], *, wait_s: float = 20.0,

@@ -522,3 +522,24 @@ def test_a_call_cut_off_by_close_is_an_error_of_ours_not_a_bare_cancel(write):
             await server.stop(None)
 
     asyncio.run(main())
+
+
+def test_an_ack_answered_with_no_outcome_is_unconfirmed_not_an_index_error():
+    """A faulty node answers a Session settle with no result: the ack may have been
+    applied, so operation_unconfirmed (an IndexError would end a consume)."""
+    async def main():
+        async def session(requests, ctx):
+            async for r in requests:
+                yield api_pb2.SessionResponse(id=r.id, settle_batch=api_pb2.SettleBatchResponse())
+
+        server, port = await _fake_node(Session=_session_handler(session))
+        try:
+            async with AsyncClient(f"127.0.0.1:{port}", "k", retry_attempts=1) as c:
+                with pytest.raises(errors.OperationUnconfirmed):
+                    await c.ack("token")
+                with pytest.raises(errors.OperationUnconfirmed):
+                    await c.settle_batch([("a", "ack", 0), ("b", "ack", 0)])
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())

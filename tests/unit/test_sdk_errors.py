@@ -7,7 +7,7 @@ import pytest
 
 from spooler import errors
 from spooler._common import (DedupWindow, call_with_retries, call_with_retries_sync, map_rpc_error, retryable,
-                             send_outcomes, settle_request)
+                             send_outcomes, settle_outcomes, settle_request)
 from spooler.pb import api_pb2
 
 
@@ -44,6 +44,19 @@ def test_an_answer_with_another_number_of_outcomes_is_unconfirmed():
     assert [x.id for x in send_outcomes(r, 2)] == ["p00000001", "p00000002"]
     with pytest.raises(errors.OperationUnconfirmed):
         send_outcomes(r, 3)
+
+
+def test_a_settle_answer_with_another_number_of_outcomes_is_unconfirmed():
+    """Not an IndexError (which would end a consume) nor outcomes matched to the
+    wrong items: the settles may have been applied, so operation_unconfirmed."""
+    r = api_pb2.SettleBatchResponse()
+    r.results.add()
+    r.results.add().error.CopyFrom(api_pb2.ErrorDetail(kind="stale_lease", reason="settled"))
+    got = settle_outcomes(r, 2)
+    assert got[0] is None and isinstance(got[1], errors.StaleLease)
+    for n in (0, 1, 3):
+        with pytest.raises(errors.OperationUnconfirmed):
+            settle_outcomes(r, n)
 
 
 def test_an_unknown_settle_action_is_invalid_argument():
@@ -145,3 +158,17 @@ def test_an_error_answer_without_a_kind_of_ours_is_read_by_what_the_request_was(
         srv.shutdown()
         srv.server_close()
         t.join(10)
+
+
+def test_renewing_goes_on_after_an_expiry_it_cannot_read():
+    """Half the remaining lease, at least 50 ms; an unreadable expiry (a faulty
+    node's empty renew answer) means again in a second, not a dead renewer."""
+    from datetime import datetime, timezone
+
+    from spooler._common import renew_delay_s
+
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    assert renew_delay_s("2026-01-01T00:00:30Z", now) == 15.0
+    assert renew_delay_s("2025-12-31T23:59:59Z", now) == 0.05
+    for bad in (None, "", "soon"):
+        assert renew_delay_s(bad, now) == 1.0
