@@ -129,6 +129,8 @@ class _Session:
         if w is None or w.fut.done():
             return
         self.c._next_target(w.chan)  # a node that does not answer in time must not pin the client
+        if w.fut.done():
+            return
         if w.call is None:  # still in the outbox: take it out, it is never sent
             self.outbox[:] = [x for x in self.outbox if x[0] != rid]
             w.fut.set_exception(errors.Unavailable("not sent within the timeout"))
@@ -275,6 +277,14 @@ class AsyncClient(Nodes):
     def _gone(self) -> bool:
         """close() began: a failed call is not tried again (its channel is closing)."""
         return self._closing
+
+    def _next_target(self, failed_channel=None) -> None:
+        super()._next_target(failed_channel)
+        s = getattr(self, "session", None)
+        if s is not None and s.call is not None and s.stub is not self.stub:
+            # moved on: what still waits unwritten for the node just left fails
+            # unavailable now (its callers retry on the next node), not at its timeout
+            s._retire()
 
     async def close(self) -> None:
         """Sends already handed to the client still go out, and acks, nacks and

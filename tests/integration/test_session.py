@@ -543,3 +543,37 @@ def test_an_ack_answered_with_no_outcome_is_unconfirmed_not_an_index_error():
             await server.stop(None)
 
     asyncio.run(main())
+
+
+class _CallThatNeverConnects:
+    def __init__(self):
+        self.half_closed = False
+
+    def done(self):
+        return False
+
+    async def done_writing(self):
+        self.half_closed = True
+
+
+def test_moving_on_fails_what_waits_unwritten_for_the_node_left_at_once():
+    """When the client moves to its next node, a request still waiting in the
+    outbox for the old node's stream fails ``unavailable`` at once (its caller
+    retries on the next node) instead of at its own timeout."""
+    from spooler.aio import _Waiter
+
+    async def main():
+        async with AsyncClient("127.0.0.1:1,127.0.0.1:2", "k") as c:
+            s, old = c.session, _CallThatNeverConnects()
+            s.call, s.stub, s.chan = old, c.stub, c.channel
+            fut = asyncio.get_running_loop().create_future()
+            s.waiting[1] = _Waiter(fut, True, c.channel, "send_batch")
+            s.outbox.append((1, api_pb2.SessionRequest(id=1)))
+            c._next_target(c.channel)
+            assert c.target_now() == "127.0.0.1:2"
+            assert fut.done() and isinstance(fut.exception(), errors.Unavailable)
+            assert s.call is None and not s.outbox
+            await asyncio.sleep(0)
+            assert old.half_closed  # the old stream still delivers the answers it owes
+
+    asyncio.run(main())
