@@ -424,18 +424,26 @@ class _CallEndingAtWrite:
         self.cancelled = True
 
 
+def _one_unwritten_request(c, call):
+    """Make ``call`` the client's Session stream on its current node, with one
+    write request waiting in its outbox; returns that request's future."""
+    from spooler.aio import _Waiter
+
+    s = c.session
+    s.call, s.stub, s.chan = call, c.stub, c.channel
+    fut = asyncio.get_running_loop().create_future()
+    s.waiting[1] = _Waiter(fut, True, c.channel, "send_batch")
+    s.outbox.append((1, api_pb2.SessionRequest(id=1)))
+    return fut
+
+
 def test_a_request_the_ended_stream_refused_to_write_is_unavailable():
     """A write grpc refused was never sent: its caller hears ``unavailable`` (safe
     to retry) at once, not ``operation_unconfirmed`` from the stream's end."""
-    from spooler.aio import _Waiter
-
     async def main():
         async with AsyncClient("127.0.0.1:1", "k") as c:
             s, call = c.session, _CallEndingAtWrite()
-            s.call, s.stub, s.chan = call, c.stub, c.channel
-            fut = asyncio.get_running_loop().create_future()
-            s.waiting[1] = _Waiter(fut, True, c.channel, "send_batch")
-            s.outbox.append((1, api_pb2.SessionRequest(id=1)))
+            fut = _one_unwritten_request(c, call)
             await s._write(call)
             assert call.cancelled and fut.done()
             with pytest.raises(errors.Unavailable):
@@ -560,15 +568,10 @@ def test_moving_on_fails_what_waits_unwritten_for_the_node_left_at_once():
     """When the client moves to its next node, a request still waiting in the
     outbox for the old node's stream fails ``unavailable`` at once (its caller
     retries on the next node) instead of at its own timeout."""
-    from spooler.aio import _Waiter
-
     async def main():
         async with AsyncClient("127.0.0.1:1,127.0.0.1:2", "k") as c:
             s, old = c.session, _CallThatNeverConnects()
-            s.call, s.stub, s.chan = old, c.stub, c.channel
-            fut = asyncio.get_running_loop().create_future()
-            s.waiting[1] = _Waiter(fut, True, c.channel, "send_batch")
-            s.outbox.append((1, api_pb2.SessionRequest(id=1)))
+            fut = _one_unwritten_request(c, old)
             c._next_target(c.channel)
             assert c.target_now() == "127.0.0.1:2"
             assert fut.done() and isinstance(fut.exception(), errors.Unavailable)
