@@ -330,3 +330,24 @@ def test_an_output_file_that_cannot_be_made_fails_the_attempt_not_the_worker(spo
     b = spool.job(bad)
     assert b["state"] == "dead" and b["attempts"][0]["failure_reason"] == "spawn_failed", b
     assert b["crash_count"] == 0
+
+
+@pytest.mark.parametrize("script, reason", [
+    ("sleep 300 & echo $! > {gc}; exit 0", None),   # a normal end
+    ("sh -c 'trap \"\" TERM; sleep 300' & echo $! > {gc}; sleep 0.3; kill -9 $$", states.NONZERO_EXIT),
+])
+def test_what_a_command_leaves_running_in_its_group_ends_with_it(tmp_path, script, reason):
+    """The command exits (on its own, or killed) before its timeout and leaves a
+    background member of its group running: that member is stopped when the
+    attempt ends (SIGKILL after the grace if it ignores SIGTERM), not left to run
+    on past the attempt and its timeout."""
+    gc = tmp_path / "gc.pid"
+    env = {**os.environ, executor.ATTEMPT_ENV: "job:1"}
+    res = executor.run(["sh", "-c", script.format(gc=gc)], str(tmp_path / "o"), str(tmp_path / "e"),
+                       timeout_s=60, env=env, grace_s=0.5)
+    gpid = int(gc.read_text())
+    try:
+        assert res.reason == reason
+        wait_until(lambda: pid_gone(gpid), 5.0, what="the leftover member stopped")
+    finally:
+        kill_group_of(res.pid, gpid)

@@ -74,7 +74,7 @@ def test_stale_heartbeat_becomes_a_candidate_only_past_the_threshold(store):
 def test_heartbeat_keeps_a_job_off_the_candidate_list(store):
     store.submit(["true"])
     w, c = claim_as(store, os.getpid())
-    assert store.heartbeat(w, {c.job_id: c.n}, now=T0 + 25) == set()
+    assert store.heartbeat(w, {(c.job_id, c.n)}, now=T0 + 25) == set()
     assert store.reap_candidates(now=T0 + 31) == []
     assert len(store.reap_candidates(now=T0 + 56)) == 1
 
@@ -175,7 +175,7 @@ def test_reap_rechecks_staleness_inside_the_transaction(store, procs):
     other = Store(store.spool_dir)
     try:
         def kill(pid, sig):   # the liveness probe runs between scan and reap
-            other.heartbeat(w, {c.job_id: c.n}, now=T0 + 31)
+            other.heartbeat(w, {(c.job_id, c.n)}, now=T0 + 31)
             raise ProcessLookupError
         [r] = reaper.reap_pass(store, now=T0 + 31, kill=kill)
     finally:
@@ -236,6 +236,23 @@ def test_retry_force_starts_the_crash_budget_afresh(store, spool, procs):
     assert [a["failure_reason"] for a in job["attempts"]] == ["worker_crashed"] * 3, "history kept"
 
 
+def test_a_page_of_live_workers_jobs_does_not_hide_a_dead_workers_job(store, procs):
+    """100 stale jobs of a frozen (alive) worker come first by heartbeat: the pass
+    judges that worker once, looks past its jobs, and reaps the dead worker's."""
+    frozen = procs(["bash", "-c", "exec -a spoolctl-frozen-worker sleep 300"])
+    wait_until(lambda: b"spoolctl" in open(f"/proc/{frozen.pid}/cmdline", "rb").read(), 5,
+               what="the frozen worker's command line")
+    for i in range(100):
+        store.submit(["true"], now=T0)
+        claim_as(store, frozen.pid, now=T0 + i * 0.001)
+    job_id, _ = store.submit(["true"], now=T0)
+    claim_as(store, dead_pid(procs), now=T0 + 1)
+    results = reaper.reap_pass(store, now=T0 + 100)
+    assert [r.job_id for r in results if r.new_state] == [job_id]
+    assert store.get(job_id)["state"] == states.QUEUED
+    assert sum(1 for r in results if r.verdict == reaper.ALIVE) == 100  # each of its jobs left alone
+
+
 def test_orphan_without_recorded_pid_is_found_by_its_token(store, procs):
     """A worker that dies within 50 ms of spawning its command never wrote the
     command's pid: the reaper finds the command by its attempt token alone, and
@@ -259,6 +276,102 @@ def test_orphan_without_recorded_pid_is_found_by_its_token(store, procs):
             if p.poll() is None:
                 p.kill()
             p.wait(timeout=10)
+
+
+def test_cancel_of_a_running_attempt_without_a_pid_kills_it_by_its_token(store, procs):
+    """The worker died before it wrote its command's pid, then the operator cancels:
+    the command is found by its attempt token and killed, the attempt closed
+    (nothing else would: the reaper never looks at a canceled job)."""
+    from spooler.cli import main
+    from spooler.jobs import executor
+    job_id, _ = store.submit(["sleep", "60"])
+    _, c = claim_as(store, dead_pid(procs), now=time.time())
+    mine = subprocess.Popen(["sleep", "60"], start_new_session=True, stdin=subprocess.DEVNULL,
+                            env={**os.environ, executor.ATTEMPT_ENV: f"{job_id}:{c.n}"})
+    try:
+        wait_until(lambda: executor.ATTEMPT_ENV.encode() in open(f"/proc/{mine.pid}/environ", "rb").read(), 5,
+                   what="the command exec'd with its token")
+        assert main(["--spool", store.spool_dir, "cancel", job_id]) == 0
+        wait_until(lambda: mine.poll() is not None, 5, what="the command killed by its token")
+        job = store.get(job_id)
+        assert job["state"] == states.CANCELED
+        assert job["attempts"][0]["finished_at"] is not None and job["attempts"][0]["failure_reason"] == "canceled"
+    finally:
+        if mine.poll() is None:
+            mine.kill()
+        mine.wait(timeout=10)
+
+
+def test_a_heartbeat_names_the_attempt_it_lost_not_the_job_claimed_again(store):
+    """An attempt that ended and its job claimed again by the same worker: a
+    heartbeat taken with the first attempt in hand names that attempt lost, and
+    the second stays its own (by job id alone, the second was stopped as canceled)."""
+    job_id, _ = store.submit(["false"], max_retries=1)
+    w, c1 = claim_as(store, os.getpid())
+    store.finish_attempt(c1, states.NONZERO_EXIT, 1, now=T0 + 1)
+    c2 = store.claim_next(w, now=T0 + 10)  # past its backoff
+    assert (c2.job_id, c2.n) == (job_id, 2)
+    assert store.heartbeat(w, {(job_id, 1), (job_id, 2)}, now=T0 + 11) == {(job_id, 1)}
+
+
+@pytest.mark.parametrize("reason", [states.CANCELED_REASON, states.LEASE_LOST])
+def test_an_attempt_its_worker_stopped_for_a_loss_that_did_not_happen_is_requeued_free(store, reason):
+    """Still the worker's when it reports a cancel (or lost lease): not a ValueError
+    that kills the worker's slot and leaves the job running, but a requeue that
+    spends neither the retry nor the crash budget."""
+    job_id, _ = store.submit(["true"])
+    w, c = claim_as(store, os.getpid())
+    assert store.finish_attempt(c, reason, -9, now=T0 + 1) == states.QUEUED
+    job = store.get(job_id)
+    assert (job["failure_count"], job["crash_count"]) == (0, 0)
+    assert job["attempts"][0]["failure_reason"] == states.WORKER_STOPPED
+
+
+def test_a_loss_seen_for_an_ended_attempt_stops_no_later_attempt_of_its_job(tmp_path):
+    """The heartbeat's snapshot held attempt 1; attempt 1 ended and the job's retry
+    (attempt 2) began before the heartbeat's answer came: that answer stops neither."""
+    from spooler.jobs import knobs
+    from spooler.jobs.worker import Worker
+
+    w = Worker(str(tmp_path / "spool"), settings=knobs.Settings())
+    w._owned = {("j", 2)}
+    w._note_lost({("j", 1)})
+    assert w._should_stop(("j", 2)) is None and not w._lost
+    w._note_lost({("j", 2)})
+    assert w._should_stop(("j", 2)) == states.CANCELED_REASON
+
+
+def test_an_attempt_canceled_before_its_pid_was_written_is_stopped_by_its_worker(tmp_path):
+    """record_pid finds the attempt no longer the worker's (canceled in its first
+    moments, when cancel had no pid to kill): the worker stops it at once instead
+    of at its next heartbeat, and its retry is not touched."""
+    from spooler.jobs import executor, knobs
+    from spooler.jobs.worker import Worker
+
+    spool = str(tmp_path / "spool")
+    store = Store(spool)
+    try:
+        job_id, _ = store.submit(["sleep", "30"])
+        w = Worker(spool, settings=knobs.Settings(heartbeat_interval_s=3600.0))
+        real = store.record_pid
+
+        def canceled_first(claim, pid):
+            other = Store(spool)  # (a connection of its own, as spoolctl cancel's)
+            try:
+                other.cancel(claim.job_id)
+            finally:
+                other.close()
+            return real(claim, pid)
+
+        store.record_pid = canceled_first
+        claim = store.claim_next(w.identity)
+        t = time.monotonic()
+        w._execute(store, claim)
+        assert time.monotonic() - t < 10, "the canceled command ran on"
+        assert not w._owned and not w._lost
+        assert store.get(job_id)["state"] == states.CANCELED
+    finally:
+        store.close()
 
 
 # --- the whole cycle with real processes ---------------------------------------------

@@ -247,7 +247,7 @@ def cmd_cancel(args) -> int:
     store = _store(args)
     try:
         prev, pid, host, token = store.cancel(args.job)
-        if prev == states.RUNNING and pid:
+        if prev == states.RUNNING:
             import socket
 
             if host in (None, socket.gethostname()):
@@ -256,7 +256,9 @@ def cmd_cancel(args) -> int:
                 # while a member carries the attempt's token: after a crash or a
                 # reboot the id may be another program's group, which is left alone
                 # (a stray process of the attempt is still found by its token).
-                if executor.group_carries(pid, token) is not False:
+                # No pid yet (the worker died before it wrote it, or the command
+                # is in its first moments): every process carrying the token.
+                if pid and executor.group_carries(pid, token) is not False:
                     executor.kill_group(pid, None)
                 else:
                     executor.kill_orphans(None, token)

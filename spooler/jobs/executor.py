@@ -139,6 +139,23 @@ def kill_group(pgid: int, proc: Optional[subprocess.Popen] = None, grace_s: floa
         time.sleep(0.02)
 
 
+def end_leftovers(pgid: int, token: Optional[str], grace_s: float = knobs.TERM_GRACE_S) -> bool:
+    """The command (the group's leader) has exited and been waited for: stop what
+    it left running in its group (``sleep 100 &``), as a timeout or a cancel
+    would, so that no attempt outlives its own end (and none runs on past its
+    timeout). One syscall when nothing is left. The group is the attempt's only
+    while a member carries its ``token`` (the id could have been taken since).
+    True if something was stopped."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    if token is not None and group_carries(pgid, token) is False:
+        return False
+    kill_group(pgid, None, grace_s)
+    return True
+
+
 def run(argv: list, stdout_path: str, stderr_path: str, timeout_s: Optional[float] = None,
         cwd: Optional[str] = None, env: Optional[dict] = None,
         on_spawn: Callable[[int], None] = lambda pid: None,
@@ -195,6 +212,7 @@ def run(argv: list, stdout_path: str, stderr_path: str, timeout_s: Optional[floa
     finally:
         if pidfd is not None:
             os.close(pidfd)
+    end_leftovers(pid, (env or {}).get(ATTEMPT_ENV), grace_s)
     if code == 0:
         return Result(None, 0, "", pid)
     detail = f"killed by signal {-code}" if code < 0 else f"exit code {code}"

@@ -109,26 +109,49 @@ class ReapResult:
 def reap_pass(store: Store, threshold_override_s: Optional[float] = None, now: Optional[float] = None,
               limit: int = 100, *, kill: Callable = os.kill, cmdline: Callable = read_cmdline,
               my_host: Optional[str] = None) -> list:
-    """Scan for stale running jobs, confirm their workers are dead, reap them."""
+    """Scan for stale running jobs, confirm their workers are dead, reap them.
+
+    Each worker is judged once per pass. The scan goes on past a page of jobs
+    whose workers look alive (a frozen worker, one on another host), at most
+    ``REAP_PAGES_MAX`` pages, so that they cannot hide a dead worker's job
+    behind them for ever."""
     results = []
     now_s = time.time() if now is None else now
-    for cand in store.reap_candidates(now_s, threshold_override_s, limit):
-        verdict = liveness(cand.worker_pid, cand.worker_host, my_host=my_host, kill=kill, cmdline=cmdline,
-                           start=start_of(cand.worker_id))
-        if verdict in (ALIVE, INCONCLUSIVE):
-            results.append(ReapResult(cand.job_id, verdict, None))
-            continue
-        age = now_s - (cand.heartbeat_at or 0.0)
-        detail = (f"worker pid {cand.worker_pid} on {cand.worker_host} is {verdict}; "
-                  f"last heartbeat {age:.1f}s ago")
-        # the clock inside reap() is read again: the candidate scan and the liveness
-        # probe took time, and the re-check must use the time of the transaction
-        # The dead worker's command may still run (it has its own session). Stop it
-        # BEFORE the requeue commits, so no new attempt can start while it runs; only
-        # processes carrying this attempt's token are touched. A command whose pid
-        # was never written (its worker died within PID_RECORD_AFTER_S of the spawn)
-        # is looked for by the token alone.
-        executor.kill_orphans(cand.pgid or None, f"{cand.job_id}:{cand.n}")
-        new_state = store.reap(cand, detail, None if now is None else now, threshold_override_s)
-        results.append(ReapResult(cand.job_id, verdict, new_state))
+    verdicts: dict = {}
+    for _ in range(REAP_PAGES_MAX):
+        spared = [w for w, v in verdicts.items() if v in (ALIVE, INCONCLUSIVE)]
+        page = store.reap_candidates(now_s, threshold_override_s, limit, skip_workers=spared)
+        if not page:
+            break
+        judged_before = len(verdicts)
+        for cand in page:
+            _reap_one(store, cand, verdicts, results, now, now_s, threshold_override_s, my_host, kill, cmdline)
+        if len(verdicts) == judged_before and all(r.new_state is None for r in results[-len(page):]):
+            break  # nothing new judged, nothing reaped: the next page would be this one
     return results
+
+
+REAP_PAGES_MAX = 10
+
+
+def _reap_one(store, cand, verdicts, results, now, now_s, threshold_override_s, my_host, kill, cmdline) -> None:
+    verdict = verdicts.get(cand.worker_id)
+    if verdict is None:
+        verdict = verdicts[cand.worker_id] = liveness(cand.worker_pid, cand.worker_host, my_host=my_host,
+                                                      kill=kill, cmdline=cmdline, start=start_of(cand.worker_id))
+    if verdict in (ALIVE, INCONCLUSIVE):
+        results.append(ReapResult(cand.job_id, verdict, None))
+        return
+    age = now_s - (cand.heartbeat_at or 0.0)
+    detail = (f"worker pid {cand.worker_pid} on {cand.worker_host} is {verdict}; "
+              f"last heartbeat {age:.1f}s ago")
+    # the clock inside reap() is read again: the candidate scan and the liveness
+    # probe took time, and the re-check must use the time of the transaction
+    # The dead worker's command may still run (it has its own session). Stop it
+    # BEFORE the requeue commits, so no new attempt can start while it runs; only
+    # processes carrying this attempt's token are touched. A command whose pid
+    # was never written (its worker died within PID_RECORD_AFTER_S of the spawn)
+    # is looked for by the token alone.
+    executor.kill_orphans(cand.pgid or None, f"{cand.job_id}:{cand.n}")
+    new_state = store.reap(cand, detail, None if now is None else now, threshold_override_s)
+    results.append(ReapResult(cand.job_id, verdict, new_state))

@@ -288,24 +288,30 @@ class Store:
                 (job_id, n, worker.worker_id, worker.pid, worker.host, now, out, err))
         return Claim(job_id, n, json.loads(command), cwd, timeout_s, out, err, worker.worker_id)
 
-    def record_pid(self, claim: Claim, pid: int) -> None:
+    def record_pid(self, claim: Claim, pid: int) -> bool:
+        """Note the attempt's process. False: this worker no longer owns the attempt
+        (it was canceled before its pid was known, so nobody could kill it yet)."""
         with self.immediate() as c:
             c.execute("UPDATE attempts SET pid=? WHERE job_id=? AND n=? AND worker_id=?",
                       (pid, claim.job_id, claim.n, claim.worker_id))
+            row = self._one("SELECT state, worker_id, attempt_count FROM jobs WHERE id=?", (claim.job_id,))
+        return row == (states.RUNNING, claim.worker_id, claim.n)
 
     # --- heartbeat --------------------------------------------------------
-    def heartbeat(self, worker: WorkerIdentity, owned: dict, now: Optional[float] = None) -> set:
-        """Touch every running job of this worker. ``owned`` maps job_id -> attempt n.
-        Returns the job ids this worker no longer owns (canceled or reaped)."""
+    def heartbeat(self, worker: WorkerIdentity, owned, now: Optional[float] = None) -> set:
+        """Touch every running job of this worker. ``owned``: the (job_id, attempt n)
+        pairs it runs. Returns the pairs it no longer owns (canceled or reaped).
+        By attempt, not by job: a job whose attempt ended and that was claimed
+        again meanwhile is a new pair, never mistaken for the old one's loss."""
         now = time.time() if now is None else now
         lost = set()
         with self.immediate() as c:
             c.execute("UPDATE jobs SET heartbeat_at=? WHERE state='running' AND worker_id=?",
                       (now, worker.worker_id))
-            for job_id, n in owned.items():
+            for job_id, n in owned:
                 row = self._one("SELECT state, worker_id, attempt_count FROM jobs WHERE id=?", (job_id,))
                 if row is None or row != ("running", worker.worker_id, n):
-                    lost.add(job_id)
+                    lost.add((job_id, n))
         return lost
 
     # --- finish -----------------------------------------------------------
@@ -333,6 +339,10 @@ class Store:
                     (exit_code, now, states.CANCELED_REASON if state == states.CANCELED else reason,
                      claim.job_id, claim.n))
                 return state
+            if reason in (states.CANCELED_REASON, states.LEASE_LOST):
+                # stopped by its worker for a loss that did not happen (still ours):
+                # requeued like an interrupted attempt, no budget spent
+                reason = states.WORKER_STOPPED
             d = states.after_attempt(reason, failures, crashes, max_retries, now)
             to = states.transition(state, d.event)
             c.execute("UPDATE attempts SET exit_code=?, finished_at=?, failure_reason=?, detail=?"
@@ -352,12 +362,17 @@ class Store:
               " ? - COALESCE(?, MAX(4 * COALESCE(heartbeat_interval_s, 5.0), 30.0))")
 
     def reap_candidates(self, now: Optional[float] = None, threshold_override_s: Optional[float] = None,
-                        limit: int = 100) -> list:
+                        limit: int = 100, skip_workers=()) -> list:
+        """Stale running jobs, oldest heartbeat first; ``skip_workers``: worker ids
+        already judged alive this pass (their jobs would hide the ones behind them)."""
         now = time.time() if now is None else now
+        skip = list(skip_workers)
+        not_in = f" AND j.worker_id NOT IN ({','.join('?' * len(skip))})" if skip else ""
         rows = self.conn.execute(
             f"SELECT j.id, j.attempt_count, j.worker_id, j.worker_pid, j.worker_host, j.heartbeat_at, a.pid"
             f" FROM jobs j LEFT JOIN attempts a ON a.job_id=j.id AND a.n=j.attempt_count"
-            f" WHERE {self._STALE} ORDER BY j.heartbeat_at LIMIT ?", (now, threshold_override_s, limit))
+            f" WHERE {self._STALE}{not_in} ORDER BY j.heartbeat_at LIMIT ?",
+            (now, threshold_override_s, *skip, limit))
         return [Candidate(*r) for r in rows]
 
     def reap(self, cand: Candidate, detail: str, now: Optional[float] = None,

@@ -64,7 +64,10 @@ class Worker:
         self.identity = WorkerIdentity.current(settings.heartbeat_interval_s)
         self.stop_event = threading.Event()
         self._lock = threading.Lock()
-        self._owned: dict = {}    # job_id -> attempt n
+        # by attempt, (job_id, n): one job's two attempts (a canceled one not yet
+        # stopped, and its retry) are two entries, and a loss seen for one never
+        # stops the other
+        self._owned: set = set()
         self._lost: set = set()
         self._reap_lock = threading.Lock()
         self._last_reap = 0.0
@@ -150,7 +153,7 @@ class Worker:
         try:
             while not self.stop_event.wait(self.settings.heartbeat_interval_s):
                 with self._lock:
-                    owned = dict(self._owned)
+                    owned = set(self._owned)
                 if not owned:
                     continue
                 try:
@@ -158,10 +161,16 @@ class Worker:
                 except apsw.BusyError:
                     continue   # next beat; the reap threshold is several beats long
                 if lost:
-                    with self._lock:
-                        self._lost |= lost
+                    self._note_lost(lost)
         finally:
             store.close()
+
+    def _note_lost(self, lost: set) -> None:
+        """Attempts a heartbeat found no longer ours: each is stopped (_should_stop).
+        One that ended since the heartbeat's snapshot is no one's loss, and a later
+        attempt of the same job is another pair, so neither is stopped for it."""
+        with self._lock:
+            self._lost |= lost & self._owned
 
     def _maybe_reap(self, store: Store) -> None:
         now = time.monotonic()
@@ -214,39 +223,43 @@ class Worker:
         finally:
             store.close()
 
-    def _should_stop(self, job_id: str) -> Optional[str]:
+    def _should_stop(self, attempt: tuple) -> Optional[str]:
         if self.stop_event.is_set():
             return states.WORKER_STOPPED
         with self._lock:
-            if job_id in self._lost:
+            if attempt in self._lost:
                 return states.CANCELED_REASON
         return None
 
     def _execute(self, store: Store, claim: Claim) -> None:
         self._bump("claimed")
+        attempt = (claim.job_id, claim.n)
         with self._lock:
-            self._owned[claim.job_id] = claim.n
+            self._owned.add(attempt)
         try:
             env = dict(os.environ, SPOOLCTL_JOB_ID=claim.job_id, SPOOLCTL_ATTEMPT=str(claim.n))
             env[executor.ATTEMPT_ENV] = f"{claim.job_id}:{claim.n}"
             res = executor.run(claim.command, claim.stdout, claim.stderr, claim.timeout_s, cwd=claim.cwd,
                                env=env, on_spawn=lambda pid: self._record_pid(store, claim, pid),
-                               should_stop=lambda: self._should_stop(claim.job_id))
+                               should_stop=lambda: self._should_stop(attempt))
             self._finish(store, claim, res)
         finally:
             with self._lock:
-                self._owned.pop(claim.job_id, None)
-                self._lost.discard(claim.job_id)
+                self._owned.discard(attempt)
+                self._lost.discard(attempt)
 
     def _record_pid(self, store: Store, claim: Claim, pid: int) -> None:
         deadline = time.monotonic() + 60.0
         while True:
             try:
-                store.record_pid(claim, pid)
-                return
+                ours = store.record_pid(claim, pid)
+                break
             except apsw.BusyError:
                 if time.monotonic() > deadline:
                     raise
+        if not ours:  # canceled before its pid was known: nobody else can stop it, we do now
+            with self._lock:
+                self._lost.add((claim.job_id, claim.n))
 
     def _finish(self, store: Store, claim: Claim, res: executor.Result) -> None:
         reason = res.reason
