@@ -33,14 +33,14 @@ from node.engine import Engine, Reply, mono_us
 
 log = logging.getLogger("spooler.service")
 
-NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,80}$")
-DERIVED_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,255}$")  # failure queues may be derived: "{queue}.failed"
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,80}\Z")
+DERIVED_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,255}\Z")  # failure queues may be derived: "{queue}.failed"
 # lease tokens are URL-safe base64 without padding (what base64.urlsafe_b64* do, minus their wrappers)
 _TO_URLSAFE = bytes.maketrans(b"+/", b"-_")
 _FROM_URLSAFE = str.maketrans("-_", "+/")
-KEY_ID_RE = re.compile(r"^[a-f0-9]{12}$")
+KEY_ID_RE = re.compile(r"^[a-f0-9]{12}\Z")
 SCOPES = ("send", "receive", "admin")
-RECEIVE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+RECEIVE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")
 ISSUED_TOKENS_MAX = 16_384  # decode_token's memory of tokens handed out (past it, the older half is forgotten)
 TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{27,400}")  # URL-safe base64, unpadded; fullmatch
 SECONDS_RE = re.compile(r"[ \t]*([0-9]+(\.[0-9]*)?|\.[0-9]+)[ \t]*\Z")  # a header's or a query's seconds, e.g. "5", "0.25"

@@ -151,7 +151,8 @@ def test_unknown_queue_404_on_every_queue_route(api):
         assert r.status == 404 and r.json()["kind"] == "queue_not_found", r
 
 
-@pytest.mark.parametrize("name", ["x" * 81, "has space", "star*", "é", "a:b", "semi;colon", "q$", "tab\t"])
+@pytest.mark.parametrize("name", ["x" * 81, "has space", "star*", "é", "a:b", "semi;colon", "q$", "tab\t",
+                                  "newline\n", "x.failed\n"])
 def test_bad_queue_name_400(api, name):
     r = api.put_queue(name, {})
     assert r.status == 400, r
@@ -194,6 +195,7 @@ def test_name_of_80_chars_and_all_allowed_characters(api):
     {"retentionSeconds": 0}, {"retentionSeconds": 1209601}, {"retentionSeconds": [1]},
     {"dedupWindowSeconds": -0.5}, {"dedupWindowSeconds": 86401},
     {"failureQueue": "bad name"}, {"failureQueue": ""}, {"failureQueue": 7}, {"failureQueue": "y" * 81},
+    {"failureQueue": "x\n"},
     {"unknownSetting": 1}, {"lease_timeout_seconds": 3},
 ])
 def test_bad_settings_400_and_nothing_created(api, settings):
@@ -714,6 +716,7 @@ def test_global_admin_key_from_keys_api(node):
 @pytest.mark.parametrize("body", [
     {"queue": "qa", "scopes": []}, {"queue": "qa"}, {"queue": "qa", "scopes": ["root"]},
     {"queue": "bad name", "scopes": ["send"]}, {"queue": "qa", "scopes": "send"}, [1],
+    {"queue": "qa\n", "scopes": ["send"]},
 ])
 def test_create_key_bad_input_400(api, body):
     r = api.req("POST", "/v1/keys", json.dumps(body).encode())
