@@ -89,10 +89,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.log_keep_bytes < 0:
         p.error("--log-keep-bytes must be >= 0")
     bad = [k for k in a.admin_key if not 1 <= len(k) <= KEY_CHARS_MAX or k != k.strip()
-           or any(ord(ch) < 32 or ord(ch) == 127 for ch in k)]
-    if bad:  # such a key could never be presented in an Authorization header
-        p.error(f"--admin-key must be 1..{KEY_CHARS_MAX} characters, without control characters "
-                "or spaces at either end")
+           or any(not 32 <= ord(ch) < 127 for ch in k)]
+    if bad:  # such a key could never be presented in an Authorization header, or
+        # carried in gRPC metadata (the SDK's calls, a replica's forwarded ones)
+        p.error(f"--admin-key must be 1..{KEY_CHARS_MAX} printable ASCII characters, without spaces "
+                "at either end")
     return a
 
 

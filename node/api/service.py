@@ -99,6 +99,13 @@ class Delivery:
     queue: str
 
 
+def _carriable(authorization: str) -> bool:
+    """Whether gRPC metadata can carry this Authorization value (printable ASCII):
+    every key a node holds can be (admin keys are refused otherwise at start,
+    scoped keys are made so), so one that cannot is nobody's."""
+    return authorization.isascii() and authorization.isprintable()
+
+
 def _not_ready(e) -> str:
     """Why a primary does not serve yet (or any more)."""
     if e.stopping:
@@ -197,8 +204,10 @@ class Service:
                 # keys are replicated, but a new one may not have reached us yet:
                 # the primary decides (every call from here is forwarded) and, while
                 # no primary is known, nobody can: not now, rather than "unknown key"
-                if e.primary_id:
+                if e.primary_id and _carriable(authorization):
                     return Principal(admin=False, auth=authorization)
+                if e.primary_id:  # no key of ours has such characters, and gRPC could not carry it
+                    raise
                 raise errors.Unavailable("no primary is known to check this key against", retry_after_s=0.5) from None
             if authorization and e.role == "primary" and not e.ready:
                 # a new primary may not have applied the key's creation yet
@@ -354,6 +363,8 @@ class Service:
         self.check_name(name)
         st = self.settings_to_internal(name, settings)  # validated here, also before forwarding
         if (a := self._remote(p)):
+            if st.HasField("max_retries"):  # JSON's 2.0 travels as the integer it is
+                settings = {**settings, "maxRetries": st.max_retries}
             return await self.fwd.put_queue(a, p.auth, name, settings)
         self.authorize(p, "admin", name)
         if st.HasField("failure_queue"):

@@ -398,12 +398,20 @@ def test_a_replica_refuses_malformed_keys_and_promotes_as_the_primary_does(clust
             assert resp.status == 400 and resp.json()["kind"] == "invalid_argument", (node, path, body, resp)
     keys = nodes[p].get("/v1/keys")[1]["keys"]
     assert keys == [], keys  # nothing was created on the way
+    # JSON's 2.0 is the integer 2 on a replica as on the primary (it was a 500 there)
+    for node, name in ((p, "float-p"), (r, "float-r")):
+        resp = Api(nodes[node].http_url, nodes[node].admin_key).put_queue(name, {"maxRetries": 2.0})
+        assert resp.status == 201 and resp.json()["settings"]["maxRetries"] == 2, (node, resp)
     # the cluster document is answered by each node itself, but a key the replica
     # does not know is still checked (by the primary): 401, as on the primary
     for node in (p, r):
         resp = Api(nodes[node].http_url, nodes[node].admin_key).req("GET", "/v1/cluster",
                                                                      key="spk_0123456789ab_made-up")
         assert resp.status == 401 and resp.json()["kind"] == "unauthenticated", (node, resp)
+        # a key gRPC could not carry to the primary is nobody's: 401 on the replica too, not a 500
+        for odd in ("caf\u00e9", "x\tx"):
+            resp = Api(nodes[node].http_url, nodes[node].admin_key).req("GET", "/v1/queues", key=odd)
+            assert resp.status == 401 and resp.json()["kind"] == "unauthenticated", (node, odd, resp)
     scoped = Api(nodes[p].http_url, nodes[p].admin_key).req(
         "POST", "/v1/keys", json.dumps({"queue": "q", "scopes": ["send"]}).encode()).json()["key"]
     resp = wait_until(lambda: (lambda x: x if x.status == 200 else None)(

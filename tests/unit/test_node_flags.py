@@ -11,9 +11,11 @@ from node.main import parse_args
     (["--log-keep-records", "0"], "--log-keep-records must be >= 1"),
     (["--log-keep-bytes", "-1"], "--log-keep-bytes must be >= 0"),
     # a key no Authorization header can carry (over 512 characters, or with a space)
-    (["--admin-key", "k" * 513], "--admin-key must be 1..512 characters"),
-    (["--admin-key", " padded"], "--admin-key must be 1..512 characters"),
-    (["--admin-key", "bell\x07"], "--admin-key must be 1..512 characters"),
+    (["--admin-key", "k" * 513], "--admin-key must be 1..512 printable ASCII"),
+    (["--admin-key", " padded"], "--admin-key must be 1..512 printable ASCII"),
+    (["--admin-key", "bell\x07"], "--admin-key must be 1..512 printable ASCII"),
+    (["--admin-key", "caf\u00e9"], "--admin-key must be 1..512 printable ASCII"),  # gRPC metadata cannot carry it
+    (["--admin-key", "tab\tinside"], "--admin-key must be 1..512 printable ASCII"),
     (["--failover-timeout", "0"], "--failover-timeout must be > 0"),
     # a replacement with no cluster named would serve as a lone primary at once
     (["--join"], "--join (SPOOLER_JOIN) replaces a member of a cluster"),
