@@ -198,7 +198,8 @@ async def serve(args) -> int:
     health = asyncio.ensure_future(grpc_api.follow_readiness(health_servicer, engine))
 
     app = build_app(svc, metrics)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    # idle keep-alive connections close after 75 s (aiohttp's run_app default; its own is an hour)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=75)
     await runner.setup()
     hhost, hport = _hostport(args.http)
     # a graceful stop ends every call within about a second (Service.shut_down):

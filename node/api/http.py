@@ -35,6 +35,9 @@ async def _read(request: web.Request) -> bytes:
     does not decode as declared is the client's error, not ours."""
     try:
         return await request.read()
+    except ConnectionError:  # the client hung up inside its body: nobody to answer, nothing of ours broke
+        request[CLOSE] = True
+        raise errors.InvalidArgument("body could not be read: the client closed the connection") from None
     except (http_exceptions.BadHttpMessage, RequestPayloadError) as e:
         # the rest of that body cannot be read either: answer, then close (aiohttp
         # would otherwise try to drain it after the answer and log the same error)

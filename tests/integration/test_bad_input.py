@@ -318,8 +318,20 @@ def test_raw_socket_garbage(seeded, payload, hang_up):
     assert_alive(node, api)
 
 
+def _internal_errors(node) -> float:
+    import urllib.request
+    with urllib.request.urlopen(node.http_url + "/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith('spooler_errors_total{kind="internal"}'):
+                return float(line.split()[-1])
+    return 0.0
+
+
 def test_half_sent_body_then_hang_up_keeps_node_serving(seeded):
+    """A client that hangs up inside its body is its own doing: the node keeps
+    serving, and logs no traceback and counts no internal error for it."""
     node, api, _, _ = seeded
+    internal, log_at = _internal_errors(node), len(node.read_log())
     for _ in range(20):
         s = socket.create_connection(("127.0.0.1", node.http_port), timeout=5)
         s.sendall(b"POST /v1/queues/fuzzq/messages HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
@@ -327,6 +339,8 @@ def test_half_sent_body_then_hang_up_keeps_node_serving(seeded):
         s.close()
     assert_alive(node, api)
     assert api.send(FUZZ_QUEUE, b"after").status == 201
+    assert _internal_errors(node) == internal
+    assert "Traceback" not in node.read_log()[log_at:]
 
 
 # ------------------------------------------------- deterministic tests of the known bugs
