@@ -280,8 +280,8 @@ class AsyncClient(Nodes):
 
     def _next_target(self, failed_channel=None) -> None:
         super()._next_target(failed_channel)
-        s = getattr(self, "session", None)
-        if s is not None and s.call is not None and s.stub is not self.stub:
+        s = self.session
+        if s.call is not None and s.stub is not self.stub:
             # moved on: what still waits unwritten for the node just left fails
             # unavailable now (its callers retry on the next node), not at its timeout
             s._retire()

@@ -204,10 +204,10 @@ class Service:
                 # keys are replicated, but a new one may not have reached us yet:
                 # the primary decides (every call from here is forwarded) and, while
                 # no primary is known, nobody can: not now, rather than "unknown key"
-                if e.primary_id and _carriable(authorization):
+                if not _carriable(authorization):
+                    raise  # no key of ours has such characters, and gRPC could not carry it
+                if e.primary_id:
                     return Principal(admin=False, auth=authorization)
-                if e.primary_id:  # no key of ours has such characters, and gRPC could not carry it
-                    raise
                 raise errors.Unavailable("no primary is known to check this key against", retry_after_s=0.5) from None
             if authorization and e.role == "primary" and not e.ready:
                 # a new primary may not have applied the key's creation yet

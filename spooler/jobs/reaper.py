@@ -124,9 +124,10 @@ def reap_pass(store: Store, threshold_override_s: Optional[float] = None, now: O
         if not page:
             break
         judged_before = len(verdicts)
-        for cand in page:
-            _reap_one(store, cand, verdicts, results, now, now_s, threshold_override_s, my_host, kill, cmdline)
-        if len(verdicts) == judged_before and all(r.new_state is None for r in results[-len(page):]):
+        reaped = [_reap_one(store, cand, verdicts, now, now_s, threshold_override_s, my_host, kill, cmdline)
+                  for cand in page]
+        results += reaped
+        if len(verdicts) == judged_before and all(r.new_state is None for r in reaped):
             break  # nothing new judged, nothing reaped: the next page would be this one
     return results
 
@@ -134,14 +135,13 @@ def reap_pass(store: Store, threshold_override_s: Optional[float] = None, now: O
 REAP_PAGES_MAX = 10
 
 
-def _reap_one(store, cand, verdicts, results, now, now_s, threshold_override_s, my_host, kill, cmdline) -> None:
+def _reap_one(store, cand, verdicts, now, now_s, threshold_override_s, my_host, kill, cmdline) -> "ReapResult":
     verdict = verdicts.get(cand.worker_id)
     if verdict is None:
         verdict = verdicts[cand.worker_id] = liveness(cand.worker_pid, cand.worker_host, my_host=my_host,
                                                       kill=kill, cmdline=cmdline, start=start_of(cand.worker_id))
     if verdict in (ALIVE, INCONCLUSIVE):
-        results.append(ReapResult(cand.job_id, verdict, None))
-        return
+        return ReapResult(cand.job_id, verdict, None)
     age = now_s - (cand.heartbeat_at or 0.0)
     detail = (f"worker pid {cand.worker_pid} on {cand.worker_host} is {verdict}; "
               f"last heartbeat {age:.1f}s ago")
@@ -154,4 +154,4 @@ def _reap_one(store, cand, verdicts, results, now, now_s, threshold_override_s, 
     # is looked for by the token alone.
     executor.kill_orphans(cand.pgid or None, f"{cand.job_id}:{cand.n}")
     new_state = store.reap(cand, detail, None if now is None else now, threshold_override_s)
-    results.append(ReapResult(cand.job_id, verdict, new_state))
+    return ReapResult(cand.job_id, verdict, new_state)
