@@ -351,3 +351,31 @@ def test_what_a_command_leaves_running_in_its_group_ends_with_it(tmp_path, scrip
         wait_until(lambda: pid_gone(gpid), 5.0, what="the leftover member stopped")
     finally:
         kill_group_of(res.pid, gpid)
+
+
+def test_a_leftover_caught_inside_execve_is_still_stopped(tmp_path, monkeypatch):
+    """``sleep 300 & exit 0``: the shell can exit while its background child is
+    still inside execve, when /proc shows no environment for it (the new image's
+    is not mapped yet). Such a member is read again before it counts as not the
+    attempt's, so it is still stopped. Here its first reads come back empty, as
+    they do in that window."""
+    real, blanks = executor._environ, {}
+
+    def mid_exec(pid):
+        if blanks.get(pid, 0) < 3:
+            blanks[pid] = blanks.get(pid, 0) + 1
+            return b""
+        return real(pid)
+
+    monkeypatch.setattr(executor, "_environ", mid_exec)
+    gc = tmp_path / "gc.pid"
+    env = {**os.environ, executor.ATTEMPT_ENV: "job:1"}
+    res = executor.run(["sh", "-c", f"sleep 300 & echo $! > {gc}; exit 0"], str(tmp_path / "o"),
+                       str(tmp_path / "e"), timeout_s=60, env=env, grace_s=0.5)
+    gpid = int(gc.read_text())
+    try:
+        assert res.reason is None
+        assert blanks.get(gpid) == 3, "the member's environment was not read as if mid-exec"
+        wait_until(lambda: pid_gone(gpid), 5.0, what="the leftover member stopped")
+    finally:
+        kill_group_of(res.pid, gpid)

@@ -55,15 +55,35 @@ def _group_members(pgid: int) -> Optional[int]:
 ATTEMPT_ENV = "SPOOLCTL_ATTEMPT_TOKEN"   # "<job id>:<attempt n>" in every attempt's environment
 
 
+ENVIRON_REREADS = 25      # a group member whose environment reads empty is read again,
+ENVIRON_REREAD_S = 0.004  # this often: it may be inside execve (about 0.1 s at most per member)
+
+
+def _environ(pid: int) -> bytes:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return f.read()
+
+
 def _carriers(pgid: Optional[int], token: str):
     """The pids of live processes (of group ``pgid``, or any with None) whose
-    environment holds ``SPOOLCTL_ATTEMPT_TOKEN=token``. Needs /proc."""
+    environment holds ``SPOOLCTL_ATTEMPT_TOKEN=token``. Needs /proc.
+
+    A process inside execve has no environment to show for a moment (the new
+    image's is not mapped yet): ``sleep 100 & exit 0`` can be caught there. A
+    member of ``pgid`` that reads empty is read again, a bounded number of
+    times, before it counts as not carrying the token. (Not on the machine-wide
+    scan: kernel threads read empty for good.)"""
     needle = f"{ATTEMPT_ENV}={token}".encode()
     for pid in _live(pgid):
         try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    yield pid
+            env = _environ(pid)
+            for _ in range(ENVIRON_REREADS if pgid is not None else 0):
+                if env:
+                    break
+                time.sleep(ENVIRON_REREAD_S)
+                env = _environ(pid)
+            if needle in env.split(b"\0"):
+                yield pid
         except OSError:
             continue
 
