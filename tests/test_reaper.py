@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -370,6 +371,47 @@ def test_an_attempt_canceled_before_its_pid_was_written_is_stopped_by_its_worker
         assert time.monotonic() - t < 10, "the canceled command ran on"
         assert not w._owned and not w._lost
         assert store.get(job_id)["state"] == states.CANCELED
+    finally:
+        store.close()
+
+
+def test_a_heartbeat_that_fails_for_good_stops_its_worker(tmp_path, capfd):
+    """The heartbeat meets an error that is not a busy spool (here an I/O error):
+    the worker stops (its running attempt ends as worker_stopped, requeued without
+    spending a retry) and says why, instead of running on without heartbeats, blind
+    to cancels and losses."""
+    import apsw
+    from spooler.jobs import knobs
+    from spooler.jobs.worker import Worker
+
+    spool = str(tmp_path / "spool")
+    store = Store(spool)
+    try:
+        job_id, _ = store.submit(["sleep", "30"])
+        w = Worker(spool, settings=knobs.Settings(heartbeat_interval_s=0.05))
+
+        def broken(self, worker, pairs):
+            raise apsw.IOError("disk I/O error")
+
+        out = {}
+        real = Store.heartbeat
+        Store.heartbeat = broken
+        try:
+            t = threading.Thread(target=lambda: out.setdefault("summary", w.run()))
+            t.start()
+            t.join(timeout=15)
+            ran_on = t.is_alive()
+            w.stop()
+            t.join()
+        finally:
+            Store.heartbeat = real
+        assert not ran_on, "the worker ran on without heartbeats"
+        summary = out["summary"]
+        assert any("IOError" in e for e in summary["errors"])
+        assert "heartbeat failed" in capfd.readouterr().err
+        job = store.get(job_id)
+        assert job["state"] == states.QUEUED and (job["failure_count"], job["crash_count"]) == (0, 0)
+        assert job["attempts"][0]["failure_reason"] == states.WORKER_STOPPED
     finally:
         store.close()
 

@@ -149,6 +149,22 @@ class Worker:
             self.stats[key] += n
 
     def _heartbeat_loop(self) -> None:
+        """A heartbeat that fails for any reason but a busy spool (an I/O
+        error, a full disk) stops the worker, as a broken slot does: it says why
+        and exits 1, and its attempts end as worker_stopped (requeued, no retry
+        spent). Left running without heartbeats it would no longer see its
+        attempts canceled or lost, and their heartbeats would look hung."""
+        try:
+            self._beat()
+        except Exception as e:
+            self._fail("heartbeat", e)
+
+    def _fail(self, what: str, e: BaseException) -> None:
+        self.errors.append(f"{type(e).__name__}: {e}")
+        self.stop_event.set()
+        print(f"spoolctl worker: {what} failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+    def _beat(self) -> None:
         store = Store(self.spool_dir, self.settings.busy_timeout_s)
         try:
             while not self.stop_event.wait(self.settings.heartbeat_interval_s):
@@ -190,9 +206,7 @@ class Worker:
         try:
             self._slot()
         except Exception as e:   # a broken slot must not hang --drain
-            self.errors.append(f"{type(e).__name__}: {e}")
-            self.stop_event.set()
-            print(f"spoolctl worker: slot failed: {type(e).__name__}: {e}", file=sys.stderr)
+            self._fail("slot", e)
 
     def _slot(self) -> None:
         store = Store(self.spool_dir, self.settings.busy_timeout_s)
