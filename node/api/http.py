@@ -30,6 +30,37 @@ def _error(e: errors.SpoolerError) -> web.Response:
     return r
 
 
+def _header(request: web.Request, name: str):
+    """The one value of a header the contract reads, or None. Given twice it is
+    ambiguous (which key, which delay?): 400, instead of silently taking one."""
+    values = request.headers.getall(name, ())
+    if len(values) > 1:
+        raise errors.InvalidArgument(f"{name} given {len(values)} times; give it once")
+    return values[0] if values else None
+
+
+def _expect_handler(metrics):
+    async def expect(request: web.Request):
+        """``Expect: 100-continue`` is answered as aiohttp would (an interim 100,
+        then the body is read; HTTP/1.0 ignores the header). Any other expectation
+        cannot be met: a 400 of the error table (RFC 9110 allows any 4xx, and 417
+        is not one of the contract's), and the connection closes, since a body may
+        follow that was never read."""
+        if request.version != (1, 1):
+            return None
+        expect = request.headers.get("Expect", "")
+        if expect.lower() == "100-continue":
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0   # the body of the answer has not started
+            return None
+        e = errors.InvalidArgument(f"Expect: {expect[:80]!r} cannot be met; only 100-continue is")
+        metrics.http_errors.labels(e.kind).inc()
+        r = _error(e)
+        r.force_close()
+        return r
+    return expect
+
+
 async def _read(request: web.Request) -> bytes:
     """The body, decoded as its Content-Encoding says (gzip, deflate). A body that
     does not decode as declared is the client's error, not ours."""
@@ -142,7 +173,7 @@ def build_app(svc: Service, metrics) -> web.Application:
     app.on_response_prepare.append(add_epoch)
 
     def principal(request):
-        return svc.authenticate(request.headers.get("Authorization"))
+        return svc.authenticate(_header(request, "Authorization"))
 
     # ------------------------------------------------------------ queues
     async def put_queue(request):
@@ -172,9 +203,9 @@ def build_app(svc: Service, metrics) -> web.Application:
         queue = request.match_info["queue"]
         if request.content_length is not None and request.content_length > lim.body_bytes_max:
             raise errors.MessageTooLarge(f"message of {request.content_length} bytes; the limit is {lim.body_bytes_max}")
-        delay = svc.parse_seconds_header(request.headers.get("Spooler-Delay-Seconds"), "Spooler-Delay-Seconds",
+        delay = svc.parse_seconds_header(_header(request, "Spooler-Delay-Seconds"), "Spooler-Delay-Seconds",
                                          lim.delay_s_max)
-        key = request.headers.get("Spooler-Dedup-Key")
+        key = _header(request, "Spooler-Dedup-Key")
         if key is not None and (not key or len(key) > lim.dedup_key_chars_max):
             raise errors.InvalidArgument(f"Spooler-Dedup-Key: 1..{lim.dedup_key_chars_max} characters")
         body = await _read(request)
@@ -208,7 +239,7 @@ def build_app(svc: Service, metrics) -> web.Application:
 
     async def nack(request):
         p = principal(request)
-        delay = svc.parse_seconds_header(request.headers.get("Spooler-Delay-Seconds"), "Spooler-Delay-Seconds",
+        delay = svc.parse_seconds_header(_header(request, "Spooler-Delay-Seconds"), "Spooler-Delay-Seconds",
                                          lim.delay_s_max)
         await svc.nack(p, request.match_info["token"], delay)
         return web.Response(status=204)
@@ -261,7 +292,7 @@ def build_app(svc: Service, metrics) -> web.Application:
     async def metrics_route(request):
         return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
-    app.add_routes([
+    routes = [
         web.put("/v1/queues/{queue}", put_queue),
         web.get("/v1/queues/{queue}", get_queue, allow_head=False),
         web.delete("/v1/queues/{queue}", delete_queue),
@@ -281,7 +312,10 @@ def build_app(svc: Service, metrics) -> web.Application:
         web.get("/healthz", healthz),
         web.get("/readyz", readyz),
         web.get("/metrics", metrics_route),
-    ])
+    ]
+    expect = _expect_handler(metrics)
+    app.add_routes([web.RouteDef(r.method, r.path, r.handler, {**r.kwargs, "expect_handler": expect})
+                    for r in routes])
     return app
 
 

@@ -398,6 +398,70 @@ def test_405_has_allow_header(seeded):
     assert {"GET", "PUT", "DELETE"} <= allow, f"Allow header: {r.h('Allow')!r}"
 
 
+def _raw(node, request: bytes):
+    """One request on its own connection: (status, lower-case head, body, closed after)."""
+    with socket.create_connection(("127.0.0.1", node.http_port), timeout=10) as s:
+        s.sendall(request)
+        data = _one_response(s)
+        try:
+            closed = s.recv(1) == b""
+        except (ConnectionResetError, socket.timeout):
+            closed = True
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), head.lower(), body, closed
+
+
+def _auth() -> bytes:
+    return b"Authorization: Bearer " + ADMIN_KEY.encode() + b"\r\n"
+
+
+def test_an_expectation_other_than_100_continue_is_a_json_400(seeded):
+    """``Expect: 100-continue`` works (an interim 100, then the body, then 201);
+    any other expectation is refused with the error table's 400 (not aiohttp's
+    plain-text 417), with Spooler-Epoch, on a connection that then closes; the
+    message it carried is not stored."""
+    node, api, _, _ = seeded
+    q = "expect-" + uuid.uuid4().hex[:8]
+    assert api.put_queue(q, {}).status == 201
+    with socket.create_connection(("127.0.0.1", node.http_port), timeout=10) as s:
+        s.sendall(b"POST /v1/queues/" + q.encode() + b"/messages HTTP/1.1\r\nHost: x\r\n" + _auth()
+                  + b"Content-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+        interim = b""
+        while b"\r\n\r\n" not in interim:
+            interim += s.recv(1)
+        assert interim.startswith(b"HTTP/1.1 100"), interim
+        s.sendall(b"hello")
+        data = _one_response(s)
+    assert data.startswith(b"HTTP/1.1 201"), data[:300]
+    status, head, body, closed = _raw(node, b"POST /v1/queues/" + q.encode() + b"/messages HTTP/1.1\r\nHost: x\r\n"
+                                      + _auth() + b"Content-Length: 5\r\nExpect: a-miracle\r\n\r\nworld")
+    assert status == 400 and json.loads(body)["kind"] == "invalid_argument", (head, body)
+    assert b"application/json" in head and re.search(rb"\r\nspooler-epoch: \d+", head), head
+    assert closed, "the connection stayed open after a refused expectation"
+    assert api.stats(q)["visible"] == 1
+    assert_alive(node, api)
+
+
+@pytest.mark.parametrize("header", [b"Spooler-Dedup-Key: a\r\nSpooler-Dedup-Key: b",
+                                    b"Spooler-Delay-Seconds: 0\r\nspooler-delay-seconds: 60",
+                                    b"Authorization: Bearer nobody"],
+                         ids=["dedup-key", "delay", "authorization"])
+def test_a_header_given_twice_is_a_400_and_stores_nothing(seeded, header):
+    """Which key, which delay, which caller? A contract header given twice is
+    ambiguous: 400 invalid_argument, and no message is stored (aiohttp would
+    have taken the first silently)."""
+    node, api, _, _ = seeded
+    q = "twice-" + uuid.uuid4().hex[:8]
+    assert api.put_queue(q, {}).status == 201
+    status, head, body, _ = _raw(node, b"POST /v1/queues/" + q.encode() + b"/messages HTTP/1.1\r\nHost: x\r\n"
+                                 + _auth() + header + b"\r\nContent-Length: 1\r\n\r\nm")
+    err = json.loads(body)
+    assert status == 400 and err["kind"] == "invalid_argument", (head, body)
+    assert "given 2 times" in err["message"], err
+    assert api.stats(q)["visible"] + api.stats(q)["delayed"] == 0
+    assert_alive(node, api)
+
+
 def test_error_kinds_table_is_what_we_check():
     assert "internal" not in KINDS
 
