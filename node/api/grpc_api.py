@@ -148,10 +148,13 @@ _SESSION_CALLS = {"send_batch": _send_batch, "receive": _receive_batch, "settle_
 
 def _caller(context) -> tuple:
     """-> (Authorization, forwarded): forwarded is "" for a call from a client, else
-    the forwarding node's id ("1" from a node that does not say)."""
+    the forwarding node's id ("1" from a node that does not say). Authorization
+    given twice is ambiguous: invalid_argument, as over HTTP."""
     auth, forwarded = None, ""
     for k, v in context.invocation_metadata() or ():
         if k == "authorization":
+            if auth is not None:
+                raise errors.InvalidArgument("authorization given more than once; give it once")
             auth = v
         elif k == FORWARDED:
             forwarded = v or "1"
@@ -343,11 +346,11 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
         checked at open and again for every request, so a deleted key stops
         working on open streams too."""
         svc = self.svc
-        auth, forwarded = _caller(context)
         try:
+            auth, forwarded = _caller(context)
             svc.authenticate(auth, forwarded)
         except errors.SpoolerError as e:
-            await _abort(svc, context, e)
+            await _abort(svc, context, e)   # raises: the stream ends here
         if svc.stopping:
             await _abort(svc, context, errors.Unavailable("the node is shutting down", retry_after_s=0.5))
         answers: list = []

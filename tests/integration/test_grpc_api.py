@@ -132,6 +132,30 @@ def test_error_kinds_travel_in_trailers(node, client):
         client.ack("not-a-token")
 
 
+def test_authorization_given_twice_is_invalid_argument_on_unary_and_session(node, client):
+    """Two authorization entries in a call's metadata (even the same valid key
+    twice) are ambiguous: invalid_argument with its kind trailer, on a unary call
+    and on a Session stream alike, as a repeated header is over HTTP; nothing is
+    stored."""
+    client.put_queue("g4")
+    md = (("authorization", f"Bearer {node.admin_key}"),) * 2
+    ch = grpc.insecure_channel(node.grpc_target)
+    try:
+        stub = api_pb2_grpc.SpoolerStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Send(api_pb2.SendRequest(queue="g4", body=b"x"), metadata=md, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert dict(e.value.trailing_metadata())["spooler-error-kind"] == "invalid_argument"
+        call = stub.Session(iter(()), metadata=md, timeout=10)
+        with pytest.raises(grpc.RpcError) as e:
+            list(call)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert dict(e.value.trailing_metadata())["spooler-error-kind"] == "invalid_argument"
+    finally:
+        ch.close()
+    assert client.get_queue("g4")["stats"]["sentTotal"] == 0
+
+
 def test_scoped_keys(node, client):
     client.put_queue("a")
     client.put_queue("b")
