@@ -337,15 +337,17 @@ class AsyncClient(Nodes):
         return await call_with_retries(lambda: self._call(getattr(self.stub, method), req, write=write),
                                        self.retry_attempts, stop_when=self._gone)
 
-    async def _pipe(self, which: str, rpc, req, *, write: bool, timeout_s: Optional[float] = None):
-        """On the Session stream when the node has it, else the unary ``rpc``."""
+    async def _pipe(self, which: str, method: str, req, *, write: bool, timeout_s: Optional[float] = None):
+        """On the Session stream when the node has it, else the unary ``method``,
+        read from the stub only then (the client may have moved to another node
+        while it tried the session)."""
         t = timeout_s or self.timeout_s
         if self.session.supported:
             try:
                 return await self.session.request(which, req, write=write, timeout_s=t)
             except _NoSession:
                 pass
-        return await self._call(rpc, req, write=write, timeout_s=t)
+        return await self._call(getattr(self.stub, method), req, write=write, timeout_s=t)
 
     # ------------------------------------------------------------- queues
     async def put_queue(self, name: str, **settings) -> dict:
@@ -516,7 +518,7 @@ class AsyncClient(Nodes):
         if names is not None:
             names.append(req)
         try:
-            r = await self._pipe("receive", self.stub.ReceiveBatch, req, write=False,
+            r = await self._pipe("receive", "ReceiveBatch", req, write=False,
                                  timeout_s=self.timeout_s + wait_s)
         except errors.SpoolerError as e:
             if not isinstance(e, RECEIVE_DEFINITE):
@@ -543,7 +545,6 @@ class AsyncClient(Nodes):
     async def _settle_one(self, action: str, token: str, delay_s: float = 0.0):
         """One ack/nack/renew: a one-item SettleBatch on the session (the unary
         Ack/Nack/Renew on a node without one); the item's error is raised."""
-        rpc = {"ack": self.stub.Ack, "nack": self.stub.Nack, "renew": self.stub.Renew}[action]
         if self.session.supported:
             req = settle_request([(token, action, delay_s)])
             try:
@@ -555,6 +556,8 @@ class AsyncClient(Nodes):
                 if isinstance(out, errors.SpoolerError):
                     raise out
                 return out
+        # the stub read now, not before the session was tried: the client may have moved since
+        rpc = getattr(self.stub, {"ack": "Ack", "nack": "Nack", "renew": "Renew"}[action])
         r = await self._call(rpc, api_pb2.LeaseRequest(token=token, delay_seconds=delay_s), write=True)
         return getattr(r, "expires_at", None)
 
@@ -611,7 +614,7 @@ class AsyncClient(Nodes):
         req = settle_request(items)
         # after unavailable only: the per-item answers are final
         r = await self._waited_for_by_close(call_with_retries(
-            lambda: self._pipe("settle_batch", self.stub.SettleBatch, req, write=True),
+            lambda: self._pipe("settle_batch", "SettleBatch", req, write=True),
             self.retry_attempts, stop_when=self._gone))
         return settle_outcomes(r, len(req.items))
 

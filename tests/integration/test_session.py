@@ -184,6 +184,54 @@ def test_sdk_falls_back_to_unary_without_a_session():
     asyncio.run(main())
 
 
+def test_the_unary_fallback_goes_to_the_node_the_client_moved_to():
+    """While a receive or an ack tries the Session, the client moves to its next
+    node (another call found the first one gone), then learns there is no Session
+    to use: the unary call it falls back to goes to the node it uses now, not to
+    the one it left."""
+    from spooler import aio
+
+    async def main():
+        seen = {"a": [], "b": []}
+
+        async def node(name):
+            async def receive_batch(req, ctx):
+                seen[name].append("ReceiveBatch")
+                return api_pb2.ReceiveResponse()
+
+            async def ack(req, ctx):
+                seen[name].append("Ack")
+                return api_pb2.Empty()
+
+            return await _fake_node(
+                ReceiveBatch=grpc.unary_unary_rpc_method_handler(
+                    receive_batch, request_deserializer=api_pb2.ReceiveRequest.FromString,
+                    response_serializer=api_pb2.ReceiveResponse.SerializeToString),
+                Ack=grpc.unary_unary_rpc_method_handler(
+                    ack, request_deserializer=api_pb2.LeaseRequest.FromString,
+                    response_serializer=api_pb2.Empty.SerializeToString))
+
+        (sa, pa), (sb, pb) = await node("a"), await node("b")
+        try:
+            async with AsyncClient(f"127.0.0.1:{pa},127.0.0.1:{pb}", "k", retry_attempts=1) as c:
+                assert c.session.supported
+
+                async def moved_then_none(*args, **kw):
+                    c._next_target(c.channel)   # what a failed call elsewhere does
+                    raise aio._NoSession()
+
+                c.session.request = moved_then_none
+                assert await c.receive("q") == []
+                await c.ack("t")
+        finally:
+            await sa.stop(None)
+            await sb.stop(None)
+        # the receive moved the client a -> b, the ack b -> a: each went where it was sent from
+        assert seen == {"a": ["Ack"], "b": ["ReceiveBatch"]}, seen
+
+    asyncio.run(main())
+
+
 class _BreakingServer:
     """Reads one Session request, then ends the stream with a bare UNAVAILABLE: the
     request left the client, so a write's outcome is unknown."""
