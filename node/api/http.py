@@ -73,8 +73,6 @@ async def _read(request: web.Request) -> bytes:
         # the rest of that body cannot be read either: answer, then close (aiohttp
         # would otherwise try to drain it after the answer and log the same error)
         request[CLOSE] = True
-        if hasattr(request.protocol, "_force_close"):
-            request.protocol._force_close = True
         why = (str(e).strip().splitlines() or ["?"])[-1].strip()  # aiohttp's text: "400, message:\n  <why>"
         raise errors.InvalidArgument(f"body could not be read: {why}"[:300]) from None
 
@@ -319,6 +317,21 @@ def build_app(svc: Service, metrics) -> web.Application:
     return app
 
 
+async def _answer_then_close(request: web.Request, r: web.Response) -> None:
+    """Send ``r`` now and close the connection behind it: the request's body
+    cannot be read to its end, so nothing after it on this connection can be
+    parsed. (aiohttp, told only that the connection should not be kept, would
+    first try to drain that body for up to 10 s; and its own force-close flag,
+    set alone, skips the drain and then leaves the socket open for good.)"""
+    r.force_close()
+    try:
+        await r.prepare(request)
+        await r.write_eof()
+    except ConnectionError:
+        pass   # the client is gone already
+    request.protocol.force_close()   # the answer is written: close behind it
+
+
 def _errors_mw(metrics):
     @web.middleware
     async def mw(request, handler):
@@ -328,7 +341,7 @@ def _errors_mw(metrics):
             metrics.http_errors.labels(e.kind).inc()
             r = _error(e)
             if request.get(CLOSE):
-                r.force_close()
+                await _answer_then_close(request, r)
             return r
         except web.HTTPRequestEntityTooLarge as e:
             return _error(errors.MessageTooLarge(f"body over the limit ({e.text})"))

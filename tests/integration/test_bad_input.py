@@ -398,15 +398,19 @@ def test_405_has_allow_header(seeded):
     assert {"GET", "PUT", "DELETE"} <= allow, f"Allow header: {r.h('Allow')!r}"
 
 
-def _raw(node, request: bytes):
-    """One request on its own connection: (status, lower-case head, body, closed after)."""
+def _raw(node, request: bytes, close_within_s: float = 5.0):
+    """One request on its own connection: (status, lower-case head, body, whether
+    the node closed the connection within ``close_within_s`` of its answer)."""
     with socket.create_connection(("127.0.0.1", node.http_port), timeout=10) as s:
         s.sendall(request)
         data = _one_response(s)
+        s.settimeout(close_within_s)
         try:
             closed = s.recv(1) == b""
-        except (ConnectionResetError, socket.timeout):
+        except ConnectionResetError:
             closed = True
+        except socket.timeout:
+            closed = False
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split(b" ", 2)[1]), head.lower(), body, closed
 
@@ -439,6 +443,24 @@ def test_an_expectation_other_than_100_continue_is_a_json_400(seeded):
     assert b"application/json" in head and re.search(rb"\r\nspooler-epoch: \d+", head), head
     assert closed, "the connection stayed open after a refused expectation"
     assert api.stats(q)["visible"] == 1
+    assert_alive(node, api)
+
+
+def test_a_body_that_does_not_decode_is_a_400_and_the_connection_closes(seeded):
+    """A body declared gzip that is not: 400 invalid_argument, nothing stored, and
+    the connection closes right behind the answer (its answer said so; the rest of
+    such a body cannot be parsed, so nothing after it on that connection can be)."""
+    node, api, _, _ = seeded
+    q = "gz-" + uuid.uuid4().hex[:8]
+    assert api.put_queue(q, {}).status == 201
+    internal, log_at = _internal_errors(node), len(node.read_log())
+    status, head, body, closed = _raw(node, b"POST /v1/queues/" + q.encode() + b"/messages HTTP/1.1\r\nHost: x\r\n"
+                                      + _auth() + b"Content-Encoding: gzip\r\nContent-Length: 9\r\n\r\nnotgzip!!")
+    assert status == 400 and json.loads(body)["kind"] == "invalid_argument", (head, body)
+    assert b"connection: close" in head, head
+    assert closed, "the node said close and kept the connection open"
+    assert api.stats(q)["visible"] == 0
+    assert _internal_errors(node) == internal and "Traceback" not in node.read_log()[log_at:]
     assert_alive(node, api)
 
 
