@@ -564,7 +564,8 @@ class Replication:
     # ------------------------------------------------------------ primary
     def _send_append(self, p: str, now: int, out: list, heartbeat: bool = False) -> None:
         nxt = self.next.get(p, self.log.last_lsn + 1)
-        if self.inflight.get(p, 0) >= self.frames_in_flight_max and not heartbeat:
+        full = self.inflight.get(p, 0) >= self.frames_in_flight_max
+        if full and not heartbeat:
             return
         prev = nxt - 1
         pe = self.log.at(prev)
@@ -572,7 +573,10 @@ class Replication:
             # the records this peer needs were compacted away: it needs a snapshot
             # (the shell sees prev_epoch == -1 and streams one instead)
             pe = (-1, 0)
-        upto = min(self.log.last_lsn, prev + self.frame_entries_max) if pe[0] >= 0 else prev
+        # a heartbeat to a peer with the most frames in flight carries no records:
+        # a slow replica that still answers must not have frame after frame queued
+        # for it (it still says whether the peer is alive and where its log ends)
+        upto = min(self.log.last_lsn, prev + self.frame_entries_max) if pe[0] >= 0 and not full else prev
         if upto <= prev and not heartbeat and now - self.last_sent.get(p, -1 << 62) < self.heartbeat:
             return
         entries = [(lsn,) + self.log.at(lsn) for lsn in range(prev + 1, upto + 1)]

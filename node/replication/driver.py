@@ -24,9 +24,33 @@ from spooler.pb import replication_pb2 as pb
 from spooler.pb import replication_pb2_grpc as pb_grpc
 
 log = logging.getLogger("spooler.replication")
+# The records of one AppendFrame, in bytes: under the 16 MiB a node-to-node gRPC
+# message may be (GRPC_OPTIONS). The core bounds a frame by records (512); two
+# send batches of up to 8 MiB each can be in them, and such a frame would fail
+# every time it was sent. A longer frame goes out as several, each with at least
+# one record (one record holds one request: at most 8 MiB of bodies).
+FRAME_BYTES_MAX = 12 << 20
 RELEASE_RESEND_S = 0.25  # a pending lost-answer release rides on an ack at most this often
 RELEASES_PER_ACK = 64
 
+
+
+def frame_parts(msg: "R.AppendReq", data: list, limit: int = FRAME_BYTES_MAX) -> list:
+    """An AppendReq's records as one or more frames' entries of at most ``limit``
+    bytes of records each (at least one record each): [((prev lsn, epoch, crc),
+    [pb.Entry...]), ...]. Each part follows on from the one before it, so the
+    replica takes them as consecutive appends and acknowledges each."""
+    parts, part, size = [], [], 0
+    prev = (msg.prev_lsn, msg.prev_epoch, msg.prev_crc)
+    for (lsn, ep, crc), b in zip(msg.entries, data):
+        if part and size + len(b) > limit:
+            parts.append((prev, part))
+            last = part[-1]
+            prev, part, size = (last.lsn, last.epoch, last.crc), [], 0
+        part.append(pb.Entry(lsn=lsn, epoch=ep, crc=crc, rec=b))
+        size += len(b)
+    parts.append((prev, part))
+    return parts
 
 class Driver:
     def __init__(self, engine, node_id: str, peers: dict, failover_timeout_s: float, grpc_options=(), tls=None,
@@ -250,11 +274,12 @@ class Driver:
             q = self._outbox[to]
             lsns = [x[0] for x in msg.entries]
             data = self.engine.record_bytes(lsns) if lsns else []
-            q.put_nowait(pb.AppendFrame(
-                epoch=msg.epoch, primary=msg.primary, prev_lsn=msg.prev_lsn, prev_epoch=msg.prev_epoch,
-                prev_crc=msg.prev_crc, commit_lsn=msg.commit_lsn, sent_us=msg.sent_us,
-                primary_commit_lsn=msg.primary_commit, lease_us=msg.lease_us,
-                entries=[pb.Entry(lsn=lsn, epoch=ep, crc=crc, rec=b) for (lsn, ep, crc), b in zip(msg.entries, data)]))
+            for prev, part in frame_parts(msg, data):
+                q.put_nowait(pb.AppendFrame(
+                    epoch=msg.epoch, primary=msg.primary, prev_lsn=prev[0], prev_epoch=prev[1],
+                    prev_crc=prev[2], commit_lsn=min(msg.commit_lsn, part[-1].lsn) if part else msg.commit_lsn,
+                    sent_us=msg.sent_us, primary_commit_lsn=msg.primary_commit, lease_us=msg.lease_us,
+                    entries=part))
         elif isinstance(msg, R.AppendResp):
             if self._replies is not None:
                 self._replies.append(pb.AppendAck(epoch=msg.epoch, sender=msg.sender, ok=msg.ok,

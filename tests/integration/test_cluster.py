@@ -567,3 +567,31 @@ def test_the_cluster_document_names_only_the_contracts_two_roles():
         roles = {n["id"]: n["role"] for n in doc["nodes"]}
         assert set(roles.values()) <= {"primary", "replica"} and doc["role"] in ("primary", "replica")
         assert [i for i, r in roles.items() if r == "primary"] == ([primary] if primary else [])
+
+
+def test_batches_too_large_for_one_frame_together_replicate_without_a_failover(cluster):
+    """Four concurrent send batches of 8 MiB each (each within the limits): their
+    records together are more than one 16 MiB node-to-node message may carry. They
+    go to the replicas as several frames: every batch is confirmed, the primary
+    stays, and every node applies them (one frame of all of them failed on every
+    send, broke the stream again and again and deposed the primary)."""
+    import asyncio
+    from spooler import AsyncClient
+
+    nodes, _ = cluster
+    p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    body, n_bodies = b"x" * (256 * 1024), 32   # 8 MiB: the send batch limit
+
+    async def main():
+        async with AsyncClient(nodes[p].grpc_target, nodes[p].admin_key, timeout_s=30, retry_attempts=1) as c:
+            await c.put_queue("big")
+            return await asyncio.gather(*[c.send_batch("big", [body] * n_bodies) for _ in range(4)],
+                                        return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(not isinstance(r, BaseException) and len(r) == n_bodies for r in results), \
+        [type(r).__name__ if isinstance(r, BaseException) else len(r) for r in results]
+    assert primary_of(nodes) == (p, epoch), "the primary changed"
+    top = view(nodes[p])["appliedLsn"]
+    wait_until(lambda: all_applied(nodes, top), 20, what="every node applied the batches")
+    assert client(nodes[p]).get_queue("big")["stats"]["sentTotal"] == 4 * n_bodies

@@ -859,3 +859,33 @@ def test_a_second_switchover_while_one_is_under_way_is_refused():
     assert c.transfer_refused("n2") == "under_way" and c.transfer("n2", 70) == [] and c.transfer_sent
     c.tick(50 + T)
     assert c.role == R.REPLICA and not c.may_lease(50 + T)  # stepped down, never served again
+
+
+def test_a_slow_replica_gets_no_more_frames_of_records_than_the_in_flight_limit():
+    """A replica that stays connected but acknowledges nothing for 5 s (a slow
+    disk), while the other keeps up and 1,000 records a step are written: the
+    frames of records queued for it stay within frames_in_flight_max; heartbeats
+    still reach it, without records. Once it answers, it is brought up to date."""
+    c = R.Replication("n1", ["n1", "n2", "n3"], failover_timeout_us=2_000_000, rand=lambda: 0.5)
+    c.start(0)
+    c.epoch, c.role, c.primary = 1, R.PRIMARY, "n1"
+    for p in c.peers:
+        c.next[p], c.match[p], c.inflight[p], c.acked_sent[p], c.last_sent[p] = 1, 0, 0, 0, -1 << 62
+    now, lsn, with_records, heartbeats = 0, 0, 0, 0
+    for _ in range(50):  # 5 s in steps of 100 ms
+        now += 100_000
+        out = c.appended([(lsn + i + 1, 1, 0) for i in range(1000)], now) + c.tick(now)
+        lsn += 1000
+        for e in out:
+            if isinstance(e, R.Send) and isinstance(e.msg, R.AppendReq) and e.to == "n2":
+                with_records += bool(e.msg.entries)
+                heartbeats += not e.msg.entries
+        c.receive(R.AppendResp(1, "n3", True, lsn, now), now)  # n3 keeps up: the primary serves on
+    assert c.role == R.PRIMARY
+    assert with_records <= c.frames_in_flight_max, with_records
+    assert heartbeats > 0, "the slow replica heard nothing"
+    # n2 answers the frames it had; the primary sends it the rest, a frame at a time
+    sent_to_n2 = c.next["n2"] - 1
+    out = c.receive(R.AppendResp(1, "n2", True, sent_to_n2, now), now + 1)
+    more = [e.msg for e in out if isinstance(e, R.Send) and e.to == "n2" and e.msg.entries]
+    assert more and more[0].entries[0][0] == sent_to_n2 + 1
