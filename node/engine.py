@@ -161,6 +161,9 @@ class Engine:
         self.store = Store(os.path.join(data_dir, "spool.db"), vfs=vfs, synchronous=synchronous,
                            log_keep_records=log_keep_records, log_keep_bytes=log_keep_bytes)
         self.store_generation = 0  # bumped when a snapshot replaces the store
+        # set on the loop while a snapshot replaces the store and the core (the
+        # writer thread swaps them): no checkpoint is taken meanwhile, from either
+        self.installing = False
         self.core = Core(rand=os.urandom)
         self.checkpoint_interval_s = checkpoint_interval_s
         # memory that checkpoints let go of is handed back to the OS at most this often
@@ -689,7 +692,11 @@ class Engine:
 
     async def checkpoint_now(self) -> None:
         """Write what changed since the last checkpoint, then let memory go of what
-        the store now holds (bodies, segments' bodies)."""
+        the store now holds (bodies, segments' bodies). Nothing while a snapshot
+        is being installed: the core being replaced must not be written into the
+        store replacing it (the next checkpoint takes the new core's changes)."""
+        if self.installing:
+            return
         c = self._take_checkpoint()
         c.compact_upto = self.store.compaction_point(c.lsn)
         # The replication core's view of the log forgets first what the store is
@@ -805,6 +812,8 @@ class Engine:
         # before it replaces our store: a crash at any point leaves either our old
         # store or the copy with our values, never the primary's. A value we never
         # had is written as "none" too, not inherited (lease_seen 0: not known).
+        if not os.path.isfile(path):  # Store() would make an empty one, and we would install that
+            raise FileNotFoundError(path)
         incoming = Store(path, vfs=st.vfs, synchronous=st.synchronous, prefill_wal=False)  # closed at once
         try:
             with incoming.db:
@@ -817,7 +826,6 @@ class Engine:
                     incoming.db.execute("DELETE FROM meta WHERE k = 'joining'")
         finally:
             incoming.close()  # the last connection: its WAL is checkpointed into the file
-        self.store_generation += 1
         st.close()
         db = os.path.join(self.data_dir, "spool.db")
         for suffix in ("-wal", "-shm"):
@@ -836,6 +844,9 @@ class Engine:
         self.recent.clear()
         self.recent_bytes = 0
         self.load()
+        # last: a checkpoint taken from the old core (stamped with the old
+        # generation) is skipped, never written into the new store
+        self.store_generation += 1
 
     # -------------------------------------------------------------- reading
     def bodies_of(self, msgs: list) -> list:

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import random
+import tempfile
 import time
 import types
 from typing import Optional
@@ -30,6 +31,7 @@ log = logging.getLogger("spooler.replication")
 # every time it was sent. A longer frame goes out as several, each with at least
 # one record (one record holds one request: at most 8 MiB of bodies).
 FRAME_BYTES_MAX = 12 << 20
+SNAPSHOT_INCOMING = "snapshot-incoming-"   # + a unique part + ".db": a copy being received
 RELEASE_RESEND_S = 0.25  # a pending lost-answer release rides on an ack at most this often
 RELEASES_PER_ACK = 64
 
@@ -111,6 +113,10 @@ class Driver:
             st.set_meta("joining", 1 if joining else 0)
 
     async def start(self) -> None:
+        # copies being sent or received when the process last ended: never installed
+        for name in os.listdir(self.engine.data_dir):
+            if name.endswith(".db") and name.startswith(("snapshot-incoming", "snapshot-for-")):
+                os.remove(os.path.join(self.engine.data_dir, name))
         await self.engine.store_io(self.load)
         for p in self.core.peers:
             from node.tls import aio_channel
@@ -352,22 +358,52 @@ class Driver:
                 os.remove(path)
 
     async def serve_snapshot(self, request_iterator, context):
-        """Replica: replace our store with the primary's copy, then follow it."""
+        """Replica: replace our store with the primary's copy, then follow it.
+
+        Each stream writes a file of its own (two primaries, or a primary's
+        retry after its deadline, may stream at once), and only a copy whose
+        last chunk came is installed. The install itself runs to its end even
+        if the call is cancelled meanwhile (its work is on the writer thread):
+        what it leaves is a whole store and a core loaded from it."""
         e = self.engine
-        path = os.path.join(e.data_dir, "snapshot-incoming.db")
-        epoch, primary = 0, ""
-        with open(path, "wb") as f:
-            async for ch in request_iterator:
-                epoch, primary = ch.epoch, ch.primary
-                f.write(ch.data)
-            f.flush()
-            os.fsync(f.fileno())
+        fd, path = tempfile.mkstemp(prefix=SNAPSHOT_INCOMING, suffix=".db", dir=e.data_dir)
+        epoch, primary, complete, handed = 0, "", False, False
+        try:
+            with os.fdopen(fd, "wb") as f:
+                async for ch in request_iterator:
+                    epoch, primary = ch.epoch, ch.primary
+                    f.write(ch.data)
+                    if ch.last:
+                        complete = True
+                        break
+                f.flush()
+                os.fsync(f.fileno())
+            if not complete:
+                return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
+            handed = True  # from here the install removes the file, when it is done with it
+            return await shielded(self._install(path, epoch, primary))
+        finally:
+            if not handed and os.path.exists(path):
+                os.remove(path)
+
+    async def _install(self, path: str, epoch: int, primary: str) -> pb.SnapshotAck:
+        try:
+            return await self._install_locked(path, epoch, primary)
+        finally:
+            if os.path.exists(path):
+                os.remove(path)
+
+    async def _install_locked(self, path: str, epoch: int, primary: str) -> pb.SnapshotAck:
+        e = self.engine
         async with self.lock:
             if epoch < self.core.epoch or self.core.role == R.PRIMARY:
-                os.remove(path)
                 return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
-            await e.store_io(e.install_snapshot_sync, path)
-            await e.store_io(self.load)  # a joining node is still joining (install_snapshot_sync)
+            e.installing = True
+            try:
+                await e.store_io(e.install_snapshot_sync, path)
+                await e.store_io(self.load)  # a joining node is still joining (install_snapshot_sync)
+            finally:
+                e.installing = False
             c = self.core
             c.durable_lsn = c.log.last_lsn
             c.commit_lsn = max(c.commit_lsn, e.core.lsn)

@@ -65,3 +65,159 @@ def test_a_value_we_never_had_is_not_taken_from_the_primary(tmp_path):
     eng.install_snapshot_sync(copy)
     assert tuple(eng.store.get_meta(k) for k in KEYS) == (7, "n2", 0, None)
     eng.store.close()
+
+
+# --- races around an install (found by a review; each fails without its mechanism) -------
+
+import asyncio  # noqa: E402
+import time  # noqa: E402
+
+import node.engine as engine_mod  # noqa: E402
+from spooler.pb import log_pb2, replication_pb2 as pb  # noqa: E402
+
+PEERS = {"n1": "127.0.0.1:1", "n2": "127.0.0.1:2", "n3": "127.0.0.1:3"}
+
+
+async def _primary_snapshot(d, queue, n, size, path):
+    """A single node's store holding ``queue`` with n messages, copied to ``path``."""
+    e = Engine(d)
+    await e.start()
+    await e.propose(log_pb2.Record(queue_put=log_pb2.QueuePut(name=queue)))
+    for i in range(n):
+        rec = log_pb2.Record()
+        rec.send.entries.add(queue=queue, id=f"{queue}-{i}", body=os.urandom(size))
+        await e.propose(rec)
+    await e.checkpoint_now()
+    await e.store_io(e.make_snapshot, path)
+    pos = e.store.applied_position()
+    await e.stop()
+    return pos
+
+
+async def _replica(d):
+    r = Engine(d, node_id="n3", peers=PEERS)
+    await r.store_io(r.load)
+    await r.store_io(r.repl.load)
+    return r
+
+
+def _chunks(path, epoch, primary, last_marked=True):
+    async def gen():
+        with open(path, "rb") as f:
+            while True:
+                data = f.read(1 << 20)
+                last = len(data) < (1 << 20)
+                yield pb.SnapshotChunk(epoch=epoch, primary=primary, data=data, last=last and last_marked)
+                await asyncio.sleep(0.01)  # the network's pace: another stream interleaves
+                if last:
+                    return
+    return gen()
+
+
+def test_two_snapshots_streamed_at_once_install_one_whole_copy(tmp_path):
+    """Two primaries (a deposed one and its successor) stream copies to one
+    replica at once: each stream has a file of its own, so what is installed is
+    one whole copy, never a byte mix of both or an empty store, and the
+    replication core's log matches the store it holds."""
+    async def main():
+        a, b = str(tmp_path / "A.db"), str(tmp_path / "B.db")
+        await _primary_snapshot(str(tmp_path / "pa"), "qa", 12, 200_000, a)
+        await _primary_snapshot(str(tmp_path / "pb"), "qb", 12, 200_000, b)
+        r = await _replica(str(tmp_path / "r"))
+        try:
+            acks = await asyncio.gather(r.repl.serve_snapshot(_chunks(a, 5, "n1"), None),
+                                        r.repl.serve_snapshot(_chunks(b, 6, "n2"), None))
+            assert any(x.ok for x in acks), acks
+            assert r.store.integrity_check() == "ok"
+            held = sorted(q[0] for q in r.store.load_queues())
+            assert held in (["qa"], ["qb"]) and sorted(r.core.queues) == held, held
+            assert r.repl.core.log.last_lsn == r.core.lsn == r.store.applied_position().lsn
+            assert not [n for n in os.listdir(r.data_dir) if n.startswith("snapshot-incoming")]
+        finally:
+            await r.stop()
+
+    asyncio.run(main())
+
+
+def test_a_snapshot_stream_that_ends_before_its_last_chunk_installs_nothing(tmp_path):
+    async def main():
+        a = str(tmp_path / "A.db")
+        await _primary_snapshot(str(tmp_path / "pa"), "qa", 3, 1000, a)
+        r = await _replica(str(tmp_path / "r"))
+        try:
+            ack = await r.repl.serve_snapshot(_chunks(a, 5, "n1", last_marked=False), None)
+            assert not ack.ok
+            assert sorted(r.core.queues) == [] and [q[0] for q in r.store.load_queues()] == []
+            assert not [n for n in os.listdir(r.data_dir) if n.startswith("snapshot-incoming")]
+        finally:
+            await r.stop()
+
+    asyncio.run(main())
+
+
+def test_a_checkpoint_taken_while_a_snapshot_is_installed_is_not_written_into_it(tmp_path, monkeypatch):
+    """The writer thread replaces the store, then the core; a checkpoint the loop
+    takes in between holds the old core's changes and must not land in the new
+    store (it would overwrite the copy's applied position and add the old
+    core's queues). Here opening the new store is slowed to hold that window
+    open, on both ways in: the driver's (which takes no checkpoint while it
+    installs) and a bare install (whose old checkpoint is stamped with the old
+    generation and skipped)."""
+    async def main(via_driver):
+        d = tmp_path / ("drv" if via_driver else "bare")
+        snap = str(d / "copy.db")
+        os.makedirs(d / "r")
+        ppos = await _primary_snapshot(str(d / "p"), "from_primary", 5, 100, snap)
+        r = await _replica(str(d / "r"))
+        try:
+            r.core.apply(log_pb2.Record(epoch=1, lsn=1, ts_us=int(time.time() * 1e6),
+                                        queue_put=log_pb2.QueuePut(name="stale")))
+            assert "stale" in r.core.dirty.queues
+            real = engine_mod.Store
+
+            def slow(path, *a, **kw):
+                if path.endswith("spool.db"):
+                    time.sleep(0.3)
+                return real(path, *a, **kw)
+
+            monkeypatch.setattr(engine_mod, "Store", slow)
+            if via_driver:
+                inst = asyncio.ensure_future(r.repl.serve_snapshot(_chunks(snap, 5, "n1"), None))
+            else:
+                inst = asyncio.ensure_future(r.store_io(r.install_snapshot_sync, snap))
+            await asyncio.sleep(0.15)
+            ckpt = asyncio.ensure_future(r.checkpoint_now())
+            await inst
+            await ckpt
+            monkeypatch.setattr(engine_mod, "Store", real)
+            assert r.store.applied_position() == ppos
+            assert [q[0] for q in r.store.load_queues()] == ["from_primary"]
+        finally:
+            await r.stop()
+
+    asyncio.run(main(True))
+    asyncio.run(main(False))
+
+
+def test_no_checkpoint_is_taken_while_an_install_runs(tmp_path):
+    """While the writer thread loads the new core (replaying the copy's log, which
+    marks changes to be checkpointed), a checkpoint on the loop would take those
+    marks away and, stamped with the old generation, write none of them: they
+    would be lost from the store once the log behind them was compacted. So the
+    engine takes no checkpoint at all while an install runs; its changes wait."""
+    async def main():
+        r = await _replica(str(tmp_path / "r"))
+        try:
+            r.core.apply(log_pb2.Record(epoch=1, lsn=1, ts_us=int(time.time() * 1e6),
+                                        queue_put=log_pb2.QueuePut(name="pending")))
+            r.installing = True
+            await r.checkpoint_now()
+            assert "pending" in r.core.dirty.queues, "a checkpoint ran during an install"
+            assert r.store.applied_position().lsn == 0
+            r.installing = False
+            await r.checkpoint_now()
+            assert [q[0] for q in r.store.load_queues()] == ["pending"]
+        finally:
+            await r.stop()
+
+    asyncio.run(main())
