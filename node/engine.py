@@ -140,6 +140,9 @@ def _call_logged(fn: Callable, *args) -> None:
         log.exception("a reply callback failed")
 
 
+SNAPSHOT_STEP_PAGES = 2048   # pages of the store copied per writer-thread job when a snapshot is made
+
+
 class Engine:
     def __init__(self, data_dir: str, node_id: str = "n1", limits: Optional[Limits] = None,
                  clock_us: Callable[[], int] = wall_us, vfs: Optional[str] = None,
@@ -793,15 +796,40 @@ class Engine:
         self.store.checkpoint(c)
 
     # ----------------------------------------------------------- snapshots
-    def make_snapshot(self, path: str) -> None:
-        """Writer thread: a consistent copy of the store (SQLite backup API)."""
+    async def snapshot_to(self, path: str) -> None:
+        """A consistent copy of the store, made in slices of SNAPSHOT_STEP_PAGES
+        pages, each its own job on the writer thread: commits run between them
+        instead of waiting behind a whole copy (seconds for a large store, long
+        enough to cost the primary its lease). Changes the store makes meanwhile
+        through its own connection reach the copy as well (SQLite's backup
+        updates the pages it has copied), so the copy is the store as of its last
+        slice."""
+        b = await self.store_io(self.snapshot_begin, path)
+        try:
+            while not await self.store_io(self.snapshot_step, b, SNAPSHOT_STEP_PAGES):
+                pass
+        finally:
+            await self.store_io(self.snapshot_end, b)
+
+    def snapshot_begin(self, path: str) -> tuple:
         import apsw
         if os.path.exists(path):
             os.remove(path)
         dest = apsw.Connection(path)
-        with dest.backup("main", self.store.db, "main") as b:
-            b.step(-1)
-        dest.close()
+        return dest, dest.backup("main", self.store.db, "main")
+
+    @staticmethod
+    def snapshot_step(b: tuple, pages: int) -> bool:
+        """Copy up to ``pages`` more pages; True once the copy is whole."""
+        return b[1].step(pages)
+
+    @staticmethod
+    def snapshot_end(b: tuple) -> None:
+        dest, backup = b
+        try:
+            backup.close()
+        finally:
+            dest.close()
 
     def install_snapshot_sync(self, path: str) -> None:
         """Writer thread: replace the store with a primary's copy, keep our vote,

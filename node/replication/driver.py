@@ -17,6 +17,7 @@ import time
 import types
 from typing import Optional
 
+import apsw
 import grpc
 
 from node.core import replication as R
@@ -334,7 +335,7 @@ class Driver:
         e = self.engine
         path = os.path.join(e.data_dir, f"snapshot-for-{peer}.db")
         try:
-            await e.store_io(e.make_snapshot, path)
+            await e.snapshot_to(path)   # in slices: commits go on meanwhile
 
             async def chunks():
                 with open(path, "rb") as f:
@@ -353,6 +354,8 @@ class Driver:
                         await self._run(self.core.snapshot_sent(peer, ack.last_lsn, mono_us()))
         except grpc.RpcError as err:
             log.warning("snapshot to %s failed: %s", peer, err.code())
+        except apsw.Error as err:   # e.g. the store was closed under the copy (this node stepped down)
+            log.warning("snapshot for %s could not be made: %s", peer, err)
         finally:
             if os.path.exists(path):
                 os.remove(path)

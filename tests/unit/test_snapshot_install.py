@@ -88,7 +88,7 @@ async def _primary_snapshot(d, queue, n, size, path):
         rec.send.entries.add(queue=queue, id=f"{queue}-{i}", body=os.urandom(size))
         await e.propose(rec)
     await e.checkpoint_now()
-    await e.store_io(e.make_snapshot, path)
+    await e.snapshot_to(path)
     pos = e.store.applied_position()
     await e.stop()
     return pos
@@ -219,5 +219,52 @@ def test_no_checkpoint_is_taken_while_an_install_runs(tmp_path):
             assert [q[0] for q in r.store.load_queues()] == ["pending"]
         finally:
             await r.stop()
+
+    asyncio.run(main())
+
+
+def test_a_snapshot_is_made_in_slices_that_commits_run_between(tmp_path, monkeypatch):
+    """Copying a large store for a replica does not hold the writer thread for the
+    whole copy: a commit made while the copy is under way is done before the copy
+    is, and the copy is a whole, consistent store."""
+    async def main():
+        monkeypatch.setattr(engine_mod, "SNAPSHOT_STEP_PAGES", 16)
+        e = Engine(str(tmp_path / "p"))
+        await e.start()
+        try:
+            await e.propose(log_pb2.Record(queue_put=log_pb2.QueuePut(name="q")))
+            for i in range(20):
+                rec = log_pb2.Record()
+                rec.send.entries.add(queue="q", id=f"m-{i}", body=os.urandom(100_000))
+                await e.propose(rec)
+            await e.checkpoint_now()
+            order = []
+            real_step = e.snapshot_step
+
+            def step(b, pages):
+                done = real_step(b, pages)
+                order.append("copied" if done else "slice")
+                return done
+
+            e.snapshot_step = step
+            path = str(tmp_path / "copy.db")
+            copying = asyncio.ensure_future(e.snapshot_to(path))
+            while not order:
+                await asyncio.sleep(0.001)
+            rec = log_pb2.Record()
+            rec.send.entries.add(queue="q", id="during", body=b"x")
+            await e.propose(rec)
+            order.append("commit")
+            committed = (await e.store_io(e.store.last_position)).lsn
+            await copying
+            assert order.count("slice") > 1 and order.index("commit") < order.index("copied"), order
+            copy = Store(path)
+            try:
+                assert copy.integrity_check() == "ok"
+                assert copy.last_position().lsn >= committed   # with the commit made during the copy
+            finally:
+                copy.close()
+        finally:
+            await e.stop()
 
     asyncio.run(main())
