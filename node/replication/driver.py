@@ -74,6 +74,7 @@ class Driver:
         self._stream_tasks: dict = {}
         self._tasks: list = []
         self._frame_bytes: dict = {}  # lsn -> bytes of the frame being handled (replica side)
+        self._refused: set = set()    # strangers whose replication traffic was refused (logged once)
         self._replies: Optional[list] = None  # AppendAcks produced while handling one frame
         # Replica: records a frame's handling found committed, applied once the
         # frame's acknowledgement has left (see serve_stream)
@@ -374,6 +375,9 @@ class Driver:
         try:
             with os.fdopen(fd, "wb") as f:
                 async for ch in request_iterator:
+                    if not self.is_member(ch.primary):
+                        log.warning("refused a snapshot from %r: not a member of this node's cluster", ch.primary)
+                        return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
                     epoch, primary = ch.epoch, ch.primary
                     f.write(ch.data)
                     if ch.last:
@@ -433,11 +437,27 @@ class Driver:
             pass
 
     # ------------------------------------------------------------ servicer
+    def is_member(self, node_id: str) -> bool:
+        """Whether ``node_id`` is one of the other members this node was started
+        with (``--peers``). Replication traffic from anyone else (a node of
+        another cluster on a reused address, or any node at all when this one
+        runs alone) is refused before it can touch the epoch or the log."""
+        return node_id in self.core.peers
+
+    async def _refuse(self, context, who: str) -> None:
+        if who not in self._refused and len(self._refused) < 64:  # said once per stranger
+            self._refused.add(who)
+            log.warning("refused replication traffic from %r: not a member of this node's cluster (--peers)", who)
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                            f"{who!r} is not a member of the cluster of node {self.id!r}")
+
     async def serve_stream(self, request_iterator, context):
         """Replica side of a primary's stream."""
         sender = None
         try:
             async for f in request_iterator:
+                if f.primary != sender and not self.is_member(f.primary):
+                    await self._refuse(context, f.primary)
                 sender = f.primary
                 # Shielded: if the primary dies mid-frame, gRPC cancels this handler;
                 # the frame's store-and-bookkeeping must still finish as one step, or
@@ -503,6 +523,8 @@ class Driver:
         e.truncated(max(pos.lsn, e.core.lsn), pos.crc if pos.lsn >= e.core.lsn else e.applied_crc)
 
     async def serve_vote(self, req, context):
+        if not self.is_member(req.candidate):
+            await self._refuse(context, req.candidate)
         if req.lease_us and req.lease_us != self.core.lease_us and req.candidate not in self._timeout_warned:
             # leases stay safe (every wait uses the lease a frame or vote states, or the
             # longest one a restarted node had answered), but a node with a much
@@ -531,6 +553,8 @@ class Driver:
                                lease_us=r.lease_us, vote_lease_us=r.vote_lease_us, voter_epoch=r.voter_epoch)
 
     async def serve_timeout_now(self, req, context):
+        if not self.is_member(req.primary):
+            await self._refuse(context, req.primary)
         async with self.lock:
             await self._run(self.core.receive(R.TimeoutNow(req.epoch, req.primary), mono_us()))
         return pb.ReplEmpty()

@@ -595,3 +595,34 @@ def test_batches_too_large_for_one_frame_together_replicate_without_a_failover(c
     top = view(nodes[p])["appliedLsn"]
     wait_until(lambda: all_applied(nodes, top), 20, what="every node applied the batches")
     assert client(nodes[p]).get_queue("big")["stats"]["sentTotal"] == 4 * n_bodies
+
+
+def test_replication_traffic_from_a_stranger_is_refused(cluster, node):
+    """A node answers replication traffic only from the members it was started
+    with: a vote request, a frame and a snapshot from a node of another cluster
+    (on a reused address, say) are refused and change nothing, on a cluster
+    member and on a node running alone (which has no members to hear from)."""
+    import grpc
+    from spooler.pb import replication_pb2 as rpb, replication_pb2_grpc as rgrpc
+
+    nodes, _ = cluster
+    p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    member = nodes[next(i for i in nodes if i != p)]
+    alone_epoch = node.get("/v1/cluster")[1]["epoch"]
+    for target, before in ((member, epoch), (node, alone_epoch)):
+        with grpc.insecure_channel(target.grpc_target) as ch:
+            stub = rgrpc.ReplicationStub(ch)
+            for call in (lambda: stub.Vote(rpb.VoteRequest(epoch=before + 5, candidate="stranger", last_epoch=before + 5,
+                                                           last_lsn=10 ** 6), timeout=10),
+                         lambda: list(stub.Stream(iter([rpb.AppendFrame(epoch=before + 5, primary="stranger")]),
+                                                  timeout=10)),
+                         lambda: stub.TimeoutNow(rpb.TimeoutNowRequest(epoch=before, primary="stranger"), timeout=10)):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, e.value
+            ack = stub.InstallSnapshot(iter([rpb.SnapshotChunk(epoch=before + 5, primary="stranger", data=b"x",
+                                                               last=True)]), timeout=10)
+            assert not ack.ok
+        assert target.get("/v1/cluster")[1]["epoch"] == before
+    assert primary_of(nodes) == (p, epoch)
+    assert node.get("/v1/cluster")[1]["role"] == "primary"
