@@ -109,6 +109,19 @@ def test_dead_job_needs_retry_force(spool):
     assert job["state"] == "dead" and len(job["attempts"]) == 2
 
 
+def test_a_succeeded_job_is_retried_without_force(spool):
+    """The contract asks --force for a dead job only: a succeeded job is requeued
+    by a plain retry and runs again, its first attempt kept."""
+    job_id = spool.submit("sh", "-c", "echo run $SPOOLCTL_ATTEMPT")
+    spool.run("worker", "--drain", timeout_s=60)
+    assert spool.job(job_id)["state"] == "succeeded"
+    assert spool.json("retry", job_id)["state"] == "queued"
+    spool.run("worker", "--drain", timeout_s=60)
+    job = spool.job(job_id)
+    assert job["state"] == "succeeded" and len(job["attempts"]) == 2
+    assert spool.run("output", job_id).stdout == b"run 2\n"
+
+
 def test_failure_then_success_end_to_end(spool, tmp_path):
     marker = tmp_path / "ran-once"
     job_id = spool.submit("sh", "-c", f"if [ -e {marker} ]; then echo ok; else touch {marker}; exit 1; fi")

@@ -319,7 +319,7 @@ def register(sub) -> None:
     p.add_argument("--stderr", action="store_true")
     p.set_defaults(func=cmd_output)
 
-    p = add_json(sub.add_parser("retry", help="requeue now; --force for a dead or succeeded job"))
+    p = add_json(sub.add_parser("retry", help="requeue now (a succeeded job runs again); --force for a dead job, and to start the retry and crash budgets afresh"))
     p.add_argument("job")
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_retry)

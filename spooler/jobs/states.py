@@ -42,6 +42,7 @@ TRANSITIONS = {
     ("cancel", CANCELED): CANCELED,      # idempotent
     ("retry", QUEUED): QUEUED,           # clears a pending backoff
     ("retry", CANCELED): QUEUED,
+    ("retry", SUCCEEDED): QUEUED,        # run it again: the contract asks --force for dead jobs only
     ("retry_force", QUEUED): QUEUED,
     ("retry_force", CANCELED): QUEUED,
     ("retry_force", DEAD): QUEUED,
@@ -66,7 +67,7 @@ class SpoolUnusable(SpoolerError):
 def transition(state: str, event: str) -> str:
     to = TRANSITIONS.get((event, state))
     if to is None:
-        hint = " (use --force)" if event == "retry" and state in (DEAD, SUCCEEDED) else ""
+        hint = " (use --force)" if event == "retry" and state == DEAD else ""
         raise JobStateConflict(f"cannot {event.replace('_', ' ')} a job that is {state}{hint}")
     return to
 
