@@ -523,6 +523,7 @@ class Core:
             self._move(fq, m, q, ts)
             moved += 1
         self.dirty.queues.update((q.name, fq.name))
+        self._tidy(fq)  # emptied: what its heaps still hold is stale
         return moved
 
     def _apply_key_put(self, op, ts):
@@ -589,6 +590,7 @@ class Core:
             if fq is q:  # a queue that is its own failure queue: keep it, count saturates
                 m.visible_at = ts + max(0, delay_us)
                 self._make_available(q, m, ts)
+                heapq.heappush(q.retention, (m.expires_at, m.seq, m.id))  # see below
                 return
             q.counters["failed"] += 1  # failedTotal: moved to the failure queue (API.md)
             self._move(q, m, fq, ts)
@@ -596,6 +598,11 @@ class Core:
         m.retry += 1
         m.visible_at = ts + max(0, delay_us)
         self._make_available(q, m, ts)
+        # its retention entry may have come due while it was leased, and due_drops
+        # skipped it then (a leased message is not dropped): it needs one again, or
+        # it would sit visible, never delivered (receive passes over expired ones)
+        # and never dropped. A second entry for it is harmless (_tidy, due_drops).
+        heapq.heappush(q.retention, (m.expires_at, m.seq, m.id))
 
     def _move(self, src: Queue, m: Msg, dst: Queue, ts: int) -> None:
         """Move a taken message into ``dst`` as a new arrival with retry count 0."""
@@ -609,6 +616,7 @@ class Core:
         heapq.heappush(dst.retention, (m.expires_at, m.seq, m.id))
         self._make_available(dst, m, ts)
         self.dirty.queues.add(dst.name)
+        self._tidy(dst)  # a failure queue is neither a settle's nor a send's queue: swept here
 
     def _ensure_queue(self, name: str) -> Queue:
         q = self.queues.get(name)
@@ -758,7 +766,7 @@ class Core:
             lease = Lease(self.next_lease_id, nonces[k:k + 8], q.name, m.id, self.epoch, now + timeout, via)
             self.next_lease_id += 1
             self.leases[lease.id] = lease
-            heapq.heappush(self.lease_heap, (lease.expires_at, lease.id))
+            self._push_lease(lease)
             q.n_ready -= 1
             q.n_leased += 1
             m.gen += 1
@@ -792,12 +800,23 @@ class Core:
         """Undo begin_settle when the settle was known not to be accepted."""
         if lease.state == SETTLING and self.leases.get(lease.id) is lease:
             lease.state = ACTIVE
-            heapq.heappush(self.lease_heap, (lease.expires_at, lease.id))
+            self._push_lease(lease)
+
+    def _push_lease(self, lease: Lease) -> None:
+        """The lease's expiry into the heap. Entries go stale when a lease ends
+        (ack) or moves on (renew) and are only skipped when they come due, up to a
+        lease timeout (12 h) later: so the heap is rebuilt from the live leases
+        once it holds over twice their number (amortised O(1) per push)."""
+        h = self.lease_heap
+        heapq.heappush(h, (lease.expires_at, lease.id))
+        if len(h) > 2 * len(self.leases) + 1024:
+            h[:] = [(x.expires_at, x.id) for x in self.leases.values() if x.state == ACTIVE]
+            heapq.heapify(h)
 
     def renew(self, lease: Lease, now: int) -> int:
         q = self.queues[lease.queue]
         lease.expires_at = now + q.settings["lease_timeout_us"]
-        heapq.heappush(self.lease_heap, (lease.expires_at, lease.id))
+        self._push_lease(lease)
         return lease.expires_at
 
     def abort_expiries(self, due: list) -> None:
@@ -808,7 +827,7 @@ class Core:
             lease = self.leases.get(m.lease) if m is not None and m.state == LEASED else None
             if lease is not None and lease.state == EXPIRING:
                 lease.state = ACTIVE
-                heapq.heappush(self.lease_heap, (lease.expires_at, lease.id))
+                self._push_lease(lease)
 
     def due_expiries(self, now: int, spare=None) -> list:
         """Leases whose time ran out: [(queue, message id)] for a Settle(EXPIRE) record.

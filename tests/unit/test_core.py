@@ -218,6 +218,62 @@ def test_leased_message_past_retention_drops_when_lease_ends(log):
     assert mid not in log.core.queues["q"].msgs
 
 
+@pytest.mark.parametrize("kind,own_failure_queue", [(log_pb2.NACK, False), (log_pb2.EXPIRE, False),
+                                                    (log_pb2.NACK, True)])
+def test_a_lease_ending_across_retention_still_lets_its_message_drop(log, kind, own_failure_queue):
+    """A nack (or expiry) stamped just before the message's retention ends is
+    applied after the retention timer ran, which skipped the message then since it
+    was leased: the message comes back with a retention entry, so it is dropped
+    (counted in expiredTotal) instead of sitting visible, never delivered and never
+    dropped. Also where its retries are spent on a queue that is its own failure
+    queue."""
+    settings = {"retention_us": 10 * S, "lease_timeout_us": 30 * S}
+    if own_failure_queue:
+        settings.update(max_retries=0, failure_queue="q")
+    log.queue("q", **settings)
+    mid, _ = log.send("q", at=0)
+    recv(log, "q", 1 * S)
+    assert log.core.due_drops(10 * S + 500_000) == []   # the timer runs while the nack is on its way
+    log.settle(kind, "q", mid, at=10 * S - 1000)          # stamped before retention ended
+    assert log.core.due_drops(12 * S) == [("q", [mid])]
+    log.commit(log_pb2.Record(drop=log_pb2.Drop(queue="q", ids=[mid])), 12 * S)
+    st = log.core.stats("q", 12 * S)
+    assert (st["visible"], st["expiredTotal"]) == (0, 1)
+
+
+def test_fail_and_redrive_cycles_leave_no_heap_entries_behind(log):
+    """Messages moved into a failure queue and redriven out of it, again and again:
+    neither queue's heaps keep growing with stale entries (a failure queue is no
+    settle's or send's queue, and was never swept)."""
+    log.queue("q", max_retries=0)
+    for cycle in range(6):
+        ids = [log.send("q", at=cycle * 10 * S)[0] for _ in range(600)]
+        got = recv(log, "q", cycle * 10 * S + 1, n=600)
+        assert len(got) == 600
+        for m, _ in got:
+            log.settle(log_pb2.NACK, "q", m.id, at=cycle * 10 * S + 2)
+        assert log.commit(log_pb2.Record(redrive=log_pb2.Redrive(queue="q")), cycle * 10 * S + 3) == 600
+        for m, _ in recv(log, "q", cycle * 10 * S + 4, n=600):
+            log.settle(log_pb2.ACK, "q", m.id, at=cycle * 10 * S + 5)
+    for name in ("q", "q.failed"):
+        q = log.core.queues[name]
+        held = len(q.retention) + len(q.ready) + len(q.delayed)
+        assert held <= 2 * (q.size + 1024), (name, held)
+
+
+def test_renewing_one_lease_again_and_again_keeps_the_lease_heap_small(log):
+    """Each renew pushes a new expiry and leaves the old one stale until it comes
+    due (up to a lease timeout later): the heap is rebuilt from the live leases
+    once it holds over twice their number, not left to grow with every renew."""
+    log.queue("q", lease_timeout_us=43_200 * S)
+    log.send("q", at=0)
+    [(m, lease)] = recv(log, "q", 1)
+    for i in range(20_000):
+        log.core.renew(lease, 2 + i)
+    assert len(log.core.lease_heap) <= 2 * len(log.core.leases) + 1025
+    assert log.core.due_expiries(43_200 * S + 20_001) == [("q", m.id)]  # the live expiry is still there
+
+
 def test_due_drops_names_each_message_once(log):
     """A lease that ends before retention does (here a primary change) gives the
     message a second retention entry while its first is still queued: the Drop
