@@ -346,7 +346,7 @@ def test_an_attempt_canceled_before_its_pid_was_written_is_stopped_by_its_worker
     """record_pid finds the attempt no longer the worker's (canceled in its first
     moments, when cancel had no pid to kill): the worker stops it at once instead
     of at its next heartbeat, and its retry is not touched."""
-    from spooler.jobs import executor, knobs
+    from spooler.jobs import knobs
     from spooler.jobs.worker import Worker
 
     spool = str(tmp_path / "spool")
@@ -430,7 +430,7 @@ def test_sigkilled_worker_job_is_reaped_and_rerun(spool, tmp_path):
     w1.wait(timeout=10)
     assert not pid_gone(orphan), "the job's own session outlives its worker"
     # a second worker reaps (heartbeat 1 s stale, PID dead), kills the orphan, reruns
-    r = spool.run("worker", "--drain", "--json", timeout_s=60)
+    spool.run("worker", "--drain", "--json", timeout_s=60)
     job = spool.job(job_id)
     assert job["state"] == "succeeded" and job["crash_count"] == 1
     a1, a2 = job["attempts"]

@@ -37,7 +37,6 @@ RELEASE_RESEND_S = 0.25  # a pending lost-answer release rides on an ack at most
 RELEASES_PER_ACK = 64
 
 
-
 def frame_parts(msg: "R.AppendReq", data: list, limit: int = FRAME_BYTES_MAX) -> list:
     """An AppendReq's records as one or more frames' entries of at most ``limit``
     bytes of records each (at least one record each): [((prev lsn, epoch, crc),
@@ -54,6 +53,7 @@ def frame_parts(msg: "R.AppendReq", data: list, limit: int = FRAME_BYTES_MAX) ->
         size += len(b)
     parts.append((prev, part))
     return parts
+
 
 class Driver:
     def __init__(self, engine, node_id: str, peers: dict, failover_timeout_s: float, grpc_options=(), tls=None,

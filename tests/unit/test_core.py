@@ -247,7 +247,8 @@ def test_fail_and_redrive_cycles_leave_no_heap_entries_behind(log):
     settle's or send's queue, and was never swept)."""
     log.queue("q", max_retries=0)
     for cycle in range(6):
-        ids = [log.send("q", at=cycle * 10 * S)[0] for _ in range(600)]
+        for _ in range(600):
+            log.send("q", at=cycle * 10 * S)
         got = recv(log, "q", cycle * 10 * S + 1, n=600)
         assert len(got) == 600
         for m, _ in got:
