@@ -21,7 +21,7 @@ run: $(STAMP)
 	SPOOLER_ADMIN_KEY=$(SPOOLER_ADMIN_KEY) $(BIN)/spooler-node --id n1 --data ./var \
 		--http 127.0.0.1:8080 --grpc 127.0.0.1:50051
 
-# Three nodes on 127.0.0.1 (HTTP 8081-8083, gRPC 50061-50063), data under ./var/cluster.
+# Three nodes on 127.0.0.1 (HTTP 8081-8083, gRPC 27061-27063), data under ./var/cluster.
 cluster: $(STAMP)
 	$(BIN)/python -m node.devcluster
 

@@ -1,6 +1,6 @@
 """`make cluster`: three spooler-node processes on 127.0.0.1 for trying things out.
 
-HTTP 8081-8083, gRPC 50061-50063 (first ports from SPOOLER_CLUSTER_HTTP_PORT and
+HTTP 8081-8083, gRPC 27061-27063 (first ports from SPOOLER_CLUSTER_HTTP_PORT and
 SPOOLER_CLUSTER_GRPC_PORT), data under ./var/cluster/nN (SPOOLER_CLUSTER_DIR), one
 admin key (SPOOLER_ADMIN_KEY, default dev-admin-key). Each node's stdout lines
 (its ready line) are printed with its id in front; its log goes to stderr as it
@@ -52,7 +52,7 @@ def _echo(node_id: str, stream) -> None:
 def main() -> int:
     key = os.environ.get("SPOOLER_ADMIN_KEY", "dev-admin-key")
     base = os.environ.get("SPOOLER_CLUSTER_DIR", "./var/cluster")
-    http0, grpc0 = _port("SPOOLER_CLUSTER_HTTP_PORT", 8081), _port("SPOOLER_CLUSTER_GRPC_PORT", 50061)
+    http0, grpc0 = _port("SPOOLER_CLUSTER_HTTP_PORT", 8081), _port("SPOOLER_CLUSTER_GRPC_PORT", 27061)
     grpc = {i: grpc0 + k for k, i in enumerate(IDS)}
     http = {i: http0 + k for k, i in enumerate(IDS)}
     peers = ",".join(f"{i}=127.0.0.1:{grpc[i]}" for i in IDS)

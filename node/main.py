@@ -33,6 +33,7 @@ log = logging.getLogger("spooler.node")
 # fsync error): restarting it on the same disk would not help, and
 # deploy/systemd/spooler-node.service tells systemd not to loop on it.
 EXIT_STORE_FAILED = 70
+EXIT_CANNOT_LISTEN = 1   # an address in --http or --grpc cannot be bound (taken, or not this host's)
 
 
 def _env(name, default=None):
@@ -205,7 +206,13 @@ async def serve(args) -> int:
     # a graceful stop ends every call within about a second (Service.shut_down):
     # anything still open after a few is not waited for
     site = web.TCPSite(runner, hhost, hport, reuse_address=True, shutdown_timeout=3.0)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:
+        await server.stop(None)
+        await runner.cleanup()
+        await engine.stop()
+        raise grpc_api.ListenError(f"cannot listen for HTTP on {hhost}:{hport}: {e.strerror or e}") from None
     hport = site._server.sockets[0].getsockname()[1]
 
     loop = asyncio.get_running_loop()
@@ -242,6 +249,9 @@ def main(argv=None, grpc_io: str = "") -> int:
         return asyncio.run(serve(args))
     except KeyboardInterrupt:
         return 0
+    except grpc_api.ListenError as e:
+        print(f"spooler-node: {e}", file=sys.stderr)
+        return EXIT_CANNOT_LISTEN
 
 
 if __name__ == "__main__":

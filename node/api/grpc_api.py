@@ -525,10 +525,18 @@ async def build_server(svc: Service, metrics, address: str, tls=None) -> tuple:
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_generic_rpc_handlers((_NoSuchMethod(svc, metrics),))  # after every service: the fallback
-    port = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
+    try:
+        port = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
+    except RuntimeError as e:   # grpcio: "Failed to bind to address ..."
+        raise ListenError(f"cannot listen for gRPC on {address}: {e} (in use by another process?)") from None
     if port == 0:
-        raise OSError(f"cannot bind gRPC to {address}")
+        raise ListenError(f"cannot listen for gRPC on {address} (in use by another process?)")
     return server, health_servicer, port
+
+
+class ListenError(OSError):
+    """An address the node was told to listen on cannot be bound: said in one
+    line at start, no traceback (node/main.py)."""
 
 
 async def follow_readiness(health_servicer, engine, every_s: float = 0.2) -> None:

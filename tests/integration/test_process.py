@@ -45,3 +45,29 @@ def test_the_spooler_node_script_runs_on_the_older_io_path(tmp_path):
     finally:
         p.kill()
         p.wait()
+
+
+@pytest.mark.parametrize("flag", ["--grpc", "--http"])
+def test_an_address_in_use_is_one_clear_line_and_exit_1(tmp_path, flag):
+    """A port another process holds: the node says which address it could not
+    listen on, in one line, and exits 1 (no traceback), whichever of its two
+    listeners it was."""
+    import socket
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    port = held.getsockname()[1]
+    addrs = {"--grpc": "127.0.0.1:0", "--http": "127.0.0.1:0", flag: f"127.0.0.1:{port}"}
+    try:
+        p = subprocess.run([sys.executable, "-m", "node.main", "--id", "n1", "--data", str(tmp_path / "d"),
+                            "--admin-key", "k-123", "--grpc", addrs["--grpc"], "--http", addrs["--http"]],
+                           capture_output=True, timeout=60)
+    finally:
+        held.close()
+    err = p.stderr.decode()
+    what = "gRPC" if flag == "--grpc" else "HTTP"
+    assert p.returncode == 1, (p.returncode, err[-2000:])
+    assert f"spooler-node: cannot listen for {what} on 127.0.0.1:{port}" in err, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert b'"ready"' not in p.stdout
