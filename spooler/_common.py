@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -145,7 +146,9 @@ def map_rpc_error(e: grpc.RpcError, write: bool = False) -> errors.SpoolerError:
         # a read that timed out changed nothing: plain unavailable (retry-safe), except
         # for a receive, which leases (see read_lost)
         return read_lost(f"no answer in time: {e.details()}")
-    if isinstance(err, errors.Unavailable) and not _has_detail(e):
+    if isinstance(err, errors.Unavailable) and not _has_detail(e) and e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        # (RESOURCE_EXHAUSTED that is not a size: gRPC refused the call before it
+        # ran, e.g. the node's cap on concurrent calls; nothing was done)
         if never_sent(e):
             return errors.Unavailable(f"no connection to the node: {e.details()}", retry_after_s=1.0)
         if write:  # no node answered "not accepted": the request may have been applied
@@ -184,7 +187,8 @@ def retryable(exc: BaseException, *, send_with_key: bool = False, settle: bool =
         # a receive whose answer was lost may hold leases: its caller hears of it
         return not (receive and getattr(exc, "answer_lost", False))
     if isinstance(exc, errors.OperationUnconfirmed):
-        return send_with_key or settle
+        # (not one that a retry already answered: settle_after_unconfirmed)
+        return (send_with_key or settle) and not getattr(exc, "final", False)
     return False
 
 
@@ -195,8 +199,11 @@ RETRY_WAIT_MAX_S = 1.6
 
 
 def retry_wait_s(retry: int) -> float:
-    """The wait before retry number ``retry`` (1 = the second attempt)."""
-    return min(RETRY_WAIT_MAX_S, RETRY_FIRST_WAIT_S * 2 ** (retry - 1))
+    """The wait before retry number ``retry`` (1 = the second attempt), stretched
+    by up to half at random: callers that failed together (one refused batch)
+    do not all come back in the same instant and form the same batch again.
+    Never shorter than the schedule, so six attempts still outlast a failover."""
+    return min(RETRY_WAIT_MAX_S, RETRY_FIRST_WAIT_S * 2 ** (retry - 1)) * random.uniform(1.0, 1.5)
 
 
 def _policy(attempts: int, *, send_with_key: bool = False, settle: bool = False, receive: bool = False,
@@ -477,6 +484,47 @@ def is_batch_entry_error(err: errors.SpoolerError) -> bool:
     """Errors that one bad entry causes for a whole SendBatch (then each entry is
     retried alone, so only the bad one fails)."""
     return isinstance(err, (errors.InvalidArgument, errors.MessageTooLarge, errors.QueueNotFound, errors.Forbidden))
+
+
+def settle_after_unconfirmed(e: errors.StaleLease) -> None:
+    """An ack or nack tried again after an attempt whose outcome was unknown
+    (``operation_unconfirmed``) met ``stale_lease``. ``settled``: our earlier
+    attempt landed, so this one is done (returns). ``primary_changed`` cannot
+    tell: the earlier attempt may have committed before the change, or not (and
+    then the message is visible again), so that unknown outcome is raised, not
+    a ``stale_lease`` that would say it will be delivered again. ``expired``
+    stands (a landed ack would have said ``settled``)."""
+    if e.reason == errors.StaleLease.SETTLED:
+        return
+    if e.reason == errors.StaleLease.PRIMARY_CHANGED:
+        out = errors.OperationUnconfirmed(
+            "an earlier attempt's outcome is unknown and the primary changed since: it may or may not "
+            "have been applied")
+        out.final = True  # no further attempt can tell more: not retried
+        raise out from None
+    raise e
+
+
+def resend_groups(err: errors.SpoolerError, queues: list) -> Optional[list]:
+    """How an auto-batch the node refused as a whole is sent again, or None to
+    fail it whole: [[index, ...], ...] in the batch's order.
+
+    One bad entry (is_batch_entry_error): each entry alone, so only it fails.
+    ``unavailable`` for a batch of several queues: one batch per queue, since
+    one full queue (at its message cap) refuses the whole batch, and the callers
+    sending to other queues must not fail for it (nothing was stored, so a
+    resend is safe). For a batch of one queue ``unavailable`` stands as it is."""
+    if len(queues) < 2:
+        return None
+    if is_batch_entry_error(err):
+        return [[i] for i in range(len(queues))]
+    if isinstance(err, errors.Unavailable):
+        groups: dict = {}
+        for i, q in enumerate(queues):
+            groups.setdefault(q, []).append(i)
+        if len(groups) > 1:
+            return list(groups.values())
+    return None
 
 
 def keep_renewing_after(log, m, e: errors.SpoolerError) -> bool:

@@ -22,7 +22,7 @@ import grpc
 
 from spooler import errors
 from spooler._common import (MOVE_ON, Nodes, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, batch_request, compact_request, settle_request, settle_outcomes, batch_results, call_with_retries,
-                             _has_detail, is_batch_entry_error, map_rpc_error, message_of, never_sent, read_lost, queue_dict, renew_delay_s, send_outcomes,
+                             _has_detail, map_rpc_error, message_of, never_sent, read_lost, queue_dict, renew_delay_s, resend_groups, send_outcomes, settle_after_unconfirmed,
                              settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request, settle_failed)
 from spooler.pb import api_pb2
@@ -412,8 +412,11 @@ class AsyncClient(Nodes):
             except errors.SpoolerError as e:
                 window.noting(e)
                 raise
+        # a close() meanwhile stops the resends with the last attempt's error (which
+        # says whether the message may have been stored), not "the client is closed"
         return await call_with_retries(again, self.retry_attempts - 1, first_failed=first,
-                                       send_with_key=window.window_s > 0, stop_when=window.used_up)
+                                       send_with_key=window.window_s > 0,
+                                       stop_when=lambda: window.used_up() or self._gone())
 
     async def _dedup_window_s(self, queue: str) -> float:
         """``queue``'s dedup window, in seconds. A read, retried while the cluster is
@@ -454,14 +457,16 @@ class AsyncClient(Nodes):
         try:
             r = await self._send_request([b[0] for b in batch], on_ok=on_ok)
         except errors.SpoolerError as e:
-            if len(batch) > 1 and is_batch_entry_error(e):
-                # refused before anything was stored: one bad entry fails the whole
-                # batch, so send each alone and only it fails
-                for i, one in enumerate(batch):
+            groups = resend_groups(e, [b[0][0] for b in batch])
+            if groups is not None:
+                # refused before anything was stored (one bad entry, or one full
+                # queue): sent again in parts, so only the part at fault fails
+                for i, g in enumerate(groups):
                     try:
-                        await self._send_batch_now([one])
+                        await self._send_batch_now([batch[j] for j in g])
                     except BaseException:  # cut short (cancelled): the rest never left
-                        _fail_all(batch[i + 1:], errors.Unavailable("not sent: its batch's resend was cut short"))
+                        _fail_all([batch[j] for h in groups[i + 1:] for j in h],
+                                  errors.Unavailable("not sent: its batch's resend was cut short"))
                         raise
                 return
             _fail_all(batch, e)
@@ -591,8 +596,9 @@ class AsyncClient(Nodes):
             try:
                 return await self._settle_one(action, token, delay_s)
             except errors.StaleLease as e:
-                if maybe_landed and e.reason == errors.StaleLease.SETTLED and action != "renew":
-                    return None  # our earlier attempt landed
+                if maybe_landed and action != "renew":
+                    settle_after_unconfirmed(e)  # our earlier attempt landed (returns), or may have
+                    return None
                 raise
             except errors.OperationUnconfirmed:
                 maybe_landed = True

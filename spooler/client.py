@@ -22,7 +22,7 @@ import grpc
 
 from spooler import errors
 from spooler._common import (MOVE_ON, Nodes, keep_renewing_after, batch_size, check_batch, check_send_types, Message, SendResult, batch_request, settle_outcomes, batch_results, call_with_retries_sync,
-                             is_batch_entry_error, map_rpc_error, message_of, queue_dict, renew_delay_s, send_outcomes,
+                             map_rpc_error, message_of, queue_dict, renew_delay_s, resend_groups, send_outcomes, settle_after_unconfirmed,
                              settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request, settle_failed, settle_request)
 from spooler.pb import api_pb2
@@ -149,8 +149,10 @@ class Client(Nodes):
             except errors.SpoolerError as e:
                 window.noting(e)
                 raise
+        # a close() meanwhile stops the resends with the last attempt's error (as AsyncClient)
         return call_with_retries_sync(again, self.retry_attempts - 1, first_failed=first,
-                                      send_with_key=window.window_s > 0, stop_when=window.used_up)
+                                      send_with_key=window.window_s > 0,
+                                      stop_when=lambda: window.used_up() or self._gone())
 
     def _dedup_window_s(self, queue: str) -> float:
         """As AsyncClient._dedup_window_s."""
@@ -194,10 +196,12 @@ class Client(Nodes):
             r = self._call("SendBatch", batch_request([(e.queue, e.body, e.delay_seconds, e.dedup_key)
                                                                for e, _ in batch], compact=False), write=True)
         except errors.SpoolerError as e:
-            if len(batch) > 1 and is_batch_entry_error(e):
-                # refused before anything was stored: send each alone so only the bad one fails
-                for one in batch:
-                    self._send_batch_now([one])
+            groups = resend_groups(e, [x.queue for x, _ in batch])
+            if groups is not None:
+                # refused before anything was stored (one bad entry, or one full
+                # queue): sent again in parts, so only the part at fault fails
+                for g in groups:
+                    self._send_batch_now([batch[j] for j in g])
                 return
             _settle_futures(batch, error=e)
             return
@@ -290,8 +294,9 @@ class Client(Nodes):
             try:
                 return self._call(method, req, write=True)
             except errors.StaleLease as e:
-                if state["maybe_landed"] and e.reason == errors.StaleLease.SETTLED:
-                    return None  # our earlier attempt landed
+                if state["maybe_landed"] and method != "Renew":
+                    settle_after_unconfirmed(e)  # our earlier attempt landed (returns), or may have
+                    return None
                 raise
             except errors.OperationUnconfirmed:
                 state["maybe_landed"] = True

@@ -205,8 +205,15 @@ def from_grpc_trailers(code, details: str, trailers) -> SpoolerError:
         return Internal(details or "unknown gRPC error")
     if name == "CANCELLED":  # not by us (ours never reaches here): the node ended it, e.g. on its way down
         return OperationUnconfirmed(details or "the node cancelled the call: outcome unknown")
-    if name == "RESOURCE_EXHAUSTED":  # gRPC's own limits: a message or its metadata too large
-        return MessageTooLarge(f"over gRPC's size limits: {details}")
+    if name == "RESOURCE_EXHAUSTED":
+        # gRPC's own limits. A message or its metadata too large: the request is
+        # at fault. Anything else (the node's cap on concurrent calls, a memory
+        # quota) refused the call before it ran: unavailable, safe to try again.
+        low = (details or "").lower()
+        if "larger than max" in low or "metadata" in low:
+            return MessageTooLarge(f"over gRPC's size limits: {details}")
+        return Unavailable(f"the node is out of room for this call ({details}); nothing was done",
+                           retry_after_s=0.5)
     cls = _BY_GRPC_CODE.get(name, Internal)
     return cls(details or str(code))
 

@@ -172,3 +172,50 @@ def test_renewing_goes_on_after_an_expiry_it_cannot_read():
     assert renew_delay_s("2025-12-31T23:59:59Z", now) == 0.05
     for bad in (None, "", "soon"):
         assert renew_delay_s(bad, now) == 1.0
+
+
+def test_resource_exhausted_is_too_large_only_when_it_is_about_size():
+    """gRPC's RESOURCE_EXHAUSTED covers a message or metadata over its limits (the
+    request's fault: message_too_large) and also a node's cap on concurrent calls,
+    which refused the call before it ran: unavailable, retried, not a send the
+    caller must give up on, nor an unknown outcome for a write."""
+    big = _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (20000000 vs. 16777216)")
+    assert isinstance(map_rpc_error(big, write=True), errors.MessageTooLarge)
+    for details in ("Concurrent RPC limit exceeded!", "Resource quota exceeded"):
+        busy = _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+        for write in (True, False):
+            e = map_rpc_error(busy, write=write)
+            assert isinstance(e, errors.Unavailable) and not getattr(e, "answer_lost", False), (details, write)
+            assert retryable(e)
+
+
+def test_an_ack_retried_after_an_unknown_outcome_reads_stale_lease_by_its_reason():
+    """After an attempt whose outcome is unknown: ``settled`` means it landed
+    (done); ``primary_changed`` cannot say whether it did, so the unknown outcome
+    stands (not a stale_lease that promises a redelivery); ``expired`` stands."""
+    from spooler._common import settle_after_unconfirmed
+    assert settle_after_unconfirmed(errors.StaleLease("x", reason=errors.StaleLease.SETTLED)) is None
+    with pytest.raises(errors.OperationUnconfirmed):
+        settle_after_unconfirmed(errors.StaleLease("x", reason=errors.StaleLease.PRIMARY_CHANGED))
+    with pytest.raises(errors.StaleLease):
+        settle_after_unconfirmed(errors.StaleLease("x", reason=errors.StaleLease.EXPIRED))
+
+
+def test_a_refused_auto_batch_is_sent_again_in_parts_that_can_succeed():
+    """One bad entry: each entry alone. ``unavailable`` for a batch of several
+    queues (one of them full): one batch per queue, in order. ``unavailable``
+    for one queue, or another error: the batch fails whole."""
+    from spooler._common import resend_groups
+    full = errors.Unavailable("queue a holds its maximum")
+    assert resend_groups(full, ["a", "b", "a", "c"]) == [[0, 2], [1], [3]]
+    assert resend_groups(full, ["a", "a"]) is None
+    assert resend_groups(errors.QueueNotFound("x"), ["a", "a"]) == [[0], [1]]
+    assert resend_groups(errors.OperationUnconfirmed("x"), ["a", "b"]) is None
+    assert resend_groups(full, ["a"]) is None
+
+
+def test_retry_waits_are_spread_but_never_shorter_than_the_schedule():
+    from spooler._common import RETRY_FIRST_WAIT_S, retry_wait_s
+    waits = [retry_wait_s(1) for _ in range(200)]
+    assert min(waits) >= RETRY_FIRST_WAIT_S and max(waits) <= 1.5 * RETRY_FIRST_WAIT_S
+    assert len({round(w, 6) for w in waits}) > 20, "every caller waits the same: they meet again"

@@ -1,0 +1,193 @@
+"""Both SDK clients against a stand-in node that answers what a real one rarely
+does: one full queue in a mixed auto-batch, an ack whose retry meets a primary
+change, a close() while a keyed send is being sent again."""
+import asyncio
+import threading
+from concurrent import futures
+
+import grpc
+import pytest
+
+from nodeproc import wait_until
+from spooler import AsyncClient, Client, errors
+from spooler.pb import api_pb2
+
+
+def _unary_only(c: AsyncClient) -> AsyncClient:
+    """The asyncio client as against a node without a Session: it goes straight to
+    the unary calls (a stand-in's missing Session can end INTERNAL rather than
+    UNIMPLEMENTED, which would make the first call's outcome unknown)."""
+    c.session.supported = False
+    return c
+
+
+class FakeNode:
+    """A sync gRPC server with the unary handlers given (method name -> fn(req, ctx));
+    no Session, so both clients use the unary calls. Counts calls per method."""
+
+    def __init__(self, **handlers):
+        self.calls = {name: 0 for name in handlers}
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        types = {"SendBatch": (api_pb2.SendBatchRequest, api_pb2.SendBatchResponse),
+                 "GetQueue": (api_pb2.QueueRequest, api_pb2.Queue),
+                 "Ack": (api_pb2.LeaseRequest, api_pb2.Empty)}
+
+        def counted(name, fn):
+            def call(req, ctx):
+                self.calls[name] += 1
+                return fn(req, ctx, self.calls[name])
+            return call
+
+        rpcs = {name: grpc.unary_unary_rpc_method_handler(counted(name, fn), request_deserializer=types[name][0].FromString,
+                                                          response_serializer=types[name][1].SerializeToString)
+                for name, fn in handlers.items()}
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("spooler.v1.Spooler", rpcs),))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        self.target = f"127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.stop(None)
+
+
+def _refuse(ctx, e: errors.SpoolerError):
+    ctx.set_trailing_metadata(errors.grpc_trailers(e))
+    ctx.abort(errors.grpc_status_code(e), e.message)
+
+
+@pytest.fixture
+def mixed_node():
+    """SendBatch refuses a whole batch that holds queue "full" (as a node does at
+    a queue's message cap); its first call is slow, so later sends pile up into
+    one batch behind it."""
+    gate = threading.Event()
+
+    def send_batch(req, ctx, n):
+        if n == 1:
+            gate.wait(10)
+        if any(e.queue == "full" for e in req.entries):
+            _refuse(ctx, errors.Unavailable("queue 'full' holds its maximum of messages", retry_after_s=1.0))
+        return api_pb2.SendBatchResponse(results=[api_pb2.SendResponse(id=f"{e.queue}-{i}")
+                                                  for i, e in enumerate(req.entries)])
+
+    node = FakeNode(SendBatch=send_batch)
+    node.gate = gate
+    yield node
+    gate.set()
+    node.stop()
+
+
+def test_one_full_queue_fails_only_its_own_sends_in_a_mixed_batch_sync(mixed_node):
+    with Client(mixed_node.target, "k", retry_attempts=1, batches_in_flight_max=1, timeout_s=10) as c:
+        first = c.send_async(api_pb2.SendRequest(queue="ok", body=b"0"))
+        wait_until(lambda: mixed_node.calls["SendBatch"] >= 1, 10, what="the first batch on its way")
+        later = [(q, c.send_async(api_pb2.SendRequest(queue=q, body=b"x"))) for q in ["ok", "full"] * 4]
+        mixed_node.gate.set()
+        assert first.result(10)
+        for q, f in later:
+            if q == "ok":
+                assert f.result(10).id.startswith("ok-"), "a send to a queue with room failed for another's"
+            else:
+                with pytest.raises(errors.Unavailable):
+                    f.result(10)
+
+
+def test_one_full_queue_fails_only_its_own_sends_in_a_mixed_batch_async(mixed_node):
+    async def main():
+        async with _unary_only(AsyncClient(mixed_node.target, "k", retry_attempts=1, batches_in_flight_max=1,
+                                           timeout_s=10)) as c:
+            first = asyncio.ensure_future(c.send("ok", b"0"))
+            while mixed_node.calls["SendBatch"] < 1:
+                await asyncio.sleep(0.01)
+            later = [(q, asyncio.ensure_future(c.send(q, b"x"))) for q in ["ok", "full"] * 4]
+            await asyncio.sleep(0.05)  # all of them queued behind the first batch
+            mixed_node.gate.set()
+            await first
+            for q, t in later:
+                if q == "ok":
+                    assert (await t).id.startswith("ok-"), "a send to a queue with room failed for another's"
+                else:
+                    with pytest.raises(errors.Unavailable):
+                        await t
+
+    asyncio.run(main())
+
+
+@pytest.fixture
+def changed_primary_node():
+    """Ack: the first attempt ends with no answer (outcome unknown), the retry
+    meets stale_lease/primary_changed."""
+    def ack(req, ctx, n):
+        if n == 1:
+            ctx.abort(grpc.StatusCode.CANCELLED, "the node went away")
+        _refuse(ctx, errors.StaleLease("predates a primary change", reason=errors.StaleLease.PRIMARY_CHANGED))
+
+    node = FakeNode(Ack=ack)
+    yield node
+    node.stop()
+
+
+def test_an_ack_whose_retry_meets_a_primary_change_is_unconfirmed_sync(changed_primary_node):
+    with Client(changed_primary_node.target, "k", timeout_s=10) as c:
+        with pytest.raises(errors.OperationUnconfirmed):
+            c.ack("t" * 40)
+    assert changed_primary_node.calls["Ack"] == 2
+
+
+def test_an_ack_whose_retry_meets_a_primary_change_is_unconfirmed_async(changed_primary_node):
+    async def main():
+        async with _unary_only(AsyncClient(changed_primary_node.target, "k", timeout_s=10)) as c:
+            with pytest.raises(errors.OperationUnconfirmed):
+                await c.ack("t" * 40)
+
+    asyncio.run(main())
+    assert changed_primary_node.calls["Ack"] == 2
+
+
+@pytest.fixture
+def unconfirmed_node():
+    """Every send's outcome is unknown (no answer in time); the queue has a dedup
+    window, so a keyed send is sent again."""
+    def send_batch(req, ctx, n):
+        ctx.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer in time")
+
+    def get_queue(req, ctx, n):
+        return api_pb2.Queue(name=req.name, settings=api_pb2.Settings(dedup_window_seconds=3600))
+
+    node = FakeNode(SendBatch=send_batch, GetQueue=get_queue)
+    yield node
+    node.stop()
+
+
+def test_close_during_a_keyed_resend_leaves_the_unknown_outcome_sync(unconfirmed_node):
+    """close() while a keyed send waits to be sent again: the caller hears
+    operation_unconfirmed (its message may be stored), not 'the client is closed'."""
+    c = Client(unconfirmed_node.target, "k", timeout_s=10)
+    out = {}
+
+    def send():
+        try:
+            c.send("q", b"x", dedup_key="k1")
+        except BaseException as e:  # noqa: BLE001 - what the caller hears is the point
+            out["e"] = e
+
+    t = threading.Thread(target=send)
+    t.start()
+    wait_until(lambda: unconfirmed_node.calls["GetQueue"] >= 1 and unconfirmed_node.calls["SendBatch"] >= 1, 10,
+               what="an attempt failed unconfirmed")
+    c.close()
+    t.join(30)
+    assert isinstance(out.get("e"), errors.OperationUnconfirmed), repr(out.get("e"))
+
+
+def test_close_during_a_keyed_resend_leaves_the_unknown_outcome_async(unconfirmed_node):
+    async def main():
+        c = _unary_only(AsyncClient(unconfirmed_node.target, "k", timeout_s=10))
+        t = asyncio.ensure_future(c.send("q", b"x", dedup_key="k1"))
+        while unconfirmed_node.calls["GetQueue"] < 1 or unconfirmed_node.calls["SendBatch"] < 1:
+            await asyncio.sleep(0.005)
+        await c.close()
+        with pytest.raises(errors.OperationUnconfirmed):
+            await t
+
+    asyncio.run(main())
