@@ -200,8 +200,15 @@ class Client(Nodes):
             if groups is not None:
                 # refused before anything was stored (one bad entry, or one full
                 # queue): sent again in parts, so only the part at fault fails
-                for g in groups:
-                    self._send_batch_now([batch[j] for j in g])
+                for i, g in enumerate(groups):
+                    try:
+                        self._send_batch_now([batch[j] for j in g])
+                    except Exception:  # noqa: BLE001 - its own callers were told; the other parts still go
+                        log.exception("a part of a refused send batch failed unexpectedly")
+                    except BaseException:  # cut short: the rest never left, and must not wait forever
+                        _settle_futures([batch[j] for h in groups[i + 1:] for j in h],
+                                        error=errors.Unavailable("not sent: its batch's resend was cut short"))
+                        raise
                 return
             _settle_futures(batch, error=e)
             return

@@ -191,3 +191,38 @@ def test_close_during_a_keyed_resend_leaves_the_unknown_outcome_async(unconfirme
             await t
 
     asyncio.run(main())
+
+
+def test_a_part_of_a_refused_batch_that_fails_oddly_leaves_no_caller_waiting(caplog):
+    """An auto-batch refused for one bad entry is sent again entry by entry; one of
+    those answers cannot even be read (a garbled error detail): its caller hears
+    of it, and the entries after it are still sent and answered, instead of
+    their callers waiting forever."""
+    gate = threading.Event()
+
+    def send_batch(req, ctx, n):
+        if n == 1:
+            gate.wait(10)
+        queues = [e.queue for e in req.entries]
+        if "bad" in queues and len(queues) > 1:
+            _refuse(ctx, errors.QueueNotFound("no queue 'bad'"))
+        if queues == ["bad"]:
+            ctx.set_trailing_metadata((("grpc-status-details-bin", b"\xff\xfe not a status"),))
+            ctx.abort(grpc.StatusCode.NOT_FOUND, "garbled")
+        return api_pb2.SendBatchResponse(results=[api_pb2.SendResponse(id=f"{q}-{i}") for i, q in enumerate(queues)])
+
+    node = FakeNode(SendBatch=send_batch)
+    try:
+        with Client(node.target, "k", retry_attempts=1, batches_in_flight_max=1, timeout_s=10) as c:
+            first = c.send_async(api_pb2.SendRequest(queue="ok", body=b"0"))
+            wait_until(lambda: node.calls["SendBatch"] >= 1, 10, what="the first batch on its way")
+            bad = c.send_async(api_pb2.SendRequest(queue="bad", body=b"x"))
+            oks = [c.send_async(api_pb2.SendRequest(queue="ok", body=b"y")) for _ in range(2)]
+            gate.set()
+            assert first.result(10)
+            with pytest.raises(Exception):
+                bad.result(10)
+            assert all(f.result(10).id.startswith("ok-") for f in oks)
+    finally:
+        gate.set()
+        node.stop()
