@@ -54,14 +54,8 @@ class HttpClient:
 
     # --- plumbing ---------------------------------------------------------
     def request(self, method: str, path: str, body: bytes = b"", headers: Optional[dict] = None,
-                timeout_s: Optional[float] = None, read: Optional[bool] = None):
-        """Returns (status, headers, body); raises SpoolerError for 4xx/5xx.
-        ``read``: the call changes nothing a retry could double (a GET; a
-        receive, whose lost answer may hold a lease but stores nothing): an
-        answer lost after the request left is then ``unavailable``, as the gRPC
-        clients say, not ``operation_unconfirmed``. Default: GET and HEAD."""
-        if read is None:
-            read = method.upper() in ("GET", "HEAD")
+                timeout_s: Optional[float] = None):
+        """Returns (status, headers, body); raises SpoolerError for 4xx/5xx."""
         cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
         conn = cls(self.netloc, timeout=timeout_s or self.timeout_s)
         h = {"Content-Length": str(len(body))}
@@ -88,10 +82,8 @@ class HttpClient:
                 data = resp.read()
             except (OSError, http.client.HTTPException) as e:
                 # The request left: a write may have reached the node.
-                if read:
-                    lost = errors.Unavailable(f"no answer from {self.netloc}: {e}")
-                    lost.answer_lost = True  # (a receive may have leased something meanwhile)
-                    raise lost from e
+                if method == "GET":
+                    raise errors.Unavailable(f"no answer from {self.netloc}: {e}") from e
                 raise errors.OperationUnconfirmed(f"connection to {self.netloc} failed after the request "
                                                   f"was sent: {e}") from e
         finally:
@@ -100,7 +92,7 @@ class HttpClient:
         if rh.get("Spooler-Epoch", "").isdigit():
             self.last_epoch = int(rh["Spooler-Epoch"])
         if resp.status >= 400:
-            raise errors.from_http(resp.status, data, rh, "GET" if read else method)
+            raise errors.from_http(resp.status, data, rh, method)
         return resp.status, rh, data
 
     def _json(self, method, path, obj=None):
@@ -153,7 +145,7 @@ class HttpClient:
 
     def receive(self, queue: str, wait_s: float = 0.0) -> Optional[Delivery]:
         path = f"/v1/queues/{self._q(queue)}/receive?wait={seconds(wait_s)}"
-        status, h, data = self.request("POST", path, timeout_s=self.timeout_s + wait_s, read=True)
+        status, h, data = self.request("POST", path, timeout_s=self.timeout_s + wait_s)
         if status == 204:
             return None
         return Delivery(id=h["Spooler-Message-Id"], body=data, token=h["Spooler-Lease-Token"],

@@ -117,8 +117,7 @@ def test_renewals_go_on_after_errors_that_do_not_say_the_lease_is_lost():
 def test_an_error_answer_without_a_kind_of_ours_is_read_by_what_the_request_was():
     """A proxy's own 502 or 504, or a bare 500, says nothing of what happened behind
     it: a read may be asked again (unavailable), a write may have landed
-    (operation_unconfirmed); a receive is read as a read, as the gRPC clients
-    do. Answers that name a kind keep it."""
+    (operation_unconfirmed). Answers that name a kind keep it."""
     import http.server
     import threading
 
@@ -152,9 +151,6 @@ def test_an_error_answer_without_a_kind_of_ours_is_read_by_what_the_request_was(
                 c.request("POST", f"/v1/queues/q/messages/{status}", b"x")
         with pytest.raises(errors.Unavailable):
             c.request("POST", "/v1/queues/q/messages/503", b"x")
-        # a receive stores nothing a retry could double: unavailable, as on gRPC (the proxy answers 502)
-        with pytest.raises(errors.Unavailable):
-            c.receive("q")
         with pytest.raises(errors.StaleLease) as e:
             c.request("POST", "/v1/ack/409")
         assert e.value.reason == "expired"
