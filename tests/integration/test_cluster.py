@@ -582,9 +582,12 @@ def test_batches_too_large_for_one_frame_together_replicate_without_a_failover(c
     p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
     body, n_bodies = b"x" * (256 * 1024), 32   # 8 MiB: the send batch limit
 
+    # (the queue first, retried while the new primary opens its epoch; the sends
+    # below are not retried, so that each batch's own outcome shows)
+    until_ok(lambda: client(nodes[p]).put_queue("big"))
+
     async def main():
         async with AsyncClient(nodes[p].grpc_target, nodes[p].admin_key, timeout_s=30, retry_attempts=1) as c:
-            await c.put_queue("big")
             return await asyncio.gather(*[c.send_batch("big", [body] * n_bodies) for _ in range(4)],
                                         return_exceptions=True)
 
