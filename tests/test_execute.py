@@ -278,15 +278,43 @@ def test_cancel_of_a_finished_job_is_refused(spool):
 
 def test_worker_sigterm_stops_running_job_and_requeues_it(spool, tmp_path):
     started = tmp_path / "started"
-    job_id = spool.submit("sh", "-c", f"touch {started}; sleep 300")
+    job_id = spool.submit("sh", "-c", f"echo $$ > {started}.tmp; mv {started}.tmp {started}; exec sleep 300")
     w = spool.start_worker()
     try:
         wait_until(started.exists, 15, what="job started")
+        job_pid = int(started.read_text())
         rc, _, _ = stop_worker(w)
         assert rc == 0
         job = spool.job(job_id)
         assert job["state"] == "queued" and job["failure_count"] == 0 and job["crash_count"] == 0
         assert job["attempts"][0]["failure_reason"] == "worker_stopped"
+        # the worker ended the command before it left: requeued, it must not also run on
+        wait_until(lambda: pid_gone(job_pid), 10, what="the stopped job's process to end")
+    finally:
+        if w.poll() is None:
+            w.kill()
+        if started.exists() and not pid_gone(int(started.read_text())):
+            os.kill(int(started.read_text()), signal.SIGKILL)
+
+
+def test_a_job_signalled_with_its_stopping_worker_is_requeued_as_stopped(spool, tmp_path):
+    """A service manager's stop signals every process of the unit: the job's
+    process may die of the SIGTERM before the worker kills its group. That
+    is the stop, not the job's failure: no retry is spent, even the last."""
+    started = tmp_path / "started"
+    job_id = spool.submit("sh", "-c", f"echo $$ > {started}.tmp; mv {started}.tmp {started}; exec sleep 300",
+                          opts=("--max-retries", "0"))
+    w = spool.start_worker()
+    try:
+        wait_until(started.exists, 15, what="job started")
+        job_pid = int(started.read_text())
+        os.kill(job_pid, signal.SIGTERM)  # the job first, as a unit-wide stop may deliver it
+        w.send_signal(signal.SIGTERM)
+        rc, _, _ = stop_worker(w)
+        assert rc == 0
+        job = spool.job(job_id)
+        assert job["attempts"][0]["failure_reason"] == "worker_stopped", job["attempts"]
+        assert job["state"] == "queued" and job["failure_count"] == 0 and job["crash_count"] == 0
     finally:
         if w.poll() is None:
             w.kill()

@@ -96,6 +96,25 @@ def test_invalid_message_is_moved_to_the_failure_queue(spool, node):
     assert body["spoolctl_result"]["failure_reason"] == "invalid_job" and body["raw"] == "not a job"
 
 
+@pytest.mark.parametrize("job", [
+    {"spoolctl_job": 1, "command": ["true"], "timeout_s": "5"},
+    {"spoolctl_job": 1, "command": "true"},
+    {"spoolctl_job": 1, "command": [["true"]]},
+    {"spoolctl_job": 1, "command": ["true"], "max_retries": "x"},
+    {"spoolctl_job": 1, "command": ["true"], "cwd": 7},
+], ids=["timeout-string", "command-string", "command-nested", "retries-word", "cwd-number"])
+def test_a_job_with_fields_of_the_wrong_type_goes_to_the_failure_queue(spool, node, job):
+    """A message from a sender that is not spoolctl, with a field of the wrong
+    type, is an invalid job (buried), not an exception that stops the worker."""
+    c = HttpClient(node.http_url, node.admin_key)
+    remote.ensure_queue(c, "q4t")
+    c.send("q4t", json.dumps(job).encode())
+    summary = spool.json("worker", "--queue", "q4t", "--drain", global_args=g(node))
+    assert summary["dead"] == 1 and not summary.get("errors"), summary
+    body = json.loads(c.receive("q4t.failed").body)
+    assert body["spoolctl_result"]["failure_reason"] == "invalid_job"
+
+
 def test_a_job_longer_than_its_lease_succeeds_by_renewal(spool, node):
     """J9: the worker renews the lease while the command runs, so a job three times
     longer than the queue's 1 s lease runs once: one delivery, retry count 0, no

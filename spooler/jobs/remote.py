@@ -51,9 +51,18 @@ def parse_body(body: bytes) -> dict:
         raise errors.InvalidArgument("message body is not JSON") from None
     if not isinstance(job, dict) or job.get("spoolctl_job") != JOB_FORMAT:
         raise errors.InvalidArgument("message is not a spoolctl job (format 1)")
-    command = validate_command(list(job.get("command") or []))
-    validate_job_options(int(job.get("priority") or 0), int(job.get("max_retries", knobs.DEFAULT_MAX_RETRIES)),
-                         None, job.get("timeout_s"), None)
+    command, cwd, timeout_s = job.get("command"), job.get("cwd"), job.get("timeout_s")
+    if (not isinstance(command, list) or not all(isinstance(a, str) for a in command)
+            or not (cwd is None or isinstance(cwd, str))
+            or not (timeout_s is None or (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)))):
+        raise errors.InvalidArgument("message is not a valid spoolctl job: command must be a list of strings, "
+                                     "cwd a string, timeout_s a number")
+    try:
+        command = validate_command(command)
+        validate_job_options(int(job.get("priority") or 0), int(job.get("max_retries", knobs.DEFAULT_MAX_RETRIES)),
+                             None, job.get("timeout_s"), None)
+    except (TypeError, ValueError, OverflowError) as e:  # a field of the wrong type (a sender not spoolctl)
+        raise errors.InvalidArgument(f"message is not a valid spoolctl job: {e}") from None
     job["command"] = command
     return job
 

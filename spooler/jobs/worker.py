@@ -19,6 +19,12 @@ from spooler.jobs import executor, knobs, reaper, states
 from spooler.jobs.store import Claim, Store, WorkerIdentity
 
 CLAIM_LATENCY_SAMPLES_MAX = 100_000
+# Signals that stop a worker and that a service manager or a terminal sends to the
+# job's processes as well: a job they end while its worker stops did not fail.
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL})
+# How long a job that died of one of them waits for its worker's own stop
+# (signals sent to a whole unit at once arrive in any order).
+STOP_SIGNAL_GRACE_S = 0.5
 
 
 def percentile(samples: list, q: float) -> Optional[float]:
@@ -279,6 +285,12 @@ class Worker:
         reason = res.reason
         if reason == states.CANCELED_REASON:
             reason = states.WORKER_STOPPED if self.stop_event.is_set() else reason
+        elif (reason == states.NONZERO_EXIT and res.exit_code is not None and -res.exit_code in STOP_SIGNALS
+              and self.stop_event.wait(STOP_SIGNAL_GRACE_S)):
+            # the stop's signal reached the job too (a service manager signals the
+            # whole unit, a terminal the whole foreground group), maybe a moment
+            # before this worker: not the job's failure
+            reason = states.WORKER_STOPPED
         # the result must land: keep retrying a busy lock (bounded) rather than drop it
         deadline = time.monotonic() + 120.0
         while True:
