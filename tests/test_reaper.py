@@ -80,6 +80,35 @@ def test_heartbeat_keeps_a_job_off_the_candidate_list(store):
     assert len(store.reap_candidates(now=T0 + 56)) == 1
 
 
+def test_a_clock_stepped_back_leaves_no_job_waiting_for_the_old_time(store, procs):
+    """Times are the wall clock's. Stepped back by ten minutes, a queued job
+    written "later" is eligible at once (not in ten minutes), and a dead
+    worker's job whose heartbeat lies in the future is judged by its PID now;
+    a live worker's is still left alone."""
+    later = T0 + 600
+    queued, _ = store.submit(["true"], now=later)
+    w, c = claim_as(store, os.getpid(), now=T0)  # the job above: eligible although written "later"
+    assert c is not None and c.job_id == queued
+    store.finish_attempt(c, states.NONZERO_EXIT, 1, "exit 1", now=later)  # backoff from "later"
+    assert store.get(queued)["run_after"] > later
+    again = store.claim_next(w, now=T0 + 1)
+    assert again is not None and again.job_id == queued, "a backoff measured from a time not yet come"
+    # a dead worker's heartbeat "in the future": a candidate now, reaped by its PID
+    dead_job, _ = store.submit(["true"], now=T0)
+    _, dc = claim_as(store, dead_pid(procs), now=later)
+    assert dc.job_id == dead_job
+    assert [x.job_id for x in store.reap_candidates(now=T0 + 2)] == [dead_job], "the live one is not stale"
+    results = reaper.reap_pass(store, now=T0 + 2)
+    assert [(r.job_id, r.verdict, r.new_state) for r in results] == [(dead_job, reaper.DEAD, states.QUEUED)]
+    # a live worker with a heartbeat in the future is probed and left alone
+    p = procs([sys.executable, "-c", "import time; time.sleep(60)", "spoolctl", "worker"])
+    wait_until(lambda: "spoolctl" in (reaper.read_cmdline(p.pid) or []), 5)
+    _, lc = claim_as(store, p.pid, now=later)
+    assert lc.job_id == dead_job
+    results = reaper.reap_pass(store, now=T0 + 3)
+    assert [(r.job_id, r.verdict, r.new_state) for r in results] == [(lc.job_id, reaper.ALIVE, None)]
+
+
 # --- liveness -------------------------------------------------------------------
 
 def test_liveness_dead_pid(procs):

@@ -269,9 +269,12 @@ class RemoteWorker:
                 self._bump("succeeded")
                 store.finish_remote(claim, None, res.exit_code, states.SUCCEEDED, d.retry_count, detail)
             elif reason == states.WORKER_STOPPED:
+                # A queue has no uncounted give-back of a lease over HTTP: the nack
+                # spends a retry, as a crash's lease expiry does (docs/jobs.md)
                 client.nack(d.token)
                 self._bump("stopped")
-                store.finish_remote(claim, reason, res.exit_code, states.QUEUED, d.retry_count, detail)
+                store.finish_remote(claim, reason, res.exit_code, states.QUEUED, d.retry_count,
+                                    f"{detail}; given back with a nack, which the queue counts as a retry")
             else:
                 self._bump("failed")
                 failures = d.retry_count + 1

@@ -269,8 +269,8 @@ class Store:
         with self.immediate() as c:
             row = self._one(
                 "SELECT id, state, attempt_count, command, cwd, timeout_s FROM jobs"
-                " WHERE backend='local' AND state='queued' AND run_after <= ?"
-                " ORDER BY priority DESC, seq LIMIT 1", (now,))
+                " WHERE backend='local' AND state='queued' AND (run_after <= ? OR updated_at > ?)"
+                " ORDER BY priority DESC, seq LIMIT 1", (now, now))
             if row is None:
                 return None
             job_id, state, count, command, cwd, timeout_s = row
@@ -358,8 +358,20 @@ class Store:
             (to, d.failure_count, d.crash_count, d.failure_reason, d.run_after, now, job_id))
 
     # --- reap -------------------------------------------------------------
-    _STALE = ("state='running' AND backend='local' AND heartbeat_at <"
-              " ? - COALESCE(?, MAX(4 * COALESCE(heartbeat_interval_s, 5.0), 30.0))")
+    # Times are the wall clock's, which can be stepped back (NTP, an operator). A
+    # row written "later" than now says so: a queued job's backoff (``run_after``)
+    # then no longer means anything and it is eligible at once; a heartbeat more
+    # than a threshold in the future cannot show staleness, so its job is a
+    # candidate and the PID probe decides (reaper.py: a live worker is left alone,
+    # and only this host's workers are ever judged).
+    _THRESHOLD = "COALESCE(?, MAX(4 * COALESCE(heartbeat_interval_s, 5.0), 30.0))"
+    _STALE = (f"state='running' AND backend='local' AND (heartbeat_at < ? - {_THRESHOLD}"
+              f" OR heartbeat_at > ? + {_THRESHOLD})")
+
+    @staticmethod
+    def _stale_args(now: float, threshold_override_s: Optional[float]) -> tuple:
+        """The bindings of _STALE's placeholders, in order."""
+        return (now, threshold_override_s, now, threshold_override_s)
 
     def reap_candidates(self, now: Optional[float] = None, threshold_override_s: Optional[float] = None,
                         limit: int = 100, skip_workers=()) -> list:
@@ -372,7 +384,7 @@ class Store:
             f"SELECT j.id, j.attempt_count, j.worker_id, j.worker_pid, j.worker_host, j.heartbeat_at, a.pid"
             f" FROM jobs j LEFT JOIN attempts a ON a.job_id=j.id AND a.n=j.attempt_count"
             f" WHERE {self._STALE}{not_in} ORDER BY j.heartbeat_at LIMIT ?",
-            (now, threshold_override_s, *skip, limit))
+            (*self._stale_args(now, threshold_override_s), *skip, limit))
         return [Candidate(*r) for r in rows]
 
     def reap(self, cand: Candidate, detail: str, now: Optional[float] = None,
@@ -388,7 +400,7 @@ class Store:
             row = self._one(
                 f"SELECT state, failure_count, crash_count, max_crashes FROM jobs"
                 f" WHERE id=? AND worker_id=? AND attempt_count=? AND {self._STALE}",
-                (cand.job_id, cand.worker_id, cand.n, now, threshold_override_s))
+                (cand.job_id, cand.worker_id, cand.n, *self._stale_args(now, threshold_override_s)))
             if row is None:
                 return None
             state, failures, crashes, max_crashes = row
