@@ -135,6 +135,22 @@ def test_submit_without_a_command_is_a_usage_error(spool, argv):
     assert spool.json("status")["total"] == 1
 
 
+def test_the_module_form_is_spoolctl_itself(spool):
+    """``python -m spooler.jobs`` (docs/jobs.md) answers as spoolctl does: a usage
+    error is exit 2 with a JSON error under --json, a bad spool is spool_unusable."""
+    import sys
+    argv = [sys.executable, "-m", "spooler.jobs", "--spool", spool.path]
+    r = subprocess.run(argv + ["submit", "--json", "--"], capture_output=True, timeout=60)
+    assert r.returncode == 2 and json.loads(r.stdout)["error"]["kind"] == "invalid_argument", r
+    not_a_dir = os.path.join(spool.path, "file")
+    os.makedirs(spool.path, exist_ok=True)
+    open(not_a_dir, "w").close()
+    r = subprocess.run([sys.executable, "-m", "spooler.jobs", "--spool", not_a_dir, "submit", "--json", "--", "true"],
+                       capture_output=True, timeout=60)
+    assert r.returncode == 1 and json.loads(r.stdout)["error"]["kind"] == "spool_unusable", r
+    assert b"Traceback" not in r.stderr, r
+
+
 def test_unknown_job_is_an_error_with_json_error_body(spool):
     r = spool.run("status", "nope", "--json", check=False)
     assert r.returncode == 1
