@@ -542,6 +542,7 @@ class Engine:
                 if not fut.done():
                     fut.set_exception(errors.Unavailable("no longer the primary", retry_after_s=0.5))
             self._pending.clear()
+            self.wake_all_receivers()  # long polls answer unavailable now, not at their end
             log.info("node %s is no longer primary (epoch %d)", self.node_id, epoch)
 
     def _opened_epoch(self) -> None:
@@ -627,10 +628,15 @@ class Engine:
 
     async def _lease_timer(self, tick_s: float = 0.02) -> None:
         """Lease expiry is the server's nack: a Settle(EXPIRE) record."""
+        was_serving = False
         while True:
             await asyncio.sleep(tick_s)
             if not self.serving():
+                if was_serving:  # (a lost majority): long polls answer unavailable now
+                    was_serving = False
+                    self.wake_all_receivers()
                 continue
+            was_serving = True
             spared = self.core.spared
             due = self.core.due_expiries(self.now_us(), spare=self._lost_contact)
             if self.core.spared != spared:

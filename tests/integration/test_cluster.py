@@ -483,6 +483,70 @@ def test_a_replica_told_to_stop_ends_its_forwarded_long_polls_as_unavailable(clu
         th.join(25)
 
 
+def _long_poll(api, queue, out):
+    import threading
+
+    def poll():
+        t = time.monotonic()
+        out["resp"] = api.receive(queue, wait=20)
+        out["after_s"] = time.monotonic() - t
+    th = threading.Thread(target=poll)
+    th.start()
+    return th
+
+
+def test_long_polls_on_a_primary_that_steps_down_end_at_once(cluster):
+    """A promote moves the primary: long polls waiting on the old one answer
+    unavailable (the client moves on) then, not when their 20 s run out."""
+    import grpc
+    from spooler.pb import api_pb2, api_pb2_grpc
+    nodes, _ = cluster
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    target = next(i for i in nodes if i != p)
+    until_ok(lambda: client(nodes[p]).put_queue("lp"))
+    wait_until(lambda: all_applied(nodes, view(nodes[p])["appliedLsn"]), 10, what="replicas caught up")
+    out = {}
+    th = _long_poll(Api(nodes[p].http_url, nodes[p].admin_key), "lp", out)
+    ch = grpc.insecure_channel(nodes[p].grpc_target)
+    try:
+        md = (("authorization", f"Bearer {nodes[p].admin_key}"),)
+        g = api_pb2_grpc.SpoolerStub(ch).Receive.future(api_pb2.ReceiveRequest(queue="lp", wait_seconds=20),
+                                                          metadata=md, timeout=30)
+        wait_until(lambda: nodes[p].metric("spooler_receives_waiting") >= 2, 10, what="both polls to wait")
+        t = time.monotonic()
+        client(nodes[p]).promote(target)
+        with pytest.raises(grpc.RpcError) as e:
+            g.result()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, (e.value.code(), e.value.details())
+        th.join(25)
+        assert out["resp"].status == 503 and out["resp"].json()["kind"] == "unavailable", out["resp"]
+        assert time.monotonic() - t < 10, "the long polls waited out their 20 s on a node no longer primary"
+    finally:
+        ch.close()
+        th.join(25)
+
+
+def test_long_polls_on_a_primary_that_loses_its_majority_end_at_once(cluster):
+    """Cut off from both replicas (SIGSTOP), the primary stops serving after the
+    failover timeout: its long polls answer unavailable then, not after 20 s."""
+    nodes, stopped = cluster
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    until_ok(lambda: client(nodes[p]).put_queue("lp"))
+    out = {}
+    th = _long_poll(Api(nodes[p].http_url, nodes[p].admin_key), "lp", out)
+    try:
+        wait_until(lambda: nodes[p].metric("spooler_receives_waiting") >= 1, 10, what="the poll to wait")
+        for i in nodes:
+            if i != p:
+                stopped.add(i)
+                os.kill(nodes[i].pid, signal.SIGSTOP)
+        th.join(25)
+        assert out["resp"].status == 503 and out["resp"].json()["kind"] == "unavailable", out["resp"]
+        assert out["after_s"] < 12, f"answered after {out['after_s']:.1f} s: the poll waited out its 20 s"
+    finally:
+        th.join(25)
+
+
 def test_a_replica_answers_an_unknown_settle_action_as_the_primary_does(cluster):
     """A settle item with an action number the contract does not know reaches the
     primary through a replica as it came: the same per-item error, in the same words."""
