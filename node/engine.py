@@ -521,10 +521,22 @@ class Engine:
         self.crc = crc
 
     # ------------------------------------------------------------- roles
+    def role_changes(self) -> asyncio.Future:
+        """A future resolved at the next on_role (a new role, or a new primary known)."""
+        f = self._role_change
+        if f is None or f.done():
+            f = self._role_change = asyncio.get_running_loop().create_future()
+        return f
+
+    _role_change: Optional[asyncio.Future] = None
+
     def on_role(self, role: str, epoch: int, primary: Optional[str]) -> None:
         was = self.role
         self.role = role
         self.primary_id = primary
+        f = self._role_change
+        if f is not None and not f.done():
+            f.set_result(None)
         if role == "primary" and was != "primary":
             # open the epoch: EpochBegin is the first record; once it applies the
             # log is caught up and every older lease is gone

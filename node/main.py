@@ -199,8 +199,12 @@ async def serve(args) -> int:
     health = asyncio.ensure_future(grpc_api.follow_readiness(health_servicer, engine))
 
     app = build_app(svc, metrics)
-    # idle keep-alive connections close after 75 s (aiohttp's run_app default; its own is an hour)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=75)
+    # idle keep-alive connections close after 75 s (aiohttp's run_app default; its own is an hour).
+    # A client that hangs up cancels its call, as over gRPC: a long poll stops
+    # waiting (its state must not outlive the connection); a write already
+    # proposed still commits, its answer unread (Service is written for that).
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=75,
+                           handler_cancellation=True)
     await runner.setup()
     hhost, hport = _hostport(args.http)
     # a graceful stop ends every call within about a second (Service.shut_down):

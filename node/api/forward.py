@@ -48,14 +48,21 @@ def _action_number(action) -> int:
     return n or 0
 
 
+CHANGE_POLL_S = 0.05  # how often a forwarded call looks for a new primary without primary_changes
+
+
 class Forwarder:
     def __init__(self, timeout_s: float = 10.0, tls=None, current_primary=None, releases_max: int = 1024,
-                 node_id: str = "1", pending: Optional[dict] = None):
+                 node_id: str = "1", pending: Optional[dict] = None, primary_changes=None):
         """current_primary: callable -> the address this node now takes for the primary's
-        (a forwarded call to a primary that was replaced meanwhile is cut short)."""
+        (a forwarded call to a primary that was replaced meanwhile is cut short).
+        primary_changes: callable -> a future resolved at the next change of the
+        primary this node knows (Engine.role_changes); without it a waiting call
+        looks every CHANGE_POLL_S."""
         self.timeout_s = timeout_s
         self.tls = tls
         self.current_primary = current_primary or (lambda: None)
+        self.primary_changes = primary_changes
         self._stubs: dict = {}
         self._releases: set = set()  # running release_soon tasks (held: asyncio keeps weak refs)
         self.releases_max = releases_max
@@ -91,22 +98,28 @@ class Forwarder:
         changed_at = None  # when this node first took another node (or none) for the primary
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=0.05)
-                if done:
-                    return task.result()
+                # woken by the answer or by a change of the primary, nothing else (a
+                # long poll forwarded for 20 s costs no turns of the loop meanwhile)
+                timeout = None if self.primary_changes else CHANGE_POLL_S
                 now = self.current_primary()
-                if now == address:
-                    continue
-                if changed_at is None:
-                    changed_at = loop.time()
-                if handing_to and now in (handing_to, None) and loop.time() - changed_at < self.handover_grace_s:
-                    continue  # the promote's own handover: its answer is on the way
-                # a new primary was elected while we waited on the old one (paused or
-                # cut off): stop waiting; the caller retries against the new one
-                task.cancel()
-                if write:
-                    raise errors.OperationUnconfirmed("the primary changed while the call was forwarded")
-                raise errors.Unavailable("the primary changed while the call was forwarded", retry_after_s=0.1)
+                if now != address:
+                    if changed_at is None:
+                        changed_at = loop.time()
+                    grace = self.handover_grace_s - (loop.time() - changed_at)
+                    if not (handing_to and now in (handing_to, None) and grace > 0):
+                        # a new primary was elected while we waited on the old one (paused
+                        # or cut off): stop waiting; the caller retries against the new one
+                        task.cancel()
+                        if write:
+                            raise errors.OperationUnconfirmed("the primary changed while the call was forwarded")
+                        raise errors.Unavailable("the primary changed while the call was forwarded",
+                                                 retry_after_s=0.1)
+                    # the promote's own handover: its answer is on the way
+                    timeout = grace if timeout is None else min(timeout, grace)
+                waits = {task, self.primary_changes()} if self.primary_changes else {task}
+                done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if task in done:
+                    return task.result()
         except grpc.RpcError as e:
             raise map_rpc_error(e, write=write) from None
         finally:
@@ -270,7 +283,9 @@ class Forwarder:
     async def delete_key(self, a, auth, kid):
         await self.call(a, "DeleteKey", api_pb2.DeleteKeyRequest(id=kid), auth, True)
 
-    async def promote(self, a, auth, node, node_address):
-        r = await self.call(a, "Promote", api_pb2.PromoteRequest(node=node), auth, True, extra_s=5,
-                            handing_to=node_address)
+    async def promote(self, a, auth, node, node_address, failover_timeout_s: float = 2.0):
+        # the primary may take a failover timeout to hand over, then up to two more
+        # (or 5 s) to hear from the new primary: wait for that answer, not less
+        r = await self.call(a, "Promote", api_pb2.PromoteRequest(node=node), auth, True,
+                            extra_s=5 + 3 * failover_timeout_s, handing_to=node_address)
         return cluster_dict(r)

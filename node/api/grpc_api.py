@@ -215,7 +215,7 @@ def rpc(method):
         # the epoch trailer is read when the answer goes out (a promote's answer
         # names the epoch it made, and so does its trailer)
         try:
-            p = self.svc.authenticate(*_caller(context))
+            p = await self.svc.verified(self.svc.authenticate(*_caller(context)))
             if isinstance(request, Malformed):
                 raise request.error()
             resp = await method(self, p, request, context)
@@ -378,7 +378,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
 
         async def handle(rid: int, which: str, req) -> None:
             try:
-                p = svc.authenticate(auth, forwarded, memo)
+                p = await svc.verified(svc.authenticate(auth, forwarded, memo))
                 resp = api_pb2.SessionResponse(id=rid)
                 out = getattr(resp, which)
                 out.SetInParent()  # the answer names its result even when it is empty (a receive of nothing)

@@ -61,9 +61,20 @@ def _expect_handler(metrics):
     return expect
 
 
+# Content-Encoding values aiohttp decodes (br and zstd only with their libraries,
+# else it refuses the body), and identity, which is none
+_CODINGS = frozenset({"", "identity", "gzip", "deflate", "br", "zstd"})
+
+
 async def _read(request: web.Request) -> bytes:
     """The body, decoded as its Content-Encoding says (gzip, deflate). A body that
-    does not decode as declared is the client's error, not ours."""
+    does not decode as declared is the client's error, not ours; so is a coding we
+    do not decode (stored as it came, its bytes would not be the message meant)."""
+    codings = request.headers.getall("Content-Encoding", ())
+    if len(codings) > 1 or (codings and codings[0].lower() not in _CODINGS):
+        request[CLOSE] = True  # the body is not read: nothing after it can be parsed
+        raise errors.InvalidArgument(f"Content-Encoding {', '.join(codings)!r} is not supported: give one of gzip, "
+                                     "deflate or identity, or none"[:300])
     try:
         return await request.read()
     except ConnectionError:  # the client hung up inside its body: nobody to answer, nothing of ours broke
@@ -170,34 +181,34 @@ def build_app(svc: Service, metrics) -> web.Application:
 
     app.on_response_prepare.append(add_epoch)
 
-    def principal(request):
-        return svc.authenticate(_header(request, "Authorization"))
+    async def principal(request):
+        return await svc.verified(svc.authenticate(_header(request, "Authorization")))
 
     # ------------------------------------------------------------ queues
     async def put_queue(request):
-        p = principal(request)
+        p = await principal(request)
         name = svc.check_name(request.match_info["queue"])
         settings = await _read_json(request)
         created, doc = await svc.put_queue(p, name, settings)
         return _json(doc, 201 if created else 200)
 
     async def get_queue(request):
-        return _json(await svc.get_queue(principal(request), request.match_info["queue"]))
+        return _json(await svc.get_queue(await principal(request), request.match_info["queue"]))
 
     async def list_queues(request):
-        return _json({"queues": await svc.list_queues(principal(request))})
+        return _json({"queues": await svc.list_queues(await principal(request))})
 
     async def delete_queue(request):
-        await svc.delete_queue(principal(request), request.match_info["queue"])
+        await svc.delete_queue(await principal(request), request.match_info["queue"])
         return web.Response(status=204)
 
     async def redrive(request):
-        moved = await svc.redrive(principal(request), request.match_info["queue"])
+        moved = await svc.redrive(await principal(request), request.match_info["queue"])
         return _json({"moved": moved})
 
     # ---------------------------------------------------------- messages
     async def send(request):
-        p = principal(request)
+        p = await principal(request)
         queue = request.match_info["queue"]
         if request.content_length is not None and request.content_length > lim.body_bytes_max:
             raise errors.MessageTooLarge(f"message of {request.content_length} bytes; the limit is {lim.body_bytes_max}")
@@ -215,7 +226,7 @@ def build_app(svc: Service, metrics) -> web.Application:
         return _json({"id": mid, "duplicate": dup}, 200 if dup else 201)
 
     async def receive(request):
-        p = principal(request)
+        p = await principal(request)
         raw = request.query.get("wait", "0")
         wait = svc.parse_seconds_header(raw, "wait", lim.wait_s_max)
         got = await svc.receive(p, request.match_info["queue"], wait, 1)
@@ -232,22 +243,22 @@ def build_app(svc: Service, metrics) -> web.Application:
 
     # ------------------------------------------------------------ leases
     async def ack(request):
-        await svc.ack(principal(request), request.match_info["token"])
+        await svc.ack(await principal(request), request.match_info["token"])
         return web.Response(status=204)
 
     async def nack(request):
-        p = principal(request)
+        p = await principal(request)
         delay = svc.parse_seconds_header(_header(request, "Spooler-Delay-Seconds"), "Spooler-Delay-Seconds",
                                          lim.delay_s_max)
         await svc.nack(p, request.match_info["token"], delay)
         return web.Response(status=204)
 
     async def renew(request):
-        return _json({"expiresAt": await svc.renew(principal(request), request.match_info["token"])})
+        return _json({"expiresAt": await svc.renew(await principal(request), request.match_info["token"])})
 
     # -------------------------------------------------------------- keys
     async def create_key(request):
-        p = principal(request)
+        p = await principal(request)
         body = await _read_json(request)
         if not isinstance(body, dict):
             raise errors.InvalidArgument("body must be a JSON object")
@@ -260,18 +271,18 @@ def build_app(svc: Service, metrics) -> web.Application:
         return _json(await svc.create_key(p, queue, body.get("scopes")), 201)
 
     async def list_keys(request):
-        return _json({"keys": await svc.list_keys(principal(request))})
+        return _json({"keys": await svc.list_keys(await principal(request))})
 
     async def delete_key(request):
-        await svc.delete_key(principal(request), request.match_info["id"])
+        await svc.delete_key(await principal(request), request.match_info["id"])
         return web.Response(status=204)
 
     # ----------------------------------------------------------- cluster
     async def cluster(request):
-        return _json(await svc.cluster(principal(request)))
+        return _json(await svc.cluster(await principal(request)))
 
     async def promote(request):
-        p = principal(request)
+        p = await principal(request)
         body = await _read_json(request)
         if not isinstance(body, dict):
             raise errors.InvalidArgument("body must be a JSON object")

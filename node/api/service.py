@@ -143,7 +143,8 @@ class Service:
         from node.api.forward import Forwarder
         self.fwd = Forwarder(tls=engine.tls, current_primary=self._primary_address,
                              releases_max=engine.limits.releases_in_flight_max, node_id=engine.node_id,
-                             pending=engine.pending_releases)
+                             pending=engine.pending_releases,
+                             primary_changes=getattr(engine, "role_changes", None))
         engine.release_hook = self._release_from_peer
         self._id_prefix = os.urandom(8).hex()
         self._id_counter = 0
@@ -220,6 +221,19 @@ class Service:
             # the core by a weak reference: a core a snapshot replaced is not kept
             # alive by an idle stream (it no longer matches, so the key is checked again)
             memo[:] = (weakref.ref(core), core.keys_version, p)
+        return p
+
+    async def verified(self, p: Principal) -> Principal:
+        """A key this replica does not know (authenticate let it through for the
+        primary to decide: it may be new) is checked with the primary before
+        anything else, so that a bad key gets the primary's 401 from every node,
+        ahead of any check of the request's form. One more round trip, for such
+        keys only."""
+        if p.admin or p.key_id or not p.auth or p.forwarded:
+            return p
+        a = self._remote(p)
+        if a:
+            await self.fwd.check_key(a, p.auth)  # (401 for a key the primary does not know either)
         return p
 
     def _primary_address(self) -> Optional[str]:
@@ -942,11 +956,8 @@ class Service:
 
     # ------------------------------------------------------------- cluster
     async def cluster(self, p: Principal) -> dict:
-        """This node's view. A replica that let a key through for the primary to
-        check (authenticate: one it does not know, perhaps not yet) has the
-        primary check it before answering, as every other call it forwards."""
-        if not p.admin and not p.key_id and (a := self._remote(p)):
-            await self.fwd.check_key(a, p.auth)  # (401 for a key the primary does not know either)
+        """This node's view (a key this replica does not know was checked with the
+        primary first: ``verified``)."""
         return self.cluster_doc()
 
     def cluster_doc(self) -> dict:
@@ -965,7 +976,7 @@ class Service:
         if node not in e.repl.addresses:  # every member has the same --peers
             raise errors.InvalidArgument(f"unknown node {node}")
         if (a := self._remote(p)):
-            return await self.fwd.promote(a, p.auth, node, e.repl.addresses[node])
+            return await self.fwd.promote(a, p.auth, node, e.repl.addresses[node], e.repl.core.timeout / 1e6)
         self._global_admin(p)
         if node == e.node_id and e.role == "primary":
             return self.cluster_doc()  # already the primary

@@ -464,6 +464,28 @@ def test_a_body_that_does_not_decode_is_a_400_and_the_connection_closes(seeded):
     assert_alive(node, api)
 
 
+@pytest.mark.parametrize("coding", [b"Content-Encoding: foo", b"Content-Encoding: gzip, gzip",
+                                    b"Content-Encoding: gzip\r\nContent-Encoding: gzip"],
+                         ids=["unknown", "two-in-one", "given-twice"])
+def test_a_content_encoding_the_node_does_not_decode_is_a_400_and_stores_nothing(seeded, coding):
+    """A coding the node does not decode would store bytes that are not the message
+    meant (aiohttp decodes one gzip or deflate, and leaves anything else as it
+    came): 400 invalid_argument, nothing stored, the connection closed; identity
+    is no coding at all and is stored as sent."""
+    node, api, _, _ = seeded
+    q = "coding-" + uuid.uuid4().hex[:8]
+    assert api.put_queue(q, {}).status == 201
+    status, head, body, closed = _raw(node, b"POST /v1/queues/" + q.encode() + b"/messages HTTP/1.1\r\nHost: x\r\n"
+                                      + _auth() + coding + b"\r\nContent-Length: 4\r\n\r\nbody")
+    assert status == 400 and json.loads(body)["kind"] == "invalid_argument", (head, body)
+    assert closed, "the node kept a connection whose body it did not read"
+    assert api.stats(q)["visible"] == 0
+    status, head, body, _ = _raw(node, b"POST /v1/queues/" + q.encode() + b"/messages HTTP/1.1\r\nHost: x\r\n"
+                                 + _auth() + b"Content-Encoding: identity\r\nContent-Length: 4\r\n\r\nbody")
+    assert status == 201, (head, body)
+    assert_alive(node, api)
+
+
 @pytest.mark.parametrize("header", [b"Spooler-Dedup-Key: a\r\nSpooler-Dedup-Key: b",
                                     b"Spooler-Delay-Seconds: 0\r\nspooler-delay-seconds: 60",
                                     b"Authorization: Bearer nobody"],

@@ -412,6 +412,16 @@ def test_a_replica_refuses_malformed_keys_and_promotes_as_the_primary_does(clust
         for odd in ("caf\u00e9", "x\tx"):
             resp = Api(nodes[node].http_url, nodes[node].admin_key).req("GET", "/v1/queues", key=odd)
             assert resp.status == 401 and resp.json()["kind"] == "unauthenticated", (node, odd, resp)
+        # a bad key is a 401 before any check of the request's form, on every node
+        # (a replica used to answer these 400, telling a caller with no key that node
+        # "nobody" does not exist)
+        api = Api(nodes[node].http_url, nodes[node].admin_key)
+        for method, path, body in [("PUT", "/v1/queues/q", {"bogus": 1}), ("POST", "/v1/cluster/promote",
+                                   {"node": "nobody"}), ("POST", "/v1/leases/abc/ack", None)] + \
+                [("POST", path, body) for path, body in bad]:
+            resp = api.req(method, path, None if body is None else json.dumps(body).encode(),
+                           key="spk_0123456789ab_made-up")
+            assert resp.status == 401 and resp.json()["kind"] == "unauthenticated", (node, path, body, resp)
     scoped = Api(nodes[p].http_url, nodes[p].admin_key).req(
         "POST", "/v1/keys", json.dumps({"queue": "q", "scopes": ["send"]}).encode()).json()["key"]
     resp = wait_until(lambda: (lambda x: x if x.status == 200 else None)(

@@ -911,6 +911,36 @@ def test_deleting_a_queue_ends_its_long_polls_at_once(api, shared_node, queue):
     assert time.monotonic() - t < 10, "the long poll ran on to its deadline after its queue was deleted"
 
 
+def test_a_long_poll_whose_client_hung_up_stops_waiting(api, shared_node, queue):
+    """A client that closes its connection while its receive waits cancels the
+    receive, as over gRPC: waiting polls are bounded by open connections, not by
+    the rate of abandoned ones times 20 s. A message sent afterwards goes to a
+    consumer still there, not to one of the abandoned polls."""
+    import socket
+    from urllib.parse import urlsplit
+    u = urlsplit(shared_node.http_url)
+
+    def waiting() -> float:
+        return shared_node.metric("spooler_receives_waiting")
+
+    before = waiting()
+    socks = []
+    try:
+        for _ in range(50):
+            s = socket.create_connection((u.hostname, u.port), timeout=10)
+            s.sendall((f"POST /v1/queues/{queue}/receive?wait=20 HTTP/1.1\r\nHost: x\r\n"
+                       f"Authorization: Bearer {shared_node.admin_key}\r\nContent-Length: 0\r\n\r\n").encode())
+            socks.append(s)
+        wait_until(lambda: waiting() >= before + 50, 10, what="the 50 polls to wait")
+    finally:
+        for s in socks:
+            s.close()
+    wait_until(lambda: waiting() <= before, 10, what="the abandoned polls to stop waiting")
+    assert api.send(queue, b"after").status == 201
+    r = api.receive(queue, wait=5)
+    assert r.status == 200 and r.body == b"after", r
+
+
 def test_settings_a_window_never_rounds_to_off_and_an_integral_float_is_an_integer(api):
     r = api.put_queue(new_name(), {"dedupWindowSeconds": 4e-7, "maxRetries": 2.0})
     assert r.status == 201, r

@@ -115,3 +115,88 @@ def test_a_release_waits_out_a_time_with_no_primary_known_and_goes_to_the_same_o
 
     assert asyncio.run(main([None, None, OLD])) == 1
     assert asyncio.run(main([None, OTHER])) == 0
+
+
+class _Changes:
+    """Engine.role_changes for a test: a future resolved by ``move``."""
+
+    def __init__(self, view: list):
+        self.view, self.fut, self.looks = view, None, 0
+
+    def __call__(self):
+        if self.fut is None or self.fut.done():
+            self.fut = asyncio.get_running_loop().create_future()
+        return self.fut
+
+    def current(self):
+        self.looks += 1
+        return self.view[0]
+
+    def move(self, to):
+        self.view[0] = to
+        if self.fut is not None and not self.fut.done():
+            self.fut.set_result(None)
+
+
+def test_a_waiting_forwarded_call_wakes_only_for_its_answer_or_a_change_of_primary():
+    """With the engine's change notices, a long poll forwarded for its 20 s costs no
+    turns of the loop meanwhile (it used to look at the primary every 50 ms), and
+    a change of primary still cuts it short at once."""
+    view = [OLD]
+    ch = _Changes(view)
+
+    class _Holding:
+        def Receive(self, req, metadata=None, timeout=None):
+            return asyncio.sleep(30)
+
+    async def main():
+        f = Forwarder(timeout_s=5, current_primary=ch.current, primary_changes=ch)
+        f._stubs[OLD] = _Holding()
+        call = asyncio.ensure_future(f.call(OLD, "Receive", api_pb2.ReceiveRequest(queue="q"), "Bearer k", False))
+        await asyncio.sleep(0.5)  # ten of the old polls' periods
+        assert not call.done() and ch.looks == 1, ch.looks
+        ch.move(OTHER)
+        with pytest.raises(errors.Unavailable):
+            await asyncio.wait_for(call, 1.0)
+    asyncio.run(main())
+
+
+def test_a_forwarded_promote_waits_out_its_handover_with_change_notices_too():
+    view = [OLD]
+    ch = _Changes(view)
+
+    class _Handing:
+        def Promote(self, req, metadata=None, timeout=None):
+            async def run():
+                for now in (None, TARGET):
+                    ch.move(now)
+                    await asyncio.sleep(0.08)
+                return api_pb2.ClusterInfo(node_id="old", role="replica", epoch=4, primary=req.node)
+            return run()
+
+    async def main():
+        f = Forwarder(timeout_s=5, current_primary=ch.current, primary_changes=ch)
+        f._stubs[OLD] = _Handing()
+        return await f.promote(OLD, "Bearer k", "target", TARGET)
+    d = asyncio.run(main())
+    assert (d["nodeId"], d["primary"], d["epoch"]) == ("old", "target", 4)
+
+
+def test_a_forwarded_promote_waits_as_long_as_the_primarys_own_wait_can_take():
+    """The primary hands over within a failover timeout and then waits up to two more
+    (at least 5 s) for the new primary: a forwarded promote's deadline covers that,
+    so a long --failover-timeout does not turn a switchover into "unconfirmed"."""
+    seen = {}
+
+    class _Recording:
+        def Promote(self, req, metadata=None, timeout=None):
+            seen["timeout"] = timeout
+
+            async def run():
+                return api_pb2.ClusterInfo(node_id="old", role="replica", epoch=4, primary=req.node)
+            return run()
+
+    f = Forwarder(timeout_s=10, current_primary=lambda: OLD)
+    f._stubs[OLD] = _Recording()
+    asyncio.run(f.promote(OLD, "Bearer k", "target", TARGET, failover_timeout_s=8.0))
+    assert seen["timeout"] >= 8.0 + max(5.0, 2 * 8.0), seen
