@@ -113,13 +113,17 @@ def test_plain_list_shows_attempts_crash_count_and_failure_reason(spool):
     assert f"failure={spool.json('status', bad)['failure_reason']}" in lines[bad], lines[bad]
 
 
-def test_an_idempotency_key_given_before_submit_is_a_usage_error_not_dropped(spool):
-    """``spoolctl --key K submit`` names the server's API key; on a local submit it
-    would be dropped and the job made without the idempotency key meant for it."""
+def test_the_global_key_before_submit_is_the_api_key_and_only_warned_about(spool):
+    """API.md: global options (``--spool``, ``--server``, ``--key``) come before the
+    command, so ``spoolctl --key K submit`` is well formed: the job is queued (the
+    plain output is its id alone) and stderr says that this --key is the server's
+    API key, not an idempotency key (which goes after the command)."""
     a = spool.submit("true", opts=("--key", "k1"))
-    r = spool.run("submit", "--", "true", global_args=("--key", "k1"), check=False)
-    assert r.returncode == 2 and b"idempotency key goes after it" in r.stderr, r
-    assert spool.json("status")["total"] == 1
+    r = spool.run("submit", "--", "true", global_args=("--server", "http://127.0.0.1:9", "--key", "k1"))
+    b = r.stdout.decode().strip()
+    assert r.returncode == 0 and b and b != a and len(r.stdout.split()) == 1, r
+    assert b"idempotency key goes after it" in r.stderr, r
+    assert spool.json("status")["total"] == 2
     assert spool.submit("true", opts=("--key", "k1")) == a
 
 

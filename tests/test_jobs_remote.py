@@ -38,10 +38,23 @@ def test_submit_and_run_through_a_queue(spool, node):
 
 
 def test_key_dedups_submission_on_the_queue(spool, node):
-    first = spool.json("submit", "--queue", "q1", "--key", "k-1", "--", "true", global_args=g(node))
+    first = spool.json("submit", "--queue", "q1", "--key", "k-1", "--max-crashes", "2", "--", "true",
+                       global_args=g(node))
+    assert first["max_crashes"] == 2, first
     again = spool.json("submit", "--queue", "q1", "--key", "k-1", "--", "true", global_args=g(node))
     assert again["id"] == first["id"] and again["duplicate"] is True and first["duplicate"] is False
     assert HttpClient(node.http_url, node.admin_key).get_queue("q1")["stats"]["visible"] == 1
+
+
+def test_a_key_on_a_queue_without_a_dedup_window_is_refused_not_ignored(spool, node):
+    """A queue made before without a dedup window would store a repeat as a second
+    job: --key there is an invalid_argument error, and nothing is sent."""
+    c = HttpClient(node.http_url, node.admin_key)
+    c.put_queue("q1n")
+    r = spool.run("submit", "--queue", "q1n", "--key", "k-1", "--json", "--", "true", global_args=g(node),
+                  check=False)
+    assert r.returncode == 1 and json.loads(r.stdout)["error"]["kind"] == "invalid_argument", r
+    assert c.get_queue("q1n")["stats"]["visible"] == 0
 
 
 def test_failure_nacks_with_backoff_then_failure_queue_plays_dead(spool, node):

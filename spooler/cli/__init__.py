@@ -124,10 +124,11 @@ def main(argv=None) -> int:
         parser.error("submit needs a command: spoolctl submit [options] -- CMD [ARG...]")
     if args.command == "submit" and not args.queue and args.idem_key is None and "submit" in ours \
             and any(a == "--key" or a.startswith("--key=") for a in ours[:ours.index("submit")]):
-        # the global --key is the server's API key: on a local submit it would be
-        # dropped, and the job made without the idempotency key its author meant
-        parser.error("--key before the command is the server's API key (used with --queue); an idempotency "
-                     "key goes after it: spoolctl submit --key K -- CMD")
+        # the global --key is the server's API key (API.md: global options come
+        # before the command), unused by a local submit: say so, in case an
+        # idempotency key was meant (it goes after the command)
+        print("spoolctl: warning: --key before the command is the server's API key (used with --queue), not an "
+              "idempotency key; an idempotency key goes after it: spoolctl submit --key K -- CMD", file=sys.stderr)
     as_json = getattr(args, "json", False)
     try:
         rc = args.func(args)

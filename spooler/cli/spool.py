@@ -68,8 +68,11 @@ def cmd_receive(args):
     c = _client(args)
     d = c.receive(args.queue, wait_s=args.wait)
     if d is None:
-        emit(args, {"message": None}, "(no message)")
-        return 3 if not args.json else 0
+        if args.json:
+            emit(args, {"message": None})
+            return 0
+        print("(no message)", file=sys.stderr)  # stdout carries message bodies only
+        return 3
     if args.ack:
         c.ack(d.token)
     out = {"id": d.id, "token": d.token, "retryCount": d.retry_count, "leaseExpiresAt": d.expires_at,

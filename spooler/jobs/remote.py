@@ -89,13 +89,15 @@ def submit(client, queue: str, command: list, priority: int = knobs.DEFAULT_PRIO
     validate_job_options(priority, max_retries, max_crashes, timeout_s, key)
     doc = ensure_queue(client, queue, max_retries, dedup=key is not None)
     if key is not None and not (doc.get("settings") or {}).get("dedupWindowSeconds"):
-        print(f"spoolctl: warning: queue {queue} has no dedup window; --key will not prevent duplicates",
-              file=sys.stderr)
+        # the queue would store a repeat as a new job: "a repeat returns the first id" would be false
+        raise errors.InvalidArgument(f"queue {queue} has no dedup window, so --key cannot keep a repeat from "
+                                     f"running twice: give the queue one (spoolctl queue update {queue} "
+                                     "--dedup-window SECONDS) or submit without --key")
     body = job_body(command, priority, max_retries, max_crashes, timeout_s, key, cwd, time.time())
     r = client.send(queue, json.dumps(body).encode(), dedup_key=key)
     return {"id": r["id"], "duplicate": bool(r.get("duplicate")), "state": states.QUEUED,
             "priority": priority, "command": command, "key": key, "backend": "spooler", "queue": queue,
-            "max_retries": max_retries, "max_crashes": None, "timeout_s": timeout_s,
+            "max_retries": max_retries, "max_crashes": max_crashes, "timeout_s": timeout_s,
             "crash_count": 0, "failure_reason": None, "attempts": []}
 
 

@@ -38,7 +38,8 @@ DEFINITE_FAILURE_KINDS = frozenset({
 # Nemeses after which clients may be unable to write until the cluster recovers.
 DISRUPTIVE_NEMESES = frozenset({"kill", "stop", "partition", "power_loss", "disk_loss"})
 DUPLICATE_CAUSES = ("nack", "lease_expired", "primary_changed", "unknown_ack", "other")
-REQUIRED_ZEROS = ("lost", "unexpected", "acked_then_redelivered", "overlapping_leases",
+REQUIRED_ZEROS = ("lost", "lost_after_delivery", "unexpected", "body_mismatches", "acked_then_redelivered",
+                  "overlapping_leases", "settles_of_superseded_leases", "retry_count_decreases",
                   "failover_retry_increments", "double_primaries", "leases_behind_a_newer_epoch")
 # Expiry stamps come from the server's wall clock converted to the monotonic clock; the
 # two clock reads of the conversion differ by microseconds. Overlap must exceed this.
@@ -257,6 +258,22 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
             body_mismatches += 1
             _keep(body_mismatch_details, {**d.brief(), "body": d.body, "sent_body": body_of_id[d.id]})
 
+    # -- lost after a delivery: a confirmed message delivered, never acked (no ack of any
+    # of its leases that succeeded or may have), not in the failure queue, not expired,
+    # and not delivered again by the final drain (which empties the queue and its failure
+    # queue, and which the history says completed: ``drained``): it was dropped after a
+    # nack or an expiry, or its lease was never given back --------------------------------
+    ids_acked = set()
+    for token, lst in settles.items():
+        if any(op.f == "ack" and op.outcome in ("ok", "unknown") for op in lst):
+            mid = by_token[token].id if token in by_token else None
+            ids_acked.update(x for x in (mid, *(op.inv.get("id") for op in lst)) if x is not None)
+    lost_after: list = []
+    for mid in (body_of_id if final.get("drained") else ()):  # (only a drained history shows it)
+        if (mid in delivered_ids and mid not in ids_acked and mid not in failed_queue_ids
+                and mid not in expired_ids):
+            lost_after.append(mid)
+
     # -- acks: acked then redelivered -----------------------------------------------------------
     first_ack_ok: dict[Any, float] = {}
     for token, lst in settles.items():
@@ -314,6 +331,34 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         return sum(1 for x in chain if x not in skip and x.ok_t > lo and x.inv_t < hi
                    and in_span(x) and may_end_before(x, hi))
 
+    def lease_end(x: _Delivery, t: float) -> tuple:
+        """(a nack of x's lease may have taken effect before t, x's expiry with the
+        renewals invoked before t)."""
+        nack_possible, expiry = False, x.expires_at
+        for op in settles.get(x.token, ()):
+            if op.inv_t >= t:
+                continue
+            if op.f == "nack" and op.outcome != "fail":
+                nack_possible = True
+            elif op.f == "renew" and op.outcome == "ok":
+                new = op.res.get("expires_at")
+                if new is not None and (expiry is None or new > expiry):
+                    expiry = new
+        return nack_possible, expiry
+
+    def granted_after(e: _Delivery, d: _Delivery) -> bool:
+        """d's lease was granted after e's, for certain: a newer epoch (an older
+        primary leasing after a newer one began is an anomaly itself), or in one queue
+        and epoch a higher retry count (counts only grow there), or the same count asked
+        for after e's answer."""
+        if d.epoch is not None and e.epoch is not None and d.epoch != e.epoch:
+            return d.epoch > e.epoch
+        if d.queue != e.queue or not isinstance(d.retry, int) or not isinstance(e.retry, int):
+            return False
+        return d.retry > e.retry or (d.retry == e.retry and d.inv_t > e.ok_t)
+
+    superseded, superseded_details, superseded_seen = 0, [], set()
+    retry_down, retry_down_details = 0, []
     for mid, chain in chains.items():
         first = chain[0]
         # First delivery: retry count starts at 0; only a lease nobody saw (or one whose
@@ -329,7 +374,7 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         if len(chain) > 1:
             ids_delivered_more_than_once += 1
         for prev, d in zip(chain, chain[1:]):
-            nack_possible = ack_possible = ack_ok = ack_unknown = False
+            nack_possible = ack_ok = ack_unknown = False
             expiry = prev.expires_at
             for op in settles.get(prev.token, ()):
                 oc = op.outcome
@@ -341,8 +386,6 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
                         ack_ok = True
                     elif oc == "unknown":
                         ack_unknown = True
-                    if oc != "fail" and op.inv_t < d.ok_t:
-                        ack_possible = True
                 elif op.f == "renew" and oc == "ok" and op.inv_t < d.ok_t:
                     new = op.res.get("expires_at")
                     if new is not None and (expiry is None or new > expiry):
@@ -363,17 +406,6 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
             causes[cause] += 1
             _keep(dup_details, {**d.brief(), "cause": cause, "previous": prev.brief()})
 
-            # Overlap: same epoch, granted (received) before the previous lease's expiry, and
-            # no ack/nack of the previous lease that could have settled it first; and the
-            # previous lease granted before this one's expiry (deliveries are in order of
-            # their answers: one held up past its own lease's expiry may be the older grant).
-            if (d.epoch is not None and d.epoch == prev.epoch and expiry is not None
-                    and d.ok_t < expiry - slack_s and not nack_possible and not ack_possible
-                    and (d.expires_at is None or prev.ok_t < d.expires_at - slack_s)):
-                overlapping += 1
-                _keep(overlap_details, {**d.brief(), "previous": prev.brief(),
-                                        "overlap_s": expiry - d.ok_t})
-
             # Retry count: +1 at most per lease settled by its consumer (nack) or expiring;
             # a primary change adds nothing. Leases of unknown receives may add one each.
             if isinstance(d.retry, int) and isinstance(prev.retry, int):
@@ -383,6 +415,56 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
                 if d.retry > prev.retry + allowed:
                     retry_incr += 1
                     _keep(retry_details, {**d.brief(), "previous": prev.brief(), "allowed": allowed})
+
+        # Overlap, against every earlier delivery of the message in the same epoch (not
+        # only the one answered just before: a lease of another epoch may come between).
+        # Same epoch (an unknown epoch counts as the same: it cannot show a change),
+        # granted (received) before the earlier lease's expiry, with no nack of it that
+        # could have ended it first, and the earlier lease granted before this one's
+        # expiry (one held up past its own lease's expiry may be the older grant). An
+        # ack never excuses: an ack that took effect first deletes the message, so a
+        # grant after it is a redelivery of an acked message, and one before it overlaps.
+        for i in range(1, len(chain)):
+            d = chain[i]
+            for e in chain[:i]:
+                if d.epoch is not None and e.epoch is not None and d.epoch != e.epoch:
+                    continue
+                nack_possible, expiry = lease_end(e, d.ok_t)
+                if (expiry is not None and d.ok_t < expiry - slack_s and not nack_possible
+                        and (d.expires_at is None or e.ok_t < d.expires_at - slack_s)):
+                    overlapping += 1
+                    _keep(overlap_details, {**d.brief(), "previous": e.brief(), "overlap_s": expiry - d.ok_t})
+                    break
+
+        # A lease settled with success while a later lease of its message was already
+        # granted: an ack of it (whenever it ran) or a nack or renewal of it invoked after
+        # the later lease was answered. A successful settle proves the lease was live when
+        # it took effect, so both leases were live at once (or, for an ack that ran first,
+        # the acked message was delivered again); in a later epoch, the old lease was not
+        # fenced.
+        for e in chain:
+            for op in settles.get(e.token, ()):
+                if op.outcome != "ok":
+                    continue
+                for d in chain:
+                    if d is e or not granted_after(e, d) or not (op.f == "ack" or d.ok_t < op.inv_t):
+                        continue
+                    if (e.token, d.token) not in superseded_seen:
+                        superseded_seen.add((e.token, d.token))
+                        superseded += 1
+                        _keep(superseded_details, {**d.brief(), "settled": op.f, "settled_at": op.done_t,
+                                                   "earlier": e.brief()})
+
+        # Retry counts never fall in a queue (nothing here redrives): a delivery asked for
+        # after another was answered, with a lower count, lost an increment that committed.
+        for i in range(1, len(chain)):
+            d = chain[i]
+            for e in chain[:i]:
+                if (d.queue == e.queue and isinstance(d.retry, int) and isinstance(e.retry, int)
+                        and d.inv_t > e.ok_t and d.retry < e.retry):
+                    retry_down += 1
+                    _keep(retry_down_details, {**d.brief(), "previous": e.brief()})
+                    break
 
     # -- roles ----------------------------------------------------------------------------------
     primaries: dict[Any, set] = defaultdict(set)
@@ -436,6 +518,12 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         "acked_then_redelivered_details": atr_details,
         "overlapping_leases": overlapping,
         "overlapping_leases_details": overlap_details,
+        "settles_of_superseded_leases": superseded,
+        "settles_of_superseded_leases_details": superseded_details,
+        "retry_count_decreases": retry_down,
+        "retry_count_decreases_details": retry_down_details,
+        "lost_after_delivery": len(lost_after),
+        "lost_after_delivery_ids": lost_after,
         "failover_retry_increments": retry_incr,
         "failover_retry_increments_details": retry_details,
         "leases_behind_a_newer_epoch": behind,
@@ -490,7 +578,6 @@ def format_table(report: dict) -> str:
         row(k, report[k], required=True)
     row("nodes_agree", report["nodes_agree"], required=True)
     row("integrity_ok", report["integrity_ok"], required=True)
-    row("body_mismatches", report["body_mismatches"])
     fu = report["failover_unavailability"]
     row("failover_unavailability.count", fu["count"])
     row("failover_unavailability.never_recovered", fu["never_recovered"])
@@ -508,6 +595,9 @@ def format_table(report: dict) -> str:
                 ("unexpected", report["unexpected_details"]),
                 ("acked_then_redelivered", report["acked_then_redelivered_details"]),
                 ("overlapping_leases", report["overlapping_leases_details"]),
+                ("lost_after_delivery", report["lost_after_delivery_ids"]),
+                ("settles_of_superseded_leases", report["settles_of_superseded_leases_details"]),
+                ("retry_count_decreases", report["retry_count_decreases_details"]),
                 ("failover_retry_increments", report["failover_retry_increments_details"]),
                 ("double_primaries", report["double_primaries_details"]),
                 ("leases_behind_a_newer_epoch", report["leases_behind_a_newer_epoch_details"]),

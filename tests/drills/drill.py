@@ -644,7 +644,8 @@ class Drill:
                 obs.join(timeout=10)
             finally:
                 self.stop_observer.set()
-                self.h.final(expired_ids=[], failed_queue_ids=sorted(self.failed_queue_ids), **final)
+                self.h.final(expired_ids=[], failed_queue_ids=sorted(self.failed_queue_ids), drained=drained,
+                             **final)
                 self.h.to_jsonl(hist_path)
         report = check(self.h)
         nem_counts: dict = {}

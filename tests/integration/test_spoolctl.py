@@ -90,8 +90,8 @@ def test_binary_body_survives_stdin_to_stdout(node):
     assert rc == 0, err
     assert out == BODY  # every byte, and nothing added
     assert "id=" in err
-    rc, out, _ = run(node, "receive", "bin")
-    assert rc == 3 and out == b"(no message)\n"  # nothing there: exit 3
+    rc, out, err = run(node, "receive", "bin")
+    assert rc == 3 and out == b"" and "(no message)" in err  # nothing there: exit 3, and stdout holds no body
 
 
 def test_environment_names_the_server_and_key(node):
