@@ -723,3 +723,14 @@ class AsyncClient(Nodes):
     async def create_key(self, queue: str = "*", scopes=("send", "receive")) -> api_pb2.KeyInfo:
         return await self._retried("CreateKey", api_pb2.CreateKeyRequest(queue=queue, scopes=list(scopes)),
                                 write=True)
+
+    async def list_keys(self) -> list:
+        """The scoped keys (KeyInfo, without their secrets)."""
+        return list((await self._retried("ListKeys", api_pb2.Empty(), write=False)).keys)
+
+    async def delete_key(self, key_id: str) -> None:
+        await self._retried("DeleteKey", api_pb2.DeleteKeyRequest(id=key_id), write=True)
+
+    async def promote(self, node: str) -> api_pb2.ClusterInfo:
+        """Planned switchover to ``node``; the cluster as it is afterwards."""
+        return await self._retried("Promote", api_pb2.PromoteRequest(node=node), write=True)

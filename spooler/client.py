@@ -396,3 +396,14 @@ class Client(Nodes):
 
     def create_key(self, queue: str = "*", scopes=("send", "receive")) -> api_pb2.KeyInfo:
         return self._retried("CreateKey", api_pb2.CreateKeyRequest(queue=queue, scopes=list(scopes)), write=True)
+
+    def list_keys(self) -> list:
+        """The scoped keys (KeyInfo, without their secrets)."""
+        return list(self._retried("ListKeys", api_pb2.Empty(), write=False).keys)
+
+    def delete_key(self, key_id: str) -> None:
+        self._retried("DeleteKey", api_pb2.DeleteKeyRequest(id=key_id), write=True)
+
+    def promote(self, node: str) -> api_pb2.ClusterInfo:
+        """Planned switchover to ``node``; the cluster as it is afterwards."""
+        return self._retried("Promote", api_pb2.PromoteRequest(node=node), write=True)

@@ -170,6 +170,29 @@ def test_scoped_keys(node, client):
     with Client(node.grpc_target, "wrong") as bad:
         with pytest.raises(errors.Unauthenticated):
             bad.send("a", b"x")
+    # the gRPC clients manage keys as HTTP does: list (no secrets), delete
+    assert k.id in [x.id for x in client.list_keys()]
+    assert all(not x.key for x in client.list_keys())
+    client.delete_key(k.id)
+    assert k.id not in [x.id for x in client.list_keys()]
+    with Client(node.grpc_target, k.key) as limited:
+        with pytest.raises(errors.Unauthenticated):
+            limited.send("a", b"x")
+
+
+def test_the_asyncio_client_lists_and_deletes_keys_and_promotes(node):
+    import asyncio
+    from spooler import AsyncClient
+
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            k = await c.create_key("ak", ["send"])
+            assert k.id in [x.id for x in await c.list_keys()]
+            await c.delete_key(k.id)
+            assert k.id not in [x.id for x in await c.list_keys()]
+            info = await c.promote("n1")  # a lone node is the primary already: its document
+            assert info.role == "primary" and info.node_id == "n1"
+    asyncio.run(main())
 
 
 def test_batch_send_receive_settle(client):
@@ -331,6 +354,7 @@ def test_epoch_in_trailers_and_restart_is_primary_change(node):
         [m] = c.receive("ge")
         info = c.cluster()
         assert info.role == "primary" and info.node_id == "n1"
+        assert c.promote("n1").epoch == info.epoch  # already the primary: nothing changes
         epoch = info.epoch
     node.restart()
     with Client(node.grpc_target, node.admin_key) as c:
