@@ -227,7 +227,10 @@ def build_app(svc: Service, metrics) -> web.Application:
 
     async def receive(request):
         p = await principal(request)
-        raw = request.query.get("wait", "0")
+        waits = request.query.getall("wait", ["0"])
+        if len(waits) > 1:  # which one? (as for a header given twice)
+            raise errors.InvalidArgument(f"wait given {len(waits)} times; give it once")
+        raw = waits[0]
         wait = svc.parse_seconds_header(raw, "wait", lim.wait_s_max)
         got = await svc.receive(p, request.match_info["queue"], wait, 1)
         if got and (request.transport is None or request.transport.is_closing()):

@@ -506,6 +506,18 @@ def test_a_header_given_twice_is_a_400_and_stores_nothing(seeded, header):
     assert_alive(node, api)
 
 
+def test_wait_given_twice_is_a_400_and_leases_nothing(seeded):
+    node, api, _, _ = seeded
+    q = "wait2-" + uuid.uuid4().hex[:8]
+    assert api.put_queue(q, {}).status == 201
+    assert api.send(q, b"m").status == 201
+    status, head, body, _ = _raw(node, b"POST /v1/queues/" + q.encode() + b"/receive?wait=0&wait=5 HTTP/1.1\r\n"
+                                 b"Host: x\r\n" + _auth() + b"Content-Length: 0\r\n\r\n")
+    assert status == 400 and json.loads(body)["kind"] == "invalid_argument", (head, body)
+    assert api.stats(q)["leased"] == 0 and api.stats(q)["visible"] == 1
+    assert_alive(node, api)
+
+
 def test_error_kinds_table_is_what_we_check():
     assert "internal" not in KINDS
 
