@@ -193,10 +193,21 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
     by_token = {d.token: d for d in deliveries if d.token is not None}
     hidden_index = {q: _Intervals(v) for q, v in unknown_receives.items()}
 
+    # The shortest lease seen in each queue (expiry minus answer; the grant came before
+    # the answer, so a lease lasts at least this): a hidden lease raises the count only
+    # by expiring, so only a receive that began at least that long before ``hi`` counts.
+    lease_min: dict = {}
+    for d in deliveries:
+        if d.expires_at is not None:
+            left = d.expires_at - d.ok_t
+            lease_min[d.queue] = min(left, lease_min.get(d.queue, left))
+
     def hidden_leases(queues: set, lo: float, hi: float) -> int:
-        """Receives of unknown outcome that may have leased the message in (lo, hi)."""
+        """Receives of unknown outcome that may have leased the message in (lo, hi)
+        and whose lease may have expired (+1) before hi."""
         qs = set(queues) | {None}
-        return sum(hidden_index[q].count(lo, hi) for q in qs if q in hidden_index)
+        shortest = min((lease_min[q] for q in qs if q in lease_min), default=0.0)
+        return sum(hidden_index[q].count(lo, hi - max(0.0, shortest)) for q in qs if q in hidden_index)
 
     # -- sends ---------------------------------------------------------------------------------
     final: dict = {}

@@ -323,15 +323,27 @@ def test_two_increments_after_one_nack_is_counted():
 def test_receive_of_unknown_outcome_excuses_one_increment():
     s = Sim()
     s.send(1.0, 1.01, "b1", "m1")
-    s.recv(1.1, 1.11, "m1", "b1", "t1")
+    s.recv(1.1, 1.11, "m1", "b1", "t1", lease_s=1.0)
     s.settle("nack", 1.2, 1.21, "m1", "t1")
     s.recv(1.3, 3.3, None, None, None, outcome="unknown")  # may have leased m1; that lease expired
-    s.recv(4.0, 4.01, "m1", "b1", "t2", retry=2)
+    s.recv(4.0, 4.01, "m1", "b1", "t2", retry=2, lease_s=1.0)
     assert_only(s.check())
-    s.recv(5.0, 5.01, "m1", "b1", "t3", retry=4, epoch=2)  # nothing excuses +2 here
+    s.recv(5.0, 5.01, "m1", "b1", "t3", retry=4, epoch=2, lease_s=1.0)  # nothing excuses +2 here
     r = s.check()
     assert_only(r, failover_retry_increments=1)
     assert r["unknown_receives"] == 1
+
+
+def test_a_receive_of_unknown_outcome_too_recent_to_have_expired_excuses_nothing():
+    """A hidden lease raises the count only by expiring: a receive that began less
+    than a lease (10 s here) before the redelivery cannot have done it."""
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.1, 1.11, "m1", "b1", "t1")
+    s.settle("nack", 1.2, 1.21, "m1", "t1")
+    s.recv(1.3, 3.3, None, None, None, outcome="unknown")
+    s.recv(4.0, 4.01, "m1", "b1", "t2", retry=2)
+    assert_only(s.check(), failover_retry_increments=1)
 
 
 def test_first_delivery_with_nonzero_retry_is_counted():
