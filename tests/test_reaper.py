@@ -3,6 +3,7 @@ permission denied), the in-transaction re-check, crash count and failure_reason,
 and the whole cycle with a SIGKILLed worker process."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -468,6 +469,69 @@ def test_sigkilled_worker_job_is_reaped_and_rerun(spool, tmp_path):
     assert spool.run("output", job_id).stdout == b"attempt 2\n"
     assert spool.run("output", job_id, "--attempt", "1").stdout == b""
     wait_until(lambda: pid_gone(orphan), 5, what="orphaned attempt killed by the reaper")
+
+
+def test_a_hung_worker_is_reaped_once_its_heartbeat_was_watched_standing_still(spool, tmp_path):
+    """Seed 000: a worker alive but hung (here SIGSTOPped: its PID probes alive with
+    the marker) is eventually reaped. Another worker watches its stale heartbeat
+    stand still for ten of its own reap thresholds (0.3 s here, so 3 s), on its own
+    monotonic clock, then reaps it: the command is killed and the job runs again.
+    Woken afterwards, the hung worker finds its attempt gone and leaves the job alone."""
+    first = tmp_path / "first.pid"
+    script = (f'if [ "$SPOOLCTL_ATTEMPT" = 1 ]; then echo $$ > {first}; sleep 300; fi; echo attempt $SPOOLCTL_ATTEMPT')
+    job_id = spool.submit("sh", "-c", script)
+    w1 = spool.start_worker()
+    try:
+        wait_until(lambda: first.exists() and first.read_text().strip(), 15, what="attempt 1 running")
+        orphan = int(first.read_text())
+        wait_until(lambda: spool.job(job_id)["attempts"][0]["pid"], 10, what="attempt pid recorded")
+        w1.send_signal(signal.SIGSTOP)
+        r = spool.run("worker", "--drain", "--json", env={"SPOOLCTL_TEST_REAP_THRESHOLD": "0.3"}, timeout_s=60)
+        assert json.loads(r.stdout)["reaped"] == 1, r
+        job = spool.job(job_id)
+        assert job["state"] == "succeeded" and job["crash_count"] == 1, job
+        a1, a2 = job["attempts"]
+        assert a1["failure_reason"] == "worker_crashed" and "hung" in a1["detail"], a1
+        assert spool.run("output", job_id).stdout == b"attempt 2\n"
+        wait_until(lambda: pid_gone(orphan), 5, what="the hung worker's command killed by the reaper")
+        w1.send_signal(signal.SIGCONT)
+        w1.send_signal(signal.SIGTERM)
+        w1.wait(timeout=30)
+        job = spool.job(job_id)
+        assert job["state"] == "succeeded" and len(job["attempts"]) == 2, job
+    finally:
+        if w1.poll() is None:
+            w1.send_signal(signal.SIGCONT)
+            w1.kill()
+            w1.wait(timeout=10)
+
+
+def test_the_hung_watch_counts_only_its_own_clock_and_a_standing_heartbeat(store, procs):
+    """The watch starts when the reaping worker first sees the stale heartbeat, on its
+    monotonic clock (a suspended machine adds nothing), and starts again when the
+    heartbeat moves. Without a watch (or with a PID that does not probe alive) the
+    verdicts are as before."""
+    clock = [100.0]
+    watch = reaper.HungWatch(5.0, clock=lambda: clock[0])
+    job_id, _ = store.submit(["true"])
+    p = procs([sys.executable, "-c", "import time; time.sleep(60)", "spoolctl", "worker"])
+    wait_until(lambda: "spoolctl" in (reaper.read_cmdline(p.pid) or []), 5)
+    w, c = claim_as(store, p.pid)
+    [r] = reaper.reap_pass(store, now=T0 + 3600, watch=watch)  # an hour stale by the wall clock
+    assert (r.verdict, r.new_state) == (reaper.ALIVE, None), "the wall clock's gap counts for nothing"
+    clock[0] += 4.9
+    [r] = reaper.reap_pass(store, now=T0 + 3600, watch=watch)
+    assert (r.verdict, r.new_state) == (reaper.ALIVE, None)
+    store.heartbeat(w, {(c.job_id, c.n)}, now=T0 + 10)  # it moved: the watch starts again
+    clock[0] += 0.2
+    [r] = reaper.reap_pass(store, now=T0 + 3600, watch=watch)
+    assert (r.verdict, r.new_state) == (reaper.ALIVE, None)
+    clock[0] += 5.0
+    [r] = reaper.reap_pass(store, now=T0 + 3600, watch=watch)
+    assert (r.verdict, r.new_state) == (reaper.HUNG, states.QUEUED)
+    job = store.get(job_id)
+    assert job["crash_count"] == 1 and job["failure_reason"] == "worker_crashed"
+    assert reaper.reap_pass(store, now=T0 + 3600) == []  # (requeued: no candidate left)
 
 
 def test_live_worker_is_not_reaped_while_running(spool, tmp_path):

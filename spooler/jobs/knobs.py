@@ -56,6 +56,11 @@ TEST_KNOB_BOUNDS = {
 }
 
 
+# A worker whose PID probes alive (with the marker) but whose heartbeat a reaping
+# worker has itself watched stand still this many reap thresholds is hung: reaped.
+HUNG_REAP_MULTIPLE = 10
+
+
 def reap_threshold_s(heartbeat_interval_s: float, override_s: Optional[float] = None) -> float:
     """The age past which a running job's heartbeat makes it a reap candidate."""
     if override_s is not None:
@@ -139,6 +144,8 @@ def capabilities(env: Optional[Mapping[str, str]] = None) -> dict:
             "heartbeat_interval_s": DEFAULT_HEARTBEAT_INTERVAL_S,
             "reap_threshold_s": reap_threshold_s(DEFAULT_HEARTBEAT_INTERVAL_S),
             "reap_threshold_formula": "max(4 * heartbeat_interval_s, 30.0)",
+            "hung_reap_after_s": HUNG_REAP_MULTIPLE * reap_threshold_s(DEFAULT_HEARTBEAT_INTERVAL_S),
+            "hung_reap_formula": "10 * the reaping worker's reap threshold, watched on its own monotonic clock",
             "busy_timeout_s": DEFAULT_BUSY_TIMEOUT_S,
             "max_retries": DEFAULT_MAX_RETRIES,
             "max_crashes": DEFAULT_MAX_CRASHES,

@@ -32,6 +32,7 @@ from spooler.jobs import executor
 from spooler.jobs.store import Store, process_start, start_of
 
 DEAD, ALIVE, RECYCLED, INCONCLUSIVE = "dead", "alive", "recycled", "inconclusive"
+HUNG = "hung"  # alive with the marker, but its heartbeat stood still for the hung watch: reaped
 
 
 def is_spoolctl_argv(argv: list) -> bool:
@@ -106,15 +107,40 @@ class ReapResult:
     new_state: Optional[str]   # None: not touched (alive, or re-check failed)
 
 
+class HungWatch:
+    """What one reaping worker has seen of stale jobs whose workers probe alive:
+    when it first saw each heartbeat, on its own monotonic clock (which stops while
+    the machine sleeps: a laptop's suspend makes nobody hung). A heartbeat that has
+    stood still for ``after_s`` of that clock marks its worker hung."""
+
+    def __init__(self, after_s: float, clock: Callable[[], float] = time.monotonic):
+        self.after_s, self.clock = after_s, clock
+        self.first_seen: dict = {}   # (worker id, job id, attempt, heartbeat_at) -> clock()
+        self._seen: set = set()
+
+    def hung(self, cand) -> bool:
+        key = (cand.worker_id, cand.job_id, cand.n, cand.heartbeat_at)
+        self._seen.add(key)
+        first = self.first_seen.setdefault(key, self.clock())
+        return self.clock() - first >= self.after_s
+
+    def end_pass(self) -> None:
+        """Forget what this pass did not see again (it heartbeated, or ended)."""
+        self.first_seen = {k: v for k, v in self.first_seen.items() if k in self._seen}
+        self._seen = set()
+
+
 def reap_pass(store: Store, threshold_override_s: Optional[float] = None, now: Optional[float] = None,
               limit: int = 100, *, kill: Callable = os.kill, cmdline: Callable = read_cmdline,
-              my_host: Optional[str] = None) -> list:
+              my_host: Optional[str] = None, watch: Optional[HungWatch] = None) -> list:
     """Scan for stale running jobs, confirm their workers are dead, reap them.
 
     Each worker is judged once per pass. The scan goes on past a page of jobs
     whose workers look alive (a frozen worker, one on another host), at most
     ``REAP_PAGES_MAX`` pages, so that they cannot hide a dead worker's job
-    behind them for ever."""
+    behind them for ever. ``watch``: the calling worker's HungWatch; a job whose
+    worker probes alive is then reaped once the watch has seen its heartbeat
+    stand still long enough (seed 000: a truly hung worker is eventually reaped)."""
     results = []
     now_s = time.time() if now is None else now
     verdicts: dict = {}
@@ -124,22 +150,27 @@ def reap_pass(store: Store, threshold_override_s: Optional[float] = None, now: O
         if not page:
             break
         judged_before = len(verdicts)
-        reaped = [_reap_one(store, cand, verdicts, now, now_s, threshold_override_s, my_host, kill, cmdline)
+        reaped = [_reap_one(store, cand, verdicts, now, now_s, threshold_override_s, my_host, kill, cmdline, watch)
                   for cand in page]
         results += reaped
         if len(verdicts) == judged_before and all(r.new_state is None for r in reaped):
             break  # nothing new judged, nothing reaped: the next page would be this one
+    if watch is not None:
+        watch.end_pass()
     return results
 
 
 REAP_PAGES_MAX = 10
 
 
-def _reap_one(store, cand, verdicts, now, now_s, threshold_override_s, my_host, kill, cmdline) -> "ReapResult":
+def _reap_one(store, cand, verdicts, now, now_s, threshold_override_s, my_host, kill, cmdline,
+              watch=None) -> "ReapResult":
     verdict = verdicts.get(cand.worker_id)
     if verdict is None:
         verdict = verdicts[cand.worker_id] = liveness(cand.worker_pid, cand.worker_host, my_host=my_host,
                                                       kill=kill, cmdline=cmdline, start=start_of(cand.worker_id))
+    if verdict == ALIVE and watch is not None and (cand.heartbeat_at or 0.0) <= now_s and watch.hung(cand):
+        verdict = HUNG  # (a heartbeat "in the future", after a clock step back, is never judged hung)
     if verdict in (ALIVE, INCONCLUSIVE):
         return ReapResult(cand.job_id, verdict, None)
     age = now_s - (cand.heartbeat_at or 0.0)

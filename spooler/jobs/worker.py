@@ -77,6 +77,9 @@ class Worker:
         self._lost: set = set()
         self._reap_lock = threading.Lock()
         self._last_reap = 0.0
+        # jobs of workers that probe alive but do not heartbeat: reaped once this worker
+        # has watched them stand still for ten of its reap thresholds (reaper.HungWatch)
+        self._hung_watch = reaper.HungWatch(knobs.HUNG_REAP_MULTIPLE * self.settings.own_reap_threshold_s)
         self.reap_every_s = max(0.05, min(1.0, settings.heartbeat_interval_s / 2))
         self.stats = {"claimed": 0, "succeeded": 0, "failed": 0, "stopped": 0, "canceled": 0, "reaped": 0,
                       "busy_timeouts": 0}
@@ -200,7 +203,7 @@ class Worker:
             return
         try:
             self._last_reap = now
-            for r in reaper.reap_pass(store, self.settings.reap_threshold_override_s):
+            for r in reaper.reap_pass(store, self.settings.reap_threshold_override_s, watch=self._hung_watch):
                 if r.new_state is not None:
                     self._bump("reaped")
         except apsw.BusyError:
