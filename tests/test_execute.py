@@ -420,3 +420,23 @@ def test_a_leftover_caught_inside_execve_is_still_stopped(tmp_path, monkeypatch)
         wait_until(lambda: pid_gone(gpid), 5.0, what="the leftover member stopped")
     finally:
         kill_group_of(res.pid, gpid)
+
+
+def test_a_group_the_worker_may_not_signal_is_waited_for_boundedly_and_stops_nothing(monkeypatch):
+    """A command that ran a setuid program leaves a group a non-root worker may not
+    signal: killpg says PermissionError. kill_group must neither raise (that would
+    stop the worker's slot) nor wait for ever on a leader it could not kill."""
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        def refused(pgid, sig):
+            raise PermissionError(1, "Operation not permitted")
+        monkeypatch.setattr(executor.os, "killpg", refused)
+        t = time.monotonic()
+        executor.kill_group(p.pid, p, grace_s=0.2)   # returns, without raising
+        assert time.monotonic() - t < 5, "kill_group waited on a leader it could not signal"
+        assert p.poll() is None   # (it could not be stopped: nothing was)
+    finally:
+        p.kill()
+        p.wait(timeout=10)

@@ -129,13 +129,23 @@ def group_alive(pgid: int) -> bool:
     return True if members is None else members > 0
 
 
-def kill_group(pgid: int, proc: Optional[subprocess.Popen] = None, grace_s: float = knobs.TERM_GRACE_S) -> None:
-    """SIGTERM the group, wait up to ``grace_s`` for it to go, SIGKILL it, wait."""
+def _killpg(pgid: int, sig: int) -> bool:
+    """Signal the group. False when nothing of it could be signalled: gone, or every
+    member someone else's (a setuid program the command ran, for a worker not root)."""
     try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def kill_group(pgid: int, proc: Optional[subprocess.Popen] = None, grace_s: float = knobs.TERM_GRACE_S) -> None:
+    """SIGTERM the group, wait up to ``grace_s`` for it to go, SIGKILL it, wait. A
+    group this worker may not signal is waited for at most ``grace_s`` more, never
+    for ever, and never stops the worker."""
+    _killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
+    killed = True
     while time.monotonic() < deadline:
         if proc is not None:
             proc.poll()   # reap the leader so it does not linger as a zombie
@@ -143,18 +153,17 @@ def kill_group(pgid: int, proc: Optional[subprocess.Popen] = None, grace_s: floa
             break
         time.sleep(0.02)
     else:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        killed = _killpg(pgid, signal.SIGKILL)
     if proc is not None:
-        proc.wait()   # unconditional: SIGKILL cannot be ignored
+        try:
+            # SIGKILL cannot be ignored: once it was delivered the leader ends
+            proc.wait(None if killed else grace_s)
+        except subprocess.TimeoutExpired:
+            pass
     # orphaned members are reaped by init; bounded wait for them to disappear
     deadline = time.monotonic() + grace_s
     while group_alive(pgid) and time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
+        if not _killpg(pgid, signal.SIGKILL):
             break
         time.sleep(0.02)
 
