@@ -456,7 +456,6 @@ def test_a_replica_told_to_stop_ends_its_forwarded_long_polls_as_unavailable(clu
     import time
     import grpc
     from contract_client import Api
-    from spooler.pb import api_pb2, api_pb2_grpc
     nodes, _ = cluster
     p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
     r = next(i for i in nodes if i != p)
@@ -469,11 +468,8 @@ def test_a_replica_told_to_stop_ends_its_forwarded_long_polls_as_unavailable(clu
         out["resp"] = api.receive("lp", wait=20)
     th = threading.Thread(target=poll)
     th.start()
-    ch = grpc.insecure_channel(nodes[r].grpc_target)
+    ch, g = _grpc_long_poll(nodes[r], "lp")
     try:
-        md = (("authorization", f"Bearer {nodes[r].admin_key}"),)
-        g = api_pb2_grpc.SpoolerStub(ch).Receive.future(api_pb2.ReceiveRequest(queue="lp", wait_seconds=20),
-                                                          metadata=md, timeout=30)
         wait_until(lambda: nodes[p].metric("spooler_receives_waiting") >= 2, 10, what="both forwarded polls to wait")
         t = time.monotonic()
         nodes[r].proc.send_signal(signal.SIGTERM)
@@ -493,6 +489,16 @@ def test_a_replica_told_to_stop_ends_its_forwarded_long_polls_as_unavailable(clu
         th.join(25)
 
 
+def _grpc_long_poll(node, queue):
+    """A 20 s gRPC Receive on ``node``, under way: (channel, future)."""
+    import grpc
+    from spooler.pb import api_pb2, api_pb2_grpc
+    ch = grpc.insecure_channel(node.grpc_target)
+    md = (("authorization", f"Bearer {node.admin_key}"),)
+    return ch, api_pb2_grpc.SpoolerStub(ch).Receive.future(api_pb2.ReceiveRequest(queue=queue, wait_seconds=20),
+                                                           metadata=md, timeout=30)
+
+
 def _long_poll(api, queue, out):
     import threading
 
@@ -509,7 +515,6 @@ def test_long_polls_on_a_primary_that_steps_down_end_at_once(cluster):
     """A promote moves the primary: long polls waiting on the old one answer
     unavailable (the client moves on) then, not when their 20 s run out."""
     import grpc
-    from spooler.pb import api_pb2, api_pb2_grpc
     nodes, _ = cluster
     p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
     target = next(i for i in nodes if i != p)
@@ -517,11 +522,8 @@ def test_long_polls_on_a_primary_that_steps_down_end_at_once(cluster):
     wait_until(lambda: all_applied(nodes, view(nodes[p])["appliedLsn"]), 10, what="replicas caught up")
     out = {}
     th = _long_poll(Api(nodes[p].http_url, nodes[p].admin_key), "lp", out)
-    ch = grpc.insecure_channel(nodes[p].grpc_target)
+    ch, g = _grpc_long_poll(nodes[p], "lp")
     try:
-        md = (("authorization", f"Bearer {nodes[p].admin_key}"),)
-        g = api_pb2_grpc.SpoolerStub(ch).Receive.future(api_pb2.ReceiveRequest(queue="lp", wait_seconds=20),
-                                                          metadata=md, timeout=30)
         wait_until(lambda: nodes[p].metric("spooler_receives_waiting") >= 2, 10, what="both polls to wait")
         t = time.monotonic()
         client(nodes[p]).promote(target)
