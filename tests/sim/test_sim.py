@@ -564,6 +564,17 @@ def _primary_n1(T):
     return c
 
 
+def test_a_primary_stops_serving_once_its_majority_is_a_failover_timeout_old():
+    """R4 at the core: serving (confirming writes) and may_lease answer from the last
+    majority contact alone, with no tick in between: a primary that heard from no
+    majority for a failover timeout confirms nothing, even before its timer fires."""
+    T = 1_000_000
+    c = _primary_n1(T)
+    c.receive(R.AppendResp(1, "n3", True, 1, 40, False), 40)
+    assert c.serving(50)
+    assert not c.serving(40 + T + 1) and not c.may_lease(40 + T + 1)
+
+
 def test_a_switchover_waits_for_a_joining_target_and_is_refused_while_it_says_so():
     """A replacement still joining ignores TimeoutNow (it does not vote yet), so a
     primary that sent it one would step down for nothing. The primary learns from
@@ -588,6 +599,24 @@ def test_a_switchover_waits_for_a_joining_target_and_is_refused_while_it_says_so
     d.receive(R.AppendResp(1, "n2", True, 1, 30, True), 40)
     assert d.transfer("n2", 50) == [] and d.transfer_to is None and d.serving(60)
     assert d.transfer_refused("n3") is None
+
+
+def test_a_joining_replica_ignores_a_switchovers_timeout_now():
+    """R1a, the replica's side: a replacement still joining does not campaign on a
+    TimeoutNow (it could win without the cluster's history); once joined, it does."""
+    T = 1_000_000
+    for joining in (True, False):
+        c = R.Replication("n2", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
+        c.joining = joining
+        c.start(0)
+        now = T + 10
+        c.receive(R.AppendReq(1, "n1", 0, 0, 0, [], 0, now, 0), now)  # follows n1 in epoch 1
+        out = c.receive(R.TimeoutNow(1, "n1"), now + 1)
+        votes = [e for e in out if isinstance(e, R.Send) and isinstance(e.msg, R.VoteReq)]
+        if joining:
+            assert votes == [] and c.role == R.REPLICA and c.epoch == 1, (c.role, c.epoch)
+        else:
+            assert votes and c.epoch == 2, (c.role, c.epoch)
 
 
 def test_a_joining_replica_says_so_in_its_answers_until_it_has_joined():

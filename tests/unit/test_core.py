@@ -557,6 +557,18 @@ def test_a_drop_before_retention_ends_leaves_the_segment_whole(log):
     assert [m.body for m, _ in recv(log, "q", 6 * S)] == [b"a"]
 
 
+def test_a_drop_stamped_before_a_messages_retention_ends_leaves_it(log):
+    """Apply re-checks the time (S7): a Drop whose stamp comes before a message's
+    retention ends (proposed from a stale view, or by a primary whose clock is
+    behind) drops nothing, and the message is still delivered."""
+    log.queue("q", retention_us=10 * S)
+    mid, _ = log.send("q", at=0)
+    assert log.commit(log_pb2.Record(drop=log_pb2.Drop(queue="q", ids=[mid])), 10 * S - 1) == 0
+    assert log.core.stats("q", 5 * S)["expiredTotal"] == 0
+    [(m, _)] = recv(log, "q", 5 * S)
+    assert m.id == mid
+
+
 def test_a_delayed_segment_becomes_visible_at_its_time(log):
     log.queue("q")
     _run(log, "q", [b"a", b"b"], at=10, delay=5 * S)
