@@ -159,6 +159,11 @@ def test_a_dead_primarys_leased_message_is_never_answered_with_nothing(cluster):
     assert ("204",) not in answers, answers
     assert all(a[1] > 0 for a in answers if a[0] == "503"), answers  # each says when to come back
     assert (d.id, d.retry_count) == (leased.id, 0)
+    # not sooner than the old primary could still have been leasing: its last contact
+    # (at most a heartbeat, FAILOVER_S / 10, before the kill) plus half a failover
+    # timeout; a successor that did not wait hands the message out at once
+    assert took >= FAILOVER_S / 2 - FAILOVER_S / 10 - 0.1, (took, answers)
+    assert any(a[0] == "503" for a in answers), answers
     print(f"redelivered {took:.2f} s after the SIGKILL, {len(answers) - 1} earlier answers were 503")
 
 
@@ -187,6 +192,21 @@ def test_replicas_persist_the_longest_lease_they_acknowledged(cluster):
             assert wait_until(lambda: (_meta(n, "lease_seen_us") or 0) >= 500_000, 10,
                               what=f"{i}'s lease_seen_us") is True
             assert _meta(n, "lease_seen_us") <= 1_000_000
+
+
+def test_a_vote_is_on_the_voters_disk(cluster):
+    """R2: a node persists its epoch and its vote before it answers. After an
+    election every node's store holds the epoch, and a majority's holds a vote for
+    the primary in that epoch (the sim checks the order; this checks the real store)."""
+    nodes, _ = cluster
+    p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    until_ok(lambda: client(nodes[p]).put_queue("v"))
+
+    def persisted():
+        votes = [(_meta(n, "repl_epoch"), _meta(n, "voted_for")) for n in nodes.values()]
+        return votes if sum(1 for e, v in votes if int(e or 0) == epoch and v == p) >= 2 else None
+    votes = wait_until(persisted, 10, what="a majority's votes on disk")
+    assert all(int(e or 0) == epoch for e, _ in votes), votes
 
 
 def test_sigstop_primary_is_replaced_and_steps_down(cluster):
