@@ -346,6 +346,12 @@ async def _answer_then_close(request: web.Request, r: web.Response) -> None:
     request.protocol.force_close()   # the answer is written: close behind it
 
 
+def _counted(metrics, e: errors.SpoolerError) -> web.Response:
+    """The error table's answer for an error aiohttp raised, counted like ours."""
+    metrics.http_errors.labels(e.kind).inc()
+    return _error(e)
+
+
 def _errors_mw(metrics):
     @web.middleware
     async def mw(request, handler):
@@ -358,16 +364,16 @@ def _errors_mw(metrics):
                 await _answer_then_close(request, r)
             return r
         except web.HTTPRequestEntityTooLarge as e:
-            return _error(errors.MessageTooLarge(f"body over the limit ({e.text})"))
+            return _counted(metrics, errors.MessageTooLarge(f"body over the limit ({e.text})"))
         except web.HTTPMethodNotAllowed as e:
-            r = _error(errors.MethodNotAllowed(f"{request.method} is not allowed on {request.path}"))
+            r = _counted(metrics, errors.MethodNotAllowed(f"{request.method} is not allowed on {request.path}"))
             r.headers["Allow"] = ", ".join(sorted(e.allowed_methods))
             return r
         except web.HTTPNotFound:
-            return _error(errors.NotFound(f"no route {request.path}"))
+            return _counted(metrics, errors.NotFound(f"no route {request.path}"))
         except web.HTTPException as e:
             if e.status >= 400:
-                return _error(errors.InvalidArgument(e.reason or str(e.status)))
+                return _counted(metrics, errors.InvalidArgument(e.reason or str(e.status)))
             raise
         except Exception:
             log.exception("unexpected error on %s %s", request.method, request.path)

@@ -851,12 +851,20 @@ def test_promote_self_admin_ok_others_not(api):
     assert r.status == 403 and r.json()["kind"] == "forbidden"
 
 
-def test_unknown_route_and_method(api):
+def test_unknown_route_and_method(api, shared_node):
+    def errors_of(kind):
+        try:
+            return shared_node.metric(f'spooler_errors_total{{kind="{kind}"}}')
+        except KeyError:
+            return 0.0
+    before = errors_of("not_found"), errors_of("method_not_allowed")
     r = api.req("GET", "/v2/anything")
     assert r.status == 404 and r.json()["kind"] == "not_found"
     r = api.req("POST", "/v1/queues/x")
     assert r.status == 405 and r.json()["kind"] == "method_not_allowed"
     assert set(KINDS) >= {r.json()["kind"]}
+    # counted in /metrics like every other error answered
+    assert (errors_of("not_found"), errors_of("method_not_allowed")) == (before[0] + 1, before[1] + 1)
 
 
 # ------------------------------------------------- found by an outside audit (2026-11-30)
