@@ -16,8 +16,8 @@ from typing import Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (GRPC_OPTIONS, SETTLE_ACTIONS, cluster_dict, map_rpc_error, queue_dict, send_outcomes,
-                             settings_pb, settle_request)
+from spooler._common import (GRPC_OPTIONS, SETTLE_ACTIONS, cluster_dict, map_rpc_error, queue_dict, read_lost,
+                             send_outcomes, settings_pb, settle_request)
 from spooler.pb import api_pb2, api_pb2_grpc
 
 FORWARDED = "spooler-forwarded"
@@ -27,6 +27,15 @@ _DEFINITE = (errors.InvalidArgument, errors.Unauthenticated, errors.Forbidden, e
 # answers after which retrying a release is pointless (an older primary has no ReleaseReceive)
 _FINAL = _DEFINITE + (errors.MethodNotAllowed, errors.NotFound)
 NAMES_MAX = 65_536  # tokens of forwarded answers remembered with the name of their receive
+
+
+def _leased_nothing(e: BaseException) -> bool:
+    """A forwarded receive that failed so leased nothing for us: the primary refused it
+    (its own answer, with its kind: an unavailable there is "not now", said before
+    leasing), or it never reached the primary. Anything else may have leased."""
+    if isinstance(e, _DEFINITE):
+        return True
+    return isinstance(e, errors.Unavailable) and not getattr(e, "answer_lost", False)
 
 
 def _put(d: OrderedDict, k, v, cap: int) -> None:
@@ -112,8 +121,10 @@ class Forwarder:
                         task.cancel()
                         if write:
                             raise errors.OperationUnconfirmed("the primary changed while the call was forwarded")
-                        raise errors.Unavailable("the primary changed while the call was forwarded",
-                                                 retry_after_s=0.1)
+                        # the call may have been answered meanwhile (a receive's leases)
+                        lost = read_lost("the primary changed while the call was forwarded")
+                        lost.retry_after_s = 0.1
+                        raise lost
                     # the promote's own handover: its answer is on the way
                     timeout = grace if timeout is None else min(timeout, grace)
                 waits = {task, self.primary_changes()} if self.primary_changes else {task}
@@ -177,7 +188,7 @@ class Forwarder:
         try:
             r = await poll
         except BaseException as e:  # CancelledError too: our own caller went away, or we stop
-            if not isinstance(e, _DEFINITE):
+            if not _leased_nothing(e):
                 self.release_soon(a, auth, queue, rid, release_for_s)
             if (isinstance(e, asyncio.CancelledError) and self.stopping
                     and not asyncio.current_task().cancelling()):  # shut_down took the poll, not our caller

@@ -5,6 +5,7 @@ answer from the old primary is on the way (a CI run once saw a forwarded promote
 cut short there, and its retry answered by the new primary)."""
 import asyncio
 
+import grpc
 import pytest
 
 from node.api.forward import Forwarder
@@ -200,3 +201,47 @@ def test_a_forwarded_promote_waits_as_long_as_the_primarys_own_wait_can_take():
     f._stubs[OLD] = _Recording()
     asyncio.run(f.promote(OLD, "Bearer k", "target", TARGET, failover_timeout_s=8.0))
     assert seen["timeout"] >= 8.0 + max(5.0, 2 * 8.0), seen
+
+
+class _RpcError(grpc.RpcError):
+    def __init__(self, code, details, trailers=()):
+        self._code, self._details, self._trailers = code, details, trailers
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return self._trailers
+
+
+@pytest.mark.parametrize("failure, releases", [
+    # the primary's own answer, "not now": said before it leased anything
+    (_RpcError(grpc.StatusCode.UNAVAILABLE, "not serving", ((errors.KIND_TRAILER, "unavailable"),)), False),
+    # nothing reached the primary
+    (_RpcError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses"), False),
+    # the request left and its answer never came: the primary may hold leases for it
+    (_RpcError(grpc.StatusCode.UNAVAILABLE, "Socket closed"), True),
+    (_RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), True),
+], ids=["refused-by-primary", "never-sent", "answer-lost", "timed-out"])
+def test_a_forwarded_receive_is_released_only_when_it_may_have_leased(failure, releases):
+    """A release is a call retried for up to a lease timeout and one of a bounded
+    number of slots: only a receive that may hold leases is given one."""
+    started = []
+
+    class _Failing:
+        def ReceiveBatch(self, req, metadata=None, timeout=None):
+            async def run():
+                raise failure
+            return run()
+
+    async def main():
+        f = Forwarder(timeout_s=5, current_primary=lambda: OLD)
+        f._stubs[OLD] = _Failing()
+        f.release_soon = lambda *a: started.append(a)
+        with pytest.raises(errors.SpoolerError):
+            await f.receive(OLD, "Bearer k", "q", 0.0, 1)
+    asyncio.run(main())
+    assert bool(started) is releases, started
