@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -327,6 +328,27 @@ def _messages_of(db) -> list:
         out.extend((f"{prefix}{first + i:08x}", queue, seq0 + i, 0, vis, exp, bytes(bodies[o[i]:o[i + 1]]))
                    for i in range(n) if not gone[i])
     out.sort(key=lambda r: r[0])
+    return out
+
+
+_ELECTED = re.compile(r"node (\S+) elected primary in epoch (\d+)")
+
+
+def primaries_from_logs(workdir: str) -> dict:
+    """{epoch: {node ids}} from every node log under ``workdir`` (each node writes
+    "node N elected primary in epoch E" when it wins; a replaced node's old data
+    dir, and its log, are kept). Unlike the observer's polling of GET /v1/cluster,
+    this misses no primary however briefly it served."""
+    out: dict = {}
+    for root, _, files in os.walk(workdir):
+        for name in files:
+            if not name.endswith(".log"):
+                continue
+            with open(os.path.join(root, name), errors="replace") as f:
+                for line in f:
+                    m = _ELECTED.search(line)
+                    if m:
+                        out.setdefault(int(m.group(2)), set()).add(m.group(1))
     return out
 
 

@@ -44,12 +44,12 @@ from spooler.http import HttpClient
 
 try:  # imported as tests.drills.drill (python -m) or drills.drill (pytest rootdir tests/)
     from .checker import DEFINITE_FAILURE_KINDS, check
-    from .cluster import Cluster, db_digest
+    from .cluster import Cluster, db_digest, primaries_from_logs
     from .history import History, expires_at_monotonic
     from .proxy import BLACKHOLE, DROP
 except ImportError:  # pragma: no cover
     from checker import DEFINITE_FAILURE_KINDS, check  # type: ignore
-    from cluster import Cluster, db_digest  # type: ignore
+    from cluster import Cluster, db_digest, primaries_from_logs  # type: ignore
     from history import History, expires_at_monotonic  # type: ignore
     from proxy import BLACKHOLE, DROP  # type: ignore
 
@@ -644,6 +644,11 @@ class Drill:
                 obs.join(timeout=10)
             finally:
                 self.stop_observer.set()
+                # every election the nodes logged, however briefly its primary served
+                # (the observer samples every 100 ms or so and can miss one)
+                for epoch, nodes in sorted(primaries_from_logs(self.cluster.workdir).items()):
+                    for nid in sorted(nodes):
+                        self.h.role(nid, "primary", epoch, source="node_log")
                 self.h.final(expired_ids=[], failed_queue_ids=sorted(self.failed_queue_ids), drained=drained,
                              **final)
                 self.h.to_jsonl(hist_path)

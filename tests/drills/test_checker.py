@@ -623,3 +623,27 @@ def test_a_body_delivered_under_the_wrong_id_fails_the_run():
     s.settle("ack", 1.2, 1.21, "m1", "t1")
     r = s.check()
     assert r["body_mismatches"] == 1 and r["required_zeros_ok"] is False
+
+
+def test_elections_the_nodes_logged_count_for_double_primaries(tmp_path):
+    """The observer polls the nodes' role every 100 ms or so and can miss a primary
+    that served less; the drill also reads every election the nodes logged (a
+    replaced node's old log included), and two winners of one epoch fail the run."""
+    from drills.cluster import primaries_from_logs
+    (tmp_path / "n1").mkdir()
+    (tmp_path / "n2-disk2").mkdir()
+    (tmp_path / "n1" / "n1.log").write_text(
+        "2026-12-02 10:00:00,000 INFO spooler.engine node n1 elected primary in epoch 1\n"
+        "2026-12-02 10:00:05,000 INFO spooler.engine node n1 elected primary in epoch 3\n")
+    (tmp_path / "n2-disk2" / "n2.log").write_text(
+        "2026-12-02 10:00:02,000 INFO spooler.engine node n2 elected primary in epoch 2\n"
+        "2026-12-02 10:00:06,000 INFO spooler.engine node n2 elected primary in epoch 3\n")
+    got = primaries_from_logs(str(tmp_path))
+    assert got == {1: {"n1"}, 2: {"n2"}, 3: {"n1", "n2"}}
+    s = Sim()
+    for epoch, nodes in got.items():
+        for nid in nodes:
+            s.role(7.0, nid, epoch)
+    s.final()
+    r = s.check()
+    assert r["double_primaries"] == 1 and r["double_primaries_details"][0]["epoch"] == 3
