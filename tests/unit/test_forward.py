@@ -8,6 +8,7 @@ import asyncio
 import grpc
 import pytest
 
+from grpc_fakes import FakeRpcError
 from node.api.forward import Forwarder
 from spooler import errors
 from spooler.pb import api_pb2
@@ -203,28 +204,14 @@ def test_a_forwarded_promote_waits_as_long_as_the_primarys_own_wait_can_take():
     assert seen["timeout"] >= 8.0 + max(5.0, 2 * 8.0), seen
 
 
-class _RpcError(grpc.RpcError):
-    def __init__(self, code, details, trailers=()):
-        self._code, self._details, self._trailers = code, details, trailers
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
-
-    def trailing_metadata(self):
-        return self._trailers
-
-
 @pytest.mark.parametrize("failure, releases", [
     # the primary's own answer, "not now": said before it leased anything
-    (_RpcError(grpc.StatusCode.UNAVAILABLE, "not serving", ((errors.KIND_TRAILER, "unavailable"),)), False),
+    (FakeRpcError(grpc.StatusCode.UNAVAILABLE, "not serving", ((errors.KIND_TRAILER, "unavailable"),)), False),
     # nothing reached the primary
-    (_RpcError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses"), False),
+    (FakeRpcError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses"), False),
     # the request left and its answer never came: the primary may hold leases for it
-    (_RpcError(grpc.StatusCode.UNAVAILABLE, "Socket closed"), True),
-    (_RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), True),
+    (FakeRpcError(grpc.StatusCode.UNAVAILABLE, "Socket closed"), True),
+    (FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), True),
 ], ids=["refused-by-primary", "never-sent", "answer-lost", "timed-out"])
 def test_a_forwarded_receive_is_released_only_when_it_may_have_leased(failure, releases):
     """A release is a call retried for up to a lease timeout and one of a bounded

@@ -5,35 +5,22 @@ import time
 import grpc
 import pytest
 
+from grpc_fakes import FakeRpcError
 from spooler import errors
 from spooler._common import (DedupWindow, call_with_retries, call_with_retries_sync, map_rpc_error, retryable,
                              send_outcomes, settle_outcomes, settle_request)
 from spooler.pb import api_pb2
 
 
-class _RpcError(grpc.RpcError):
-    def __init__(self, code, details, trailers=()):
-        self._code, self._details, self._trailers = code, details, trailers
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
-
-    def trailing_metadata(self):
-        return self._trailers
-
-
 def test_a_read_whose_connection_broke_after_it_left_is_an_answer_lost():
     """The same event on every path of both clients: a receive that may have leased
     something is not silently tried again on another node (its caller hears of it)."""
-    broke = _RpcError(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)")
+    broke = FakeRpcError(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)")
     read = map_rpc_error(broke, write=False)
     assert isinstance(read, errors.Unavailable) and getattr(read, "answer_lost", False)
     assert not retryable(read, receive=True) and retryable(read)  # other reads: still retried
     assert isinstance(map_rpc_error(broke, write=True), errors.OperationUnconfirmed)
-    never = _RpcError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: refused")
+    never = FakeRpcError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: refused")
     for write in (False, True):
         e = map_rpc_error(never, write=write)
         assert isinstance(e, errors.Unavailable) and not getattr(e, "answer_lost", False), write
@@ -179,10 +166,10 @@ def test_resource_exhausted_is_too_large_only_when_it_is_about_size():
     request's fault: message_too_large) and also a node's cap on concurrent calls,
     which refused the call before it ran: unavailable, retried, not a send the
     caller must give up on, nor an unknown outcome for a write."""
-    big = _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (20000000 vs. 16777216)")
+    big = FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (20000000 vs. 16777216)")
     assert isinstance(map_rpc_error(big, write=True), errors.MessageTooLarge)
     for details in ("Concurrent RPC limit exceeded!", "Resource quota exceeded"):
-        busy = _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+        busy = FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
         for write in (True, False):
             e = map_rpc_error(busy, write=write)
             assert isinstance(e, errors.Unavailable) and not getattr(e, "answer_lost", False), (details, write)

@@ -1,0 +1,20 @@
+"""Stand-ins for grpc objects in unit tests."""
+from __future__ import annotations
+
+import grpc
+
+
+class FakeRpcError(grpc.RpcError):
+    """An RpcError with a code, details and trailing metadata, as grpc raises them."""
+
+    def __init__(self, code, details, trailers=()):
+        self._code, self._details, self._trailers = code, details, trailers
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return self._trailers
