@@ -17,3 +17,8 @@ def test_guarantees_name_real_tests():
     assert not missing, f"docs/guarantees.md names tests that do not exist: {missing}"
     for path in set(re.findall(r"`(tests/[\w/]+\.py)`", text)):
         assert (ROOT / path).exists(), path
+    # a bare `::test_name` continues the file named before it: it must exist in some test file
+    sources = "\n".join(f.read_text() for f in (ROOT / "tests").rglob("test_*.py"))
+    bare = set(re.findall(r"`::(test_\w+)`", text))
+    lost = sorted(n for n in bare if not re.search(rf"def {n}\b", sources))
+    assert not lost, f"docs/guarantees.md names tests that do not exist: {lost}"
