@@ -554,7 +554,6 @@ class Engine:
                 if not fut.done():
                     fut.set_exception(errors.Unavailable("no longer the primary", retry_after_s=0.5))
             self._pending.clear()
-            self.wake_all_receivers()  # long polls answer unavailable now, not at their end
             log.info("node %s is no longer primary (epoch %d)", self.node_id, epoch)
 
     def _opened_epoch(self) -> None:
@@ -644,7 +643,7 @@ class Engine:
         while True:
             await asyncio.sleep(tick_s)
             if not self.serving():
-                if was_serving:  # (a lost majority): long polls answer unavailable now
+                if was_serving:  # (stepped down, or lost its majority): long polls answer unavailable now
                     was_serving = False
                     self.wake_all_receivers()
                 continue

@@ -54,8 +54,7 @@ def _expect_handler(metrics):
             request.writer.output_size = 0   # the body of the answer has not started
             return None
         e = errors.InvalidArgument(f"Expect: {expect[:80]!r} cannot be met; only 100-continue is")
-        metrics.http_errors.labels(e.kind).inc()
-        r = _error(e)
+        r = _counted(metrics, e)
         r.force_close()
         return r
     return expect
@@ -347,7 +346,7 @@ async def _answer_then_close(request: web.Request, r: web.Response) -> None:
 
 
 def _counted(metrics, e: errors.SpoolerError) -> web.Response:
-    """The error table's answer for an error aiohttp raised, counted like ours."""
+    """The error table's answer for ``e``, counted in spooler_errors (every error answered)."""
     metrics.http_errors.labels(e.kind).inc()
     return _error(e)
 
@@ -358,8 +357,7 @@ def _errors_mw(metrics):
         try:
             return await handler(request)
         except errors.SpoolerError as e:
-            metrics.http_errors.labels(e.kind).inc()
-            r = _error(e)
+            r = _counted(metrics, e)
             if request.get(CLOSE):
                 await _answer_then_close(request, r)
             return r
@@ -377,6 +375,5 @@ def _errors_mw(metrics):
             raise
         except Exception:
             log.exception("unexpected error on %s %s", request.method, request.path)
-            metrics.http_errors.labels("internal").inc()
-            return _error(errors.Internal("internal error"))
+            return _counted(metrics, errors.Internal("internal error"))
     return mw

@@ -223,13 +223,19 @@ class Service:
             memo[:] = (weakref.ref(core), core.keys_version, p)
         return p
 
+    @staticmethod
+    def unknown_here(p: Principal) -> bool:
+        """A key this replica does not know: authenticate let it through for the
+        primary to decide (it may be new). (A plain check: the callers on the hot
+        path await ``verified`` only then.)"""
+        return not (p.admin or p.key_id or not p.auth or p.forwarded)
+
     async def verified(self, p: Principal) -> Principal:
-        """A key this replica does not know (authenticate let it through for the
-        primary to decide: it may be new) is checked with the primary before
+        """A key this replica does not know is checked with the primary before
         anything else, so that a bad key gets the primary's 401 from every node,
         ahead of any check of the request's form. One more round trip, for such
         keys only."""
-        if p.admin or p.key_id or not p.auth or p.forwarded:
+        if not self.unknown_here(p):
             return p
         a = self._remote(p)
         if a:
