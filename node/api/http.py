@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import zlib
 
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestPayloadError
@@ -60,22 +61,63 @@ def _expect_handler(metrics):
     return expect
 
 
-# Content-Encoding values aiohttp decodes (br and zstd only with their libraries,
-# else it refuses the body), and identity, which is none
-_CODINGS = frozenset({"", "identity", "gzip", "deflate", "br", "zstd"})
+# The codings a body may come in. The node decodes them itself (aiohttp's own
+# decoder is off: RUNNER_OPTIONS), because aiohttp accepts a gzip body that stops
+# short, and would store the part that came as if it were the message.
+_CODINGS = frozenset({"", "identity", "gzip", "deflate"})
+
+# How the node's aiohttp runner is made (node/main.py): bodies arrive as sent,
+# and _read decodes them.
+RUNNER_OPTIONS = {"auto_decompress": False}
+
+
+def decode_body(raw: bytes, coding: str, cap: int) -> bytes:
+    """A body of Content-Encoding ``coding`` (gzip, deflate, identity or none),
+    decoded whole: a stream that stops short of its end (for gzip, its checksum
+    and length), or bytes after it that are not another gzip member, is
+    invalid_argument; more than ``cap`` bytes once decoded is message_too_large
+    (found without decoding past it, so a small bomb costs at most ``cap``)."""
+    if coding in ("", "identity") or not raw:
+        return raw
+    if coding == "gzip":
+        wbits = 16 + zlib.MAX_WBITS
+    else:  # deflate is zlib's format (RFC 1950); a raw deflate stream is also taken, as aiohttp did
+        wbits = zlib.MAX_WBITS if raw[0] & 0xF == 8 else -zlib.MAX_WBITS
+    out, total, data = [], 0, raw
+    try:
+        while True:
+            d = zlib.decompressobj(wbits)
+            chunk = d.decompress(data, cap + 1 - total)
+            if not d.unconsumed_tail:
+                chunk += d.flush()  # (what zlib still holds: at most one match, a few hundred bytes)
+            total += len(chunk)
+            if total > cap or d.unconsumed_tail:
+                raise errors.MessageTooLarge(f"body of over {cap} bytes once decoded")
+            out.append(chunk)
+            if not d.eof:
+                raise errors.InvalidArgument(f"body could not be read: its {coding} stream ends before its end")
+            data = d.unused_data
+            if not data:
+                return b"".join(out)
+            if coding != "gzip":  # (gzip may hold several members, one after the other)
+                raise errors.InvalidArgument(f"body could not be read: bytes after the end of its {coding} stream")
+    except zlib.error as e:
+        raise errors.InvalidArgument(f"body could not be read: not valid {coding} ({e})"[:300]) from None
 
 
 async def _read(request: web.Request) -> bytes:
     """The body, decoded as its Content-Encoding says (gzip, deflate). A body that
-    does not decode as declared is the client's error, not ours; so is a coding we
-    do not decode (stored as it came, its bytes would not be the message meant)."""
+    does not decode as declared, whole, is the client's error, not ours; so is a
+    coding we do not decode (stored as it came, its bytes would not be the
+    message meant)."""
     codings = request.headers.getall("Content-Encoding", ())
-    if len(codings) > 1 or (codings and codings[0].lower() not in _CODINGS):
+    coding = codings[0].strip().lower() if codings else ""
+    if len(codings) > 1 or coding not in _CODINGS:
         request[CLOSE] = True  # the body is not read: nothing after it can be parsed
         raise errors.InvalidArgument(f"Content-Encoding {', '.join(codings)!r} is not supported: give one of gzip, "
                                      "deflate or identity, or none"[:300])
     try:
-        return await request.read()
+        raw = await request.read()
     except ConnectionError:  # the client hung up inside its body: nobody to answer, nothing of ours broke
         request[CLOSE] = True
         raise errors.InvalidArgument("body could not be read: the client closed the connection") from None
@@ -85,6 +127,11 @@ async def _read(request: web.Request) -> bytes:
         request[CLOSE] = True
         why = (str(e).strip().splitlines() or ["?"])[-1].strip()  # aiohttp's text: "400, message:\n  <why>"
         raise errors.InvalidArgument(f"body could not be read: {why}"[:300]) from None
+    try:
+        return decode_body(raw, coding, request.app[BODY_CAP])
+    except errors.InvalidArgument:
+        request[CLOSE] = True  # as for any body that could not be read
+        raise
 
 
 async def _read_json(request: web.Request):
@@ -97,6 +144,7 @@ async def _read_json(request: web.Request):
         raise errors.InvalidArgument("body is not valid JSON") from None
 
 
+BODY_CAP = web.AppKey("spooler_body_cap", int)
 CLOSE = "spooler_close"  # set on a request whose connection must close after the answer
 JSON_BYTES_MAX = 64 * 1024  # the JSON body of a route other than send may always be this large
 EPOCH_OF = web.AppKey("spooler_epoch_of", object)  # () -> the epoch answers name
@@ -172,6 +220,7 @@ def build_app(svc: Service, metrics) -> web.Application:
     # even under a small --max-body-bytes.
     app = web.Application(client_max_size=max(lim.body_bytes_max, JSON_BYTES_MAX) + 1,
                           middlewares=[_errors_mw(metrics)])
+    app[BODY_CAP] = max(lim.body_bytes_max, JSON_BYTES_MAX)  # the same bound, once a body is decoded
 
     app[EPOCH_OF] = lambda: svc.engine.known_epoch
 

@@ -64,6 +64,12 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 
+def seconds_json(us: int):
+    """A setting of whole seconds as a JSON integer (30, not 30.0), so that a
+    client decoding it into an integer type can; a fraction stays a fraction."""
+    return us // US if us % US == 0 else us / US
+
+
 # the longest API key a node accepts in an Authorization header (docs/limits.md)
 KEY_CHARS_MAX = 512
 
@@ -372,10 +378,10 @@ class Service:
         q = self._queue(name)
         s = q.settings
         return {"name": name,
-                "settings": {"leaseTimeoutSeconds": s["lease_timeout_us"] / US,
+                "settings": {"leaseTimeoutSeconds": seconds_json(s["lease_timeout_us"]),
                              "maxRetries": s["max_retries"],
-                             "retentionSeconds": s["retention_us"] / US,
-                             "dedupWindowSeconds": s["dedup_window_us"] / US,
+                             "retentionSeconds": seconds_json(s["retention_us"]),
+                             "dedupWindowSeconds": seconds_json(s["dedup_window_us"]),
                              "failureQueue": failure_queue_of(name, s)},
                 "stats": self.core.stats(name, self.engine.now_us())}
 

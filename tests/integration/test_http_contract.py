@@ -23,8 +23,8 @@ pytestmark = pytest.mark.integration
 
 KIB = 1024
 LIMIT = 256 * KIB
-DEFAULT_SETTINGS = {"leaseTimeoutSeconds": 30.0, "maxRetries": 5, "retentionSeconds": 345600.0,
-                    "dedupWindowSeconds": 0.0}
+DEFAULT_SETTINGS = {"leaseTimeoutSeconds": 30, "maxRetries": 5, "retentionSeconds": 345600,
+                    "dedupWindowSeconds": 0}
 STATS_KEYS = {"visible", "leased", "delayed", "sentTotal", "ackedTotal", "failedTotal", "expiredTotal"}
 
 
@@ -80,6 +80,8 @@ def test_put_creates_201_with_defaults_then_updates_200(api):
     doc = r.json()
     assert doc["name"] == name
     assert doc["settings"] == {**DEFAULT_SETTINGS, "failureQueue": f"{name}.failed"}
+    # whole seconds are JSON integers (a client may decode them into an integer type)
+    assert all(type(doc["settings"][k]) is int for k in DEFAULT_SETTINGS), doc["settings"]
     assert STATS_KEYS <= set(doc["stats"])
     assert all(doc["stats"][k] == 0 for k in STATS_KEYS)
 
@@ -87,7 +89,7 @@ def test_put_creates_201_with_defaults_then_updates_200(api):
     assert r.status == 200
     s = r.json()["settings"]
     assert s["maxRetries"] == 3 and s["leaseTimeoutSeconds"] == 1.5
-    assert s["retentionSeconds"] == 345600.0 and s["failureQueue"] == f"{name}.failed"
+    assert s["retentionSeconds"] == 345600 and type(s["retentionSeconds"]) is int and s["failureQueue"] == f"{name}.failed"
 
     r = api.get_queue(name)
     assert r.status == 200
