@@ -71,14 +71,23 @@ _CODINGS = frozenset({"", "identity", "gzip", "deflate"})
 RUNNER_OPTIONS = {"auto_decompress": False}
 
 
+def raw_allowance(cap: int) -> int:
+    """How many bytes more than ``cap`` a compressed body of at most ``cap`` decoded
+    bytes may take as sent: deflate's stored blocks cost 5 bytes per 64 KiB, gzip
+    adds 18 per member; this leaves room for that many times over."""
+    return cap // 256 + 1024
+
+
 def decode_body(raw: bytes, coding: str, cap: int) -> bytes:
     """A body of Content-Encoding ``coding`` (gzip, deflate, identity or none),
     decoded whole: a stream that stops short of its end (for gzip, its checksum
     and length), or bytes after it that are not another gzip member, is
     invalid_argument; more than ``cap`` bytes once decoded is message_too_large
     (found without decoding past it, so a small bomb costs at most ``cap``)."""
-    if coding in ("", "identity") or not raw:
+    if coding in ("", "identity"):
         return raw
+    if not raw:  # no encoder makes nothing of anything (gzip of b"" is 20 bytes): a body cut to nothing
+        raise errors.InvalidArgument(f"body could not be read: an empty body is not {coding}")
     if coding == "gzip":
         wbits = 16 + zlib.MAX_WBITS
     else:  # deflate is zlib's format (RFC 1950); a raw deflate stream is also taken, as aiohttp did
@@ -110,6 +119,12 @@ async def _read(request: web.Request) -> bytes:
     does not decode as declared, whole, is the client's error, not ours; so is a
     coding we do not decode (stored as it came, its bytes would not be the
     message meant)."""
+    framing = request.headers.getall("Transfer-Encoding", ())
+    if framing and (len(framing) > 1 or framing[0].strip().lower() != "chunked"):
+        # aiohttp reads the chunks and ignores any coding listed before them
+        # ("gzip, chunked"): the body would be stored still encoded
+        request[CLOSE] = True
+        raise errors.InvalidArgument(f"Transfer-Encoding {', '.join(framing)!r} is not supported: only chunked"[:300])
     codings = request.headers.getall("Content-Encoding", ())
     coding = codings[0].strip().lower() if codings else ""
     if len(codings) > 1 or coding not in _CODINGS:
@@ -218,9 +233,11 @@ def build_app(svc: Service, metrics) -> web.Application:
     # against body_bytes_max on its own (before it is read when it names its
     # length); the JSON of the other routes may be as large as JSON_BYTES_MAX
     # even under a small --max-body-bytes.
-    app = web.Application(client_max_size=max(lim.body_bytes_max, JSON_BYTES_MAX) + 1,
-                          middlewares=[_errors_mw(metrics)])
-    app[BODY_CAP] = max(lim.body_bytes_max, JSON_BYTES_MAX)  # the same bound, once a body is decoded
+    # A compressed body may be a little larger than what it decodes to (an
+    # incompressible message grows by its framing): raw_allowance.
+    cap = max(lim.body_bytes_max, JSON_BYTES_MAX)
+    app = web.Application(client_max_size=cap + raw_allowance(cap) + 1, middlewares=[_errors_mw(metrics)])
+    app[BODY_CAP] = cap  # the bound once a body is decoded
 
     app[EPOCH_OF] = lambda: svc.engine.known_epoch
 
@@ -258,7 +275,8 @@ def build_app(svc: Service, metrics) -> web.Application:
     async def send(request):
         p = await principal(request)
         queue = request.match_info["queue"]
-        if request.content_length is not None and request.content_length > lim.body_bytes_max:
+        if request.content_length is not None and request.content_length > lim.body_bytes_max + (
+                raw_allowance(lim.body_bytes_max) if request.headers.get("Content-Encoding") else 0):
             raise errors.MessageTooLarge(f"message of {request.content_length} bytes; the limit is {lim.body_bytes_max}")
         delay = svc.parse_seconds_header(_header(request, "Spooler-Delay-Seconds"), "Spooler-Delay-Seconds",
                                          lim.delay_s_max)

@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from node.api.http import RUNNER_OPTIONS, decode_body
+from node.api.http import RUNNER_OPTIONS, decode_body, raw_allowance
 from spooler import errors
 
 BODY = bytes(range(256)) * 40
@@ -21,7 +21,7 @@ def test_whole_bodies_decode_as_sent():
     assert decode_body(raw.compress(BODY) + raw.flush(), "deflate", CAP) == BODY  # raw deflate, as aiohttp took it
     assert decode_body(gzip.compress(b"a") + gzip.compress(b"b"), "gzip", CAP) == b"ab"  # gzip's members, in order
     assert decode_body(BODY, "identity", CAP) == BODY and decode_body(BODY, "", CAP) == BODY
-    assert decode_body(b"", "gzip", CAP) == b""
+    assert decode_body(b"", "identity", CAP) == b"" and decode_body(gzip.compress(b""), "gzip", CAP) == b""
 
 
 @pytest.mark.parametrize("coding, cut", [
@@ -33,8 +33,10 @@ def test_whole_bodies_decode_as_sent():
     ("deflate", lambda g: g[:-4]),         # (for deflate, g is zlib's format)
     ("deflate", lambda g: g[:len(g) // 2]),
     ("deflate", lambda g: g + b"x"),
+    ("gzip", lambda g: b""),               # cut to nothing: no encoder makes zero bytes
+    ("deflate", lambda g: b""),
 ], ids=["gzip-no-trailer", "gzip-half-trailer", "gzip-cut", "gzip-junk", "gzip-bad-crc",
-        "deflate-no-adler", "deflate-cut", "deflate-junk"])
+        "deflate-no-adler", "deflate-cut", "deflate-junk", "gzip-empty", "deflate-empty"])
 def test_a_body_that_is_not_whole_is_invalid_argument(coding, cut):
     whole = gzip.compress(BODY) if coding == "gzip" else zlib.compress(BODY)
     with pytest.raises(errors.InvalidArgument):
@@ -54,3 +56,12 @@ def test_a_body_larger_than_the_cap_once_decoded_is_too_large_without_decoding_i
 def test_the_node_runner_leaves_bodies_to_decode_body():
     """aiohttp's own decoder accepts a gzip body that stops short; it must be off."""
     assert RUNNER_OPTIONS.get("auto_decompress") is False
+
+
+def test_an_incompressible_body_at_the_limit_fits_the_raw_allowance():
+    """Compressing random bytes makes them a little larger; such a body at the
+    message limit must still be read, then decoded to within the limit."""
+    import os
+    for compress in (gzip.compress, zlib.compress):
+        raw = compress(os.urandom(CAP))
+        assert CAP < len(raw) <= CAP + raw_allowance(CAP)
