@@ -21,8 +21,7 @@ import sys
 from aiohttp import web
 
 from node.api import grpc_api
-from node.api import http as http_api
-from node.api.http import build_app
+from node.api.http import RUNNER_OPTIONS, build_app
 from node.api.metrics import Metrics
 from node.api.service import KEY_CHARS_MAX, Service
 from node.engine import Engine, Limits
@@ -205,7 +204,7 @@ async def serve(args) -> int:
     # waiting (its state must not outlive the connection); a write already
     # proposed still commits, its answer unread (Service is written for that).
     runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=75,
-                           handler_cancellation=True, **http_api.RUNNER_OPTIONS)
+                           handler_cancellation=True, **RUNNER_OPTIONS)
     await runner.setup()
     hhost, hport = _hostport(args.http)
     # a graceful stop ends every call within about a second (Service.shut_down):

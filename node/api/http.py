@@ -275,9 +275,10 @@ def build_app(svc: Service, metrics) -> web.Application:
     async def send(request):
         p = await principal(request)
         queue = request.match_info["queue"]
-        if request.content_length is not None and request.content_length > lim.body_bytes_max + (
-                raw_allowance(lim.body_bytes_max) if request.headers.get("Content-Encoding") else 0):
-            raise errors.MessageTooLarge(f"message of {request.content_length} bytes; the limit is {lim.body_bytes_max}")
+        n = request.content_length
+        if n is not None and n > lim.body_bytes_max and (
+                n > lim.body_bytes_max + raw_allowance(lim.body_bytes_max) or not request.headers.get("Content-Encoding")):
+            raise errors.MessageTooLarge(f"message of {n} bytes; the limit is {lim.body_bytes_max}")
         delay = svc.parse_seconds_header(_header(request, "Spooler-Delay-Seconds"), "Spooler-Delay-Seconds",
                                          lim.delay_s_max)
         key = _header(request, "Spooler-Dedup-Key")
