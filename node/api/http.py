@@ -422,8 +422,18 @@ def _counted(metrics, e: errors.SpoolerError) -> web.Response:
 def _errors_mw(metrics):
     @web.middleware
     async def mw(request, handler):
+        if "Upgrade" in request.headers:
+            # The node never upgrades (h2c, websocket), but aiohttp's parser takes
+            # whatever follows such a request on its connection as the upgraded
+            # protocol's and drops it: a request pipelined behind it would wait
+            # for an answer that never comes. Answered, then closed, its client
+            # sees that at once and can send it again on a new connection.
+            request[CLOSE] = True
         try:
-            return await handler(request)
+            r = await handler(request)
+            if request.get(CLOSE) and isinstance(r, web.Response) and not r.prepared:
+                await _answer_then_close(request, r)
+            return r
         except errors.SpoolerError as e:
             r = _counted(metrics, e)
             if request.get(CLOSE):

@@ -532,6 +532,28 @@ def test_a_compressed_message_at_the_limit_is_stored_though_it_grew_when_compres
     assert api.stats(q)["sentTotal"] == 1
 
 
+def test_a_request_asking_for_an_upgrade_is_answered_and_its_connection_closes(seeded):
+    """The node never upgrades (h2c here), and aiohttp drops whatever follows such
+    a request on its connection: a send pipelined behind it was neither stored
+    nor answered, and the connection stayed open, so its client waited for ever.
+    The request is answered as HTTP/1.1, then the connection closes."""
+    node, api, _, _ = seeded
+    q = "upg-" + uuid.uuid4().hex[:8]
+    assert api.put_queue(q, {}).status == 201
+    one = (b"POST /v1/queues/" + q.encode() + b"/messages HTTP/1.1\r\nHost: x\r\n" + _auth()
+           + b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+           + b"Content-Length: 3\r\n\r\none")
+    two = b"POST /v1/queues/" + q.encode() + b"/messages HTTP/1.1\r\nHost: x\r\n" + _auth() + b"Content-Length: 3\r\n\r\ntwo"
+    status, head, body, closed = _raw(node, one + two)
+    assert status == 201, (head, body)
+    assert b"connection: close" in head, head
+    assert closed, "the connection stayed open behind a request that asked for an upgrade"
+    assert api.stats(q)["sentTotal"] == 1  # the pipelined one was not taken (its client sees the close)
+    r = api.receive(q)
+    assert r.status == 200 and r.body == b"one", r
+    assert_alive(node, api)
+
+
 @pytest.mark.parametrize("coding", [b"Content-Encoding: foo", b"Content-Encoding: gzip, gzip",
                                     b"Content-Encoding: gzip\r\nContent-Encoding: gzip"],
                          ids=["unknown", "two-in-one", "given-twice"])
