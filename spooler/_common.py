@@ -120,11 +120,20 @@ def cluster_dict(c: api_pb2.ClusterInfo) -> dict:
     return doc
 
 
+def whole_seconds(x: float):
+    """A duration setting as JSON gives it: whole seconds as an integer (30, not
+    30.0), so a client may decode it into an integer type; a fraction stays a
+    fraction. One rule for the node's own answers and for those a replica or
+    the SDK renders from gRPC's doubles."""
+    return int(x) if x == int(x) else x
+
+
 def queue_dict(q: api_pb2.Queue) -> dict:
     s, st = q.settings, q.stats
     return {"name": q.name,
-            "settings": {"leaseTimeoutSeconds": s.lease_timeout_seconds, "maxRetries": s.max_retries,
-                         "retentionSeconds": s.retention_seconds, "dedupWindowSeconds": s.dedup_window_seconds,
+            "settings": {"leaseTimeoutSeconds": whole_seconds(s.lease_timeout_seconds), "maxRetries": s.max_retries,
+                         "retentionSeconds": whole_seconds(s.retention_seconds),
+                         "dedupWindowSeconds": whole_seconds(s.dedup_window_seconds),
                          "failureQueue": s.failure_queue},
             "stats": {"visible": st.visible, "leased": st.leased, "delayed": st.delayed,
                       "sentTotal": st.sent_total, "ackedTotal": st.acked_total, "failedTotal": st.failed_total,

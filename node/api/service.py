@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from typing import Callable, Optional
 
 from spooler import errors
+from spooler._common import whole_seconds
 from spooler.ids import message_id
 from spooler.pb import log_pb2
 from node.core import replication as R
@@ -62,12 +63,6 @@ def rfc3339(us: int) -> str:
 def _num(x: float) -> str:
     """A bound as people write it: 1209600, not 1.2096e+06; 0.5 stays 0.5."""
     return str(int(x)) if float(x).is_integer() else repr(float(x))
-
-
-def seconds_json(us: int):
-    """A setting of whole seconds as a JSON integer (30, not 30.0), so that a
-    client decoding it into an integer type can; a fraction stays a fraction."""
-    return us // US if us % US == 0 else us / US
 
 
 # the longest API key a node accepts in an Authorization header (docs/limits.md)
@@ -378,10 +373,10 @@ class Service:
         q = self._queue(name)
         s = q.settings
         return {"name": name,
-                "settings": {"leaseTimeoutSeconds": seconds_json(s["lease_timeout_us"]),
+                "settings": {"leaseTimeoutSeconds": whole_seconds(s["lease_timeout_us"] / US),
                              "maxRetries": s["max_retries"],
-                             "retentionSeconds": seconds_json(s["retention_us"]),
-                             "dedupWindowSeconds": seconds_json(s["dedup_window_us"]),
+                             "retentionSeconds": whole_seconds(s["retention_us"] / US),
+                             "dedupWindowSeconds": whole_seconds(s["dedup_window_us"] / US),
                              "failureQueue": failure_queue_of(name, s)},
                 "stats": self.core.stats(name, self.engine.now_us())}
 

@@ -554,6 +554,21 @@ def test_a_request_asking_for_an_upgrade_is_answered_and_its_connection_closes(s
     assert_alive(node, api)
 
 
+@pytest.mark.parametrize("line, status", [(b"GET /nope HTTP/1.1", 404), (b"DELETE /healthz HTTP/1.1", 405),
+                                          (b"GET /v1/queues/no-such-queue-here HTTP/1.1", 404)],
+                         ids=["no-route", "method", "spooler-error"])
+def test_an_upgrade_request_answered_with_an_error_closes_its_connection_too(seeded, line, status):
+    """Whatever answers it (aiohttp's routing or the error table), a request that
+    asked for an upgrade is answered and its connection closes."""
+    node, api, _, _ = seeded
+    req = (line + b"\r\nHost: x\r\n" + _auth() + b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+           + b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n")
+    got, head, body, closed = _raw(node, req + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert got == status and b"connection: close" in head, (head, body)
+    assert closed, "the connection stayed open behind a request that asked for an upgrade"
+    assert_alive(node, api)
+
+
 @pytest.mark.parametrize("coding", [b"Content-Encoding: foo", b"Content-Encoding: gzip, gzip",
                                     b"Content-Encoding: gzip\r\nContent-Encoding: gzip"],
                          ids=["unknown", "two-in-one", "given-twice"])

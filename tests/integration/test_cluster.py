@@ -81,6 +81,10 @@ def test_elects_one_primary_and_replicates(cluster):
     assert sum(1 for v in views if v["role"] == "primary") == 1
     assert {v["epoch"] for v in views} == {epoch}
     assert client(nodes[p]).get_queue("q")["stats"]["sentTotal"] == 20
+    # a replica renders the primary's answer (gRPC's doubles) as the primary does: whole seconds as integers
+    settings = c.get_queue("q")["settings"]
+    assert settings == client(nodes[p]).get_queue("q")["settings"]
+    assert all(type(settings[k]) is int for k in ("leaseTimeoutSeconds", "retentionSeconds", "dedupWindowSeconds"))
     d = c.receive("q", wait_s=5)
     assert d.id == ids[0]
     # a replica's own group commits show in its metrics, like the primary's

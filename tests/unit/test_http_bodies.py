@@ -3,11 +3,13 @@ decode_body): whole or not at all, and never past the body limit."""
 from __future__ import annotations
 
 import gzip
+import os
 import zlib
 
 import pytest
 
-from node.api.http import RUNNER_OPTIONS, decode_body, raw_allowance
+from node.api import http
+from node.api.http import GZIP_MEMBERS_MAX, RUNNER_OPTIONS, decode_body, raw_allowance
 from spooler import errors
 
 BODY = bytes(range(256)) * 40
@@ -65,3 +67,50 @@ def test_an_incompressible_body_at_the_limit_fits_the_raw_allowance():
     for compress in (gzip.compress, zlib.compress):
         raw = compress(os.urandom(CAP))
         assert CAP < len(raw) <= CAP + raw_allowance(CAP)
+
+
+def test_gzip_members_are_capped_and_each_is_fed_in_bounded_slices(monkeypatch):
+    """Empty 20-byte members, as many as a body holds: without a cap and bounded
+    input, each member's end made zlib copy the rest of the body (time growing
+    with the square of its size)."""
+    empty = gzip.compress(b"")
+    assert decode_body(empty * GZIP_MEMBERS_MAX, "gzip", CAP) == b""
+    assert decode_body(empty * (GZIP_MEMBERS_MAX - 1) + gzip.compress(BODY), "gzip", CAP) == BODY
+    with pytest.raises(errors.InvalidArgument, match="members"):
+        decode_body(empty * (CAP // len(empty)), "gzip", CAP)
+    fed = []
+    real = zlib.decompressobj
+
+    class Spy:
+        def __init__(self, *a):
+            self.d = real(*a)
+
+        def decompress(self, data, max_length=0):
+            fed.append(len(data))
+            return self.d.decompress(data, max_length)
+
+        def __getattr__(self, name):
+            return getattr(self.d, name)
+
+    monkeypatch.setattr(http.zlib, "decompressobj", Spy)
+    big = gzip.compress(os.urandom(CAP // 2)) + empty * 10
+    assert len(decode_body(big, "gzip", CAP)) == CAP // 2
+    assert max(fed) <= http._DECODE_SLICE < len(big)
+
+
+def test_deflate_is_one_stream():
+    """deflate names one zlib stream: two back to back are bytes after its end."""
+    with pytest.raises(errors.InvalidArgument):
+        decode_body(zlib.compress(b"a") + zlib.compress(b"b"), "deflate", CAP)
+
+
+def test_a_replica_and_the_sdk_render_whole_seconds_as_integers():
+    """queue_dict renders gRPC's doubles (a replica forwarding a queue call, the SDK)."""
+    from spooler._common import queue_dict
+    from spooler.pb import api_pb2
+    q = api_pb2.Queue(name="q", settings=api_pb2.Settings(lease_timeout_seconds=30.0, retention_seconds=345600.0,
+                                                           dedup_window_seconds=0.5, max_retries=5))
+    s = queue_dict(q)["settings"]
+    assert (s["leaseTimeoutSeconds"], s["retentionSeconds"], s["dedupWindowSeconds"]) == (30, 345600, 0.5)
+    assert type(s["leaseTimeoutSeconds"]) is int and type(s["retentionSeconds"]) is int
+    assert type(s["dedupWindowSeconds"]) is float
