@@ -125,7 +125,7 @@ def whole_seconds(x: float):
     30.0), so a client may decode it into an integer type; a fraction stays a
     fraction. One rule for the node's own answers and for those a replica or
     the SDK renders from gRPC's doubles."""
-    return int(x) if float(x).is_integer() else x  # (never inf or nan, which stay as they are)
+    return int(x) if float(x).is_integer() else x  # (inf and nan stay as they are)
 
 
 def queue_dict(q: api_pb2.Queue) -> dict:
