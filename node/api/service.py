@@ -62,7 +62,7 @@ def rfc3339(us: int) -> str:
 
 def _num(x: float) -> str:
     """A bound as people write it: 1209600, not 1.2096e+06; 0.5 stays 0.5."""
-    return str(int(x)) if float(x).is_integer() else repr(float(x))
+    return str(whole_seconds(float(x)))
 
 
 # the longest API key a node accepts in an Authorization header (docs/limits.md)
