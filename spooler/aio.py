@@ -41,7 +41,7 @@ class _Waiter:
         self.fut = fut
         self.write = write
         # on_ok(result): called by the stream's reader itself when the answer is a
-        # ``which`` result (not an error), before the requester resumes: an
+        # ``which`` result (not an error), before the requester's future is set: an
         # auto-batched send's callers get their results a turn of the loop sooner
         self.which = which
         self.on_ok = on_ok
@@ -177,12 +177,14 @@ class _Session:
             async for resp in call:
                 w = self.waiting.get(resp.id)
                 if w is not None and not w.fut.done():
-                    w.fut.set_result(resp)
+                    # on_ok first: the callers it answers are woken before the
+                    # requester, whose own wrap-up is then off their latency
                     if w.on_ok is not None and resp.WhichOneof("result") == w.which:
                         try:
                             w.on_ok(getattr(resp, w.which))
                         except Exception:  # noqa: BLE001 - the requester still gets the answer
                             pass
+                    w.fut.set_result(resp)
         except grpc.RpcError as e:
             err = e
         except asyncio.CancelledError:
