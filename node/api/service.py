@@ -36,6 +36,7 @@ log = logging.getLogger("spooler.service")
 
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,80}\Z")
 DERIVED_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,255}\Z")  # failure queues may be derived: "{queue}.failed"
+NAMES_OK_MAX = 4096  # queue names check_name_any remembers as good (then it starts over)
 # lease tokens are URL-safe base64 without padding (what base64.urlsafe_b64* do, minus their wrappers)
 _TO_URLSAFE = bytes.maketrans(b"+/", b"-_")
 _FROM_URLSAFE = str.maketrans("-_", "+/")
@@ -164,6 +165,7 @@ class Service:
         # check of the core alone let concurrent creates pass the cap together
         self._queues_creating: dict = {}  # name -> calls creating it (until the engine settles them)
         self._sending: dict = {}  # queue -> messages proposed to it, not yet applied or refused
+        self._names_ok: set = set()  # names check_name_any passed (a pure check: remembered, bounded)
         self._keys_creating = 0
 
     @property
@@ -410,12 +412,20 @@ class Service:
     def check_name_any(self, name: str) -> str:
         """A name a queue may have: one a PUT may give ([A-Za-z0-9._-]{1,80}), or a
         failure queue derived from one ("{queue}.failed", its own "{queue}.failed.failed",
-        ...), which may be longer than 80 (up to 255)."""
+        ...), which may be longer than 80 (up to 255). A name that passed is
+        remembered (at most NAMES_OK_MAX): every send checks its queue's name twice."""
+        ok = self._names_ok
+        if type(name) is str and name in ok:
+            return name
         if isinstance(name, str) and DERIVED_NAME_RE.match(name):
             base = name
             while len(base) > 80 and base.endswith(".failed"):
                 base = base[:-len(".failed")]
             if NAME_RE.match(base):
+                if type(name) is str:
+                    if len(ok) >= NAMES_OK_MAX:
+                        ok.clear()
+                    ok.add(name)
                 return name
         raise errors.InvalidArgument("queue name must match [A-Za-z0-9._-]{1,80}"
                                      " (or be a failure queue derived from one: \"{queue}.failed\")")
