@@ -209,9 +209,11 @@ class Replication:
         # majority before this start, so it has stopped serving once its own
         # failover timeout has passed since (it steps down before it counts a
         # late acknowledgement, _on_append_resp); that timeout is twice the lease
-        # its appends state, or ours if longer, or if they state none.
+        # its appends state, or ours if longer, or if they state none. Nor does it
+        # install a snapshot meanwhile: an install is acknowledged too (join_quiet).
         self.joining = False
         self.join_started = 0
+        self.join_lease_us = 0     # the longest lease an append stated while we joined
         # The longest lease that any acknowledgement or vote we gave lately may
         # carry: an append's lease_us, a granted candidate's lease_us (0 from an
         # older build: a failover timeout of ours). A restart loses when we last
@@ -500,10 +502,20 @@ class Replication:
         self._send_append(peer, now, out, heartbeat=True)
         return out
 
+    def join_quiet(self, now: int) -> bool:
+        """A joining replacement's first stretch, in which it acknowledges nothing,
+        neither an append nor a snapshot's install (see ``joining``)."""
+        return self.joining and now < self.join_started + max(self.timeout, 2 * self.join_lease_us)
+
     def snapshot_sent(self, peer: str, lsn: int, now: int) -> list:
         """Primary: ``peer`` installed a copy of our store whose log ends at ``lsn``."""
         out: list = []
         if self.role != PRIMARY or peer not in self.peers:
+            return out
+        if now >= self.lease_until(now):
+            # an install's acknowledgement counts as an append's does: never once we
+            # are past the failover timeout without a majority (_on_append_resp)
+            self._become_replica(self.epoch, None, now, out)
             return out
         self.match[peer] = max(self.match.get(peer, 0), min(lsn, self.durable_lsn))
         self.next[peer] = lsn + 1
@@ -645,8 +657,10 @@ class Replication:
         if m.epoch < self.epoch:
             out.append(Send(m.primary, AppendResp(self.epoch, self.id, False, self.log.last_lsn, m.sent_us)))
             return
-        if self.joining and now < self.join_started + max(self.timeout, 2 * m.lease_us):
-            return  # no acknowledgement yet (see joining): the primary retries
+        if self.joining:
+            self.join_lease_us = max(self.join_lease_us, m.lease_us)
+            if self.join_quiet(now):
+                return  # no acknowledgement yet (see joining): the primary retries
         if self.role != REPLICA or self.primary != m.primary:
             self._become_replica(m.epoch, m.primary, now, out)
         self.last_contact = now

@@ -403,7 +403,7 @@ class Driver:
     async def _install_locked(self, path: str, epoch: int, primary: str) -> pb.SnapshotAck:
         e = self.engine
         async with self.lock:
-            if epoch < self.core.epoch or self.core.role == R.PRIMARY:
+            if epoch < self.core.epoch or self.core.role == R.PRIMARY or self.core.join_quiet(mono_us()):
                 return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
             e.installing = True
             try:
@@ -601,18 +601,33 @@ def _resume(coro, waiting_on):
 
 
 class ReplicationServicer(pb_grpc.ReplicationServicer):
+    """The peers' RPCs. The gRPC server starts before the node has loaded its
+    store (node/main.py), and until the replication core holds this node's
+    epoch, vote and log (``Replication.started``) every call is refused
+    ``UNAVAILABLE`` without reaching it: a vote answered from the core's blank
+    defaults would forget the vote already cast in that epoch, or grant one to a
+    candidate missing committed records, and write that over the stored vote."""
+
     def __init__(self, driver: Driver):
         self.d = driver
 
+    async def _loaded(self, context) -> None:
+        if not self.d.core.started:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self.d.id!r} is still loading its store")
+
     async def Stream(self, request_iterator, context):
+        await self._loaded(context)
         async for ack in self.d.serve_stream(request_iterator, context):
             yield ack
 
     async def Vote(self, request, context):
+        await self._loaded(context)
         return await self.d.serve_vote(request, context)
 
     async def TimeoutNow(self, request, context):
+        await self._loaded(context)
         return await self.d.serve_timeout_now(request, context)
 
     async def InstallSnapshot(self, request_iterator, context):
+        await self._loaded(context)
         return await self.d.serve_snapshot(request_iterator, context)

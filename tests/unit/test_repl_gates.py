@@ -1,0 +1,133 @@
+"""Replication RPCs that must not reach the replication core: before the node
+has loaded its epoch, vote and log, and (a snapshot) while a replacement is in
+its quiet first stretch; and a primary past its failover timeout does not count
+an install's acknowledgement."""
+import asyncio
+
+import grpc
+import pytest
+
+from node.core import replication as R
+from node.engine import Engine, mono_us
+from node.replication.driver import ReplicationServicer
+from node.store.sqlite import chain
+from spooler.pb import log_pb2, replication_pb2 as pb
+
+PEERS = {"n1": "127.0.0.1:1", "n2": "127.0.0.1:2", "n3": "127.0.0.1:3"}
+
+
+class Aborted(Exception):
+    pass
+
+
+class Ctx:
+    """What a handler sees of gRPC's context: abort raises, as gRPC's does."""
+
+    def __init__(self):
+        self.code = None
+
+    async def abort(self, code, details="", trailing_metadata=()):
+        self.code = code
+        raise Aborted(details)
+
+
+def _voted(tmp_path, **kw) -> Engine:
+    """n3's store: epoch 7, its vote cast for n1, a record of epoch 7."""
+    e = Engine(str(tmp_path), node_id="n3", peers=PEERS, **kw)
+    with e.store.db:
+        e.store.set_meta("repl_epoch", 7)
+        e.store.set_meta("voted_for", "n1")
+    data = log_pb2.Record(epoch=7, lsn=1, epoch_begin=log_pb2.EpochBegin(node_id="n1")).SerializeToString()
+    e.store.append([(1, 7, chain(0, data), data)])
+    return e
+
+
+async def _frames():
+    yield pb.AppendFrame(epoch=9, primary="n2")
+
+
+async def _chunks():
+    yield pb.SnapshotChunk(epoch=9, primary="n2", data=b"", last=True)
+
+
+CALLS = {
+    "Vote": lambda s, ctx: s.Vote(pb.VoteRequest(epoch=7, candidate="n2", last_epoch=0, last_lsn=0), ctx),
+    "TimeoutNow": lambda s, ctx: s.TimeoutNow(pb.TimeoutNowRequest(epoch=9, primary="n2"), ctx),
+    "InstallSnapshot": lambda s, ctx: s.InstallSnapshot(_chunks(), ctx),
+    "Stream": lambda s, ctx: s.Stream(_frames(), ctx).__anext__(),
+}
+
+
+@pytest.mark.parametrize("rpc", sorted(CALLS))
+def test_a_node_still_loading_its_store_refuses_every_replication_call(tmp_path, rpc):
+    e = _voted(tmp_path)
+    s, ctx = ReplicationServicer(e.repl), Ctx()
+    with pytest.raises(Aborted):
+        asyncio.run(CALLS[rpc](s, ctx))
+    assert ctx.code == grpc.StatusCode.UNAVAILABLE
+    assert e.store.get_meta("voted_for") == "n1" and int(e.store.get_meta("repl_epoch")) == 7  # untouched
+    assert e.store.last_position().lsn == 1
+    e.store.close()
+
+
+def test_once_loaded_the_same_vote_is_refused_for_what_the_store_says(tmp_path):
+    """The control: after the load, the core itself refuses that vote (it voted
+    for n1 in epoch 7 already, and the candidate's log is behind)."""
+    e = _voted(tmp_path)
+
+    async def main():
+        e.repl.load()
+        e.repl.core.start(mono_us())
+        return await ReplicationServicer(e.repl).Vote(
+            pb.VoteRequest(epoch=7, candidate="n2", last_epoch=0, last_lsn=0), Ctx())
+
+    r = asyncio.run(main())
+    assert not r.granted
+    assert e.store.get_meta("voted_for") == "n1"
+    e.store.close()
+
+
+def test_a_replacement_that_hears_a_vote_before_it_loads_still_joins(tmp_path):
+    e = Engine(str(tmp_path), node_id="n3", peers=PEERS, join=True)
+    with pytest.raises(Aborted):
+        asyncio.run(ReplicationServicer(e.repl).Vote(
+            pb.VoteRequest(epoch=3, candidate="n2", last_epoch=0, last_lsn=0), Ctx()))
+    e.repl.load()
+    assert e.repl.core.joining and e.repl.core.epoch == 0
+    e.store.close()
+
+
+def test_a_replacement_installs_no_snapshot_in_its_quiet_first_stretch(tmp_path):
+    e = Engine(str(tmp_path), node_id="n3", peers=PEERS, join=True)
+
+    async def main():
+        e.repl.load()
+        e.repl.core.start(mono_us())
+        assert e.repl.core.joining and e.repl.core.join_quiet(mono_us())
+        # (the copy's path is never opened: refused before the install begins)
+        return await e.repl._install_locked(str(tmp_path / "no-such-copy.db"), 9, "n2")
+
+    ack = asyncio.run(main())
+    assert not ack.ok
+    assert e.store.last_position().lsn == 0
+    e.store.close()
+
+
+def _primary(acked_us: int, now: int) -> R.Replication:
+    c = R.Replication("n1", ["n1", "n2", "n3"], 2_000_000, rand=lambda: 0.5)
+    c.started = True
+    c.role, c.epoch, c.primary = R.PRIMARY, 2, "n1"
+    c.log = R.LogView(0, 0, 0, [(2, 11), (2, 12), (2, 13)])
+    c.durable_lsn = 3
+    c.acked_sent = {"n2": acked_us, "n3": acked_us}
+    return c
+
+
+def test_a_primary_past_its_failover_timeout_counts_no_install():
+    now = 10_000_000_000
+    stale = _primary(now - 3_000_000, now)  # no majority heard for 3 s, with a 2 s timeout
+    out = stale.snapshot_sent("n2", 3, now)
+    assert not [x for x in out if isinstance(x, R.Commit)] and stale.commit_lsn == 0
+    assert stale.role == R.REPLICA
+    live = _primary(now - 100_000, now)  # the control: heard 0.1 s ago, the install commits
+    assert [x.lsn for x in live.snapshot_sent("n2", 3, now) if isinstance(x, R.Commit)] == [3]
