@@ -205,6 +205,10 @@ class Engine:
         # now_us's anchor: a wall time and the monotonic time it was read at
         self._anchor_ts, self._anchor_mono = 0, mono_us()
         self.ready = False                # serving: primary, its EpochBegin applied, lease valid
+        self.loaded = False               # load() is done: the core holds what the store holds
+        # the checkpoint write on the writer thread, once its changes have left the
+        # core (_take_checkpoint): stop() waits for it, it is never cancelled
+        self._checkpoint_write: Optional[asyncio.Future] = None
         self.role = "replica"
         self.primary_id: Optional[str] = None
         self._epoch_begin_lsn = 0
@@ -261,6 +265,7 @@ class Engine:
                 self.last_ts = max(self.last_ts, rec.ts_us)
                 after = lsn
         core.woken.clear()
+        self.loaded = True
         log.info("loaded: applied lsn %d epoch %d (%d replayed), log to lsn %d", core.lsn, core.epoch, replayed,
                  self.appended_lsn)
 
@@ -293,6 +298,15 @@ class Engine:
             try:
                 await t
             except (asyncio.CancelledError, Exception):
+                pass
+        w = self._checkpoint_write
+        if w is not None and not w.done():
+            # a checkpoint whose changes already left the core: cancelling it would
+            # lose them, as the last checkpoint below records the applied lsn
+            # without them and a restart replays the log only past that lsn
+            try:
+                await w
+            except Exception:  # noqa: BLE001 - _fail below, as the loop would have
                 pass
         if self.failed is None:
             await self.store_io(self._checkpoint_now_sync, self._take_checkpoint())
@@ -724,7 +738,12 @@ class Engine:
         # no record is asked of the store after it has gone.
         self.repl.core.log.compact(c.compact_upto)
         t = time.perf_counter()
-        await self.store_io(self._checkpoint_now_sync, c)
+        # Shielded: the changes have left the core (dirty taken, messages marked
+        # persisted), so once this write is on its way it must happen even if
+        # the caller is cancelled (a stop cancels the checkpoint loop); a write
+        # dropped from the writer thread's queue would lose them for good.
+        self._checkpoint_write = w = asyncio.ensure_future(self.store_io(self._checkpoint_now_sync, c))
+        await asyncio.shield(w)
         if self.metrics:
             self.metrics.checkpoint_seconds.observe(time.perf_counter() - t)
         # Bodies now live in the store: drop them from memory.

@@ -193,7 +193,9 @@ async def serve(args) -> int:
     server, health_servicer, gport = await grpc_api.build_server(svc, metrics, f"{ghost}:{gport}", tls)
     engine.grpc_address = f"{ghost}:{gport}"
     tune_gc()
-    await server.start()  # first: peers must reach us for votes while we start
+    # grpcio's health service starts out SERVING: not until the node is ready
+    await grpc_api.set_serving(health_servicer, False)
+    await server.start()  # first: peers reach us as soon as we can answer (the replication calls wait for the load)
     await engine.start()
     freeze_loaded_state()
     health = asyncio.ensure_future(grpc_api.follow_readiness(health_servicer, engine))

@@ -204,6 +204,14 @@ class Service:
             p = self._authenticate(authorization)
         except errors.Unauthenticated:
             e = self.engine
+            if authorization and _carriable(authorization) and (not e.loaded or forwarded and not e.ready):
+                # this node cannot tell an unknown key from one it has not loaded or
+                # applied yet: still loading its store, or a call forwarded to it as
+                # the primary while it is not serving as one (restarted, stepped
+                # down, or its epoch not open yet): not now, rather than "unknown key"
+                why = ("it is loading its store" if not e.loaded else "it is not the primary" if e.role != "primary"
+                       else _not_ready(e))
+                raise errors.Unavailable(f"this node cannot check keys right now: {why}", retry_after_s=0.5) from None
             if authorization and not forwarded and e.cluster and e.role != "primary":
                 # keys are replicated, but a new one may not have reached us yet:
                 # the primary decides (every call from here is forwarded) and, while
@@ -979,6 +987,8 @@ class Service:
 
     def cluster_doc(self) -> dict:
         e = self.engine
+        if not e.loaded:  # (its epoch, role and positions are the blank defaults until then)
+            raise errors.Unavailable("the node is loading its store", retry_after_s=0.5)
         st = e.repl.status()
         nodes = st["nodes"]
         if not e.cluster:

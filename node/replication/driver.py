@@ -132,7 +132,9 @@ class Driver:
 
     async def stop(self) -> None:
         self.stopped = True
-        for t in list(self._tasks) + list(self._stream_tasks.values()):
+        # (snapshots too: a copy being made puts slice after slice on the writer
+        # thread, which the engine's last checkpoint then waits behind)
+        for t in list(self._tasks) + list(self._stream_tasks.values()) + list(self._snapshots.values()):
             t.cancel()
         for ch in self._channels.values():
             await ch.close()

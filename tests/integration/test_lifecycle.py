@@ -1,0 +1,166 @@
+"""A node's start and stop: what it answers while it loads its store, and what a
+stop does to a checkpoint under way."""
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from nodeproc import ADMIN_KEY, NodeProc, free_ports
+from node.api.service import Principal, Service
+from node.engine import Engine
+from spooler import Client, errors
+from spooler.pb import api_pb2, api_pb2_grpc
+
+ADMIN = Principal(admin=True)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# spooler-node with its store's load held up LOAD_S seconds (a large store takes
+# that long): the window between the gRPC server's start and the node's readiness
+SLOW_NODE = """
+import sys, time
+from node import process
+process.prepare()
+from node.engine import Engine
+load = Engine.load
+def slow(self):
+    time.sleep(float(sys.argv[1]))
+    load(self)
+Engine.load = slow
+from node.main import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_while_a_node_loads_it_is_not_serving_and_calls_no_key_unknown(tmp_path):
+    """Until the store is loaded, gRPC health says NOT_SERVING (grpcio's health
+    service starts out SERVING), a scoped key the store holds is answered
+    ``unavailable``, never 401 ``unknown key`` (clients take a 401 as final), and
+    GetCluster is ``unavailable`` instead of a blank epoch 0."""
+    data = str(tmp_path / "n")
+    first = NodeProc(data, admin_key=ADMIN_KEY).start()
+    try:
+        with Client(first.grpc_target, ADMIN_KEY) as c:
+            c.put_queue("q")
+            scoped = c.create_key("q", ("send", "receive", "admin")).key
+    finally:
+        first.stop()
+    gport, hport = free_ports(2)
+    log = open(os.path.join(data, "slow.log"), "ab")
+    p = subprocess.Popen([sys.executable, "-c", SLOW_NODE, "3", "--id", "n1", "--data", data, "--http",
+                          f"127.0.0.1:{hport}", "--grpc", f"127.0.0.1:{gport}", "--admin-key", ADMIN_KEY],
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=log)
+    try:
+        ch = grpc.insecure_channel(f"127.0.0.1:{gport}")
+        health, stub = health_pb2_grpc.HealthStub(ch), api_pb2_grpc.SpoolerStub(ch)
+        seen = {"health": set(), "scoped": set(), "cluster": set()}
+        refused = 0  # the scoped key's calls answered unavailable
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and p.poll() is None:
+            try:
+                seen["health"].add(health_pb2.HealthCheckResponse.ServingStatus.Name(
+                    health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status))
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:  # (not listening yet)
+                    raise
+                continue
+            for name, md in (("scoped", scoped), ("cluster", ADMIN_KEY)):
+                try:
+                    if name == "scoped":
+                        stub.GetQueue(api_pb2.QueueRequest(name="q"), metadata=[("authorization", f"Bearer {md}")],
+                                      timeout=1)
+                    else:
+                        stub.GetCluster(api_pb2.Empty(), metadata=[("authorization", f"Bearer {md}")], timeout=1)
+                    seen[name].add("OK")
+                except grpc.RpcError as e:
+                    seen[name].add(e.code().name)
+                    if name == "scoped" and e.code() == grpc.StatusCode.UNAVAILABLE:
+                        refused += 1
+            if "OK" in seen["scoped"]:
+                break
+            time.sleep(0.05)
+        ch.close()
+        assert refused >= 3, seen  # the loading window was seen, more than once
+        assert seen["health"] <= {"NOT_SERVING", "SERVING"} and "NOT_SERVING" in seen["health"], seen
+        assert seen["scoped"] <= {"UNAVAILABLE", "OK"} and "UNAVAILABLE" in seen["scoped"], seen
+        assert seen["cluster"] <= {"UNAVAILABLE", "OK"} and "UNAVAILABLE" in seen["cluster"], seen
+        line = p.stdout.readline()  # the ready line: the scoped key works from here
+        assert json.loads(line)["event"] == "ready"
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+        p.wait(timeout=10)
+        log.close()
+
+
+def test_a_forwarded_call_with_a_key_this_replica_does_not_know_is_not_called_unknown(tmp_path):
+    """A call forwarded to a node that is not (or not yet) serving as the primary
+    (a restart, a step-down) cannot be judged there: unavailable, not 401."""
+    e = Engine(str(tmp_path / "r"), node_id="n2", peers={"n1": "127.0.0.1:1", "n2": "127.0.0.1:2"})
+    try:
+        svc = Service(e, [ADMIN_KEY])
+        with pytest.raises(errors.Unavailable):  # still loading: nobody's key can be judged
+            svc.authenticate("Bearer spk_abc_def")
+        e.load()
+        with pytest.raises(errors.Unavailable):  # loaded, a replica: the primary judges, not us
+            svc.authenticate("Bearer spk_abc_def", forwarded="n1")
+        with pytest.raises(errors.Unauthenticated):  # no key of ours has such characters
+            svc.authenticate("Bearer spk_abc_d\u00e9f", forwarded="n1")
+        assert svc.authenticate(f"Bearer {ADMIN_KEY}", forwarded="n1").admin
+    finally:
+        e.store.close()
+
+
+def test_a_ready_primary_calls_an_unknown_key_unknown(tmp_path):
+    """The control: where the key can be judged, an unknown one is a 401."""
+    async def main():
+        e = Engine(str(tmp_path / "p"))
+        await e.start()
+        try:
+            svc = Service(e, [ADMIN_KEY])
+            for fwd in ("", "n9"):
+                with pytest.raises(errors.Unauthenticated):
+                    svc.authenticate("Bearer spk_abc_def", forwarded=fwd)
+        finally:
+            await e.stop()
+
+    asyncio.run(main())
+
+
+async def _stop_with_the_writer_busy(d: str, busy: bool) -> dict:
+    e = Engine(d, checkpoint_interval_s=0.2)
+    await e.start()
+    svc = Service(e, [ADMIN_KEY])
+    await svc.put_queue(ADMIN, "q", {})
+    await svc.send(ADMIN, [("q", b"m%d" % i, 0.0, "") for i in range(5)])
+    if busy:
+        # the writer thread busy with something else (a snapshot's slice, a large commit)
+        asyncio.ensure_future(e.store_io(time.sleep, 1.0))
+        await asyncio.sleep(0)
+        deadline = time.monotonic() + 5
+        while len(e.core.dirty) and time.monotonic() < deadline:  # the checkpoint took its changes
+            await asyncio.sleep(0.01)
+        assert not len(e.core.dirty), "no checkpoint began"
+    await e.stop()  # what a node does last on SIGTERM
+    again = Engine(d)
+    await again.start()
+    try:
+        return again.core.stats("q", again.now_us()) if "q" in again.core.queues else None
+    finally:
+        await again.stop()
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_a_checkpoint_under_way_when_the_node_stops_is_written(tmp_path, busy):
+    """A checkpoint takes the core's changes, then waits for the writer thread. A
+    stop that cancelled it there dropped the write, and the stop's own last
+    checkpoint recorded the applied position without those changes: after a
+    restart the queue and its five answered messages were gone."""
+    got = asyncio.run(_stop_with_the_writer_busy(str(tmp_path / "n"), busy))
+    assert got is not None and got["visible"] == 5, got
