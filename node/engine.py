@@ -306,8 +306,9 @@ class Engine:
             # without them and a restart replays the log only past that lsn
             try:
                 await w
-            except Exception:  # noqa: BLE001 - _fail below, as the loop would have
-                pass
+            except Exception as e:  # as the checkpoint loop would: no last checkpoint over it
+                if self.failed is None:
+                    self._fail(e)
         if self.failed is None:
             await self.store_io(self._checkpoint_now_sync, self._take_checkpoint())
         self._io.shutdown(wait=True)
