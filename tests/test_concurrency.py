@@ -127,3 +127,55 @@ def test_claim_takes_highest_priority_then_oldest(tmp_path):
         assert s.claim_next(w) is None
     finally:
         s.close()
+
+
+def test_a_claim_that_waited_for_the_lock_keeps_a_backoff_set_meanwhile(tmp_path):
+    """J4: a claim reads the time once it holds the write lock. One that read it
+    before waiting took a job whose failure (and 2 s backoff) committed during
+    the wait: the failure's updated_at, after that stale time, looked like a
+    clock stepped back, and the attempt ran again at once."""
+    d = str(tmp_path)
+    s_fail, s_claim, blocker = Store(d), Store(d), Store(d)
+    jid, _ = s_fail.submit(["false"], max_retries=3)
+    first = s_fail.claim_next(WorkerIdentity.current(5.0))
+    waiting, go = threading.Event(), threading.Event()
+    on_busy = s_claim._on_busy
+
+    def held(count):  # the claim meets the lock taken: it waits until the failure is in
+        waiting.set()
+        go.wait(10)
+        return on_busy(count)
+
+    s_claim.conn.setbusyhandler(held)
+    blocker.conn.execute("BEGIN IMMEDIATE")  # another worker's write holds the lock
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("claim", s_claim.claim_next(WorkerIdentity.current(5.0))))
+    t.start()
+    try:
+        assert waiting.wait(10), "the claim never met the lock"
+        blocker.conn.execute("COMMIT")
+        assert s_fail.finish_attempt(first, "nonzero_exit", 1, "exit code 1") == states.QUEUED
+        assert s_fail.get(jid)["run_after"] > s_fail.get(jid)["updated_at"] + 1  # a backoff
+    finally:
+        go.set()
+        t.join(10)
+    assert got["claim"] is None, "claimed inside its backoff"
+
+
+def test_a_cancel_closes_the_attempt_it_canceled_not_a_later_one(tmp_path):
+    """J7: the cancel closes the attempt it found running once its kill is done;
+    a retry and a new claim may come in the meantime. It closed "the latest"
+    attempt before: the new, running one, and left the canceled one open."""
+    s = Store(str(tmp_path))
+    jid, _ = s.submit(["sleep", "100"])
+    s.claim_next(WorkerIdentity.current(5.0))  # attempt 1; its worker then dies
+    prev, _, _, token = s.cancel(jid)
+    assert prev == states.RUNNING and token == f"{jid}:1"
+    s.retry(jid)  # meanwhile (the kill can take seconds): a retry, and another worker claims
+    assert s.claim_next(WorkerIdentity.current(5.0)).n == 2
+    s.close_canceled_attempt(jid, int(token.rpartition(":")[2]))
+    job = s.get(jid)
+    by_n = {a["n"]: a for a in job["attempts"]}
+    assert job["state"] == states.RUNNING
+    assert by_n[1]["finished_at"] is not None and by_n[1]["failure_reason"] == states.CANCELED_REASON
+    assert by_n[2]["finished_at"] is None and by_n[2]["failure_reason"] is None

@@ -262,7 +262,7 @@ def cmd_cancel(args) -> int:
                     executor.kill_group(pid, None)
                 else:
                     executor.kill_orphans(None, token)
-            store.close_canceled_attempt(args.job)
+            store.close_canceled_attempt(args.job, int(token.rpartition(":")[2]))
         job = store.get(args.job)
     finally:
         store.close()

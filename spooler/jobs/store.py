@@ -213,7 +213,13 @@ class Store:
 
     @contextmanager
     def immediate(self) -> Iterator[apsw.Connection]:
-        """One write transaction. BusyError from BEGIN means nothing happened."""
+        """One write transaction. BusyError from BEGIN means nothing happened.
+
+        The write methods read the time inside it, once the lock is held: a time
+        read before waiting for the lock (up to the busy timeout) can be older
+        than what another process committed meanwhile. A claim that read it so
+        took a job whose failure had just set a backoff, since an ``updated_at``
+        after its "now" looks like a clock stepped back."""
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             yield self.conn
@@ -244,8 +250,8 @@ class Store:
         """Queue a job. Returns (job_id, duplicate). A repeated ``key`` returns the first id."""
         command = validate_command(command)
         validate_job_options(priority, max_retries, max_crashes, timeout_s, key)
-        now = time.time() if now is None else now
         with self.immediate() as c:
+            now = time.time() if now is None else now
             if key is not None:
                 row = self._one("SELECT id FROM jobs WHERE idem_key=?", (key,))
                 if row:
@@ -265,8 +271,8 @@ class Store:
         Raises apsw.BusyError if the write lock was not had within the busy
         timeout; the job then stays queued for the next pass.
         """
-        now = time.time() if now is None else now
         with self.immediate() as c:
+            now = time.time() if now is None else now
             row = self._one(
                 "SELECT id, state, attempt_count, command, cwd, timeout_s FROM jobs"
                 " WHERE backend='local' AND state='queued' AND (run_after <= ? OR updated_at > ?)"
@@ -303,9 +309,9 @@ class Store:
         pairs it runs. Returns the pairs it no longer owns (canceled or reaped).
         By attempt, not by job: a job whose attempt ended and that was claimed
         again meanwhile is a new pair, never mistaken for the old one's loss."""
-        now = time.time() if now is None else now
         lost = set()
         with self.immediate() as c:
+            now = time.time() if now is None else now
             c.execute("UPDATE jobs SET heartbeat_at=? WHERE state='running' AND worker_id=?",
                       (now, worker.worker_id))
             for job_id, n in owned:
@@ -322,8 +328,8 @@ class Store:
         The job only moves if this worker still owns this attempt (it may have
         been canceled, or reaped if this worker looked dead).
         """
-        now = time.time() if now is None else now
         with self.immediate() as c:
+            now = time.time() if now is None else now
             row = self._one(
                 "SELECT state, worker_id, attempt_count, failure_count, crash_count, max_retries"
                 " FROM jobs WHERE id=?", (claim.job_id,))
@@ -395,8 +401,8 @@ class Store:
         owned by the same worker and attempt: a worker that heartbeated since
         the scan is left alone. Returns the new state, or None if untouched.
         """
-        now = time.time() if now is None else now
         with self.immediate() as c:
+            now = time.time() if now is None else now
             row = self._one(
                 f"SELECT state, failure_count, crash_count, max_crashes FROM jobs"
                 f" WHERE id=? AND worker_id=? AND attempt_count=? AND {self._STALE}",
@@ -416,8 +422,8 @@ class Store:
     def cancel(self, job_id: str, now: Optional[float] = None) -> tuple:
         """Returns (previous state, pid of the running attempt's process group or None, its host,
         the attempt's token: "<job id>:<n>", as in its processes' environment)."""
-        now = time.time() if now is None else now
         with self.immediate() as c:
+            now = time.time() if now is None else now
             row = self._one("SELECT state, attempt_count, worker_host, backend FROM jobs WHERE id=?", (job_id,))
             if row is None:
                 raise NotFound(f"no job {job_id}")
@@ -436,18 +442,19 @@ class Store:
                           (to, states.CANCELED_REASON, now, job_id))
         return state, pid, host, f"{job_id}:{n}"
 
-    def close_canceled_attempt(self, job_id: str, now: Optional[float] = None) -> None:
-        """After cancel killed a running attempt: close it if its worker has not (e.g. it is gone)."""
-        now = time.time() if now is None else now
+    def close_canceled_attempt(self, job_id: str, n: int, now: Optional[float] = None) -> None:
+        """After cancel killed a running attempt: close attempt ``n`` (the one the
+        cancel found running) if its worker has not (e.g. it is gone). By number,
+        not "the latest": a retry and a new claim may come while the kill waits."""
         with self.immediate() as c:
+            now = time.time() if now is None else now
             c.execute("UPDATE attempts SET finished_at=?, failure_reason=COALESCE(failure_reason, ?)"
-                      " WHERE job_id=? AND n=(SELECT attempt_count FROM jobs WHERE id=?)"
-                      " AND finished_at IS NULL", (now, states.CANCELED_REASON, job_id, job_id))
+                      " WHERE job_id=? AND n=? AND finished_at IS NULL", (now, states.CANCELED_REASON, job_id, n))
 
     def retry(self, job_id: str, force: bool = False, now: Optional[float] = None) -> str:
         """Requeue now. A forced retry also starts fresh failure and crash budgets."""
-        now = time.time() if now is None else now
         with self.immediate() as c:
+            now = time.time() if now is None else now
             row = self._one("SELECT state, backend FROM jobs WHERE id=?", (job_id,))
             if row is None:
                 raise NotFound(f"no job {job_id}")
@@ -469,9 +476,9 @@ class Store:
                      cwd: Optional[str], priority: int, max_retries: int, timeout_s: Optional[float],
                      now: Optional[float] = None) -> Claim:
         """Record (on this machine) an attempt of a job leased from a Spooler queue."""
-        now = time.time() if now is None else now
         orphans: list = []
         with self.immediate() as c:
+            now = time.time() if now is None else now
             row = self._one("SELECT attempt_count FROM jobs WHERE id=?", (job_id,))
             if row is None:
                 c.execute(
@@ -508,8 +515,8 @@ class Store:
     def finish_remote(self, claim: Claim, reason: Optional[str], exit_code: Optional[int], state: str,
                       retry_count: int, detail: str = "", now: Optional[float] = None) -> None:
         """The queue decided (ack / nack / failure queue); mirror it locally."""
-        now = time.time() if now is None else now
         with self.immediate() as c:
+            now = time.time() if now is None else now
             c.execute("UPDATE attempts SET exit_code=?, finished_at=?, failure_reason=?, detail=?"
                       " WHERE job_id=? AND n=?", (exit_code, now, reason, detail or None, claim.job_id, claim.n))
             c.execute("UPDATE jobs SET state=?, failure_reason=?, failure_count=?, updated_at=?, worker_id=NULL,"
