@@ -113,7 +113,7 @@ def test_a_replacement_installs_no_snapshot_in_its_quiet_first_stretch(tmp_path)
     e.store.close()
 
 
-def _primary(acked_us: int, now: int) -> R.Replication:
+def _primary(acked_us: int) -> R.Replication:
     c = R.Replication("n1", ["n1", "n2", "n3"], 2_000_000, rand=lambda: 0.5)
     c.started = True
     c.role, c.epoch, c.primary = R.PRIMARY, 2, "n1"
@@ -125,9 +125,9 @@ def _primary(acked_us: int, now: int) -> R.Replication:
 
 def test_a_primary_past_its_failover_timeout_counts_no_install():
     now = 10_000_000_000
-    stale = _primary(now - 3_000_000, now)  # no majority heard for 3 s, with a 2 s timeout
+    stale = _primary(now - 3_000_000)  # no majority heard for 3 s, with a 2 s timeout
     out = stale.snapshot_sent("n2", 3, now)
     assert not [x for x in out if isinstance(x, R.Commit)] and stale.commit_lsn == 0
     assert stale.role == R.REPLICA
-    live = _primary(now - 100_000, now)  # the control: heard 0.1 s ago, the install commits
+    live = _primary(now - 100_000)  # the control: heard 0.1 s ago, the install commits
     assert [x.lsn for x in live.snapshot_sent("n2", 3, now) if isinstance(x, R.Commit)] == [3]
