@@ -375,6 +375,7 @@ def test_an_output_file_that_cannot_be_made_fails_the_attempt_not_the_worker(spo
 
 @pytest.mark.parametrize("script, reason", [
     ("sleep 300 & echo $! > {gc}; exit 0", None),   # a normal end
+    ("env -i sleep 300 & echo $! > {gc}; exit 0", None),   # a member that carries no token
     ("sh -c 'trap \"\" TERM; sleep 300' & echo $! > {gc}; sleep 0.3; kill -9 $$", states.NONZERO_EXIT),
 ])
 def test_what_a_command_leaves_running_in_its_group_ends_with_it(tmp_path, script, reason):
@@ -394,12 +395,13 @@ def test_what_a_command_leaves_running_in_its_group_ends_with_it(tmp_path, scrip
         kill_group_of(res.pid, gpid)
 
 
-def test_a_leftover_caught_inside_execve_is_still_stopped(tmp_path, monkeypatch):
-    """``sleep 300 & exit 0``: the shell can exit while its background child is
-    still inside execve, when /proc shows no environment for it (the new image's
-    is not mapped yet). Such a member is read again before it counts as not the
-    attempt's, so it is still stopped. Here its first reads come back empty, as
-    they do in that window."""
+def test_a_member_caught_inside_execve_still_counts_as_the_attempts(tmp_path, monkeypatch):
+    """``sleep 300 &``: a member can be caught while still inside execve, when /proc
+    shows no environment for it (the new image's is not mapped yet). Such a member
+    is read again before it counts as not carrying the attempt's token, so a
+    cancel (``group_carries``) still takes the group as the attempt's. Here its
+    first reads come back empty, as they do in that window."""
+    import subprocess
     real, blanks = executor._environ, {}
 
     def mid_exec(pid):
@@ -408,18 +410,34 @@ def test_a_leftover_caught_inside_execve_is_still_stopped(tmp_path, monkeypatch)
             return b""
         return real(pid)
 
-    monkeypatch.setattr(executor, "_environ", mid_exec)
-    gc = tmp_path / "gc.pid"
     env = {**os.environ, executor.ATTEMPT_ENV: "job:1"}
-    res = executor.run(["sh", "-c", f"sleep 300 & echo $! > {gc}; exit 0"], str(tmp_path / "o"),
-                       str(tmp_path / "e"), timeout_s=60, env=env, grace_s=0.5)
-    gpid = int(gc.read_text())
+    p = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
     try:
-        assert res.reason is None
-        assert blanks.get(gpid) == 3, "the member's environment was not read as if mid-exec"
-        wait_until(lambda: pid_gone(gpid), 5.0, what="the leftover member stopped")
+        wait_until(lambda: f"{executor.ATTEMPT_ENV}=job:1".encode() in real(p.pid).split(b"\0"), 5.0,
+                   what="the command exec'd with its token")
+        monkeypatch.setattr(executor, "_environ", mid_exec)
+        assert executor.group_carries(p.pid, "job:1") is True
+        assert blanks.get(p.pid) == 3, "the member's environment was not read as if mid-exec"
+        assert executor.group_carries(p.pid, "job:2") is False
     finally:
-        kill_group_of(res.pid, gpid)
+        p.kill()
+        p.wait(timeout=10)
+
+
+def test_a_group_whose_leader_lives_is_not_taken_for_leftovers():
+    """``end_leftovers`` runs after the attempt's leader was reaped. A group with
+    the leader's id whose leader is alive is another program's (the id was handed
+    out again, which the kernel does only once nothing of the attempt's group is
+    left): it is left running."""
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        assert executor.end_leftovers(p.pid, grace_s=0.2) is False
+        assert p.poll() is None, "another program's group was stopped"
+    finally:
+        p.kill()
+        p.wait(timeout=10)
 
 
 def test_a_group_the_worker_may_not_signal_is_waited_for_boundedly_and_stops_nothing(monkeypatch):

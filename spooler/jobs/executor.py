@@ -168,19 +168,29 @@ def kill_group(pgid: int, proc: Optional[subprocess.Popen] = None, grace_s: floa
         time.sleep(0.02)
 
 
-def end_leftovers(pgid: int, token: Optional[str], grace_s: float = knobs.TERM_GRACE_S) -> bool:
+def end_leftovers(pgid: int, grace_s: float = knobs.TERM_GRACE_S) -> bool:
     """The command (the group's leader) has exited and been waited for: stop what
-    it left running in its group (``sleep 100 &``), as a timeout or a cancel
-    would, so that no attempt outlives its own end (and none runs on past its
-    timeout). One syscall when nothing is left. The group is the attempt's only
-    while a member carries its ``token`` (the id could have been taken since).
-    True if something was stopped."""
+    it left running in its group (``sleep 100 &``, ``env -i cmd &``), as a
+    timeout or a cancel would, so that no attempt outlives its own end (and none
+    runs on past its timeout). One syscall when nothing is left. True if
+    something was stopped.
+
+    Whether the group is still the attempt's needs no token (a member may have
+    cleaned its environment): the kernel hands out a process id again only when
+    no process, group or session uses it. So while a member of the attempt's
+    group remains, no new process can have the leader's pid; and a group with
+    that id whose leader is alive is a later one's, which is left alone."""
     try:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
         return False
-    if token is not None and group_carries(pgid, token) is False:
+    try:
+        os.kill(pgid, 0)   # the leader was reaped: a process with its pid is another's
         return False
+    except PermissionError:
+        return False
+    except ProcessLookupError:
+        pass
     kill_group(pgid, None, grace_s)
     return True
 
@@ -241,7 +251,7 @@ def run(argv: list, stdout_path: str, stderr_path: str, timeout_s: Optional[floa
     finally:
         if pidfd is not None:
             os.close(pidfd)
-    end_leftovers(pid, (env or {}).get(ATTEMPT_ENV), grace_s)
+    end_leftovers(pid, grace_s)
     if code == 0:
         return Result(None, 0, "", pid)
     detail = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
