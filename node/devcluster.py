@@ -49,7 +49,11 @@ def _echo(node_id: str, stream) -> None:
         say(f"{node_id}: {line.decode(errors='replace').rstrip()}")
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv:  # it takes no arguments: --help (or anything) prints what it does, and starts nothing
+        print(__doc__.strip())
+        return 0 if argv[0] in ("-h", "--help") else 2
     key = os.environ.get("SPOOLER_ADMIN_KEY", "dev-admin-key")
     base = os.environ.get("SPOOLER_CLUSTER_DIR", "./var/cluster")
     http0, grpc0 = _port("SPOOLER_CLUSTER_HTTP_PORT", 8081), _port("SPOOLER_CLUSTER_GRPC_PORT", 27061)

@@ -7,6 +7,7 @@ import random
 import time
 from dataclasses import dataclass
 from datetime import datetime
+from itertools import repeat
 from typing import Callable, Optional
 
 import grpc
@@ -265,6 +266,16 @@ async def call_with_retries(fn, attempts: int, *, first_failed: Optional[BaseExc
                 raise
 
 
+def unconfirmed_after(e: errors.Unavailable) -> errors.OperationUnconfirmed:
+    """A retry refused as ``unavailable`` (not accepted) after an earlier attempt of
+    the same call whose outcome is unknown: the call as a whole may still have
+    taken effect, so its caller hears ``operation_unconfirmed``, never a last
+    ``unavailable`` that would say it surely did not."""
+    u = errors.OperationUnconfirmed(f"an earlier attempt's outcome is unknown (the last one: {e})")
+    u.__cause__ = e
+    return u
+
+
 class _LastError:
     """A retry's last error: what the caller hears when a retry is stopped before it
     is made (the client closed, a dedup window used up meanwhile), not a new one
@@ -464,7 +475,7 @@ def send_outcomes(r: api_pb2.SendBatchResponse, n: Optional[int] = None) -> list
     outcomes cannot be matched to them (a faulty node): operation_unconfirmed."""
     out = [errors.from_detail(x.error) if x.HasField("error") else SendResult(x.id, x.duplicate) for x in r.results]
     ids = run_ids(r.run_id_prefix, r.run_id_first, r.run_count) if r.run_count else r.run_ids
-    out.extend([SendResult(i, False) for i in ids])
+    out.extend(map(SendResult, ids, repeat(False, len(ids))))
     if n is not None and len(out) != n:
         raise errors.OperationUnconfirmed(f"the node answered {len(out)} outcomes for {n} sends")
     return out
@@ -483,9 +494,10 @@ def settle_outcomes(r, n: int) -> list:
 def batch_results(r: api_pb2.SendBatchResponse) -> list:
     """send_batch's answer: every SendResult, or the first message's error raised."""
     out = send_outcomes(r)
-    for x in out:
-        if isinstance(x, errors.SpoolerError):
-            raise x
+    if r.results:  # (an answer of compact runs only holds no error)
+        for x in out:
+            if isinstance(x, errors.SpoolerError):
+                raise x
     return out
 
 

@@ -24,7 +24,7 @@ from spooler import errors
 from spooler._common import (MOVE_ON, Nodes, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, batch_request, compact_request, settle_request, settle_outcomes, batch_results, call_with_retries,
                              _has_detail, map_rpc_error, message_of, never_sent, read_lost, queue_dict, renew_delay_s, resend_groups, send_outcomes, settle_after_unconfirmed,
                              settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
-                             release_request, settle_failed)
+                             release_request, settle_failed, unconfirmed_after)
 from spooler.pb import api_pb2
 
 log = logging.getLogger("spooler.aio")
@@ -413,6 +413,8 @@ class AsyncClient(Nodes):
                 return await enqueue()
             except errors.SpoolerError as e:
                 window.noting(e)
+                if isinstance(e, errors.Unavailable) and window.maybe_landed:
+                    raise unconfirmed_after(e) from e
                 raise
         # a close() meanwhile stops the resends with the last attempt's error (which
         # says whether the message may have been stored), not "the client is closed"
@@ -426,7 +428,7 @@ class AsyncClient(Nodes):
         try:
             q = await self.get_queue(queue)  # retried after unavailable
             return float(q["settings"]["dedupWindowSeconds"])
-        except errors.SpoolerError:
+        except (errors.SpoolerError, RuntimeError):  # (RuntimeError: the client was closed meanwhile)
             return 0.0
 
     def _start_flush(self) -> None:
@@ -604,6 +606,10 @@ class AsyncClient(Nodes):
                 raise
             except errors.OperationUnconfirmed:
                 maybe_landed = True
+                raise
+            except errors.Unavailable as e:
+                if maybe_landed:
+                    raise unconfirmed_after(e) from e
                 raise
 
         return await call_with_retries(once, self.retry_attempts, settle=True, stop_when=self._gone)

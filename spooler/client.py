@@ -24,7 +24,7 @@ from spooler import errors
 from spooler._common import (MOVE_ON, Nodes, keep_renewing_after, batch_size, check_batch, check_send_types, Message, SendResult, batch_request, settle_outcomes, batch_results, call_with_retries_sync,
                              map_rpc_error, message_of, queue_dict, renew_delay_s, resend_groups, send_outcomes, settle_after_unconfirmed,
                              settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
-                             release_request, settle_failed, settle_request)
+                             release_request, settle_failed, settle_request, unconfirmed_after)
 from spooler.pb import api_pb2
 
 log = logging.getLogger("spooler.client")
@@ -148,6 +148,8 @@ class Client(Nodes):
                 return self.send_async(req).result()
             except errors.SpoolerError as e:
                 window.noting(e)
+                if isinstance(e, errors.Unavailable) and window.maybe_landed:
+                    raise unconfirmed_after(e) from e
                 raise
         # a close() meanwhile stops the resends with the last attempt's error (as AsyncClient)
         return call_with_retries_sync(again, self.retry_attempts - 1, first_failed=first,
@@ -159,7 +161,7 @@ class Client(Nodes):
         try:
             q = self.get_queue(queue)  # retried after unavailable
             return float(q["settings"]["dedupWindowSeconds"])
-        except errors.SpoolerError:
+        except (errors.SpoolerError, RuntimeError):  # (RuntimeError: the client was closed meanwhile)
             return 0.0
 
     def send_async(self, req: api_pb2.SendRequest) -> Future:
@@ -307,6 +309,10 @@ class Client(Nodes):
                 raise
             except errors.OperationUnconfirmed:
                 state["maybe_landed"] = True
+                raise
+            except errors.Unavailable as e:
+                if state["maybe_landed"]:
+                    raise unconfirmed_after(e) from e
                 raise
 
         with self._waited_for_by_close():

@@ -57,6 +57,7 @@ class AppendResp:
     match_lsn: int         # ok: last lsn now known to match; not ok: a hint to back off to
     sent_us: int
     joining: bool = False  # the sender is a replacement that does not vote yet
+    contact: bool = False  # only "your frame of sent_us reached me" (heard): ok and match_lsn say nothing
 
 
 @dataclass
@@ -600,6 +601,16 @@ class Replication:
             self.next[p] = upto + 1  # pipelined: assume it lands; a refusal rewinds
             self.inflight[p] = self.inflight.get(p, 0) + 1
 
+    def contact(self, m: AppendResp, now: int) -> None:
+        """Primary: an acknowledgement ``m`` has arrived (of a frame, or contact
+        only). Its contact counts from its arrival: the IO shell notes it here at
+        once, while the whole of it may still wait its turn for receive() (behind
+        this node's own fsync of a large commit, say). Nothing else is done here,
+        and nothing past the failover timeout is counted (receive steps down)."""
+        if self.role == PRIMARY and m.epoch == self.epoch and m.sender in self.peers \
+                and now < self.lease_until(now):
+            self.acked_sent[m.sender] = max(self.acked_sent.get(m.sender, -1 << 62), m.sent_us)
+
     def _on_append_resp(self, m: AppendResp, now: int, out: list) -> None:
         if self.role != PRIMARY or m.epoch != self.epoch:
             return
@@ -610,6 +621,8 @@ class Replication:
             return
         p = m.sender
         self.acked_sent[p] = max(self.acked_sent.get(p, -1 << 62), m.sent_us)
+        if m.contact:
+            return  # contact only (heard): the frame's own acknowledgement follows its fsync
         self.peer_joining[p] = m.joining
         self.inflight[p] = max(0, self.inflight.get(p, 0) - 1)
         if m.ok:
@@ -653,6 +666,27 @@ class Replication:
             out.append(Send(t, TimeoutNow(self.epoch, self.id)))
 
     # ------------------------------------------------------------ replica
+    def heard(self, m: AppendReq, now: int) -> list:
+        """Replica: a frame ``m`` has arrived, but waits behind earlier frames still
+        being stored (large records take a while to write and fsync). If it is from
+        the primary we follow, in our epoch, its arrival is contact: note it now,
+        as receive() would, and tell the primary at once (AppendResp.contact), so
+        that its lease does not run out while our disk works through a backlog.
+        The frame is received in its turn; its records are acknowledged then.
+
+        [] (nothing noted) where the frame has to be received first: another epoch
+        or primary (the epoch gate), while we join, or when its lease_us is longer
+        than any we have acknowledged (lease_seen must be persisted first)."""
+        if self.role != REPLICA or m.epoch != self.epoch or self.primary != m.primary or self.joining \
+                or (m.lease_us or self.timeout) > self.lease_seen:
+            return []
+        self._note_lease(m.lease_us, now)  # (may only lower lease_seen here: nothing to persist first)
+        self.last_contact = now
+        self.contact_lease = m.lease_us
+        self.primary_gone = False
+        self._reset_election_timer(now)
+        return [Send(m.primary, AppendResp(self.epoch, self.id, True, self.durable_lsn, m.sent_us, contact=True))]
+
     def _on_append(self, m: AppendReq, now: int, out: list) -> None:
         if m.epoch < self.epoch:
             out.append(Send(m.primary, AppendResp(self.epoch, self.id, False, self.log.last_lsn, m.sent_us)))

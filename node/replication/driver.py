@@ -35,6 +35,10 @@ FRAME_BYTES_MAX = 12 << 20
 SNAPSHOT_INCOMING = "snapshot-incoming-"   # + a unique part + ".db": a copy being received
 RELEASE_RESEND_S = 0.25  # a pending lost-answer release rides on an ack at most this often
 RELEASES_PER_ACK = 64
+# Contact acknowledgements (serve_stream, Replication.heard/contact): off only in
+# a test's control run, which shows that a backlog on slow disks deposes a primary
+# without them.
+CONTACT_ACKS = os.environ.get("SPOOLER_TEST_CONTACT_ACKS", "1") != "0"
 
 
 def frame_parts(msg: "R.AppendReq", data: list, limit: int = FRAME_BYTES_MAX) -> list:
@@ -79,6 +83,9 @@ class Driver:
         # Replica: records a frame's handling found committed, applied once the
         # frame's acknowledgement has left (see serve_stream)
         self._apply_after_ack = 0
+        # effect lists under way that hold a Persist: the core's epoch, vote and
+        # lease_seen in memory may be ahead of the disk (no contact acknowledgement then)
+        self._persisting = 0
         self._timeout_warned: set = set()  # candidates found to run with another --failover-timeout
         self._vote_reply = None
         self._snapshots: dict = {}
@@ -207,6 +214,16 @@ class Driver:
             self.engine.apply_upto(lsn)
 
     async def _run(self, effects: list) -> None:
+        if any(type(eff) is R.Persist for eff in effects):
+            self._persisting += 1
+            try:
+                await self._run_effects(effects)
+            finally:
+                self._persisting -= 1
+        else:
+            await self._run_effects(effects)
+
+    async def _run_effects(self, effects: list) -> None:
         e = self.engine
         if self._replies is None:
             self._apply_deferred()  # nothing else sees the state behind a frame's commit point
@@ -289,7 +306,7 @@ class Driver:
                     epoch=msg.epoch, primary=msg.primary, prev_lsn=prev[0], prev_epoch=prev[1],
                     prev_crc=prev[2], commit_lsn=min(msg.commit_lsn, part[-1].lsn) if part else msg.commit_lsn,
                     sent_us=msg.sent_us, primary_commit_lsn=msg.primary_commit, lease_us=msg.lease_us,
-                    entries=part))
+                    entries=part, contact_acks=CONTACT_ACKS))
         elif isinstance(msg, R.AppendResp):
             if self._replies is not None:
                 self._replies.append(pb.AppendAck(epoch=msg.epoch, sender=msg.sender, ok=msg.ok,
@@ -321,9 +338,12 @@ class Driver:
                 async for ack in call:
                     if ack.releases and self.engine.release_hook is not None:
                         self.engine.release_hook(list(ack.releases))
+                    m = R.AppendResp(ack.epoch, ack.sender, ack.ok, ack.match_lsn, ack.sent_us, ack.joining,
+                                     ack.contact)
+                    if CONTACT_ACKS:
+                        self.core.contact(m, mono_us())  # now, not once the lock is free (see contact)
                     async with self.lock:
-                        await self._run(self.core.receive(R.AppendResp(
-                            ack.epoch, ack.sender, ack.ok, ack.match_lsn, ack.sent_us, ack.joining), mono_us()))
+                        await self._run(self.core.receive(m, mono_us()))
             except asyncio.CancelledError:
                 raise
             except grpc.RpcError as e:
@@ -454,17 +474,59 @@ class Driver:
                             f"{who!r} is not a member of the cluster of node {self.id!r}")
 
     async def serve_stream(self, request_iterator, context):
-        """Replica side of a primary's stream."""
+        """Replica side of a primary's stream: its frames are handled one at a time,
+        in order, each acknowledged once stored.
+
+        A frame whose handling waits (a large one is written and fsync'd in the
+        store's thread) does not stop the stream from being read: the frames that
+        arrive meanwhile wait their turn here, and each is answered at once with a
+        contact acknowledgement (Replication.heard), so that a primary does not
+        lose its majority, and step down, while our disk works through a backlog of
+        large records. A frame handled without waiting costs nothing of this."""
         sender = None
+        it = request_iterator.__aiter__()
+        ahead: list = []          # frames read while an earlier one was being handled
+        reading = None            # the pending read of the next frame, if any
+        read_end = None           # how reading ended while a frame was handled (StopAsyncIteration, error)
         try:
-            async for f in request_iterator:
+            while True:
+                if ahead:
+                    f = ahead.pop(0)
+                elif read_end is not None:
+                    if isinstance(read_end, StopAsyncIteration):
+                        break
+                    raise read_end
+                else:
+                    r, reading = reading, None
+                    try:
+                        f = await (r if r is not None else it.__anext__())
+                    except StopAsyncIteration:
+                        break
                 if f.primary != sender and not self.is_member(f.primary):
                     await self._refuse(context, f.primary)
                 sender = f.primary
                 # Shielded: if the primary dies mid-frame, gRPC cancels this handler;
                 # the frame's store-and-bookkeeping must still finish as one step, or
                 # the log on disk and the core's view of it would part ways.
-                replies = await shielded(self._handle_frame(f))
+                done, value = start_shielded(self._handle_frame(f))
+                while not done:
+                    if reading is None and read_end is None:
+                        reading = asyncio.ensure_future(it.__anext__())
+                    waits = {value} if reading is None else {value, reading}
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    if reading is not None and reading.done():
+                        r, reading = reading, None
+                        try:
+                            nxt = r.result()
+                        except (StopAsyncIteration, Exception) as e:  # noqa: BLE001 - met in its turn
+                            read_end = e
+                        else:
+                            ahead.append(nxt)
+                            for ack in self._contact_acks(nxt):
+                                yield ack
+                    if value.done():
+                        done, value = True, value.result()
+                replies = value
                 rel = self._pending_releases(f.primary)
                 for r in replies:
                     if rel:
@@ -476,10 +538,23 @@ class Driver:
                     async with self.lock:
                         self._apply_deferred()
         finally:
+            if reading is not None:
+                reading.cancel()
             # the primary's end of the stream is gone: it may have died
             if sender is not None and sender == self.core.primary and not self.stopped:
                 async with self.lock:
                     await self._run(self.core.primary_stream_broken(mono_us()))
+
+    def _contact_acks(self, f) -> list:
+        """A frame that waits behind one being handled: its arrival is contact, if
+        the core can note it now (the primary we follow, our epoch, nothing of
+        ours on its way to disk that an acknowledgement would depend on)."""
+        if not f.contact_acks or self._persisting or self.stopped:
+            return []
+        out = self.core.heard(R.AppendReq(f.epoch, f.primary, f.prev_lsn, f.prev_epoch, f.prev_crc, [],
+                                          f.commit_lsn, f.sent_us, f.primary_commit_lsn, f.lease_us), mono_us())
+        return [pb.AppendAck(epoch=m.epoch, sender=m.sender, ok=m.ok, match_lsn=m.match_lsn, sent_us=m.sent_us,
+                             contact=True) for m in (e.msg for e in out)]
 
     def _pending_releases(self, primary: str) -> list:
         """Lost-answer releases this node's forwarder is still trying to deliver to
@@ -577,11 +652,19 @@ async def shielded(coro):
     (asyncio.timeout, wait_for) or a context variable set before the first wait
     would belong to the caller, not to the task that finishes. The frame's path
     uses neither (it waits only on the lock and the store's thread); keep it so."""
+    done, value = start_shielded(coro)
+    return value if done else await asyncio.shield(value)
+
+
+def start_shielded(coro) -> tuple:
+    """Run ``coro`` up to its first wait (see shielded): (True, its result) if it
+    finished there, else (False, the task that runs the rest, which the caller's
+    cancellation does not reach)."""
     try:
         first = coro.send(None)
     except StopIteration as done:
-        return done.value
-    return await asyncio.shield(asyncio.ensure_future(_resume(coro, first)))
+        return True, done.value
+    return False, asyncio.ensure_future(_resume(coro, first))
 
 
 @types.coroutine

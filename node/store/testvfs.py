@@ -5,20 +5,26 @@ memory until ``xSync`` and only then writes and fsyncs it. SIGKILL of such a
 node loses exactly what a power cut would lose: everything not fsync'd.
 ``SPOOLER_TEST_FSYNC_FAIL_FILE=path``: while that file exists, ``xSync``
 raises an I/O error (an fsync failure the node must not survive quietly).
+``SPOOLER_TEST_SYNC_DELAY=1``: each ``xSync`` first sleeps for as many seconds
+as the file ``test-sync-delay`` beside the synced file says (none: no delay),
+a disk that is slow for a while.
 """
 from __future__ import annotations
 
 import os
 import threading
+import time
 
 import apsw
 
 NAME = "spooler-buffered"
+SYNC_DELAY_FILE = "test-sync-delay"
 
 
 class BufferedVFS(apsw.VFS):
     def __init__(self):
         self.fail_file = os.environ.get("SPOOLER_TEST_FSYNC_FAIL_FILE", "")
+        self.sync_delay = os.environ.get("SPOOLER_TEST_SYNC_DELAY") == "1"
         self.lock = threading.RLock()
         self.files: dict = {}  # path -> _State, shared by every handle on that file
         super().__init__(NAME, "")
@@ -119,6 +125,12 @@ class BufferedFile(apsw.VFSFile):
     def xSync(self, flags):
         if self.vfs.fail_file and os.path.exists(self.vfs.fail_file):
             raise apsw.IOError("injected fsync failure")
+        if self.vfs.sync_delay and self.path:
+            try:
+                with open(os.path.join(os.path.dirname(self.path), SYNC_DELAY_FILE)) as f:
+                    time.sleep(max(0.0, float(f.read() or 0)))
+            except (OSError, ValueError):
+                pass
         with self.vfs.lock:
             if self.truncated_to is not None:
                 super().xTruncate(self.truncated_to)

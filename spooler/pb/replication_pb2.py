@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspooler/pb/replication.proto\x12\nspooler.v1\"=\n\x05\x45ntry\x12\x0b\n\x03lsn\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03\x63rc\x18\x03 \x01(\r\x12\x0b\n\x03rec\x18\x04 \x01(\x0c\"\xdc\x01\n\x0b\x41ppendFrame\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07primary\x18\x02 \x01(\t\x12\x10\n\x08prev_lsn\x18\x03 \x01(\x04\x12\x12\n\nprev_epoch\x18\x04 \x01(\x03\x12\x10\n\x08prev_crc\x18\x05 \x01(\r\x12\"\n\x07\x65ntries\x18\x06 \x03(\x0b\x32\x11.spooler.v1.Entry\x12\x12\n\ncommit_lsn\x18\x07 \x01(\x04\x12\x0f\n\x07sent_us\x18\x08 \x01(\x03\x12\x1a\n\x12primary_commit_lsn\x18\t \x01(\x04\x12\x10\n\x08lease_us\x18\n \x01(\x03\"\x99\x01\n\tAppendAck\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\x11\n\tmatch_lsn\x18\x04 \x01(\x04\x12\x0f\n\x07sent_us\x18\x05 \x01(\x03\x12,\n\x08releases\x18\x06 \x03(\x0b\x32\x1a.spooler.v1.PendingRelease\x12\x0f\n\x07joining\x18\x07 \x01(\x08\"J\n\x0ePendingRelease\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x12\n\nreceive_id\x18\x02 \x01(\t\x12\x15\n\rauthorization\x18\x03 \x01(\t\"\x86\x01\n\x0bVoteRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x11\n\tcandidate\x18\x02 \x01(\t\x12\x12\n\nlast_epoch\x18\x03 \x01(\x04\x12\x10\n\x08last_lsn\x18\x04 \x01(\x04\x12\x0b\n\x03pre\x18\x05 \x01(\x08\x12\x10\n\x08transfer\x18\x06 \x01(\x08\x12\x10\n\x08lease_us\x18\x07 \x01(\x03\"\xba\x01\n\x0cVoteResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x0f\n\x07granted\x18\x03 \x01(\x08\x12\x0b\n\x03pre\x18\x04 \x01(\x08\x12\x18\n\x10since_contact_us\x18\x05 \x01(\x03\x12\x15\n\rsince_vote_us\x18\x06 \x01(\x03\x12\x10\n\x08lease_us\x18\x07 \x01(\x03\x12\x15\n\rvote_lease_us\x18\x08 \x01(\x03\x12\x13\n\x0bvoter_epoch\x18\t \x01(\x04\"3\n\x11TimeoutNowRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07primary\x18\x02 \x01(\t\"\x0b\n\tReplEmpty\"K\n\rSnapshotChunk\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07primary\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\":\n\x0bSnapshotAck\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x10\n\x08last_lsn\x18\x03 \x01(\x04\x32\x93\x02\n\x0bReplication\x12<\n\x06Stream\x12\x17.spooler.v1.AppendFrame\x1a\x15.spooler.v1.AppendAck(\x01\x30\x01\x12\x39\n\x04Vote\x12\x17.spooler.v1.VoteRequest\x1a\x18.spooler.v1.VoteResponse\x12\x42\n\nTimeoutNow\x12\x1d.spooler.v1.TimeoutNowRequest\x1a\x15.spooler.v1.ReplEmpty\x12G\n\x0fInstallSnapshot\x12\x19.spooler.v1.SnapshotChunk\x1a\x17.spooler.v1.SnapshotAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspooler/pb/replication.proto\x12\nspooler.v1\"=\n\x05\x45ntry\x12\x0b\n\x03lsn\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03\x63rc\x18\x03 \x01(\r\x12\x0b\n\x03rec\x18\x04 \x01(\x0c\"\xf2\x01\n\x0b\x41ppendFrame\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07primary\x18\x02 \x01(\t\x12\x10\n\x08prev_lsn\x18\x03 \x01(\x04\x12\x12\n\nprev_epoch\x18\x04 \x01(\x03\x12\x10\n\x08prev_crc\x18\x05 \x01(\r\x12\"\n\x07\x65ntries\x18\x06 \x03(\x0b\x32\x11.spooler.v1.Entry\x12\x12\n\ncommit_lsn\x18\x07 \x01(\x04\x12\x0f\n\x07sent_us\x18\x08 \x01(\x03\x12\x1a\n\x12primary_commit_lsn\x18\t \x01(\x04\x12\x10\n\x08lease_us\x18\n \x01(\x03\x12\x14\n\x0c\x63ontact_acks\x18\x0b \x01(\x08\"\xaa\x01\n\tAppendAck\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\x11\n\tmatch_lsn\x18\x04 \x01(\x04\x12\x0f\n\x07sent_us\x18\x05 \x01(\x03\x12,\n\x08releases\x18\x06 \x03(\x0b\x32\x1a.spooler.v1.PendingRelease\x12\x0f\n\x07joining\x18\x07 \x01(\x08\x12\x0f\n\x07\x63ontact\x18\x08 \x01(\x08\"J\n\x0ePendingRelease\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x12\n\nreceive_id\x18\x02 \x01(\t\x12\x15\n\rauthorization\x18\x03 \x01(\t\"\x86\x01\n\x0bVoteRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x11\n\tcandidate\x18\x02 \x01(\t\x12\x12\n\nlast_epoch\x18\x03 \x01(\x04\x12\x10\n\x08last_lsn\x18\x04 \x01(\x04\x12\x0b\n\x03pre\x18\x05 \x01(\x08\x12\x10\n\x08transfer\x18\x06 \x01(\x08\x12\x10\n\x08lease_us\x18\x07 \x01(\x03\"\xba\x01\n\x0cVoteResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x0f\n\x07granted\x18\x03 \x01(\x08\x12\x0b\n\x03pre\x18\x04 \x01(\x08\x12\x18\n\x10since_contact_us\x18\x05 \x01(\x03\x12\x15\n\rsince_vote_us\x18\x06 \x01(\x03\x12\x10\n\x08lease_us\x18\x07 \x01(\x03\x12\x15\n\rvote_lease_us\x18\x08 \x01(\x03\x12\x13\n\x0bvoter_epoch\x18\t \x01(\x04\"3\n\x11TimeoutNowRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07primary\x18\x02 \x01(\t\"\x0b\n\tReplEmpty\"K\n\rSnapshotChunk\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07primary\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\":\n\x0bSnapshotAck\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x10\n\x08last_lsn\x18\x03 \x01(\x04\x32\x93\x02\n\x0bReplication\x12<\n\x06Stream\x12\x17.spooler.v1.AppendFrame\x1a\x15.spooler.v1.AppendAck(\x01\x30\x01\x12\x39\n\x04Vote\x12\x17.spooler.v1.VoteRequest\x1a\x18.spooler.v1.VoteResponse\x12\x42\n\nTimeoutNow\x12\x1d.spooler.v1.TimeoutNowRequest\x1a\x15.spooler.v1.ReplEmpty\x12G\n\x0fInstallSnapshot\x12\x19.spooler.v1.SnapshotChunk\x1a\x17.spooler.v1.SnapshotAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,23 +34,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENTRY']._serialized_start=44
   _globals['_ENTRY']._serialized_end=105
   _globals['_APPENDFRAME']._serialized_start=108
-  _globals['_APPENDFRAME']._serialized_end=328
-  _globals['_APPENDACK']._serialized_start=331
-  _globals['_APPENDACK']._serialized_end=484
-  _globals['_PENDINGRELEASE']._serialized_start=486
-  _globals['_PENDINGRELEASE']._serialized_end=560
-  _globals['_VOTEREQUEST']._serialized_start=563
-  _globals['_VOTEREQUEST']._serialized_end=697
-  _globals['_VOTERESPONSE']._serialized_start=700
-  _globals['_VOTERESPONSE']._serialized_end=886
-  _globals['_TIMEOUTNOWREQUEST']._serialized_start=888
-  _globals['_TIMEOUTNOWREQUEST']._serialized_end=939
-  _globals['_REPLEMPTY']._serialized_start=941
-  _globals['_REPLEMPTY']._serialized_end=952
-  _globals['_SNAPSHOTCHUNK']._serialized_start=954
-  _globals['_SNAPSHOTCHUNK']._serialized_end=1029
-  _globals['_SNAPSHOTACK']._serialized_start=1031
-  _globals['_SNAPSHOTACK']._serialized_end=1089
-  _globals['_REPLICATION']._serialized_start=1092
-  _globals['_REPLICATION']._serialized_end=1367
+  _globals['_APPENDFRAME']._serialized_end=350
+  _globals['_APPENDACK']._serialized_start=353
+  _globals['_APPENDACK']._serialized_end=523
+  _globals['_PENDINGRELEASE']._serialized_start=525
+  _globals['_PENDINGRELEASE']._serialized_end=599
+  _globals['_VOTEREQUEST']._serialized_start=602
+  _globals['_VOTEREQUEST']._serialized_end=736
+  _globals['_VOTERESPONSE']._serialized_start=739
+  _globals['_VOTERESPONSE']._serialized_end=925
+  _globals['_TIMEOUTNOWREQUEST']._serialized_start=927
+  _globals['_TIMEOUTNOWREQUEST']._serialized_end=978
+  _globals['_REPLEMPTY']._serialized_start=980
+  _globals['_REPLEMPTY']._serialized_end=991
+  _globals['_SNAPSHOTCHUNK']._serialized_start=993
+  _globals['_SNAPSHOTCHUNK']._serialized_end=1068
+  _globals['_SNAPSHOTACK']._serialized_start=1070
+  _globals['_SNAPSHOTACK']._serialized_end=1128
+  _globals['_REPLICATION']._serialized_start=1131
+  _globals['_REPLICATION']._serialized_end=1406
 # @@protoc_insertion_point(module_scope)

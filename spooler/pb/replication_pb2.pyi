@@ -19,7 +19,7 @@ class Entry(_message.Message):
     def __init__(self, lsn: _Optional[int] = ..., epoch: _Optional[int] = ..., crc: _Optional[int] = ..., rec: _Optional[bytes] = ...) -> None: ...
 
 class AppendFrame(_message.Message):
-    __slots__ = ("epoch", "primary", "prev_lsn", "prev_epoch", "prev_crc", "entries", "commit_lsn", "sent_us", "primary_commit_lsn", "lease_us")
+    __slots__ = ("epoch", "primary", "prev_lsn", "prev_epoch", "prev_crc", "entries", "commit_lsn", "sent_us", "primary_commit_lsn", "lease_us", "contact_acks")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_FIELD_NUMBER: _ClassVar[int]
     PREV_LSN_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class AppendFrame(_message.Message):
     SENT_US_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_COMMIT_LSN_FIELD_NUMBER: _ClassVar[int]
     LEASE_US_FIELD_NUMBER: _ClassVar[int]
+    CONTACT_ACKS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     primary: str
     prev_lsn: int
@@ -40,10 +41,11 @@ class AppendFrame(_message.Message):
     sent_us: int
     primary_commit_lsn: int
     lease_us: int
-    def __init__(self, epoch: _Optional[int] = ..., primary: _Optional[str] = ..., prev_lsn: _Optional[int] = ..., prev_epoch: _Optional[int] = ..., prev_crc: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., commit_lsn: _Optional[int] = ..., sent_us: _Optional[int] = ..., primary_commit_lsn: _Optional[int] = ..., lease_us: _Optional[int] = ...) -> None: ...
+    contact_acks: bool
+    def __init__(self, epoch: _Optional[int] = ..., primary: _Optional[str] = ..., prev_lsn: _Optional[int] = ..., prev_epoch: _Optional[int] = ..., prev_crc: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., commit_lsn: _Optional[int] = ..., sent_us: _Optional[int] = ..., primary_commit_lsn: _Optional[int] = ..., lease_us: _Optional[int] = ..., contact_acks: _Optional[bool] = ...) -> None: ...
 
 class AppendAck(_message.Message):
-    __slots__ = ("epoch", "sender", "ok", "match_lsn", "sent_us", "releases", "joining")
+    __slots__ = ("epoch", "sender", "ok", "match_lsn", "sent_us", "releases", "joining", "contact")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +53,7 @@ class AppendAck(_message.Message):
     SENT_US_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     JOINING_FIELD_NUMBER: _ClassVar[int]
+    CONTACT_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     sender: str
     ok: bool
@@ -58,7 +61,8 @@ class AppendAck(_message.Message):
     sent_us: int
     releases: _containers.RepeatedCompositeFieldContainer[PendingRelease]
     joining: bool
-    def __init__(self, epoch: _Optional[int] = ..., sender: _Optional[str] = ..., ok: _Optional[bool] = ..., match_lsn: _Optional[int] = ..., sent_us: _Optional[int] = ..., releases: _Optional[_Iterable[_Union[PendingRelease, _Mapping]]] = ..., joining: _Optional[bool] = ...) -> None: ...
+    contact: bool
+    def __init__(self, epoch: _Optional[int] = ..., sender: _Optional[str] = ..., ok: _Optional[bool] = ..., match_lsn: _Optional[int] = ..., sent_us: _Optional[int] = ..., releases: _Optional[_Iterable[_Union[PendingRelease, _Mapping]]] = ..., joining: _Optional[bool] = ..., contact: _Optional[bool] = ...) -> None: ...
 
 class PendingRelease(_message.Message):
     __slots__ = ("queue", "receive_id", "authorization")

@@ -109,3 +109,22 @@ def test_make_cluster_runs_three_nodes_reports_an_exit_once_and_stops_them_all(t
                 os.kill(pid, signal.SIGKILL)
     assert rc == 0
     assert not [pid for pid in node_pids if _alive(pid)]
+
+
+def test_help_prints_what_it_does_and_starts_nothing(tmp_path):
+    """`python -m node.devcluster --help` answers and starts no node (it takes no
+    arguments; it used to ignore them and start three)."""
+    env = {**os.environ, "SPOOLER_CLUSTER_DIR": str(tmp_path / "cluster"),
+           "SPOOLER_CLUSTER_HTTP_PORT": "0", "SPOOLER_CLUSTER_GRPC_PORT": "0"}
+    for arg, code in (("--help", 0), ("--bogus", 2)):
+        p = subprocess.Popen([sys.executable, "-m", "node.devcluster", arg], stdout=subprocess.PIPE, env=env,
+                             text=True)
+        try:
+            out, _ = p.communicate(timeout=30)
+        finally:
+            if p.poll() is None:  # it started nodes after all: SIGTERM ends them by their pids, then it exits
+                p.send_signal(signal.SIGTERM)
+                p.communicate(timeout=30)
+        assert p.returncode == code, (arg, p.returncode, out)
+        assert "make cluster" in out
+        assert not (tmp_path / "cluster").exists()

@@ -40,6 +40,14 @@ class LocalSync:
 
 
 @dataclass
+class Backlogged:
+    """A frame that arrived behind others still being stored: its contact was
+    acknowledged on arrival (Replication.heard); now it is received in its turn.
+    It went away with its stream if that broke (sent by ``frm`` as before)."""
+    msg: object
+
+
+@dataclass
 class Disk:
     epoch: int = 0
     voted_for: str = ""
@@ -150,6 +158,12 @@ class Sim:
         self.p_crash_mid_effects = self.rng.choice([0.0, 0.002])
         self.delay_ms = self.rng.choice([(1, 3), (1, 20), (5, 60)])
         self.p_parallel = self.rng.choice([0.0, 0.5, 1.0])  # primary writes shipped before its fsync
+        # a frame that arrives behind others still being stored: its contact is
+        # acknowledged on arrival (Replication.heard), the frame is received later
+        # (its own generator: the other draws of a seed stay what they were)
+        self.backlog_rng = random.Random(f"backlog-{seed}")
+        self.p_backlog = self.backlog_rng.choice([0.0, 0.05, 0.2])
+        self.backlog_until: dict = {}  # node -> when the frames waiting behind its busy disk are received
         self.payloads: dict = {}
         self.committed: dict = {}      # lsn -> (epoch, crc): the one committed history
         self.acked: list = []          # (lsn, epoch, crc) of writes a primary answered
@@ -339,7 +353,19 @@ class Sim:
         if isinstance(msg, LocalSync):
             n.local_sync(msg)
         elif n.up:
-            n.run(n.core.receive(msg, self.now))
+            if isinstance(msg, Backlogged):
+                n.run(n.core.receive(msg.msg, self.now))
+            elif isinstance(msg, R.AppendReq) and (self.now < self.backlog_until.get(to, 0)
+                                                   or self.backlog_rng.random() < self.p_backlog):
+                # the node's disk is busy with earlier frames: this one waits its turn,
+                # in order behind the others (one stream), but its contact counts now
+                if self.now >= self.backlog_until.get(to, 0):
+                    self.backlog_until[to] = self.now + self.backlog_rng.randint(1, 100) * MS
+                n.run(n.core.heard(msg, self.now))
+                self.seq += 1
+                heapq.heappush(self.queue, (self.backlog_until[to], self.seq, to, Backlogged(msg), _frm))
+            else:
+                n.run(n.core.receive(msg, self.now))
         self.flush_noops()
 
     def tick_all(self, at: int) -> None:
@@ -386,7 +412,7 @@ class Sim:
             if isinstance(msg, LocalSync):
                 n.local_sync(msg)
             else:
-                n.run(n.core.receive(msg, self.now))
+                n.run(n.core.receive(msg.msg if isinstance(msg, Backlogged) else msg, self.now))
             self.flush_noops()
         else:
             self.now = tick_at

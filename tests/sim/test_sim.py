@@ -118,7 +118,7 @@ def test_a_replica_drops_its_primary_only_after_a_failover_timeout_without_it():
 
 def _scripted(seed, nodes=3):
     sim = Sim(seed, nodes)
-    sim.p_drop = sim.p_dup = sim.p_crash_mid_effects = 0.0
+    sim.p_drop = sim.p_dup = sim.p_crash_mid_effects = sim.p_backlog = 0.0
     sim.delay_ms = (1, 3)
     return sim
 
@@ -918,3 +918,99 @@ def test_a_slow_replica_gets_no_more_frames_of_records_than_the_in_flight_limit(
     out = c.receive(R.AppendResp(1, "n2", True, sent_to_n2, now), now + 1)
     more = [e.msg for e in out if isinstance(e, R.Send) and e.to == "n2" and e.msg.entries]
     assert more and more[0].entries[0][0] == sent_to_n2 + 1
+
+
+def _replica_n2_of_n1(T, lease_us):
+    """n2, a replica following n1 in epoch 1, having acknowledged one heartbeat of
+    ``lease_us`` at time 10 (its lease_seen is that lease now)."""
+    c = R.Replication("n2", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
+    c.start(0)
+    c.receive(R.AppendReq(1, "n1", 0, 0, 0, [], 0, 10, 0, lease_us), 10)
+    assert c.primary == "n1" and c.lease_seen >= lease_us
+    return c
+
+
+def test_a_frame_waiting_behind_a_busy_disk_counts_as_contact_when_it_arrives():
+    """R4, contact. A frame from the primary we follow, in our epoch, that waits
+    behind earlier frames still being stored is contact when it arrives: heard()
+    notes it (no vote for another candidate for a failover timeout from then) and
+    answers a contact acknowledgement at once. Anything the epoch gate, a join or
+    lease_seen must see first is left to receive(): nothing noted, nothing sent."""
+    T = 1_000_000
+    c = _replica_n2_of_n1(T, T // 2)
+    at = 5 * T // 2   # past the timeout since the heartbeat: a vote would be granted now
+    out = c.heard(R.AppendReq(1, "n1", 4, 1, 9, [(5, 1, 3)], 4, at - 5, 4, T // 2), at)
+    assert [type(e.msg) for e in out] == [R.AppendResp] and out[0].to == "n1"
+    ack = out[0].msg
+    assert ack.contact and ack.ok and ack.sent_us == at - 5 and ack.epoch == 1
+    assert c.last_contact == at and c._heard_recently(at + T - 1)
+    assert c.log.last_lsn == 0 and c.durable_lsn == 0   # nothing stored or acknowledged as stored
+
+    for name, frame, setup in [
+            ("another epoch", R.AppendReq(2, "n1", 0, 0, 0, [], 0, 20, 0, T // 2), None),
+            ("another primary", R.AppendReq(1, "n3", 0, 0, 0, [], 0, 20, 0, T // 2), None),
+            ("a longer lease than any acknowledged", R.AppendReq(1, "n1", 0, 0, 0, [], 0, 20, 0, T), None),
+            ("a lease not stated (a failover timeout)", R.AppendReq(1, "n1", 0, 0, 0, [], 0, 20, 0, 0), None),
+            ("joining", R.AppendReq(1, "n1", 0, 0, 0, [], 0, 20, 0, T // 2), "joining")]:
+        d = _replica_n2_of_n1(T, T // 2)
+        if setup == "joining":
+            d.joining = True
+        before = d.last_contact
+        assert d.heard(frame, 3 * T) == [], name
+        assert d.last_contact == before, name
+
+
+def test_a_contact_acknowledgement_keeps_the_primary_serving_and_commits_nothing():
+    """R4, contact. A contact acknowledgement renews the primary's majority contact
+    as an acknowledgement of the same frame would, but says nothing of the replica's
+    log: nothing commits on it, and the primary's view of that replica's log stays."""
+    T = 1_000_000
+    c = _primary_n1(T)
+    c.receive(R.AppendResp(1, "n3", True, 1, T - 100, contact=True), T - 50)
+    assert c.serving(T + 100) and c.commit_lsn == 0 and c.match.get("n3", 0) == 0
+    c.receive(R.AppendResp(1, "n3", True, 1, T - 90), T - 40)
+    assert c.commit_lsn == 1
+
+
+@pytest.mark.parametrize("contact", [True, False])
+def test_a_primary_whose_replicas_disks_lag_past_the_failover_timeout_keeps_serving(contact):
+    """R4, contact (and its control). Every replica's disk is busy for longer than
+    a failover timeout: the frames of that stretch wait behind it, and are received
+    (stored, acknowledged) only afterwards. With contact acknowledgements the
+    primary keeps serving through it; without them (the control: frames just wait)
+    it steps down, as it did before 0.4.11."""
+    sim = _scripted(0, 3)
+    T = sim.timeout
+    p = _leasing_primary(sim)
+    epoch = p.core.epoch
+    stall_end = sim.now + 2 * T
+    for r in sim.members:
+        if r != p.id:
+            sim.backlog_until[r] = stall_end
+    if not contact:
+        for n in sim.nodes.values():
+            n.core.heard = lambda m, now: []
+    _run_for(sim, 3 * T, writes=True)
+    if contact:
+        assert p.core.role == R.PRIMARY and p.core.epoch == epoch and p.core.serving(sim.now)
+        assert len(sim.primaries) == 1
+    else:
+        assert not (p.core.role == R.PRIMARY and p.core.epoch == epoch), "the control stayed primary"
+    _run_for(sim, 5 * T, writes=False)
+    sim.final_checks()
+
+
+def test_an_acknowledgement_counts_as_contact_from_its_arrival():
+    """R4, contact. The IO shell notes an acknowledgement's contact when it arrives
+    (Replication.contact), even if the rest of it waits behind this node's own
+    fsync: the primary then still serves once that wait is over. An arrival past
+    the failover timeout is not counted, nor one of another epoch."""
+    T = 1_000_000
+    c = _primary_n1(T)
+    c.contact(R.AppendResp(1, "n3", True, 0, T - 100, contact=True), T - 50)  # arrived in time
+    assert c.serving(T + 200)                                                     # ... handled later
+    for m, at in ((R.AppendResp(1, "n3", True, 0, T - 100, contact=True), T + 20),   # arrived too late
+                  (R.AppendResp(2, "n3", True, 0, T - 100, contact=True), T - 50)):  # another epoch
+        d = _primary_n1(T)
+        d.contact(m, at)
+        assert not d.serving(T + 200), m

@@ -206,3 +206,107 @@ def test_retry_waits_are_spread_but_never_shorter_than_the_schedule():
     waits = [retry_wait_s(1) for _ in range(200)]
     assert min(waits) >= RETRY_FIRST_WAIT_S and max(waits) <= 1.5 * RETRY_FIRST_WAIT_S
     assert len({round(w, 6) for w in waits}) > 20, "every caller waits the same: they meet again"
+
+
+def _scripted(outcomes):
+    it = iter(outcomes)
+
+    def next_outcome():
+        o = next(it)
+        if isinstance(o, BaseException):
+            raise o
+        return o
+    return next_outcome
+
+
+UNKNOWN_THEN_REFUSED = [errors.OperationUnconfirmed("no answer within the timeout"),
+                        errors.Unavailable("no primary"), errors.Unavailable("no primary")]
+REFUSED = [errors.Unavailable("no primary")] * 3
+
+
+@pytest.mark.parametrize("outcomes, heard", [(UNKNOWN_THEN_REFUSED, errors.OperationUnconfirmed),
+                                             (REFUSED, errors.Unavailable)], ids=["unknown-first", "control"])
+def test_a_call_whose_retries_end_refused_after_an_unknown_outcome_is_unconfirmed(monkeypatch, outcomes, heard):
+    """A keyed send, and an ack, whose first attempt's outcome is unknown and whose
+    retries are all refused (unavailable): the call may have taken effect with its
+    first attempt, so its caller hears operation_unconfirmed, not the last
+    unavailable ("not accepted"), on which a caller would send again. Refused from
+    the start, it is unavailable (the control). Both clients."""
+    from concurrent.futures import Future
+
+    import spooler._common as common
+    from spooler import AsyncClient, Client
+    monkeypatch.setattr(common, "retry_wait_s", lambda retry: 0.0)
+
+    c = Client("127.0.0.1:9", "k", retry_attempts=3)
+    try:
+        send = _scripted(outcomes)
+
+        def send_async(req):
+            f = Future()
+            try:
+                f.set_result(send())
+            except errors.SpoolerError as e:
+                f.set_exception(e)
+            return f
+        monkeypatch.setattr(c, "send_async", send_async)
+        monkeypatch.setattr(c, "_dedup_window_s", lambda q: 60.0)
+        with pytest.raises(errors.SpoolerError) as e:
+            c.send("q", b"x", dedup_key="k1")
+        assert type(e.value) is heard
+        settle = _scripted(outcomes)
+        monkeypatch.setattr(c, "_call", lambda method, req, write=False: settle())
+        with pytest.raises(errors.SpoolerError) as e:
+            c.ack("token")
+        assert type(e.value) is heard
+    finally:
+        c.close()
+
+    async def run_async():
+        a = AsyncClient("127.0.0.1:9", "k", retry_attempts=3)
+        try:
+            send = _scripted(outcomes)
+
+            def start_flush():  # every send batch is answered at once, by the script
+                for _, fut in a._pending:
+                    try:
+                        fut.set_result(send())
+                    except errors.SpoolerError as e:
+                        fut.set_exception(e)
+                a._pending.clear()
+            monkeypatch.setattr(a, "_start_flush", start_flush)
+
+            async def window(q):
+                return 60.0
+            monkeypatch.setattr(a, "_dedup_window_s", window)
+            with pytest.raises(errors.SpoolerError) as e:
+                await a.send("q", b"x", dedup_key="k1")
+            assert type(e.value) is heard
+            settle = _scripted(outcomes)
+
+            async def settle_one(action, token, delay_s=0.0):
+                return settle()
+            monkeypatch.setattr(a, "_settle_one", settle_one)
+            with pytest.raises(errors.SpoolerError) as e:
+                await a.ack("token")
+            assert type(e.value) is heard
+        finally:
+            await a.close()
+    asyncio.run(run_async())
+
+
+def test_a_keyed_send_cut_off_by_close_is_not_a_runtime_error(monkeypatch):
+    """A keyed send whose outcome is unknown when close() fails it: looking up the
+    queue's dedup window on the closed client must not replace its caller's
+    operation_unconfirmed with a RuntimeError (the window counts as unknown: no
+    resend). Both clients."""
+    from spooler import AsyncClient, Client
+    c = Client("127.0.0.1:9", "k", retry_attempts=3)
+    c.close()
+    assert c._dedup_window_s("q") == 0.0
+
+    async def run_async():
+        a = AsyncClient("127.0.0.1:9", "k", retry_attempts=3)
+        await a.close()
+        assert await a._dedup_window_s("q") == 0.0
+    asyncio.run(run_async())
