@@ -685,7 +685,9 @@ class Replication:
         self.contact_lease = m.lease_us
         self.primary_gone = False
         self._reset_election_timer(now)
-        return [Send(m.primary, AppendResp(self.epoch, self.id, True, self.durable_lsn, m.sent_us, contact=True))]
+        # (not ok, match 0: nothing of the log; a reader that ignored ``contact`` would
+        # only rewind, never count a record as held)
+        return [Send(m.primary, AppendResp(self.epoch, self.id, False, 0, m.sent_us, contact=True))]
 
     def _on_append(self, m: AppendReq, now: int, out: list) -> None:
         if m.epoch < self.epoch:

@@ -86,6 +86,9 @@ class Driver:
         # effect lists under way that hold a Persist: the core's epoch, vote and
         # lease_seen in memory may be ahead of the disk (no contact acknowledgement then)
         self._persisting = 0
+        # a Persist failed and the core has not been reloaded from the store since:
+        # its memory may hold what never reached the disk (no contact acknowledgement)
+        self._unsaved = False
         self._timeout_warned: set = set()  # candidates found to run with another --failover-timeout
         self._vote_reply = None
         self._snapshots: dict = {}
@@ -218,6 +221,9 @@ class Driver:
             self._persisting += 1
             try:
                 await self._run_effects(effects)
+            except BaseException:
+                self._unsaved = True  # until _resync has reloaded the core
+                raise
             finally:
                 self._persisting -= 1
         else:
@@ -548,8 +554,9 @@ class Driver:
     def _contact_acks(self, f) -> list:
         """A frame that waits behind one being handled: its arrival is contact, if
         the core can note it now (the primary we follow, our epoch, nothing of
-        ours on its way to disk that an acknowledgement would depend on)."""
-        if not f.contact_acks or self._persisting or self.stopped:
+        ours on its way to disk that an acknowledgement would depend on, and
+        nothing in memory that a failed write left unsaved)."""
+        if not f.contact_acks or self._persisting or self._unsaved or self.stopped:
             return []
         out = self.core.heard(R.AppendReq(f.epoch, f.primary, f.prev_lsn, f.prev_epoch, f.prev_crc, [],
                                           f.commit_lsn, f.sent_us, f.primary_commit_lsn, f.lease_us), mono_us())
@@ -594,10 +601,12 @@ class Driver:
     async def _resync(self) -> None:
         """Make the core's and the engine's view of the log what the store holds."""
         e = self.engine
+        self._unsaved = True  # (the core is reloaded in the writer thread meanwhile)
         await e.store_io(self.load)
         pos = await e.store_io(e.store.last_position)
         self.core.durable_lsn = self.core.log.last_lsn
         e.truncated(max(pos.lsn, e.core.lsn), pos.crc if pos.lsn >= e.core.lsn else e.applied_crc)
+        self._unsaved = False
 
     async def serve_vote(self, req, context):
         if not self.is_member(req.candidate):

@@ -942,7 +942,8 @@ def test_a_frame_waiting_behind_a_busy_disk_counts_as_contact_when_it_arrives():
     out = c.heard(R.AppendReq(1, "n1", 4, 1, 9, [(5, 1, 3)], 4, at - 5, 4, T // 2), at)
     assert [type(e.msg) for e in out] == [R.AppendResp] and out[0].to == "n1"
     ack = out[0].msg
-    assert ack.contact and ack.ok and ack.sent_us == at - 5 and ack.epoch == 1
+    assert ack.contact and ack.sent_us == at - 5 and ack.epoch == 1
+    assert not ack.ok and ack.match_lsn == 0   # it says nothing of the log
     assert c.last_contact == at and c._heard_recently(at + T - 1)
     assert c.log.last_lsn == 0 and c.durable_lsn == 0   # nothing stored or acknowledged as stored
 

@@ -131,3 +131,56 @@ def test_a_primary_past_its_failover_timeout_counts_no_install():
     assert stale.role == R.REPLICA
     live = _primary(now - 100_000)  # the control: heard 0.1 s ago, the install commits
     assert [x.lsn for x in live.snapshot_sent("n2", 3, now) if isinstance(x, R.Commit)] == [3]
+
+
+def test_no_contact_acknowledgement_while_a_failed_persist_is_undone():
+    """R7 and R2. A frame raises the replica's lease_seen (its primary now states a
+    longer lease), and persisting that fails: the core's memory is ahead of its disk
+    until the store is loaded again (_resync). A frame read meanwhile must get no
+    contact acknowledgement: it would promise a lease that a restart from that
+    disk does not wait out."""
+    from node.replication.driver import Driver
+    T = 1_000_000
+    disk = {"lease_seen": T // 2}
+
+    class Eng:
+        pending_releases: dict = {}
+        release_hook = None
+        metrics = None
+
+        def apply_upto(self, lsn):
+            pass
+
+        async def store_io(self, fn, *a, inline=False):
+            if getattr(fn, "__name__", "") == "_persist":
+                await asyncio.sleep(0.05)
+                raise OSError("injected fsync failure")
+            return fn(*a)
+
+    async def main():
+        d = Driver(Eng(), "n2", {"n1": "a", "n2": "b", "n3": "c"}, T / 1e6)
+        c = d.core
+        c.epoch, c.lease_seen = 1, disk["lease_seen"]
+        now = mono_us()
+        c.start(now)
+        c.receive(R.AppendReq(1, "n1", 0, 0, 0, [], 0, now, 0, T // 2), now)
+        memory = []
+
+        async def slow_resync():  # the real one reloads the core from the store in the writer thread
+            memory.append(c.lease_seen)
+            await asyncio.sleep(0.2)
+            c.lease_seen = disk["lease_seen"]
+            d._unsaved = False
+        d._resync = slow_resync
+
+        async def frames():
+            yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=T, contact_acks=True)
+            await asyncio.sleep(0.1)  # arrives while the first is still being handled (its resync)
+            yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=T, contact_acks=True)
+
+        acks = [a async for a in d.serve_stream(frames(), None)]
+        return acks, memory
+
+    acks, memory = asyncio.run(main())
+    assert memory and memory[0] == T, memory   # the scenario: memory held the unsaved, longer lease
+    assert [a for a in acks if a.contact] == [], "a contact acknowledgement promised a lease never saved"
