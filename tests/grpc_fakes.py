@@ -18,3 +18,20 @@ class FakeRpcError(grpc.RpcError):
 
     def trailing_metadata(self):
         return self._trailers
+
+
+def answered_by(attempt):
+    """A stand-in for ``Client.send_async``: each call's future holds what
+    ``attempt()`` returns, or the SpoolerError it raises."""
+    from concurrent.futures import Future
+
+    from spooler import errors
+
+    def send_async(req):
+        f = Future()
+        try:
+            f.set_result(attempt())
+        except errors.SpoolerError as e:
+            f.set_exception(e)
+        return f
+    return send_async

@@ -13,6 +13,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from grpc_fakes import answered_by
 from integration.test_cluster import cluster, primary_of, until_ok  # noqa: F401  (fixture)
 from nodeproc import wait_until
 from spooler import errors
@@ -101,14 +102,7 @@ def test_sync_send_resends_an_unconfirmed_attempt_only_with_a_key_that_dedups(fi
     try:
         attempt, calls = _send_script(first)
 
-        def send_async(req):
-            f = Future()
-            try:
-                f.set_result(attempt())
-            except errors.SpoolerError as e:
-                f.set_exception(e)
-            return f
-        c.send_async = send_async
+        c.send_async = answered_by(attempt)
         c.get_queue = lambda name: {"settings": {"dedupWindowSeconds": window}}
         try:
             got = type(c.send("q", b"x", dedup_key=dedup_key))

@@ -5,7 +5,7 @@ import time
 import grpc
 import pytest
 
-from grpc_fakes import FakeRpcError
+from grpc_fakes import FakeRpcError, answered_by
 from spooler import errors
 from spooler._common import (DedupWindow, call_with_retries, call_with_retries_sync, map_rpc_error, retryable,
                              send_outcomes, settle_outcomes, settle_request)
@@ -232,24 +232,13 @@ def test_a_call_whose_retries_end_refused_after_an_unknown_outcome_is_unconfirme
     first attempt, so its caller hears operation_unconfirmed, not the last
     unavailable ("not accepted"), on which a caller would send again. Refused from
     the start, it is unavailable (the control). Both clients."""
-    from concurrent.futures import Future
-
     import spooler._common as common
     from spooler import AsyncClient, Client
     monkeypatch.setattr(common, "retry_wait_s", lambda retry: 0.0)
 
     c = Client("127.0.0.1:9", "k", retry_attempts=3)
     try:
-        send = _scripted(outcomes)
-
-        def send_async(req):
-            f = Future()
-            try:
-                f.set_result(send())
-            except errors.SpoolerError as e:
-                f.set_exception(e)
-            return f
-        monkeypatch.setattr(c, "send_async", send_async)
+        monkeypatch.setattr(c, "send_async", answered_by(_scripted(outcomes)))
         monkeypatch.setattr(c, "_dedup_window_s", lambda q: 60.0)
         with pytest.raises(errors.SpoolerError) as e:
             c.send("q", b"x", dedup_key="k1")
