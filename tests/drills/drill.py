@@ -18,7 +18,8 @@ processes (``cluster.Cluster``), creates a queue, and for ``duration_s`` seconds
   made by a ``proxy.FaultProxy`` that every node-to-node connection crosses, each healed
   before the next fault; with ``cascades=True`` also two faults that overlap (see
   ``CASCADE_ACTIONS``: the successor of a killed primary killed too, a replica killed
-  and then the primary stopped).
+  and then the primary stopped). ``faults=(kind, ...)`` makes the nemesis carry out those
+  kinds first, in order, and keeps the load going past ``duration_s`` until they are over.
 
 Every client call talks to a random running node (a new one after an error) and is
 recorded in a :class:`History` (invoke, then ok / fail / unknown as the module docstring
@@ -85,6 +86,10 @@ CASCADE_ACTIONS = (("kill_primary_twice", 0.5), ("kill_replica_stop_primary", 0.
 # with disk_loss=True: a replica's disk is lost and a replacement joins (--join);
 # the next fault waits until it has joined (one lost disk at a time)
 DISK_LOSS_ACTIONS = (("replace_replica", 0.3),)
+# every fault kind the nemesis knows, for a scripted start (Drill(faults=...))
+FAULT_KINDS = frozenset(a for acts in (PROCESS_ACTIONS, PARTITION_ACTIONS, CASCADE_ACTIONS, DISK_LOSS_ACTIONS)
+                        for a, _ in acts)
+SCRIPT_WAIT_S = 120.0  # how long past duration_s the load runs for the scripted faults to be done
 
 
 def lease_token_epoch(token: str) -> Optional[int]:
@@ -135,7 +140,22 @@ class Drill:
     def __init__(self, seed: int, duration_s: float, nodes: int, workdir: str, producers: int = 3,
                  consumers: int = 2, send_pause_s: float = 0.05, failover_timeout_s: float = 1.0,
                  log=print, power_loss: bool = False, partitions: bool = False, cascades: bool = False,
-                 disk_loss: bool = False):
+                 disk_loss: bool = False, faults: tuple = ()):
+        unknown = [f for f in faults if f not in FAULT_KINDS]
+        if unknown:
+            raise ValueError(f"unknown fault kinds {unknown}; known: {sorted(FAULT_KINDS)}")
+        needs = {"cascades": (cascades, {a for a, _ in CASCADE_ACTIONS}),
+                 "disk_loss": (disk_loss, {a for a, _ in DISK_LOSS_ACTIONS}),
+                 "partitions": (partitions, {a for a, _ in PARTITION_ACTIONS} - {a for a, _ in PROCESS_ACTIONS})}
+        for flag, (on, kinds) in needs.items():
+            if not on and set(faults) & kinds:
+                raise ValueError(f"faults {sorted(set(faults) & kinds)} need {flag}=True")
+        # The nemesis carries these out first, in order, each in place of a round's drawn kind
+        # (the round's other draws are the seed's as usual); the load goes on past duration_s
+        # until the last of them is over, so a test that needs a kind does not hang on timing.
+        self.faults = list(faults)
+        self.faults_done = threading.Event()
+        self.rounds: list[str] = []  # the fault kind of each round carried out, in order
         self.seed, self.duration_s, self.workdir = seed, duration_s, os.path.abspath(workdir)
         self.n_producers, self.n_consumers = producers, consumers
         self.send_pause_s = send_pause_s
@@ -334,7 +354,6 @@ class Drill:
 
     def nemesis(self):
         rng = self.rng("nemesis")
-        c, h, ft = self.cluster, self.h, self.failover_timeout_s
         actions = PARTITION_ACTIONS if self.partitions else PROCESS_ACTIONS
         if self.cascades:  # half of the draws overlap two faults
             actions = tuple((a, w / 2) for a, w in actions) + tuple((a, w / 2) for a, w in CASCADE_ACTIONS)
@@ -343,12 +362,24 @@ class Drill:
             actions = tuple((a, w * (1 - 0.3) / total) for a, w in actions) + DISK_LOSS_ACTIONS
         # its own stream, so that cascades do not shift the other draws of a seed
         crng = self.rng("cascade")
+        try:
+            self._nemesis_rounds(rng, crng, actions)
+        finally:
+            self.faults_done.set()  # also when a round failed: run() is not left waiting
+
+    def _nemesis_rounds(self, rng: random.Random, crng: random.Random, actions: tuple) -> None:
+        c, h, ft = self.cluster, self.h, self.failover_timeout_s
+        script = list(self.faults)
+        if not script:
+            self.faults_done.set()
         first = True
         while not self.stop_load.is_set():
             if self.stop_load.wait(rng.uniform(1.0, 2.0) if first else rng.uniform(2.0, 4.0)):
                 break
             first = False
             action = rng.choices([a for a, _ in actions], [w for _, w in actions])[0]
+            if script:
+                action = script[0]
             down = rng.uniform(1.5, 4.0)
             # with partitions, every round draws the same numbers whatever the action, so the
             # n-th fault's kind and parameters depend on the seed alone
@@ -389,6 +420,11 @@ class Drill:
                 c.restart(r)
                 self.expected_down.discard(r)
                 h.nemesis("restarted", r)
+            self.rounds.append(action)
+            if script:  # carried out (a round that waited for health above kept it)
+                script.pop(0)
+                if not script:
+                    self.faults_done.set()
             self._wait_healthy()
 
     def _kill(self, node: str, role: str, epoch: int) -> None:
@@ -630,6 +666,9 @@ class Drill:
                 load += [self._guard(f"c{i}", lambda i=i: self.consumer(i)) for i in range(self.n_consumers)]
                 nem = self._guard("nemesis", self.nemesis)
                 self.stop_load.wait(self.duration_s)
+                if not self.faults_done.wait(SCRIPT_WAIT_S):
+                    self.notes.append(f"scripted faults {self.faults} not all carried out "
+                                      f"{SCRIPT_WAIT_S:.0f}s past the duration")
                 self.stop_load.set()
                 for t in load + [nem]:
                     t.join(timeout=60)
@@ -663,7 +702,7 @@ class Drill:
                    for e in self.h.events if e.get("type") == "nemesis" and e["f"] == "rejoined"]
         report.update(seed=self.seed, rejoins=rejoins, duration_s=self.duration_s, wall_s=time.monotonic() - t0,
                       workdir=self.workdir, history=hist_path, drain_complete=drained,
-                      nemesis_counts=nem_counts, thread_errors=self.thread_errors, notes=self.notes,
+                      nemesis_counts=nem_counts, faults=list(self.rounds), thread_errors=self.thread_errors, notes=self.notes,
                       node_counters=final.get("node_counters"), proxy_links=final_proxy)
         report["unexpected_exits"] = self.unexpected_exits
         if self.thread_errors or not drained or self.unexpected_exits:

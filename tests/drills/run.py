@@ -118,12 +118,16 @@ def main(argv=None) -> int:
                          "election; a replica killed, then the primary stopped)")
     ap.add_argument("--disk-loss", action="store_true",
                     help="the nemesis also loses a replica's disk: a replacement starts empty with --join")
+    ap.add_argument("--faults", default="",
+                    help="comma-separated fault kinds each seed's nemesis makes first, in order "
+                         "(e.g. kill_primary_twice,replace_replica); the load runs on until they are over")
     ap.add_argument("--json", default=None, help="also write every report (JSON lines) to this file")
     args = ap.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the running drill's finally blocks end its nodes by pid
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     seeds = parse_seeds(args.seeds)
+    faults = tuple(f for f in args.faults.split(",") if f)
     root = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="spooler-drills-"))
     os.makedirs(root, exist_ok=True)
     print(f"drills: seeds {args.seeds} ({len(seeds)}), {args.duration:g}s each, {args.nodes} nodes"
@@ -138,7 +142,8 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         try:
             r = run_drill(seed, args.duration, nodes=args.nodes, workdir=wd, power_loss=args.power_loss,
-                          partitions=args.partitions, cascades=args.cascades, disk_loss=args.disk_loss)
+                          partitions=args.partitions, cascades=args.cascades, disk_loss=args.disk_loss,
+                          faults=faults)
         except Exception as e:  # noqa: BLE001 - a drill that cannot finish is a failing seed
             import traceback
             traceback.print_exc()
