@@ -64,13 +64,28 @@ SETTINGS_PB = {"leaseTimeoutSeconds": "lease_timeout_seconds", "maxRetries": "ma
 SNAKE_SETTINGS = {v: v for v in SETTINGS_PB.values()}
 
 
+class LeaseEnd(str):
+    """A lease's expiresAt (RFC 3339, UTC: the contract's string) that also carries
+    ``left_s``, what was left of the lease when the primary granted or renewed it
+    (0.0: not known, an older node), and ``deadline``: the ``time.monotonic()`` by
+    which it has ended at the latest, measured from the start of the call that got
+    it (None: not known). Renewals are timed by ``deadline``, on the client's own
+    clock, so no difference between its wall clock and the nodes' moves them."""
+
+    def __new__(cls, at: str, left_s: float = 0.0, started: Optional[float] = None):
+        self = super().__new__(cls, at)
+        self.left_s = left_s
+        self.deadline = started + left_s if started is not None and left_s > 0 else None
+        return self
+
+
 @dataclass
 class Message:
     id: str
     body: bytes
     token: str
     retry_count: int
-    expires_at: str
+    expires_at: str  # a LeaseEnd from the gRPC clients
     queue: str
 
     @property
@@ -95,8 +110,10 @@ def settings_pb(settings: dict) -> api_pb2.Settings:
     return api_pb2.Settings(**out)
 
 
-def message_of(d: api_pb2.Delivery) -> Message:
-    return Message(d.id, d.body, d.lease_token, d.retry_count, d.lease_expires_at, d.queue)
+def message_of(d: api_pb2.Delivery, started: Optional[float] = None) -> Message:
+    """``started``: the time.monotonic() at which the receive call began (see LeaseEnd)."""
+    return Message(d.id, d.body, d.lease_token, d.retry_count,
+                   LeaseEnd(d.lease_expires_at, d.lease_seconds_left, started), d.queue)
 
 
 def cluster_dict(c: api_pb2.ClusterInfo) -> dict:
@@ -481,14 +498,17 @@ def send_outcomes(r: api_pb2.SendBatchResponse, n: Optional[int] = None) -> list
     return out
 
 
-def settle_outcomes(r, n: int) -> list:
+def settle_outcomes(r, n: int, started: Optional[float] = None) -> list:
     """A SettleBatch answer, per item in request order: None (ack, nack), the new
-    expiry (renew), or the item's SpoolerError. An answer naming another number of
-    outcomes than ``n`` items cannot be matched to them (a faulty node); the items
-    may have been applied: operation_unconfirmed."""
+    expiry (renew: a LeaseEnd; ``started`` as for message_of), or the item's
+    SpoolerError. An answer naming another number of outcomes than ``n`` items
+    cannot be matched to them (a faulty node); the items may have been applied:
+    operation_unconfirmed."""
     if len(r.results) != n:
         raise errors.OperationUnconfirmed(f"the node answered {len(r.results)} outcomes for {n} settles")
-    return [errors.from_detail(x.error) if x.HasField("error") else (x.expires_at or None) for x in r.results]
+    return [errors.from_detail(x.error) if x.HasField("error")
+            else (LeaseEnd(x.expires_at, x.lease_seconds_left, started) if x.expires_at else None)
+            for x in r.results]
 
 
 def batch_results(r: api_pb2.SendBatchResponse) -> list:
@@ -579,11 +599,16 @@ def settle_failed(log, m, action: str, e: errors.SpoolerError) -> bool:
     return False
 
 
-def renew_delay_s(expires_at: str, now: Optional[datetime] = None) -> float:
-    """Renew at half the remaining lease time (at least 50 ms from now). An expiry
-    that cannot be read (a faulty node's empty answer) renews again in a second,
-    instead of ending the renewer while the handler runs on."""
+def renew_delay_s(expires_at: str, now: Optional[datetime] = None, mono: Optional[float] = None) -> float:
+    """Renew at half the remaining lease time (at least 50 ms from now): by the
+    lease's monotonic deadline when the node said how long it lasts (LeaseEnd),
+    else (an older node) by the wall clock, which a clock behind the nodes' makes
+    too late. An expiry that cannot be read (a faulty node's empty answer) renews
+    again in a second, instead of ending the renewer while the handler runs on."""
     from datetime import timezone
+    deadline = getattr(expires_at, "deadline", None)
+    if deadline is not None:
+        return max(0.05, (deadline - (time.monotonic() if mono is None else mono)) / 2)
     try:
         exp = datetime.fromisoformat(expires_at.replace("Z", "+00:00"))
     except (AttributeError, TypeError, ValueError):

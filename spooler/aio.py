@@ -21,7 +21,7 @@ from typing import Awaitable, Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (MOVE_ON, Nodes, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, batch_request, compact_request, settle_request, settle_outcomes, batch_results, call_with_retries,
+from spooler._common import (MOVE_ON, Nodes, LeaseEnd, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, batch_request, compact_request, settle_request, settle_outcomes, batch_results, call_with_retries,
                              _has_detail, map_rpc_error, message_of, never_sent, read_lost, queue_dict, renew_delay_s, resend_groups, send_outcomes, settle_after_unconfirmed,
                              settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request, settle_failed, unconfirmed_after)
@@ -526,6 +526,7 @@ class AsyncClient(Nodes):
         req = receive_request(queue, wait_s, max_messages)
         if names is not None:
             names.append(req)
+        started = time.monotonic()  # no later than the primary granted the leases
         try:
             r = await self._pipe("receive", "ReceiveBatch", req, write=False,
                                  timeout_s=self.timeout_s + wait_s)
@@ -538,7 +539,7 @@ class AsyncClient(Nodes):
             self._releases.add(t)
             t.add_done_callback(self._releases.discard)
             raise
-        return [message_of(d) for d in r.messages]
+        return [message_of(d, started) for d in r.messages]
 
     async def _release(self, req) -> None:
         """The answer of receive ``req`` may have been lost on the way: ask the node
@@ -554,11 +555,12 @@ class AsyncClient(Nodes):
     async def _settle_one(self, action: str, token: str, delay_s: float = 0.0):
         """One ack/nack/renew: a one-item SettleBatch on the session (the unary
         Ack/Nack/Renew on a node without one); the item's error is raised."""
+        started = time.monotonic()
         if self.session.supported:
             req = settle_request([(token, action, delay_s)])
             try:
                 out = settle_outcomes(await self.session.request("settle_batch", req, write=True,
-                                                                 timeout_s=self.timeout_s), 1)[0]
+                                                                 timeout_s=self.timeout_s), 1, started)[0]
             except _NoSession:
                 pass
             else:
@@ -568,7 +570,7 @@ class AsyncClient(Nodes):
         # the stub read now, not before the session was tried: the client may have moved since
         rpc = getattr(self.stub, {"ack": "Ack", "nack": "Nack", "renew": "Renew"}[action])
         r = await self._call(rpc, api_pb2.LeaseRequest(token=token, delay_seconds=delay_s), write=True)
-        return getattr(r, "expires_at", None)
+        return LeaseEnd(r.expires_at, r.lease_seconds_left, started) if action == "renew" else None
 
     async def _settle(self, action: str, token: str, delay_s: float = 0.0) -> object:
         if action == "renew":
@@ -626,11 +628,12 @@ class AsyncClient(Nodes):
     async def settle_batch(self, items: list) -> list:
         """items: [(token, "ack"|"nack"|"renew", delay_s)] -> per item None / expiresAt / SpoolerError."""
         req = settle_request(items)
+        started = time.monotonic()
         # after unavailable only: the per-item answers are final
         r = await self._waited_for_by_close(call_with_retries(
             lambda: self._pipe("settle_batch", "SettleBatch", req, write=True),
             self.retry_attempts, stop_when=self._gone))
-        return settle_outcomes(r, len(req.items))
+        return settle_outcomes(r, len(req.items), started)
 
     # --------------------------------------------------------- consuming
     async def consume(self, queue: str, handler: Callable[[Message], Awaitable[None]], *, concurrency: int = 1,

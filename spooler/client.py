@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (MOVE_ON, Nodes, keep_renewing_after, batch_size, check_batch, check_send_types, Message, SendResult, batch_request, settle_outcomes, batch_results, call_with_retries_sync,
+from spooler._common import (MOVE_ON, Nodes, LeaseEnd, keep_renewing_after, batch_size, check_batch, check_send_types, Message, SendResult, batch_request, settle_outcomes, batch_results, call_with_retries_sync,
                              map_rpc_error, message_of, queue_dict, renew_delay_s, resend_groups, send_outcomes, settle_after_unconfirmed,
                              settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request, settle_failed, settle_request, unconfirmed_after)
@@ -253,6 +253,7 @@ class Client(Nodes):
             raise RuntimeError("the client is closed")
         ch, stub = self._current  # (as in _call)
         rpc = stub.Receive if max_messages == 1 else stub.ReceiveBatch
+        started = time.monotonic()  # no later than the primary granted the leases
         fut = rpc.future(req, metadata=self.md, timeout=self.timeout_s + wait_s)
         try:
             while stop is not None and not fut.done():
@@ -268,7 +269,7 @@ class Client(Nodes):
             if not isinstance(err, RECEIVE_DEFINITE):
                 self._release(req)
             raise err from None
-        return [message_of(d) for d in r.messages]
+        return [message_of(d, started) for d in r.messages]
 
     def _release(self, req) -> None:
         """As AsyncClient._release: one attempt to give back a lost answer's leases."""
@@ -325,16 +326,20 @@ class Client(Nodes):
         self._settle("Nack", api_pb2.LeaseRequest(token=token, delay_seconds=delay_s))
 
     def renew(self, token: str) -> str:
-        return call_with_retries_sync(
-            lambda: self._call("Renew", api_pb2.LeaseRequest(token=token), write=True).expires_at,
-            self.retry_attempts, settle=True, stop_when=self._gone)
+        """-> the new expiresAt (a LeaseEnd)."""
+        def once():
+            started = time.monotonic()
+            r = self._call("Renew", api_pb2.LeaseRequest(token=token), write=True)
+            return LeaseEnd(r.expires_at, r.lease_seconds_left, started)
+        return call_with_retries_sync(once, self.retry_attempts, settle=True, stop_when=self._gone)
 
     def settle_batch(self, items: list) -> list:
         """items: [(token, "ack"|"nack"|"renew", delay_s)] -> per item None / expiresAt / SpoolerError."""
         req = settle_request(items)
+        started = time.monotonic()
         with self._waited_for_by_close():
             r = self._retried("SettleBatch", req, write=True)  # after unavailable only: per-item answers are final
-        return settle_outcomes(r, len(req.items))
+        return settle_outcomes(r, len(req.items), started)
 
     # --------------------------------------------------------- consuming
     def consume(self, queue: str, handler: Callable[[Message], None], *, wait_s: float = 20.0,

@@ -17,7 +17,7 @@ import grpc
 
 from spooler import errors
 from spooler._common import (GRPC_OPTIONS, SETTLE_ACTIONS, cluster_dict, map_rpc_error, queue_dict, read_lost,
-                             send_outcomes, settings_pb, settle_request)
+                             send_outcomes, settings_pb, settle_outcomes, settle_request)
 from spooler.pb import api_pb2, api_pb2_grpc
 
 FORWARDED = "spooler-forwarded"
@@ -198,7 +198,8 @@ class Forwarder:
             self._polls.discard(poll)
         for d in r.messages:
             _put(self._token_names, d.lease_token, (queue, rid), NAMES_MAX)
-        return [Delivery(d.id, d.body, d.lease_token, d.retry_count, d.lease_expires_at, d.queue) for d in r.messages]
+        return [Delivery(d.id, d.body, d.lease_token, d.retry_count, d.lease_expires_at, d.queue, d.lease_seconds_left)
+                for d in r.messages]
 
     def names_of(self, tokens) -> set:
         """The (queue, name) of the forwarded receives that handed out ``tokens``."""
@@ -275,7 +276,9 @@ class Forwarder:
     async def settle(self, a, auth, items, per_item_errors):
         req = settle_request([(t if isinstance(t, str) else "", act, d) for t, act, d in items], _action_number)
         r = await self.call(a, "SettleBatch", req, auth, True)
-        out = [errors.from_detail(x.error) if x.HasField("error") else (x.expires_at or None) for x in r.results]
+        # (the primary's lease lengths passed on as they are: the caller measures from
+        # its call's start, before the primary's answer and this hop's)
+        out = settle_outcomes(r, len(req.items))
         if not per_item_errors:
             for x in out:
                 if isinstance(x, errors.SpoolerError):

@@ -58,7 +58,7 @@ def cluster_pb(d: dict) -> api_pb2.ClusterInfo:
 
 def _delivery_pb(d) -> api_pb2.Delivery:
     return api_pb2.Delivery(id=d.id, body=d.body, lease_token=d.token, retry_count=d.retry_count,
-                            lease_expires_at=d.expires_at, queue=d.queue)
+                            lease_expires_at=d.expires_at, queue=d.queue, lease_seconds_left=d.left_s)
 
 
 def _send_args(req) -> tuple:
@@ -125,6 +125,8 @@ async def _receive_batch(svc: Service, p, req, out=None) -> api_pb2.ReceiveRespo
         m.lease_token = d.token
         m.lease_expires_at = d.expires_at
         m.queue = d.queue
+        if d.left_s:
+            m.lease_seconds_left = d.left_s
         if d.retry_count:
             m.retry_count = d.retry_count
     return out
@@ -139,7 +141,7 @@ async def _settle_batch(svc: Service, p, req, out=None) -> api_pb2.SettleBatchRe
         if isinstance(r, errors.SpoolerError):
             add(error=errors.to_detail(r))
         else:
-            add(expires_at=r or "")
+            add(expires_at=r, lease_seconds_left=r.left_s) if r else add()
     return out
 
 
@@ -311,7 +313,8 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
 
     @rpc
     async def Renew(self, p, req, ctx):
-        return api_pb2.RenewResponse(expires_at=await self.svc.renew(p, req.token))
+        e = await self.svc.renew(p, req.token)
+        return api_pb2.RenewResponse(expires_at=e, lease_seconds_left=e.left_s)
 
     @rpc
     async def SettleBatch(self, p, req, ctx):

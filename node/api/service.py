@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from typing import Callable, Optional
 
 from spooler import errors
-from spooler._common import whole_seconds
+from spooler._common import LeaseEnd, whole_seconds
 from spooler.ids import message_id
 from spooler.pb import log_pb2
 from node.core import replication as R
@@ -99,6 +99,7 @@ class Delivery:
     retry_count: int
     expires_at: str
     queue: str
+    left_s: float = 0.0  # the lease's length when granted (0: not known, an older primary)
 
 
 def _carriable(authorization: str) -> bool:
@@ -629,8 +630,9 @@ class Service:
         bodies = self.engine.bodies_of([m for m, _ in got])
         if self.engine.metrics:  # leases live in memory, not in the log: counted here
             self.engine.metrics.receives.inc(len(got))
-        expires = rfc3339(got[0][1].expires_at)  # one receive: one lease timeout, one expiry
-        return [Delivery(m.id, body, self.encode_token(lease), m.retry, expires, queue)
+        end = got[0][1].expires_at  # one receive: one lease timeout, one expiry
+        expires, left_s = rfc3339(end), (end - now) / US
+        return [Delivery(m.id, body, self.encode_token(lease), m.retry, expires, queue, left_s)
                 for (m, lease), body in zip(got, bodies)]
 
     async def receive(self, p: Principal, queue: str, wait_s: float, max_n: int = 1, receive_id: str = "",
@@ -873,11 +875,17 @@ class Service:
             self.decode_token(token)
             return (await self.fwd.settle(self._remote(p), p.auth, [(token, "renew", 0.0)], False))[0]
         lease = self._live_lease(p, token)
-        return rfc3339(self.core.renew(lease, self.engine.now_us()))
+        return self._renewed(lease, self.engine.now_us())
+
+    def _renewed(self, lease, now: int) -> LeaseEnd:
+        """Renew ``lease`` -> its new end, and how long it lasts from ``now`` (so that
+        clients time their renewals on their own clocks: LeaseEnd)."""
+        end = self.core.renew(lease, now)
+        return LeaseEnd(rfc3339(end), (end - now) / US)
 
     async def settle(self, p: Principal, items: list, per_item_errors: bool = False) -> list:
         """items: [(token, "ack"|"nack"|"renew", delay_s)]. Acks and nacks share one
-        log record. Returns per item None, an expiresAt string (renew) or, with
+        log record. Returns per item None, an expiresAt (renew: a LeaseEnd) or, with
         ``per_item_errors``, the SpoolerError of that item."""
         if not items:
             raise errors.InvalidArgument("nothing to settle")
@@ -899,7 +907,7 @@ class Service:
                 delay_us = self._settle_shape(token, action, delay_s, decode=False)
                 lease = self._live_lease(p, token, now, serving)
                 if action == "renew":
-                    out[i] = rfc3339(self.core.renew(lease, now))
+                    out[i] = self._renewed(lease, now)
                     continue
                 self.core.begin_settle(lease)  # fenced: no expiry, no second settle
                 fenced.append((i, lease))

@@ -208,20 +208,22 @@ class ReleaseReceiveResponse(_message.Message):
     def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class Delivery(_message.Message):
-    __slots__ = ("id", "body", "lease_token", "retry_count", "lease_expires_at", "queue")
+    __slots__ = ("id", "body", "lease_token", "retry_count", "lease_expires_at", "queue", "lease_seconds_left")
     ID_FIELD_NUMBER: _ClassVar[int]
     BODY_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RETRY_COUNT_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
     id: str
     body: bytes
     lease_token: str
     retry_count: int
     lease_expires_at: str
     queue: str
-    def __init__(self, id: _Optional[str] = ..., body: _Optional[bytes] = ..., lease_token: _Optional[str] = ..., retry_count: _Optional[int] = ..., lease_expires_at: _Optional[str] = ..., queue: _Optional[str] = ...) -> None: ...
+    lease_seconds_left: float
+    def __init__(self, id: _Optional[str] = ..., body: _Optional[bytes] = ..., lease_token: _Optional[str] = ..., retry_count: _Optional[int] = ..., lease_expires_at: _Optional[str] = ..., queue: _Optional[str] = ..., lease_seconds_left: _Optional[float] = ...) -> None: ...
 
 class ReceiveResponse(_message.Message):
     __slots__ = ("messages",)
@@ -238,10 +240,12 @@ class LeaseRequest(_message.Message):
     def __init__(self, token: _Optional[str] = ..., delay_seconds: _Optional[float] = ...) -> None: ...
 
 class RenewResponse(_message.Message):
-    __slots__ = ("expires_at",)
+    __slots__ = ("expires_at", "lease_seconds_left")
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
     expires_at: str
-    def __init__(self, expires_at: _Optional[str] = ...) -> None: ...
+    lease_seconds_left: float
+    def __init__(self, expires_at: _Optional[str] = ..., lease_seconds_left: _Optional[float] = ...) -> None: ...
 
 class SettleBatchRequest(_message.Message):
     __slots__ = ("items",)
@@ -259,12 +263,14 @@ class SettleBatchRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[SettleBatchRequest.Item, _Mapping]]] = ...) -> None: ...
 
 class SettleResult(_message.Message):
-    __slots__ = ("error", "expires_at")
+    __slots__ = ("error", "expires_at", "lease_seconds_left")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
     error: ErrorDetail
     expires_at: str
-    def __init__(self, error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., expires_at: _Optional[str] = ...) -> None: ...
+    lease_seconds_left: float
+    def __init__(self, error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., expires_at: _Optional[str] = ..., lease_seconds_left: _Optional[float] = ...) -> None: ...
 
 class SettleBatchResponse(_message.Message):
     __slots__ = ("results",)

@@ -615,6 +615,26 @@ def test_a_replica_answers_an_unknown_settle_action_as_the_primary_does(cluster)
     c.ack(token)
 
 
+def test_a_replica_passes_on_how_long_the_primarys_leases_last(cluster):
+    """Receive and renew through a replica: the SDK hears the primary's lease length
+    (lease_seconds_left), which it times renewals by, and not a zero."""
+    from spooler import Client
+    nodes, _ = cluster
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    r = next(i for i in nodes if i != p)
+    wait_until(lambda: (view(nodes[r]) or {}).get("primary") == p, 10, what="the replica to follow the primary")
+    with Client(nodes[r].grpc_target, nodes[r].admin_key, timeout_s=5) as c:
+        until_ok(lambda: c.put_queue("ll", leaseTimeoutSeconds=7))
+        until_ok(lambda: c.send("ll", b"x"))
+        [m] = until_ok(lambda: c.receive("ll", wait_s=5))
+        assert 6.5 < m.expires_at.left_s <= 7.0, m.expires_at.left_s
+        renewed = c.renew(m.token)
+        assert 6.5 < renewed.left_s <= 7.0 and renewed.deadline is not None
+        [out] = c.settle_batch([(m.token, "renew", 0.0)])
+        assert 6.5 < out.left_s <= 7.0
+        c.ack(m.token)
+
+
 def test_a_replacement_on_an_empty_store_votes_only_once_it_holds_the_clusters_history(cluster, tmp_path):
     """docs/operations.md, "Replace a node". A replica A is down while a write is
     confirmed by the primary P and the other replica B. Then B's disk is lost and P

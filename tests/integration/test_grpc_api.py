@@ -347,6 +347,46 @@ def test_consumer_renews_then_acks_or_nacks(node, client):
     assert seen.count((b"slow", 0)) == 1  # delivered once
 
 
+class _ClockBehind:
+    """Stands in for spooler._common's datetime: the client's wall clock a minute
+    behind the node's (renewals timed by it would come 30 s late)."""
+    from datetime import datetime as _dt
+
+    @classmethod
+    def now(cls, tz=None):
+        from datetime import timedelta
+        return cls._dt.now(tz) - timedelta(seconds=60)
+
+    @classmethod
+    def fromisoformat(cls, s):
+        return cls._dt.fromisoformat(s)
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_client_clock_behind_the_nodes_does_not_delay_its_renewals(node, client, monkeypatch, flavour):
+    """The node says how long each lease lasts (lease_seconds_left), and the SDK times
+    renewals from that on its own monotonic clock: with its wall clock a minute
+    behind, a handler that outlives the 0.5 s lease three times still keeps it."""
+    import spooler._common as common
+    q = f"skew-{flavour}"
+    client.put_queue(q, leaseTimeoutSeconds=0.5)
+    client.send(q, b"slow")
+    monkeypatch.setattr(common, "datetime", _ClockBehind)
+    if flavour == "sync":
+        [m] = client.receive(q, wait_s=5)
+        assert 0.4 < m.expires_at.left_s <= 0.5
+        assert client.handle(m, lambda m: threading.Event().wait(1.6)) is True
+    else:
+        async def main():
+            async with AsyncClient(node.grpc_target, node.admin_key) as c:
+                [m] = await c.receive(q, wait_s=5)
+                assert 0.4 < m.expires_at.left_s <= 0.5
+                await c._handle(m, lambda m: asyncio.sleep(1.6), 0.0)
+        asyncio.run(main())
+    st = client.get_queue(q)["stats"]
+    assert (st["ackedTotal"], st["leaseExpiredTotal"]) == (1, 0), st
+
+
 def test_epoch_in_trailers_and_restart_is_primary_change(node):
     with Client(node.grpc_target, node.admin_key) as c:
         c.put_queue("ge", leaseTimeoutSeconds=60)

@@ -161,6 +161,25 @@ def test_renewing_goes_on_after_an_expiry_it_cannot_read():
         assert renew_delay_s(bad, now) == 1.0
 
 
+def test_renewals_are_timed_by_the_leases_length_on_the_clients_own_clock():
+    """A node that says how long the lease lasts (LeaseEnd.left_s) times the renewal
+    from the call's start on the monotonic clock: the wall clocks' difference (here
+    the expiry lies an hour in the client's past, or a day in its future) is moot."""
+    from datetime import datetime, timezone
+
+    from spooler._common import LeaseEnd, renew_delay_s
+
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    for at in ("2025-12-31T23:00:00Z", "2026-01-02T00:00:00Z"):
+        e = LeaseEnd(at, 30.0, started=100.0)
+        assert e == at and e.deadline == 130.0
+        assert renew_delay_s(e, now, mono=102.0) == 14.0
+        assert renew_delay_s(e, now, mono=131.0) == 0.05
+    # an older node says nothing of the length: the wall clock it is
+    old = LeaseEnd("2026-01-01T00:00:30Z", 0.0, started=100.0)
+    assert old.deadline is None and renew_delay_s(old, now, mono=102.0) == 15.0
+
+
 def test_resource_exhausted_is_too_large_only_when_it_is_about_size():
     """gRPC's RESOURCE_EXHAUSTED covers a message or metadata over its limits (the
     request's fault: message_too_large) and also a node's cap on concurrent calls,
