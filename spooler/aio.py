@@ -29,6 +29,10 @@ from spooler.pb import api_pb2
 
 log = logging.getLogger("spooler.aio")
 
+# Long polls one client keeps on its Session stream at once; further ones are unary
+# calls (a node reads 1,024 requests of a stream at a time: the rest is left room).
+SESSION_POLLS_MAX = 256
+
 
 class _NoSession(Exception):
     """The node has no Session RPC (an older node): use the unary RPCs."""
@@ -272,6 +276,7 @@ class AsyncClient(Nodes):
         self._flushes: set = set()   # the flush tasks running
         self.session = _Session(self)
         self._releases: set = set()   # releases of cancelled receives, still going
+        self._session_polls = 0       # long polls waiting on the Session stream now
         self._settling: set = set()   # futures of acks, nacks and settle_batches in progress (close waits for them)
         self._closed = False
         self._closing = False
@@ -527,9 +532,17 @@ class AsyncClient(Nodes):
         if names is not None:
             names.append(req)
         started = time.monotonic()  # no later than the primary granted the leases
+        # A node reads at most 1,024 requests of one Session stream at once (limits.md):
+        # long polls past SESSION_POLLS_MAX go as unary calls, so that waiting receives
+        # never hold up the sends and acks behind them on the stream.
+        on_session = wait_s <= 0 or self._session_polls < SESSION_POLLS_MAX
+        if on_session and wait_s > 0:
+            self._session_polls += 1
         try:
-            r = await self._pipe("receive", "ReceiveBatch", req, write=False,
-                                 timeout_s=self.timeout_s + wait_s)
+            if on_session:
+                r = await self._pipe("receive", "ReceiveBatch", req, write=False, timeout_s=self.timeout_s + wait_s)
+            else:
+                r = await self._call(self.stub.ReceiveBatch, req, write=False, timeout_s=self.timeout_s + wait_s)
         except errors.SpoolerError as e:
             if not isinstance(e, RECEIVE_DEFINITE):
                 await self._release(req)
@@ -539,6 +552,9 @@ class AsyncClient(Nodes):
             self._releases.add(t)
             t.add_done_callback(self._releases.discard)
             raise
+        finally:
+            if on_session and wait_s > 0:
+                self._session_polls -= 1
         return [message_of(d, started) for d in r.messages]
 
     async def _release(self, req) -> None:

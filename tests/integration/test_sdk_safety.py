@@ -907,3 +907,38 @@ def test_sync_failure_is_charged_to_the_node_the_call_went_to(node):
     finally:
         go_on.set()
         c.close()
+
+
+def _receives_waiting(node) -> int:
+    import urllib.request
+    with urllib.request.urlopen(node.http_url + "/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("spooler_receives_waiting "):
+                return int(float(line.split()[1]))
+    raise AssertionError("no spooler_receives_waiting in /metrics")
+
+
+def test_more_long_polls_than_a_session_stream_holds_do_not_hold_up_sends(node):
+    """A node reads at most 1,024 requests of one Session stream at once. 1,100 long
+    polls on one AsyncClient: those past the SDK's share of the stream go as unary
+    calls, so a send (and the ack after it) still goes through at once, not when the
+    polls time out; and one of the polls gets the message."""
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("many-polls")
+            polls = [asyncio.ensure_future(c.receive("many-polls", wait_s=20)) for _ in range(1100)]
+            # every poll waits on the node (of one stream it would read only 1,024)
+            deadline = time.monotonic() + 20
+            while (n := await asyncio.to_thread(_receives_waiting, node)) < 1100:
+                assert time.monotonic() < deadline, f"{n} long polls wait on the node, not 1100"
+                await asyncio.sleep(0.1)
+            await asyncio.wait_for(c.send("many-polls", b"through"), 10)
+            done, _ = await asyncio.wait(polls, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            got = [m for t in done for m in t.result()]
+            assert [m.body for m in got] == [b"through"], got
+            await asyncio.wait_for(c.ack(got[0].token), 10)
+            for t in polls:
+                t.cancel()
+            await asyncio.wait(polls)
+            assert (await c.get_queue("many-polls"))["stats"]["ackedTotal"] == 1
+    asyncio.run(asyncio.wait_for(main(), 90))
