@@ -732,6 +732,14 @@ class AsyncClient(Nodes):
         except Exception:
             log.exception("handler failed for message %s; nacking", m.id)
             ok = False
+        except asyncio.CancelledError:
+            # consume was cancelled under the handler: the work is unfinished, so the
+            # message goes back now (nacked, without delay, in the background: the
+            # cancelled task must not wait) rather than when its lease runs out
+            t = asyncio.ensure_future(self._give_back(m))
+            self._releases.add(t)  # close() waits for these, briefly
+            t.add_done_callback(self._releases.discard)
+            raise
         finally:
             renewer.cancel()
         try:
@@ -742,6 +750,14 @@ class AsyncClient(Nodes):
         except errors.SpoolerError as e:
             if not settle_failed(log, m, "ack" if ok else "nack", e):
                 raise
+
+    async def _give_back(self, m: Message) -> None:
+        """A nack of a message whose handler was cancelled; failures are logged only
+        (the lease then runs out as it would have)."""
+        try:
+            await asyncio.wait_for(self._settle_one("nack", m.token, 0.0), RELEASE_TIMEOUT_S)
+        except (errors.SpoolerError, RuntimeError, asyncio.TimeoutError) as e:
+            log.info("could not give back %s after its handler was cancelled: %r", m.id, e)
 
     # ----------------------------------------------------------- cluster
     async def cluster(self) -> api_pb2.ClusterInfo:

@@ -388,6 +388,18 @@ class Client(Nodes):
         except Exception:
             log.exception("handler failed for message %s; nacking", m.id)
             ok = False
+        except BaseException:
+            # the handler was cut short (Ctrl-C, sys.exit from a signal handler): the
+            # work is unfinished, so the message goes back now rather than when its
+            # lease runs out; one attempt, and the interruption goes on
+            done.set()
+            t.join()
+            try:
+                self._call("Nack", api_pb2.LeaseRequest(token=m.token), write=True,
+                           timeout_s=RELEASE_TIMEOUT_S)
+            except (errors.SpoolerError, RuntimeError) as e:
+                log.info("could not give back %s after its handler was interrupted: %r", m.id, e)
+            raise
         finally:
             done.set()
             t.join()

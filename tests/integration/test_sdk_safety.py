@@ -296,6 +296,50 @@ def test_cancelling_consume_takes_its_long_poll_with_it(node):
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def test_cancelling_consume_under_a_handler_gives_the_message_back_at_once(node):
+    """A consume cancelled while its handler runs: the unfinished message is nacked
+    (visible again now, as after a failed handler), not left leased for its 30 s."""
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("cut-short", leaseTimeoutSeconds=30)
+            await c.send("cut-short", b"work")
+            running = asyncio.Event()
+
+            async def handler(m):
+                running.set()
+                await asyncio.Event().wait()  # until cancelled
+
+            task = asyncio.ensure_future(c.consume("cut-short", handler, wait_s=5))
+            await asyncio.wait_for(running.wait(), 10)
+            task.cancel()
+            await asyncio.wait({task})
+            assert task.cancelled()
+            got = await c.receive("cut-short", wait_s=5)
+            assert [(m.body, m.retry_count) for m in got] == [(b"work", 1)], got
+            st = (await c.get_queue("cut-short"))["stats"]
+            assert (st["nackedTotal"], st["leaseExpiredTotal"]) == (1, 0), st
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_handler_cut_short_by_sys_exit_gives_the_message_back_at_once(node):
+    """The sync client: a handler interrupted (SystemExit from a signal handler, or
+    Ctrl-C) nacks the unfinished message on its way out, and the exit goes on."""
+    with Client(node.grpc_target, node.admin_key) as c:
+        c.put_queue("interrupted", leaseTimeoutSeconds=30)
+        c.send("interrupted", b"work")
+        [m] = c.receive("interrupted", wait_s=5)
+
+        def handler(m):
+            raise SystemExit(0)
+
+        with pytest.raises(SystemExit):
+            c.handle(m, handler)
+        got = c.receive("interrupted", wait_s=2)
+        assert [(x.body, x.retry_count) for x in got] == [(b"work", 1)], got
+        st = c.get_queue("interrupted")["stats"]
+        assert (st["nackedTotal"], st["leaseExpiredTotal"]) == (1, 0), st
+
+
 def test_retries_outlast_a_failover_timeout():
     """Six attempts, waits 0.1 .. 1.6 s: more than the default 2 s failover timeout."""
     import time
