@@ -78,6 +78,17 @@ class LeaseEnd(str):
         self.deadline = started + left_s if started is not None and left_s > 0 else None
         return self
 
+    def __reduce__(self):
+        # a deadline is on this host's monotonic clock: a copy on another host (a
+        # Message pickled over) keeps the length, not the deadline
+        return (LeaseEnd, (str(self), self.left_s))
+
+    def __copy__(self):
+        return self  # (immutable; a copy in this process keeps its deadline)
+
+    def __deepcopy__(self, memo):
+        return self
+
 
 @dataclass
 class Message:

@@ -30,8 +30,11 @@ from spooler.pb import api_pb2
 log = logging.getLogger("spooler.aio")
 
 # Long polls one client keeps on its Session stream at once; further ones are unary
-# calls (a node reads 1,024 requests of a stream at a time: the rest is left room).
+# calls (a node reads 1,024 requests of a stream at a time: the rest is left room),
+# at most UNARY_POLLS_MAX at once (a node takes 10,000 calls at once from all its
+# clients together); one past both waits here for a turn, its wait counted from then.
 SESSION_POLLS_MAX = 256
+UNARY_POLLS_MAX = 1024
 
 
 class _NoSession(Exception):
@@ -277,6 +280,7 @@ class AsyncClient(Nodes):
         self.session = _Session(self)
         self._releases: set = set()   # releases of cancelled receives, still going
         self._session_polls = 0       # long polls waiting on the Session stream now
+        self._unary_polls: Optional[asyncio.Semaphore] = None  # turns for the others (made on first use)
         self._settling: set = set()   # futures of acks, nacks and settle_batches in progress (close waits for them)
         self._closed = False
         self._closing = False
@@ -542,7 +546,10 @@ class AsyncClient(Nodes):
             if on_session:
                 r = await self._pipe("receive", "ReceiveBatch", req, write=False, timeout_s=self.timeout_s + wait_s)
             else:
-                r = await self._call(self.stub.ReceiveBatch, req, write=False, timeout_s=self.timeout_s + wait_s)
+                if self._unary_polls is None:
+                    self._unary_polls = asyncio.Semaphore(UNARY_POLLS_MAX)
+                async with self._unary_polls:
+                    r = await self._call(self.stub.ReceiveBatch, req, write=False, timeout_s=self.timeout_s + wait_s)
         except errors.SpoolerError as e:
             if not isinstance(e, RECEIVE_DEFINITE):
                 await self._release(req)
@@ -732,10 +739,11 @@ class AsyncClient(Nodes):
         except Exception:
             log.exception("handler failed for message %s; nacking", m.id)
             ok = False
-        except asyncio.CancelledError:
-            # consume was cancelled under the handler: the work is unfinished, so the
-            # message goes back now (nacked, without delay, in the background: the
-            # cancelled task must not wait) rather than when its lease runs out
+        except BaseException:
+            # consume was cancelled under the handler (or it raised KeyboardInterrupt or
+            # SystemExit): the work is unfinished, so the message goes back now (nacked,
+            # without delay, in the background: the cancelled task must not wait)
+            # rather than when its lease runs out
             t = asyncio.ensure_future(self._give_back(m))
             self._releases.add(t)  # close() waits for these, briefly
             t.add_done_callback(self._releases.discard)

@@ -141,7 +141,8 @@ async def _settle_batch(svc: Service, p, req, out=None) -> api_pb2.SettleBatchRe
         if isinstance(r, errors.SpoolerError):
             add(error=errors.to_detail(r))
         else:
-            add(expires_at=r, lease_seconds_left=r.left_s) if r else add()
+            # (a forwarded renew of a faulty primary may answer no expiry: passed on as such)
+            add(expires_at=r, lease_seconds_left=getattr(r, "left_s", 0.0)) if r else add()
     return out
 
 
@@ -314,7 +315,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
     @rpc
     async def Renew(self, p, req, ctx):
         e = await self.svc.renew(p, req.token)
-        return api_pb2.RenewResponse(expires_at=e, lease_seconds_left=e.left_s)
+        return api_pb2.RenewResponse(expires_at=e or "", lease_seconds_left=getattr(e, "left_s", 0.0))
 
     @rpc
     async def SettleBatch(self, p, req, ctx):

@@ -20,11 +20,11 @@ import time
 
 try:
     from .checker import REQUIRED_ZEROS, format_table
-    from .drill import run_drill
+    from .drill import FAULT_KINDS, run_drill
 except ImportError:  # pragma: no cover - run as a plain script
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from drills.checker import REQUIRED_ZEROS, format_table  # type: ignore
-    from drills.drill import run_drill  # type: ignore
+    from drills.drill import FAULT_KINDS, run_drill  # type: ignore
 
 SUMMED = ("sends", "confirmed_sends", "deliveries", "drain_deliveries", "empty_receives", "unknown_receives",
           "unknown_sends", "unknown_sends_appeared", "ids_delivered_more_than_once", *REQUIRED_ZEROS,
@@ -128,6 +128,8 @@ def main(argv=None) -> int:
 
     seeds = parse_seeds(args.seeds)
     faults = tuple(f for f in args.faults.split(",") if f)
+    if set(faults) - FAULT_KINDS:
+        ap.error(f"--faults: unknown kinds {sorted(set(faults) - FAULT_KINDS)}; known: {', '.join(sorted(FAULT_KINDS))}")
     root = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="spooler-drills-"))
     os.makedirs(root, exist_ok=True)
     print(f"drills: seeds {args.seeds} ({len(seeds)}), {args.duration:g}s each, {args.nodes} nodes"

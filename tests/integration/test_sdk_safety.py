@@ -986,3 +986,28 @@ def test_more_long_polls_than_a_session_stream_holds_do_not_hold_up_sends(node):
             await asyncio.wait(polls)
             assert (await c.get_queue("many-polls"))["stats"]["ackedTotal"] == 1
     asyncio.run(asyncio.wait_for(main(), 90))
+
+
+def test_long_polls_past_the_session_share_and_the_unary_share_wait_their_turn(node, monkeypatch):
+    """With 2 long polls allowed on the stream and 2 as unary calls, 6 polls keep 4
+    on the node (the node's call slots are shared by every client); the other two
+    wait in the client for a turn, and still get messages once one ends."""
+    import spooler.aio as aio
+    monkeypatch.setattr(aio, "SESSION_POLLS_MAX", 2)
+    monkeypatch.setattr(aio, "UNARY_POLLS_MAX", 2)
+
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("turns")
+            polls = [asyncio.ensure_future(c.receive("turns", wait_s=20)) for _ in range(6)]
+            deadline = time.monotonic() + 20
+            while (n := await asyncio.to_thread(_receives_waiting, node)) < 4:
+                assert time.monotonic() < deadline, f"{n} long polls wait on the node, not 4"
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)  # (a fifth would be there by now)
+            assert await asyncio.to_thread(_receives_waiting, node) == 4
+            for i in range(6):
+                await asyncio.wait_for(c.send("turns", f"m{i}".encode()), 10)
+            got = await asyncio.wait_for(asyncio.gather(*polls), 30)
+            assert sorted(m.body for ms in got for m in ms) == [f"m{i}".encode() for i in range(6)]
+    asyncio.run(asyncio.wait_for(main(), 90))

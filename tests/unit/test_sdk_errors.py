@@ -175,6 +175,13 @@ def test_renewals_are_timed_by_the_leases_length_on_the_clients_own_clock():
         assert e == at and e.deadline == 130.0
         assert renew_delay_s(e, now, mono=102.0) == 14.0
         assert renew_delay_s(e, now, mono=131.0) == 0.05
+    # a copy in this process keeps the deadline; one pickled (maybe for another host,
+    # whose monotonic clock is another) keeps the length only
+    import copy
+    import pickle
+    assert copy.deepcopy(e).deadline == 130.0
+    p = pickle.loads(pickle.dumps(e))
+    assert (p, p.left_s, p.deadline) == (e, 30.0, None)
     # an older node says nothing of the length: the wall clock it is
     old = LeaseEnd("2026-01-01T00:00:30Z", 0.0, started=100.0)
     assert old.deadline is None and renew_delay_s(old, now, mono=102.0) == 15.0
