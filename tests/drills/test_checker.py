@@ -477,11 +477,11 @@ def test_large_history_is_fast():
         s.send(t, t + 0.01, f"b{i}", f"m{i}")
         s.recv(t + 0.1, t + 0.11, f"m{i}", f"b{i}", f"t{i}")
         s.settle("ack", t + 0.2, t + 0.21, f"m{i}", f"t{i}")
-    start = time.perf_counter()
+    start = time.process_time()  # (this process's CPU: a loaded machine's waits are not counted)
     r = s.check()
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert r["confirmed_sends"] == n and r["required_zeros_ok"]
-    assert elapsed < 1.0, elapsed
+    assert elapsed < 4.0, elapsed  # about 0.2 s here; a check quadratic in the history takes minutes
 
 
 def test_answer_held_past_its_lease_expiry_is_the_older_grant():

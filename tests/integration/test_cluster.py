@@ -12,7 +12,7 @@ from nodeproc import start_cluster, wait_until
 from spooler import errors
 from spooler.http import HttpClient
 
-FAILOVER_S = 1.0
+FAILOVER_S = 2.0  # (not 1 s: a loaded machine can stall a primary for a second)
 
 
 @pytest.fixture
@@ -147,6 +147,7 @@ def test_a_dead_primarys_leased_message_is_never_answered_with_nothing(cluster):
     killed_at = time.monotonic()
     q, _ = wait_until(lambda: primary_of(nodes, exclude=(p,)), 15, what="a new primary")
     c2, answers = client(nodes[q]), []
+    first_at = time.monotonic() - killed_at  # the first receive's start, after the kill
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -166,8 +167,10 @@ def test_a_dead_primarys_leased_message_is_never_answered_with_nothing(cluster):
     # not sooner than the old primary could still have been leasing: its last contact
     # (at most a heartbeat, FAILOVER_S / 10, before the kill) plus half a failover
     # timeout; a successor that did not wait hands the message out at once
-    assert took >= FAILOVER_S / 2 - FAILOVER_S / 10 - 0.1, (took, answers)
-    assert any(a[0] == "503" for a in answers), answers
+    earliest = FAILOVER_S / 2 - FAILOVER_S / 10 - 0.1
+    assert took >= earliest, (took, answers)
+    if first_at < earliest:  # asked while the successor surely still waited: it said so
+        assert answers[0][0] == "503", (first_at, answers)
     print(f"redelivered {took:.2f} s after the SIGKILL, {len(answers) - 1} earlier answers were 503")
 
 

@@ -318,7 +318,7 @@ def test_dedup_keyed_send(client):
 
 
 def test_consumer_renews_then_acks_or_nacks(node, client):
-    client.put_queue("g9", leaseTimeoutSeconds=0.5, maxRetries=5)
+    client.put_queue("g9", leaseTimeoutSeconds=2, maxRetries=5)
     client.send("g9", b"slow")
     client.send("g9", b"boom")
     seen = []
@@ -326,9 +326,10 @@ def test_consumer_renews_then_acks_or_nacks(node, client):
     def handler(m):
         seen.append((m.body, m.retry_count))
         if m.body == b"slow":
-            # outlive the 0.5 s lease several times: the helper must renew
+            # outlive the 2 s lease twice over: the helper must renew (each renewal
+            # has a second to arrive: a loaded machine's stalls do not lose it)
             ev = threading.Event()
-            ev.wait(1.6)
+            ev.wait(4.5)
         else:
             raise RuntimeError("handler failed")
 
@@ -366,22 +367,22 @@ class _ClockBehind:
 def test_a_client_clock_behind_the_nodes_does_not_delay_its_renewals(node, client, monkeypatch, flavour):
     """The node says how long each lease lasts (lease_seconds_left), and the SDK times
     renewals from that on its own monotonic clock: with its wall clock a minute
-    behind, a handler that outlives the 0.5 s lease three times still keeps it."""
+    behind, a handler that outlives the 2 s lease twice over still keeps it."""
     import spooler._common as common
     q = f"skew-{flavour}"
-    client.put_queue(q, leaseTimeoutSeconds=0.5)
+    client.put_queue(q, leaseTimeoutSeconds=2)
     client.send(q, b"slow")
     monkeypatch.setattr(common, "datetime", _ClockBehind)
     if flavour == "sync":
         [m] = client.receive(q, wait_s=5)
-        assert 0.4 < m.expires_at.left_s <= 0.5
-        assert client.handle(m, lambda m: threading.Event().wait(1.6)) is True
+        assert 1.9 < m.expires_at.left_s <= 2.0
+        assert client.handle(m, lambda m: threading.Event().wait(4.5)) is True
     else:
         async def main():
             async with AsyncClient(node.grpc_target, node.admin_key) as c:
                 [m] = await c.receive(q, wait_s=5)
-                assert 0.4 < m.expires_at.left_s <= 0.5
-                await c._handle(m, lambda m: asyncio.sleep(1.6), 0.0)
+                assert 1.9 < m.expires_at.left_s <= 2.0
+                await c._handle(m, lambda m: asyncio.sleep(4.5), 0.0)
         asyncio.run(main())
     st = client.get_queue(q)["stats"]
     assert (st["ackedTotal"], st["leaseExpiredTotal"]) == (1, 0), st

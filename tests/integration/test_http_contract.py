@@ -274,15 +274,16 @@ def test_bad_dedup_key_400(api, queue, key):
 
 def test_delay_header_hides_message_until_due(api, queue):
     t0 = time.monotonic()
-    r = api.send(queue, b"later", delay=1.0)
+    # (3 s: the two checks below must come before it is due, also on a slow machine)
+    r = api.send(queue, b"later", delay=3.0)
     assert r.status == 201
     mid = r.json()["id"]
     r = api.receive(queue)
     assert r.status == 204 and r.body == b""
     st = api.stats(queue)
     assert st["delayed"] == 1 and st["visible"] == 0
-    got = poll_receive(api, queue, timeout_s=10)
-    assert time.monotonic() - t0 >= 0.9
+    got = poll_receive(api, queue, timeout_s=15)
+    assert time.monotonic() - t0 >= 2.9
     assert got.h("Spooler-Message-Id") == mid and got.body == b"later"
     assert got.h("Spooler-Retry-Count") == "0"
 
@@ -430,13 +431,13 @@ def test_nack_with_delay(api, queue):
     mid = api.send(queue, b"x").json()["id"]
     tok = received(api, queue).h("Spooler-Lease-Token")
     t0 = time.monotonic()
-    r = api.nack(tok, delay=1.0)
+    r = api.nack(tok, delay=3.0)  # (as above: due after the checks below)
     assert r.status == 204
     assert api.receive(queue).status == 204
     st = api.stats(queue)
     assert st["delayed"] == 1 and st["leased"] == 0
-    got = poll_receive(api, queue)
-    assert time.monotonic() - t0 >= 0.9
+    got = poll_receive(api, queue, timeout_s=15)
+    assert time.monotonic() - t0 >= 2.9
     assert got.h("Spooler-Message-Id") == mid and got.h("Spooler-Retry-Count") == "1"
 
 
@@ -473,10 +474,10 @@ def test_renew_moves_expiry_forward_with_current_timeout(api):
 
 
 def test_renew_keeps_a_short_lease_alive(api):
-    name = make_queue(api, leaseTimeoutSeconds=1.0)
+    name = make_queue(api, leaseTimeoutSeconds=2.0)
     api.send(name, b"x")
     tok = received(api, name).h("Spooler-Lease-Token")
-    deadline = time.monotonic() + 2.5  # well past the 1 s lease; renewed every ~0.15 s
+    deadline = time.monotonic() + 4.5  # well past the 2 s lease; renewed every ~0.15 s
     while time.monotonic() < deadline:
         r = api.renew(tok)
         assert r.status == 200, r

@@ -21,16 +21,19 @@ from spooler.pb import api_pb2, api_pb2_grpc
 ADMIN = Principal(admin=True)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# spooler-node with its store's load held up LOAD_S seconds (a large store takes
-# that long): the window between the gRPC server's start and the node's readiness
+# spooler-node with its store's load held up while the file argv[1] exists (at most
+# 60 s; a large store takes a while to load): the window between the gRPC server's
+# start and the node's readiness, held open until the test has seen what it needs
 SLOW_NODE = """
-import sys, time
+import os, sys, time
 from node import process
 process.prepare()
 from node.engine import Engine
 load = Engine.load
 def slow(self):
-    time.sleep(float(sys.argv[1]))
+    end = time.monotonic() + 60
+    while os.path.exists(sys.argv[1]) and time.monotonic() < end:
+        time.sleep(0.02)
     load(self)
 Engine.load = slow
 from node.main import main
@@ -53,32 +56,43 @@ def test_while_a_node_loads_it_is_not_serving_and_calls_no_key_unknown(tmp_path)
         first.stop()
     gport, hport = free_ports(2)
     log = open(os.path.join(data, "slow.log"), "ab")
-    p = subprocess.Popen([sys.executable, "-c", SLOW_NODE, "3", "--id", "n1", "--data", data, "--http",
+    gate = tmp_path / "loading"
+    gate.touch()
+    p = subprocess.Popen([sys.executable, "-c", SLOW_NODE, str(gate), "--id", "n1", "--data", data, "--http",
                           f"127.0.0.1:{hport}", "--grpc", f"127.0.0.1:{gport}", "--admin-key", ADMIN_KEY],
                          cwd=REPO, stdout=subprocess.PIPE, stderr=log)
     try:
-        ch = grpc.insecure_channel(f"127.0.0.1:{gport}")
+        # (retried connections every 0.1-0.2 s, not after gRPC's growing backoff:
+        # the node starts listening while the test is already calling)
+        ch = grpc.insecure_channel(f"127.0.0.1:{gport}", options=[
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 200)])
         health, stub = health_pb2_grpc.HealthStub(ch), api_pb2_grpc.SpoolerStub(ch)
         seen = {"health": set(), "scoped": set(), "cluster": set()}
         refused = 0  # the scoped key's calls answered unavailable
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline and p.poll() is None:
+            if gate.exists() and refused >= 3 and "UNAVAILABLE" in seen["cluster"]:
+                gate.unlink()  # the loading window was seen: let the load go on
             try:
                 seen["health"].add(health_pb2.HealthCheckResponse.ServingStatus.Name(
-                    health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status))
+                    health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status))
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE:  # (not listening yet)
-                    raise
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise  # (UNAVAILABLE: not listening yet; a deadline: a slow machine)
+                time.sleep(0.05)
                 continue
             for name, md in (("scoped", scoped), ("cluster", ADMIN_KEY)):
                 try:
                     if name == "scoped":
                         stub.GetQueue(api_pb2.QueueRequest(name="q"), metadata=[("authorization", f"Bearer {md}")],
-                                      timeout=1)
+                                      timeout=5)
                     else:
-                        stub.GetCluster(api_pb2.Empty(), metadata=[("authorization", f"Bearer {md}")], timeout=1)
+                        stub.GetCluster(api_pb2.Empty(), metadata=[("authorization", f"Bearer {md}")], timeout=5)
                     seen[name].add("OK")
                 except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        continue  # no answer in 5 s (a slow machine): says nothing either way
                     seen[name].add(e.code().name)
                     if name == "scoped" and e.code() == grpc.StatusCode.UNAVAILABLE:
                         refused += 1

@@ -182,8 +182,10 @@ def test_a_burst_of_large_messages_goes_out_in_several_batches(node):
 
 
 def test_a_read_that_times_out_is_unavailable_not_unconfirmed(node):
+    with Client(node.grpc_target, node.admin_key) as setup:  # (a write: the default timeout)
+        setup.put_queue("t")
     with Client(node.grpc_target, node.admin_key, timeout_s=1) as c:
-        c.put_queue("t")
+        c.get_queue("t")  # connected
         os.kill(node.pid, signal.SIGSTOP)
         try:
             with pytest.raises(errors.Unavailable):
@@ -373,7 +375,7 @@ def _first_node_hung(node, tmp_path, queue, check, **client_kw):
                 async with AsyncClient(n.grpc_target, n.admin_key) as c0:
                     await c0.put_queue(queue)
             c = AsyncClient(f"{node.grpc_target},{other.grpc_target}", node.admin_key,
-                            timeout_s=client_kw.pop("timeout_s", 1), **client_kw)
+                            timeout_s=client_kw.pop("timeout_s", 3), **client_kw)
             try:
                 await c.get_queue(queue)  # connected to the first
                 os.kill(node.pid, signal.SIGSTOP)
@@ -400,7 +402,8 @@ def test_many_calls_timing_out_together_move_the_client_once(node, tmp_path):
     _first_node_hung(node, tmp_path, "mq", check, retry_attempts=1)
 
 
-HUNG_NODE_LEFT_S = 10  # pings unanswered for 5 s close the connection; without that, the 30 s timeout
+HUNG_NODE_LEFT_S = 15  # pings (every 2 s) unanswered for 5 s close the connection: about 7 s at most, with
+# room for a slow machine; without that mechanism the calls wait out their 30 s timeout
 
 
 @pytest.mark.parametrize("call", ["send", "long_poll"])
@@ -582,7 +585,7 @@ def test_a_node_that_never_answers_does_not_hold_up_the_next_nodes_session(node)
     async def main():
         async with AsyncClient(node.grpc_target, node.admin_key) as c0:
             await c0.put_queue("silent")
-        c = AsyncClient(f"{silent},{node.grpc_target}", node.admin_key, timeout_s=1, retry_attempts=1)
+        c = AsyncClient(f"{silent},{node.grpc_target}", node.admin_key, timeout_s=3, retry_attempts=1)
         try:
             with pytest.raises(errors.Unavailable):
                 await c.send("silent", b"first")
@@ -653,7 +656,7 @@ def test_async_consume_rides_out_an_outage_longer_than_its_retries(node, caplog)
 def test_sync_handle_logs_an_ack_it_cannot_confirm_and_goes_on(node, caplog):
     import logging
     caplog.set_level(logging.WARNING, logger="spooler.client")
-    with Client(node.grpc_target, node.admin_key, timeout_s=1) as c:
+    with Client(node.grpc_target, node.admin_key, timeout_s=3) as c:
         c.put_queue("sh")
         c.send("sh", b"x")
         [m] = c.receive("sh")
@@ -666,7 +669,7 @@ def test_async_close_lets_an_ack_in_progress_finish(node):
     the lease to expire and the message to come back with its count raised."""
     async def main():
         async with AsyncClient(node.grpc_target, node.admin_key) as setup:
-            await setup.put_queue("closing", leaseTimeoutSeconds=1)
+            await setup.put_queue("closing", leaseTimeoutSeconds=3)
             await setup.send("closing", b"x")
         c = AsyncClient(node.grpc_target, node.admin_key)
         [m] = await c.receive("closing")
@@ -675,7 +678,7 @@ def test_async_close_lets_an_ack_in_progress_finish(node):
         await c.close()
         await ack  # answered, no error
         async with AsyncClient(node.grpc_target, node.admin_key) as check:
-            assert await check.receive("closing", wait_s=1.5) == []  # past the lease: nothing came back
+            assert await check.receive("closing", wait_s=3.5) == []  # past the lease: nothing came back
             st = (await check.get_queue("closing"))["stats"]
             assert st["ackedTotal"] == 1 and st.get("leaseExpiredTotal", 0) == 0, st
 
@@ -687,7 +690,7 @@ def test_async_close_lets_a_settle_batch_in_progress_finish(node):
     answer, and none of its messages comes back."""
     async def main():
         async with AsyncClient(node.grpc_target, node.admin_key) as setup:
-            await setup.put_queue("closing-batch", leaseTimeoutSeconds=1)
+            await setup.put_queue("closing-batch", leaseTimeoutSeconds=3)
             for body in (b"x", b"y"):
                 await setup.send("closing-batch", body)
         c = AsyncClient(node.grpc_target, node.admin_key)
@@ -698,7 +701,7 @@ def test_async_close_lets_a_settle_batch_in_progress_finish(node):
         await c.close()
         assert await settled == [None, None]  # answered, no error
         async with AsyncClient(node.grpc_target, node.admin_key) as check:
-            assert await check.receive("closing-batch", wait_s=1.5) == []  # past the lease: nothing came back
+            assert await check.receive("closing-batch", wait_s=3.5) == []  # past the lease: nothing came back
             st = (await check.get_queue("closing-batch"))["stats"]
             assert st["ackedTotal"] == 2 and st.get("leaseExpiredTotal", 0) == 0, st
 
@@ -850,16 +853,19 @@ def test_sync_send_racing_close_is_refused_whole_or_sent_whole(monkeypatch):
     send's own first step is slowed down so close() runs in the middle of it."""
     import spooler.client as sync_client
     entered = threading.Event()
+    clients: list = []
 
     class SlowFuture(Future):
         def __init__(self):
             super().__init__()
             if threading.current_thread().name == "racing-send":
                 entered.set()
-                time.sleep(0.3)  # close() runs meanwhile
+                # close() runs meanwhile: this step goes on once it has begun
+                wait_until(lambda: clients[0]._closed, 10, interval_s=0.005, what="close() to begin")
 
     monkeypatch.setattr(sync_client, "Future", SlowFuture)
     c = Client(DEAD, "k")
+    clients.append(c)
     out = {}
 
     def send():
