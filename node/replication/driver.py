@@ -39,6 +39,11 @@ RELEASES_PER_ACK = 64
 # a test's control run, which shows that a backlog on slow disks deposes a primary
 # without them.
 CONTACT_ACKS = os.environ.get("SPOOLER_TEST_CONTACT_ACKS", "1") != "0"
+# Heartbeats to a replica while it is sent a snapshot (_send): off only in a test's
+# control run. SPOOLER_TEST_SNAPSHOT_DELAY (seconds): a test's slow link, the copy's
+# last chunk held back that long.
+SNAPSHOT_HEARTBEATS = os.environ.get("SPOOLER_TEST_SNAPSHOT_HEARTBEATS", "1") != "0"
+SNAPSHOT_DELAY_S = float(os.environ.get("SPOOLER_TEST_SNAPSHOT_DELAY", "0") or 0)
 
 
 def frame_parts(msg: "R.AppendReq", data: list, limit: int = FRAME_BYTES_MAX) -> list:
@@ -297,7 +302,13 @@ class Driver:
             t = self._snapshots.get(to)
             if t is None or t.done():
                 self._snapshots[to] = asyncio.create_task(self._send_snapshot(to, msg.epoch), name=f"snapshot-{to}")
-            return
+            # ... and the frame itself, which holds no records (the core sends such a
+            # frame at most once a heartbeat): the replica answers it as any frame
+            # that does not follow on from its log, and so the copy's time does not
+            # cost this primary its majority, nor the replica its primary, when the
+            # replica is needed for the majority (another member is down)
+            if not SNAPSHOT_HEARTBEATS:
+                return
         if isinstance(msg, R.AppendReq):
             t = self._stream_tasks.get(to)
             if t is None or t.done() or to not in self._outbox:
@@ -371,6 +382,8 @@ class Driver:
                     while True:
                         data = f.read(1 << 20)
                         last = len(data) < (1 << 20)
+                        if last and SNAPSHOT_DELAY_S:
+                            await asyncio.sleep(SNAPSHOT_DELAY_S)
                         yield pb.SnapshotChunk(epoch=epoch, primary=self.id, data=data, last=last)
                         if last:
                             return
