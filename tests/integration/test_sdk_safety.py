@@ -968,6 +968,17 @@ def _receives_waiting(node) -> int:
     raise AssertionError("no spooler_receives_waiting in /metrics")
 
 
+async def _polls_waiting(c, node, queue: str, n: int, on_node: int) -> list:
+    """Start ``n`` long polls of ``queue`` on client ``c``; returns their tasks once
+    ``on_node`` of them wait on the node."""
+    polls = [asyncio.ensure_future(c.receive(queue, wait_s=20)) for _ in range(n)]
+    deadline = time.monotonic() + 20
+    while (waiting := await asyncio.to_thread(_receives_waiting, node)) < on_node:
+        assert time.monotonic() < deadline, f"{waiting} long polls wait on the node, not {on_node}"
+        await asyncio.sleep(0.1)
+    return polls
+
+
 def test_more_long_polls_than_a_session_stream_holds_do_not_hold_up_sends(node):
     """A node reads at most 1,024 requests of one Session stream at once. 1,100 long
     polls on one AsyncClient: those past the SDK's share of the stream go as unary
@@ -976,12 +987,8 @@ def test_more_long_polls_than_a_session_stream_holds_do_not_hold_up_sends(node):
     async def main():
         async with AsyncClient(node.grpc_target, node.admin_key) as c:
             await c.put_queue("many-polls")
-            polls = [asyncio.ensure_future(c.receive("many-polls", wait_s=20)) for _ in range(1100)]
             # every poll waits on the node (of one stream it would read only 1,024)
-            deadline = time.monotonic() + 20
-            while (n := await asyncio.to_thread(_receives_waiting, node)) < 1100:
-                assert time.monotonic() < deadline, f"{n} long polls wait on the node, not 1100"
-                await asyncio.sleep(0.1)
+            polls = await _polls_waiting(c, node, "many-polls", 1100, 1100)
             await asyncio.wait_for(c.send("many-polls", b"through"), 10)
             done, _ = await asyncio.wait(polls, timeout=10, return_when=asyncio.FIRST_COMPLETED)
             got = [m for t in done for m in t.result()]
@@ -1005,11 +1012,7 @@ def test_long_polls_past_the_session_share_and_the_unary_share_wait_their_turn(n
     async def main():
         async with AsyncClient(node.grpc_target, node.admin_key) as c:
             await c.put_queue("turns")
-            polls = [asyncio.ensure_future(c.receive("turns", wait_s=20)) for _ in range(6)]
-            deadline = time.monotonic() + 20
-            while (n := await asyncio.to_thread(_receives_waiting, node)) < 4:
-                assert time.monotonic() < deadline, f"{n} long polls wait on the node, not 4"
-                await asyncio.sleep(0.1)
+            polls = await _polls_waiting(c, node, "turns", 6, 4)
             await asyncio.sleep(0.5)  # (a fifth would be there by now)
             assert await asyncio.to_thread(_receives_waiting, node) == 4
             for i in range(6):
