@@ -236,6 +236,7 @@ class Replication:
         self.next: dict = {}
         self.match: dict = {}
         self.inflight: dict = {}
+        self.snapshot_at: dict = {}  # peer -> when it last reported a snapshot of ours installed
         self.last_sent: dict = {}
         self.acked_sent: dict = {}  # peer -> sent_us of the latest append it acknowledged in our epoch
         self.peer_joining: dict = {}  # peer -> its latest answer said it is still joining
@@ -521,6 +522,7 @@ class Replication:
         self.match[peer] = max(self.match.get(peer, 0), min(lsn, self.durable_lsn))
         self.next[peer] = lsn + 1
         self.inflight[peer] = 0
+        self.snapshot_at[peer] = now  # answers to frames sent before this predate the copy
         self._advance_commit(out)
         self._send_append(peer, now, out, heartbeat=True)
         return out
@@ -630,8 +632,10 @@ class Replication:
                 self.match[p] = m.match_lsn
             self._advance_commit(out)
             self._maybe_finish_transfer(now, out)
-        else:
-            # log mismatch: rewind to the hint and resend from there
+        elif m.sent_us >= self.snapshot_at.get(p, -1 << 62):
+            # log mismatch: rewind to the hint and resend from there (not for a frame
+            # sent before a snapshot was installed there: its answer predates the copy,
+            # and would send the replica another one)
             self.next[p] = max(1, min(self.next.get(p, 1) - 1, m.match_lsn + 1))
             self.inflight[p] = 0
         if self.next.get(p, 0) <= self.log.last_lsn:
@@ -710,7 +714,9 @@ class Replication:
                 or (mine is None and m.prev_lsn > self.commit_lsn):
             # we do not hold the primary's record at prev: tell it where to back off to
             hint = max(min(self.log.last_lsn, m.prev_lsn - 1), self.commit_lsn)
-            out.append(Send(m.primary, AppendResp(self.epoch, self.id, False, hint, m.sent_us)))
+            # (still joining or not, as in every answer: a replacement being sent a
+            # snapshot answers these all the while, and must not look joined)
+            out.append(Send(m.primary, AppendResp(self.epoch, self.id, False, hint, m.sent_us, self.joining)))
             return
         new = []
         for lsn, ep, crc in m.entries:
@@ -846,6 +852,7 @@ class Replication:
             self.next[p] = self.log.last_lsn + 1
             self.match[p] = 0
             self.inflight[p] = 0
+            self.snapshot_at.pop(p, None)
             # a vote for our epoch is contact: that voter no longer follows anyone older
             self.acked_sent[p] = self.campaign_at if p in self.votes else -1 << 62
             self.last_sent[p] = -1 << 62

@@ -117,11 +117,17 @@ def test_a_primary_keeps_the_member_it_needs_while_it_sends_that_member_a_snapsh
         wait_until(lambda: _compacted(nodes[p], 0), 15, what="the primary to compact its log")
         nodes[other].kill()  # from here the lagging member is the primary's only partner
         nodes[lagging].start()
-        # the lagging member follows the primary (the same one: its own log cannot win
-        # a vote; in the same epoch if it answered before the primary, alone, stepped
-        # down, else in the next)
-        wait_until(lambda: (view(nodes[lagging]) or {}).get("primary") == p, 15, what="the lagging member to follow")
-        epoch = view(nodes[lagging])["epoch"]
+        # the copy is under way (its primary had a majority when it began it): from
+        # here on, the two agree on one epoch, which stays until the copy is in.
+        # (The same primary: the lagging member's own log cannot win a vote; in the
+        # same epoch if it answered before the primary, alone, stepped down, else in
+        # the next.)
+        wait_until(lambda: f"sending a snapshot to {lagging}" in nodes[p].read_log(), 15, what="the copy to begin")
+
+        def agreed():
+            v = view(nodes[lagging]) or {}
+            return v.get("primary") == p and primary_of(nodes) == (p, v.get("epoch")) and v["epoch"]
+        epoch = wait_until(agreed, 15, what="the two to agree on the primary and epoch")
         wait_until(lambda: "installed a snapshot" in nodes[lagging].read_log(), 20, what="the copy installed")
         assert primary_of(nodes) == (p, epoch)
         assert (view(nodes[lagging]) or {}).get("epoch") == epoch

@@ -1015,3 +1015,47 @@ def test_an_acknowledgement_counts_as_contact_from_its_arrival():
         d = _primary_n1(T)
         d.contact(m, at)
         assert not d.serving(T + 200), m
+
+
+def test_a_frame_that_needs_a_snapshot_is_answered_after_its_lease_is_persisted():
+    """R7, snapshots. While a replica is sent a snapshot, the primary's frames to it
+    hold no records and say the records before them were compacted away
+    (prev_epoch -1). The replica answers each as a frame that does not follow on
+    from its log: it persists the frame's lease first, then answers not ok with
+    where its log ends (never below what it knows committed), still saying whether
+    it is joining; it stores, truncates and commits nothing."""
+    T = 1_000_000
+    for joining in (False, True):
+        c = _replica_n2_of_n1(T, T // 2)
+        c.joining = joining
+        c.join_started = -10 * T  # (past its quiet stretch)
+        out = c.receive(R.AppendReq(1, "n1", 500, -1, 0, [], 500, 3 * T, 500, T), 3 * T)
+        kinds = [type(e).__name__ for e in out]
+        assert kinds == ["Persist", "Send"], kinds
+        assert out[0].lease_seen >= T
+        ack = out[1].msg
+        assert (ack.ok, ack.joining, ack.sent_us) == (False, joining, 3 * T)
+        assert ack.match_lsn == max(c.log.last_lsn, c.commit_lsn) == 0
+        assert c.primary == "n1" and c.last_contact == 3 * T and c.log.last_lsn == 0
+
+
+def test_a_mismatch_answered_before_a_snapshot_was_installed_does_not_send_another():
+    """After n2 reported our snapshot installed, an answer to a frame sent before
+    that (n2's log did not follow on from it then) must not rewind n2 below our
+    compacted log again: that would send it a second copy. An answer to a frame
+    sent after the install still rewinds."""
+    T = 1_000_000
+    c = _primary_n1(T)
+    c.appended([(lsn, 1, 0) for lsn in range(2, 101)], 40)
+    c.durable_lsn = 100
+    c.log.compact(90)
+    c.receive(R.AppendResp(1, "n3", True, 100, 50), 60)  # n3 keeps up: a majority
+    c.snapshot_sent("n2", 100, 1000)
+    assert c.next["n2"] == 101
+    out = c.receive(R.AppendResp(1, "n2", False, 0, 900), 1010)  # a frame of 900: before the install
+    assert c.next["n2"] == 101
+    assert not [e for e in out if isinstance(e, R.Send) and e.to == "n2"]
+    # a frame sent after it: n2 says where its log ends, and is sent records from there
+    out = c.receive(R.AppendResp(1, "n2", False, 95, 1005), 1020)
+    frames = [e.msg for e in out if isinstance(e, R.Send) and e.to == "n2"]
+    assert [(f.prev_lsn, f.entries[0][0]) for f in frames] == [(95, 96)], frames
