@@ -26,6 +26,7 @@ class LossyVFS(apsw.VFS):
         # while cleared, every xSync waits: a write that is in flight, not yet durable
         self.sync_gate = threading.Event()
         self.sync_gate.set()
+        self.sync_waiting = threading.Event()  # set when an xSync waits at the closed gate
         # power loss is instantaneous: no write or sync may run while the image is taken
         self.lock = threading.Lock()
         super().__init__(name, "")
@@ -99,6 +100,8 @@ class LossyFile(apsw.VFSFile):
         super().xTruncate(newsize)
 
     def xSync(self, flags):
+        if not self.vfs.sync_gate.is_set():
+            self.vfs.sync_waiting.set()
         self.vfs.sync_gate.wait(30)
         self.vfs.syncs += 1
         if self.vfs.fail_syncs > 0:

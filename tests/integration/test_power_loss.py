@@ -134,8 +134,9 @@ def test_a_send_is_invisible_until_it_is_durable(tmp_path):
         # earlier write's, behind which the send would wait whatever the order)
         await eng.store_io(lambda: None)
         vfs.sync_gate.clear()  # the next fsync hangs
+        vfs.sync_waiting.clear()
         pending = asyncio.ensure_future(svc.send(ADMIN, [("q", b"in-flight", 0.0, "")]))
-        await asyncio.sleep(0.2)
+        assert await asyncio.to_thread(vfs.sync_waiting.wait, 10)  # the send's fsync has begun
         assert not pending.done()  # no 201 before fsync
         assert await svc.receive(ADMIN, "q", 0) == []  # and nothing to receive
         assert eng.core.stats("q", eng.now_us())["sentTotal"] == 0
@@ -165,8 +166,9 @@ def test_a_settle_in_flight_fences_its_lease(tmp_path):
         [d] = await svc.receive(ADMIN, "q", 0)
         await eng.store_io(lambda: None)  # the writer is idle: the held fsync is the nack's
         vfs.sync_gate.clear()
+        vfs.sync_waiting.clear()
         first = asyncio.ensure_future(svc.nack(ADMIN, d.token))
-        await asyncio.sleep(0.1)
+        assert await asyncio.to_thread(vfs.sync_waiting.wait, 10)  # the nack's fsync has begun
         assert not first.done()
         for again in (svc.nack, svc.ack):
             with pytest.raises(errors.StaleLease) as e:

@@ -3,6 +3,7 @@ count kept), and a forwarding node does so when the primary's answer never reach
 import asyncio
 import contextlib
 import socket
+import time
 
 import grpc
 import pytest
@@ -95,7 +96,10 @@ def test_a_receive_released_before_it_answers_leases_nothing(node):
             first = await stub.Receive(api_pb2.ReceiveRequest(queue="early"), metadata=md)
             waiting = asyncio.ensure_future(stub.ReceiveBatch(
                 api_pb2.ReceiveRequest(queue="early", wait_seconds=10, receive_id="x2"), metadata=md))
-            await asyncio.sleep(0.2)
+            deadline = time.monotonic() + 10
+            while await asyncio.to_thread(node.metric, "spooler_receives_waiting") < 1:  # it waits on the node
+                assert time.monotonic() < deadline, "the long poll never reached the node"
+                await asyncio.sleep(0.02)
             assert not waiting.done()
             rel = await stub.ReleaseReceive(api_pb2.ReleaseReceiveRequest(queue="early", receive_id="x2"), metadata=md)
             assert rel.released == 0

@@ -959,21 +959,12 @@ def test_sync_failure_is_charged_to_the_node_the_call_went_to(node):
         c.close()
 
 
-def _receives_waiting(node) -> int:
-    import urllib.request
-    with urllib.request.urlopen(node.http_url + "/metrics", timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("spooler_receives_waiting "):
-                return int(float(line.split()[1]))
-    raise AssertionError("no spooler_receives_waiting in /metrics")
-
-
 async def _polls_waiting(c, node, queue: str, n: int, on_node: int) -> list:
     """Start ``n`` long polls of ``queue`` on client ``c``; returns their tasks once
     ``on_node`` of them wait on the node."""
     polls = [asyncio.ensure_future(c.receive(queue, wait_s=20)) for _ in range(n)]
     deadline = time.monotonic() + 20
-    while (waiting := await asyncio.to_thread(_receives_waiting, node)) < on_node:
+    while (waiting := await asyncio.to_thread(node.metric, "spooler_receives_waiting")) < on_node:
         assert time.monotonic() < deadline, f"{waiting} long polls wait on the node, not {on_node}"
         await asyncio.sleep(0.1)
     return polls
@@ -1014,7 +1005,7 @@ def test_long_polls_past_the_session_share_and_the_unary_share_wait_their_turn(n
             await c.put_queue("turns")
             polls = await _polls_waiting(c, node, "turns", 6, 4)
             await asyncio.sleep(0.5)  # (a fifth would be there by now)
-            assert await asyncio.to_thread(_receives_waiting, node) == 4
+            assert await asyncio.to_thread(node.metric, "spooler_receives_waiting") == 4
             for i in range(6):
                 await asyncio.wait_for(c.send("turns", f"m{i}".encode()), 10)
             got = await asyncio.wait_for(asyncio.gather(*polls), 30)

@@ -1,6 +1,7 @@
 """The Session stream (many requests on one gRPC stream) and the compact send form,
 against a real node, plus the SDK's behaviour when a session breaks or is missing."""
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -346,8 +347,12 @@ def test_moving_to_another_node_keeps_the_old_streams_answers(node):
     async def main():
         async with AsyncClient(f"{node.grpc_target},{node.grpc_target}", node.admin_key) as c:
             await c.put_queue("s4")
-            polling = asyncio.ensure_future(c.receive("s4", wait_s=1.0))
-            await asyncio.sleep(0.2)  # the long poll is on the first stream
+            polling = asyncio.ensure_future(c.receive("s4", wait_s=5.0))
+            # the long poll waits on the node, on the first stream
+            deadline = time.monotonic() + 10
+            while await asyncio.to_thread(node.metric, "spooler_receives_waiting") < 1:
+                assert time.monotonic() < deadline, "the long poll never reached the node"
+                await asyncio.sleep(0.02)
             first = c.session.call
             c._next_target()  # what an 'unavailable' answer does
             sent = await c.send("s4", b"after the move")  # opens a second stream

@@ -70,6 +70,7 @@ def test_a_value_we_never_had_is_not_taken_from_the_primary(tmp_path):
 # --- races around an install (found by a review; each fails without its mechanism) -------
 
 import asyncio  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import node.engine as engine_mod  # noqa: E402
@@ -174,9 +175,11 @@ def test_a_checkpoint_taken_while_a_snapshot_is_installed_is_not_written_into_it
                                         queue_put=log_pb2.QueuePut(name="stale")))
             assert "stale" in r.core.dirty.queues
             real = engine_mod.Store
+            installing = threading.Event()
 
             def slow(path, *a, **kw):
                 if path.endswith("spool.db"):
+                    installing.set()
                     time.sleep(0.3)
                 return real(path, *a, **kw)
 
@@ -185,7 +188,7 @@ def test_a_checkpoint_taken_while_a_snapshot_is_installed_is_not_written_into_it
                 inst = asyncio.ensure_future(r.repl.serve_snapshot(_chunks(snap, 5, "n1"), None))
             else:
                 inst = asyncio.ensure_future(r.store_io(r.install_snapshot_sync, snap))
-            await asyncio.sleep(0.15)
+            assert await asyncio.to_thread(installing.wait, 10)  # the install is under way
             ckpt = asyncio.ensure_future(r.checkpoint_now())
             await inst
             await ckpt
