@@ -121,10 +121,16 @@ def settings_pb(settings: dict) -> api_pb2.Settings:
     return api_pb2.Settings(**out)
 
 
-def message_of(d: api_pb2.Delivery, started: Optional[float] = None) -> Message:
-    """``started``: the time.monotonic() at which the receive call began (see LeaseEnd)."""
-    return Message(d.id, d.body, d.lease_token, d.retry_count,
-                   LeaseEnd(d.lease_expires_at, d.lease_seconds_left, started), d.queue)
+def messages_of(r: api_pb2.ReceiveResponse, started: Optional[float] = None) -> list:
+    """A receive's Messages. ``started``: the time.monotonic() at which the call began
+    (see LeaseEnd). A receive's leases share one expiry (one lease timeout, granted
+    at once): one LeaseEnd serves them all."""
+    out, end = [], None
+    for d in r.messages:
+        if end is None or end != d.lease_expires_at or end.left_s != d.lease_seconds_left:
+            end = LeaseEnd(d.lease_expires_at, d.lease_seconds_left, started)
+        out.append(Message(d.id, d.body, d.lease_token, d.retry_count, end, d.queue))
+    return out
 
 
 def cluster_dict(c: api_pb2.ClusterInfo) -> dict:
@@ -511,7 +517,7 @@ def send_outcomes(r: api_pb2.SendBatchResponse, n: Optional[int] = None) -> list
 
 def settle_outcomes(r, n: int, started: Optional[float] = None) -> list:
     """A SettleBatch answer, per item in request order: None (ack, nack), the new
-    expiry (renew: a LeaseEnd; ``started`` as for message_of), or the item's
+    expiry (renew: a LeaseEnd; ``started`` as for messages_of), or the item's
     SpoolerError. An answer naming another number of outcomes than ``n`` items
     cannot be matched to them (a faulty node); the items may have been applied:
     operation_unconfirmed."""

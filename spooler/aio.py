@@ -22,7 +22,7 @@ import grpc
 
 from spooler import errors
 from spooler._common import (MOVE_ON, Nodes, LeaseEnd, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, batch_request, compact_request, settle_request, settle_outcomes, batch_results, call_with_retries,
-                             _has_detail, map_rpc_error, message_of, never_sent, read_lost, queue_dict, renew_delay_s, resend_groups, send_outcomes, settle_after_unconfirmed,
+                             _has_detail, map_rpc_error, messages_of, never_sent, read_lost, queue_dict, renew_delay_s, resend_groups, send_outcomes, settle_after_unconfirmed,
                              settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request, settle_failed, unconfirmed_after)
 from spooler.pb import api_pb2
@@ -562,7 +562,7 @@ class AsyncClient(Nodes):
         finally:
             if on_session and wait_s > 0:
                 self._session_polls -= 1
-        return [message_of(d, started) for d in r.messages]
+        return messages_of(r, started)
 
     async def _release(self, req) -> None:
         """The answer of receive ``req`` may have been lost on the way: ask the node

@@ -22,7 +22,7 @@ import grpc
 
 from spooler import errors
 from spooler._common import (MOVE_ON, Nodes, LeaseEnd, keep_renewing_after, batch_size, check_batch, check_send_types, Message, SendResult, batch_request, settle_outcomes, batch_results, call_with_retries_sync,
-                             map_rpc_error, message_of, queue_dict, renew_delay_s, resend_groups, send_outcomes, settle_after_unconfirmed,
+                             map_rpc_error, messages_of, queue_dict, renew_delay_s, resend_groups, send_outcomes, settle_after_unconfirmed,
                              settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
                              release_request, settle_failed, settle_request, unconfirmed_after)
 from spooler.pb import api_pb2
@@ -269,7 +269,7 @@ class Client(Nodes):
             if not isinstance(err, RECEIVE_DEFINITE):
                 self._release(req)
             raise err from None
-        return [message_of(d, started) for d in r.messages]
+        return messages_of(r, started)
 
     def _release(self, req) -> None:
         """As AsyncClient._release: one attempt to give back a lost answer's leases."""
