@@ -539,9 +539,9 @@ class AsyncClient(Nodes):
         # A node reads at most 1,024 requests of one Session stream at once (limits.md):
         # long polls past SESSION_POLLS_MAX go as unary calls, so that waiting receives
         # never hold up the sends and acks behind them on the stream.
-        on_session = wait_s <= 0 or self._session_polls < SESSION_POLLS_MAX
-        if on_session and wait_s > 0:
-            self._session_polls += 1
+        counted = wait_s > 0 and self._session_polls < SESSION_POLLS_MAX  # a long poll on the stream
+        on_session = counted or wait_s <= 0
+        self._session_polls += counted
         try:
             if on_session:
                 r = await self._pipe("receive", "ReceiveBatch", req, write=False, timeout_s=self.timeout_s + wait_s)
@@ -560,8 +560,7 @@ class AsyncClient(Nodes):
             t.add_done_callback(self._releases.discard)
             raise
         finally:
-            if on_session and wait_s > 0:
-                self._session_polls -= 1
+            self._session_polls -= counted
         return messages_of(r, started)
 
     async def _release(self, req) -> None:
@@ -760,8 +759,8 @@ class AsyncClient(Nodes):
                 raise
 
     async def _give_back(self, m: Message) -> None:
-        """A nack of a message whose handler was cancelled; failures are logged only
-        (the lease then runs out as it would have)."""
+        """A nack of a message whose handler was cut short (cancelled, or interrupted);
+        failures are logged only (the lease then runs out as it would have)."""
         try:
             await asyncio.wait_for(self._settle_one("nack", m.token, 0.0), RELEASE_TIMEOUT_S)
         except (errors.SpoolerError, RuntimeError, asyncio.TimeoutError) as e:
