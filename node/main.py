@@ -230,6 +230,12 @@ async def serve(args) -> int:
     log.info("stopping")
     health.cancel()
     await grpc_api.set_serving(health_servicer, False)
+    if engine.cluster and not engine.failed:
+        # a primary hands over first, so its successor leases at once (Replication.hand_over)
+        try:
+            await engine.repl.hand_over()
+        except Exception:  # noqa: BLE001 - the stop goes on; the cluster elects as after a crash
+            log.exception("handing over before the stop failed")
     svc.shut_down()  # calls in progress end as unavailable (with their kind), not cancelled
     await server.stop(grace=1.0)
     await runner.cleanup()

@@ -1026,18 +1026,12 @@ class Service:
         if refused == "under_way":
             raise errors.Unavailable(f"a switchover to {e.repl.core.transfer_to} is under way; GET /v1/cluster "
                                      "tells when it is over", retry_after_s=max(1.0, e.repl.core.timeout / 1e6))
-        await e.repl.transfer(node)
         # answer with the cluster as it is after the switchover: this node has
         # stepped down AND heard from the new primary (its first heartbeat), so
         # the answer names it instead of "primary": null
         # (bounded: 5 s or two failover timeouts)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + max(5.0, 2 * e.repl.core.timeout / 1e6)
+        await e.repl.switch_over(node, max(5.0, 2 * e.repl.core.timeout / 1e6))
         c = e.repl.core  # what the answer is built from (self.cluster_doc): the same fields
-        while loop.time() < deadline and (c.role == R.PRIMARY or not c.primary or c.primary == e.node_id):
-            if c.role == R.PRIMARY and c.transfer_to is None:
-                break  # the target did not catch up in time: this node serves again
-            await asyncio.sleep(0.01)
         if c.primary == node:
             return self.cluster_doc()
         if c.role == R.PRIMARY or c.primary:

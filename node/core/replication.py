@@ -538,6 +538,18 @@ class Replication:
             return "joining"  # it ignores TimeoutNow and refuses votes until it has joined
         return None
 
+    def handover_target(self, now: int) -> Optional[str]:
+        """Whom a primary that is told to stop hands over to first: of the members
+        heard within the failover timeout and not joining, the one holding the most
+        of the log (the lowest id among equals). None: not a primary, a switchover
+        under way already, or no such member (a single node, or its peers are down),
+        and the stop goes on without one."""
+        if self.role != PRIMARY or self.transfer_to is not None:
+            return None
+        live = [p for p in sorted(self.peers)
+                if not self.peer_joining.get(p) and now - self.acked_sent.get(p, -1 << 62) < self.timeout]
+        return max(live, key=lambda p: self.match.get(p, 0)) if live else None
+
     def transfer(self, target: str, now: int) -> list:
         """Planned switchover: stop taking writes; hand over once target has caught up."""
         out: list = []

@@ -214,6 +214,41 @@ class Driver:
         async with self.lock:
             await self._run(self.core.transfer(target, mono_us()))
 
+    async def switch_over(self, target: str, wait_s: float) -> None:
+        """A planned switchover to ``target``, waited for at most ``wait_s``: until
+        this node has stepped down AND heard the new primary (its first frame), or
+        serves again (the target did not catch up within the failover timeout).
+        The caller reads the outcome from the core (role, primary)."""
+        await self.transfer(target)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        c = self.core
+        while loop.time() < deadline and (c.role == R.PRIMARY or not c.primary or c.primary == self.id):
+            if c.role == R.PRIMARY and c.transfer_to is None:
+                return  # abandoned: this node serves again
+            await asyncio.sleep(0.01)
+
+    async def hand_over(self) -> Optional[str]:
+        """A primary told to stop first hands over to the member holding the most of
+        the log (core.handover_target), as ``cluster promote`` would. Its successor
+        then leases at once: this node stopped leasing before it sent TimeoutNow.
+        Without it, the successor is elected as soon as this node's streams end,
+        but must wait out this node's lease before it hands out messages (about
+        half a failover timeout). Bounded by one failover timeout (the core gives
+        up a switchover after that) and a little more; returns the new primary, or
+        None if there was nobody to hand over to or it did not happen in time."""
+        c = self.core
+        target = c.handover_target(mono_us())
+        if target is None:
+            return None
+        log.info("stopping as the primary: handing over to %s first", target)
+        await self.switch_over(target, c.timeout / 1e6 + 0.5)
+        if c.role != R.PRIMARY and c.primary == target:
+            log.info("handed over to %s (epoch %d)", target, c.epoch)
+            return target
+        log.warning("did not hand over to %s before stopping (%s is primary)", target, c.primary or "no node")
+        return None
+
     # -------------------------------------------------------------- effects
     def _apply_deferred(self) -> None:
         """Apply what a frame's handling found committed (under the lock)."""

@@ -874,6 +874,35 @@ def test_a_voters_later_vote_for_the_asker_does_not_hide_an_earlier_vote_for_ano
     _step_until(sim, lambda: _leasing(sim) == [e.id], 2 * T, what="E leasing")
 
 
+def test_a_stopping_primary_hands_over_to_the_live_member_with_the_most_of_the_log():
+    """R5, a graceful stop: of the members heard within the failover timeout and not
+    joining, the one holding the most of the log (the lowest id among equals);
+    nobody when no member qualifies, on a replica, or while a switchover is under way."""
+    T = 1_000_000
+    c = _primary_n1(T)
+    c.receive(R.AppendResp(1, "n3", True, 1, 40), 40)
+    c.receive(R.AppendResp(1, "n2", True, 0, 40), 40)
+    assert c.match["n3"] == 1 and c.match["n2"] == 0
+    assert c.handover_target(50) == "n3"                  # n3 holds more of the log
+    c.appended([(2, 1, 8)], 60)
+    c.receive(R.AppendResp(1, "n2", True, 2, 60), 60)
+    assert c.handover_target(70) == "n2"                  # now n2 does
+    assert c.handover_target(40 + T) == "n2"              # n3 last heard a failover timeout ago
+    c.receive(R.AppendResp(1, "n3", True, 2, 70), 70)
+    assert c.handover_target(80) == "n2"                  # equals: the lowest id
+    c.receive(R.AppendResp(1, "n2", True, 2, 80, True), 80)
+    assert c.handover_target(90) == "n3"                  # n2 says it is joining
+    assert c.handover_target(70 + T) is None              # nobody heard within the timeout
+    c.transfer("n3", 100)
+    assert c.handover_target(110) is None                 # a switchover is under way already
+    r = R.Replication("n2", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
+    r.start(0)
+    assert r.handover_target(10) is None                  # a replica hands over nothing
+    one = R.Replication("n1", ["n1"], failover_timeout_us=T, rand=lambda: 0.5)
+    one.start(0)
+    assert one.role == R.PRIMARY and one.handover_target(10) is None
+
+
 def test_a_second_switchover_while_one_is_under_way_is_refused():
     """R2. Starting a switchover again would forget that TimeoutNow is out: the
     primary would serve (and lease) again after the failover timeout, while the
