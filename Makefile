@@ -32,12 +32,13 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''
 
-# Long failover drills: make drill SEEDS=1-100 DURATION=30 [POWER_LOSS=1] [PARTITIONS=1] [CASCADES=1] [DISK_LOSS=1] [NODES=5]
+# Long failover drills: make drill SEEDS=1-100 DURATION=30 [POWER_LOSS=1] [PARTITIONS=1] [CASCADES=1] [DISK_LOSS=1] [GRACEFUL=1] [NODES=5]
 SEEDS ?= 1-5
 DURATION ?= 30
 drill: $(STAMP)
 	$(BIN)/python -m tests.drills.run --seeds $(SEEDS) --duration $(DURATION) $(if $(POWER_LOSS),--power-loss,) \
-		$(if $(PARTITIONS),--partitions,) $(if $(CASCADES),--cascades,) $(if $(DISK_LOSS),--disk-loss,) $(if $(NODES),--nodes $(NODES),)
+		$(if $(PARTITIONS),--partitions,) $(if $(CASCADES),--cascades,) $(if $(DISK_LOSS),--disk-loss,) \
+		$(if $(GRACEFUL),--graceful,) $(if $(NODES),--nodes $(NODES),)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run

@@ -86,9 +86,12 @@ CASCADE_ACTIONS = (("kill_primary_twice", 0.5), ("kill_replica_stop_primary", 0.
 # with disk_loss=True: a replica's disk is lost and a replacement joins (--join);
 # the next fault waits until it has joined (one lost disk at a time)
 DISK_LOSS_ACTIONS = (("replace_replica", 0.3),)
+# with graceful=True: the primary is told to stop (SIGTERM, as a rolling restart does: it
+# hands over first), and started again once it has exited
+GRACEFUL_ACTIONS = (("term_primary", 0.3),)
 # every fault kind the nemesis knows, for a scripted start (Drill(faults=...))
-FAULT_KINDS = frozenset(a for acts in (PROCESS_ACTIONS, PARTITION_ACTIONS, CASCADE_ACTIONS, DISK_LOSS_ACTIONS)
-                        for a, _ in acts)
+FAULT_KINDS = frozenset(a for acts in (PROCESS_ACTIONS, PARTITION_ACTIONS, CASCADE_ACTIONS, DISK_LOSS_ACTIONS,
+                                       GRACEFUL_ACTIONS) for a, _ in acts)
 SCRIPT_WAIT_S = 120.0  # how long past duration_s the load runs for the scripted faults to be done
 
 
@@ -140,12 +143,13 @@ class Drill:
     def __init__(self, seed: int, duration_s: float, nodes: int, workdir: str, producers: int = 3,
                  consumers: int = 2, send_pause_s: float = 0.05, failover_timeout_s: float = 1.0,
                  log=print, power_loss: bool = False, partitions: bool = False, cascades: bool = False,
-                 disk_loss: bool = False, faults: tuple = ()):
+                 disk_loss: bool = False, graceful: bool = False, faults: tuple = ()):
         unknown = [f for f in faults if f not in FAULT_KINDS]
         if unknown:
             raise ValueError(f"unknown fault kinds {unknown}; known: {sorted(FAULT_KINDS)}")
         needs = {"cascades": (cascades, {a for a, _ in CASCADE_ACTIONS}),
                  "disk_loss": (disk_loss, {a for a, _ in DISK_LOSS_ACTIONS}),
+                 "graceful": (graceful, {a for a, _ in GRACEFUL_ACTIONS}),
                  "partitions": (partitions, {a for a, _ in PARTITION_ACTIONS} - {a for a, _ in PROCESS_ACTIONS})}
         for flag, (on, kinds) in needs.items():
             if not on and set(faults) & kinds:
@@ -166,6 +170,7 @@ class Drill:
         self.partitions = partitions
         self.cascades = cascades
         self.disk_loss = disk_loss
+        self.graceful = graceful
         self.cluster = Cluster(os.path.join(self.workdir, "nodes"), nodes=nodes,
                                failover_timeout_s=failover_timeout_s, power_loss=power_loss,
                                partitions=partitions)
@@ -360,6 +365,9 @@ class Drill:
         if self.disk_loss:  # added last: the other actions keep their share of the draws
             total = sum(w for _, w in actions)
             actions = tuple((a, w * (1 - 0.3) / total) for a, w in actions) + DISK_LOSS_ACTIONS
+        if self.graceful:  # after disk loss: without it, every other seed draws as before
+            total = sum(w for _, w in actions)
+            actions = tuple((a, w * (1 - 0.3) / total) for a, w in actions) + GRACEFUL_ACTIONS
         # its own stream, so that cascades do not shift the other draws of a seed
         crng = self.rng("cascade")
         try:
@@ -393,6 +401,8 @@ class Drill:
                 self._cascade(action, p, epoch, down, crng)
             elif action == "replace_replica":
                 self._replace(p, epoch, crng)
+            elif action == "term_primary":
+                self._term(p, epoch, down)
             elif action not in ("kill_primary", "stop_primary", "restart_replica"):
                 self._partition(action, p, epoch, ft + 0.75 * down, x1, x2)
             elif action == "kill_primary":
@@ -437,6 +447,18 @@ class Drill:
         self.cluster.restart(node)
         self.expected_down.discard(node)
         self.h.nemesis("restarted", node)
+
+    def _term(self, p: str, epoch: int, down: float) -> None:
+        """A rolling restart's step: SIGTERM to the primary, which hands over and exits
+        (an exit other than 0 is noted, and fails the seed as an unexpected exit would);
+        started again ``down`` seconds later."""
+        self.h.nemesis("term", p, role="primary", epoch=epoch)
+        self.expected_down.add(p)
+        rc = self.cluster.graceful_stop(p)
+        if rc not in (0, None):
+            self.unexpected_exits.append({"node": p, "returncode": rc, "t": time.monotonic(), "on": "SIGTERM"})
+        self.stop_load.wait(down)
+        self._restart(p)
 
     def _replace(self, p: str, epoch: int, rng: random.Random) -> None:
         """A replica's disk is lost: its replacement starts empty with --join; wait

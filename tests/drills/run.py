@@ -118,6 +118,8 @@ def main(argv=None) -> int:
                          "election; a replica killed, then the primary stopped)")
     ap.add_argument("--disk-loss", action="store_true",
                     help="the nemesis also loses a replica's disk: a replacement starts empty with --join")
+    ap.add_argument("--graceful", action="store_true",
+                    help="the nemesis also stops the primary with SIGTERM (it hands over first) and restarts it")
     ap.add_argument("--faults", default="",
                     help="comma-separated fault kinds each seed's nemesis makes first, in order "
                          "(e.g. kill_primary_twice,replace_replica); the load runs on until they are over")
@@ -134,7 +136,8 @@ def main(argv=None) -> int:
     os.makedirs(root, exist_ok=True)
     print(f"drills: seeds {args.seeds} ({len(seeds)}), {args.duration:g}s each, {args.nodes} nodes"
           f"{', power loss' if args.power_loss else ''}{', partitions' if args.partitions else ''}"
-          f"{', cascades' if args.cascades else ''}{', disk loss' if args.disk_loss else ''}, in {root}",
+          f"{', cascades' if args.cascades else ''}{', disk loss' if args.disk_loss else ''}"
+          f"{', graceful stops' if args.graceful else ''}, in {root}",
           flush=True)
     reports = []
     for seed in seeds:
@@ -145,7 +148,7 @@ def main(argv=None) -> int:
         try:
             r = run_drill(seed, args.duration, nodes=args.nodes, workdir=wd, power_loss=args.power_loss,
                           partitions=args.partitions, cascades=args.cascades, disk_loss=args.disk_loss,
-                          faults=faults)
+                          graceful=args.graceful, faults=faults)
         except Exception as e:  # noqa: BLE001 - a drill that cannot finish is a failing seed
             import traceback
             traceback.print_exc()
