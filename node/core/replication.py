@@ -239,6 +239,7 @@ class Replication:
         self.snapshot_at: dict = {}  # peer -> when it last reported a snapshot of ours installed
         self.last_sent: dict = {}
         self.acked_sent: dict = {}  # peer -> sent_us of the latest append it acknowledged in our epoch
+        self.stream_lost_at: dict = {}  # peer -> when our stream to it last broke (primary)
         self.peer_joining: dict = {}  # peer -> its latest answer said it is still joining
         self.lease_ok_at = 0
         self.transfer_to: Optional[str] = None
@@ -498,6 +499,7 @@ class Replication:
         out: list = []
         if self.role != PRIMARY or peer not in self.peers:
             return out
+        self.stream_lost_at[peer] = now
         if self.match.get(peer, 0) > 0:  # else the next frame's refusal says where to go back to
             self.next[peer] = min(self.next.get(peer, self.log.last_lsn + 1), self.match[peer] + 1)
         self.inflight[peer] = 0
@@ -541,13 +543,16 @@ class Replication:
     def handover_target(self, now: int) -> Optional[str]:
         """Whom a primary that is told to stop hands over to first: of the members
         heard within the failover timeout and not joining, the one holding the most
-        of the log (the lowest id among equals). None: not a primary, a switchover
-        under way already, or no such member (a single node, or its peers are down),
-        and the stop goes on without one."""
+        of the log (the lowest id among equals). A member whose stream broke and
+        that has answered nothing sent since is not counted (it was just stopped,
+        say, before this node: the switchover would wait a failover timeout for it).
+        None: not a primary, a switchover under way already, or no such member (a
+        single node, or its peers are down), and the stop goes on without one."""
         if self.role != PRIMARY or self.transfer_to is not None:
             return None
         live = [p for p in sorted(self.peers)
-                if not self.peer_joining.get(p) and now - self.acked_sent.get(p, -1 << 62) < self.timeout]
+                if not self.peer_joining.get(p) and now - self.acked_sent.get(p, -1 << 62) < self.timeout
+                and self.acked_sent.get(p, -1 << 62) >= self.stream_lost_at.get(p, -1 << 62)]
         return max(live, key=lambda p: self.match.get(p, 0)) if live else None
 
     def transfer(self, target: str, now: int) -> list:

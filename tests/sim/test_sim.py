@@ -875,9 +875,10 @@ def test_a_voters_later_vote_for_the_asker_does_not_hide_an_earlier_vote_for_ano
 
 
 def test_a_stopping_primary_hands_over_to_the_live_member_with_the_most_of_the_log():
-    """R5, a graceful stop: of the members heard within the failover timeout and not
-    joining, the one holding the most of the log (the lowest id among equals);
-    nobody when no member qualifies, on a replica, or while a switchover is under way."""
+    """R5, a graceful stop: of the members heard within the failover timeout, not
+    joining and not cut off since (a broken stream, nothing answered after it), the
+    one holding the most of the log (the lowest id among equals); nobody when no
+    member qualifies, on a replica, or while a switchover is under way."""
     T = 1_000_000
     c = _primary_n1(T)
     c.receive(R.AppendResp(1, "n3", True, 1, 40), 40)
@@ -890,7 +891,11 @@ def test_a_stopping_primary_hands_over_to_the_live_member_with_the_most_of_the_l
     assert c.handover_target(40 + T) == "n2"              # n3 last heard a failover timeout ago
     c.receive(R.AppendResp(1, "n3", True, 2, 70), 70)
     assert c.handover_target(80) == "n2"                  # equals: the lowest id
-    c.receive(R.AppendResp(1, "n2", True, 2, 80, True), 80)
+    c.replica_stream_lost("n2", 85)
+    assert c.handover_target(90) == "n3"                  # n2's stream broke: nothing heard since
+    c.receive(R.AppendResp(1, "n2", True, 2, 86), 87)
+    assert c.handover_target(90) == "n2"                  # it answered a frame sent after the break
+    c.receive(R.AppendResp(1, "n2", True, 2, 88, True), 88)
     assert c.handover_target(90) == "n3"                  # n2 says it is joining
     assert c.handover_target(70 + T) is None              # nobody heard within the timeout
     c.transfer("n3", 100)
