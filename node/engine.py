@@ -196,6 +196,7 @@ class Engine:
         self._events: dict[str, asyncio.Event] = {}
         self.receives_waiting = 0  # long polls waiting here now (a gauge in /metrics)
         self.stopping = False  # a graceful stop began (Service.shut_down): serve nothing new
+        self.draining = False  # a graceful stop was asked for: not ready (a primary hands over first)
         self._tasks: list = []
         self.crc = 0                      # checksum after the last appended record
         self.applied_crc = 0              # checksum after the last applied record
@@ -394,8 +395,17 @@ class Engine:
                 # replication core or the store between stamping these records and
                 # counting them durable here.
                 async with self.repl.lock:
-                    if not await self._commit_some():
+                    # A switchover under way (promote, or a stop's handover): nothing
+                    # more is stamped in this epoch. The target is told to take over
+                    # once it holds every record stamped; one stamped after that would
+                    # make the voters, which hold it, refuse the target. The records
+                    # wait: they fail `unavailable` (never stamped) once this node has
+                    # stepped down, or are committed if the switchover is given up.
+                    paused = self.role == "primary" and self.repl.core.transfer_to is not None
+                    if not paused and not await self._commit_some():
                         return
+                if paused:
+                    await asyncio.sleep(0.01)
 
     async def _commit_some(self) -> bool:
         """Take, stamp, ship, fsync and count one batch of pending records (under
@@ -583,8 +593,9 @@ class Engine:
     def clients_ready(self) -> bool:
         """/readyz and the gRPC health status: this node can serve clients (it is
         the primary, or it follows a primary it heard from), its store works, and
-        it is not stopping."""
-        return self.failed is None and not self.stopping and (self.role == "primary" or self.primary_id is not None)
+        it is not stopping (nor about to: ``draining``)."""
+        return self.failed is None and not self.stopping and not self.draining \
+            and (self.role == "primary" or self.primary_id is not None)
 
     def may_lease(self) -> bool:
         return self.serving() and self.repl.may_lease()

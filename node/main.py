@@ -228,6 +228,7 @@ async def serve(args) -> int:
                       "epoch": engine.epoch}), flush=True)
     await stop.wait()
     log.info("stopping")
+    engine.draining = True  # /readyz 503 from now on, also while a primary hands over
     health.cancel()
     await grpc_api.set_serving(health_servicer, False)
     if engine.cluster and not engine.failed:

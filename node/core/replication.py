@@ -542,7 +542,7 @@ class Replication:
 
     def handover_target(self, now: int) -> Optional[str]:
         """Whom a primary that is told to stop hands over to first: of the members
-        heard within the failover timeout and not joining, the one holding the most
+        heard within three heartbeats and not joining, the one holding the most
         of the log (the lowest id among equals). A member whose stream broke and
         that has answered nothing sent since is not counted (it was just stopped,
         say, before this node: the switchover would wait a failover timeout for it).
@@ -550,10 +550,20 @@ class Replication:
         single node, or its peers are down), and the stop goes on without one."""
         if self.role != PRIMARY or self.transfer_to is not None:
             return None
+        # heard within three heartbeats: a member that answers at all answers each one
         live = [p for p in sorted(self.peers)
-                if not self.peer_joining.get(p) and now - self.acked_sent.get(p, -1 << 62) < self.timeout
+                if not self.peer_joining.get(p) and now - self.acked_sent.get(p, -1 << 62) < 3 * self.heartbeat
                 and self.acked_sent.get(p, -1 << 62) >= self.stream_lost_at.get(p, -1 << 62)]
         return max(live, key=lambda p: self.match.get(p, 0)) if live else None
+
+    def abandon_transfer(self) -> bool:
+        """Give up a switchover whose TimeoutNow has not gone out (the target did
+        not catch up or answer in time): this primary serves again. Once TimeoutNow
+        is out it cannot be given up (the target may win and lease at once): False."""
+        if self.role != PRIMARY or self.transfer_to is None or self.transfer_sent:
+            return False
+        self.transfer_to = None
+        return True
 
     def transfer(self, target: str, now: int) -> list:
         """Planned switchover: stop taking writes; hand over once target has caught up."""

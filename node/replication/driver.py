@@ -35,6 +35,9 @@ FRAME_BYTES_MAX = 12 << 20
 SNAPSHOT_INCOMING = "snapshot-incoming-"   # + a unique part + ".db": a copy being received
 RELEASE_RESEND_S = 0.25  # a pending lost-answer release rides on an ack at most this often
 RELEASES_PER_ACK = 64
+# how long a primary told to stop waits for its successor to take over (hand_over);
+# a handover on a working cluster takes a few tens of milliseconds
+HANDOVER_WAIT_S = 1.0
 # Contact acknowledgements (serve_stream, Replication.heard/contact): off only in
 # a test's control run, which shows that a backlog on slow disks deposes a primary
 # without them.
@@ -234,19 +237,36 @@ class Driver:
         then leases at once: this node stopped leasing before it sent TimeoutNow.
         Without it, the successor is elected as soon as this node's streams end,
         but must wait out this node's lease before it hands out messages (about
-        half a failover timeout). Bounded by one failover timeout (the core gives
-        up a switchover after that) and a little more; returns the new primary, or
-        None if there was nobody to hand over to or it did not happen in time."""
+        half a failover timeout).
+
+        Bounded by HANDOVER_WAIT_S (or the failover timeout, if shorter): a target
+        that has not caught up by then (it hung, or is stopping too) is given up,
+        and the stop goes on as it did before handovers (the cluster elects as
+        after a crash). Once TimeoutNow is out this node never serves again in its
+        epoch, so the stop goes on then too. Returns the new primary, or None."""
         c = self.core
         target = c.handover_target(mono_us())
         if target is None:
             return None
         log.info("stopping as the primary: handing over to %s first", target)
-        await self.switch_over(target, c.timeout / 1e6 + 0.5)
+        await self.transfer(target)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(HANDOVER_WAIT_S, c.timeout / 1e6)
+        while loop.time() < deadline and not (c.role != R.PRIMARY and c.primary) \
+                and not (c.role == R.PRIMARY and c.transfer_to is None):
+            await asyncio.sleep(0.01)
         if c.role != R.PRIMARY and c.primary == target:
             log.info("handed over to %s (epoch %d)", target, c.epoch)
             return target
-        log.warning("did not hand over to %s before stopping (%s is primary)", target, c.primary or "no node")
+        async with self.lock:
+            abandoned = c.abandon_transfer()
+        if abandoned:
+            why = f"{target} did not catch up within {min(HANDOVER_WAIT_S, c.timeout / 1e6):g} s"
+        elif c.role == R.PRIMARY:
+            why = f"{target} was told to take over but had not yet"
+        else:
+            why = f"{c.primary} is primary" if c.primary else "no primary is known yet"
+        log.warning("stopping without a handover to %s: %s", target, why)
         return None
 
     # -------------------------------------------------------------- effects

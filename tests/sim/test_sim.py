@@ -875,7 +875,7 @@ def test_a_voters_later_vote_for_the_asker_does_not_hide_an_earlier_vote_for_ano
 
 
 def test_a_stopping_primary_hands_over_to_the_live_member_with_the_most_of_the_log():
-    """R5, a graceful stop: of the members heard within the failover timeout, not
+    """R5, a graceful stop: of the members heard within three heartbeats, not
     joining and not cut off since (a broken stream, nothing answered after it), the
     one holding the most of the log (the lowest id among equals); nobody when no
     member qualifies, on a replica, or while a switchover is under way."""
@@ -888,7 +888,7 @@ def test_a_stopping_primary_hands_over_to_the_live_member_with_the_most_of_the_l
     c.appended([(2, 1, 8)], 60)
     c.receive(R.AppendResp(1, "n2", True, 2, 60), 60)
     assert c.handover_target(70) == "n2"                  # now n2 does
-    assert c.handover_target(40 + T) == "n2"              # n3 last heard a failover timeout ago
+    assert c.handover_target(40 + 3 * T // 10) == "n2"    # n3 last heard three heartbeats ago
     c.receive(R.AppendResp(1, "n3", True, 2, 70), 70)
     assert c.handover_target(80) == "n2"                  # equals: the lowest id
     c.replica_stream_lost("n2", 85)
@@ -900,6 +900,11 @@ def test_a_stopping_primary_hands_over_to_the_live_member_with_the_most_of_the_l
     assert c.handover_target(70 + T) is None              # nobody heard within the timeout
     c.transfer("n3", 100)
     assert c.handover_target(110) is None                 # a switchover is under way already
+    assert c.abandon_transfer() and c.transfer_to is None and c.serving(120)   # given up: it serves again
+    c.transfer("n3", 130)
+    out = c.receive(R.AppendResp(1, "n3", True, 2, 130), 131)
+    assert any(isinstance(e, R.Send) and isinstance(e.msg, R.TimeoutNow) for e in out)
+    assert not c.abandon_transfer() and c.transfer_to == "n3"   # TimeoutNow is out: never serves again
     r = R.Replication("n2", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
     r.start(0)
     assert r.handover_target(10) is None                  # a replica hands over nothing

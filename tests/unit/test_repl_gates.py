@@ -184,3 +184,43 @@ def test_no_contact_acknowledgement_while_a_failed_persist_is_undone():
     acks, memory = asyncio.run(main())
     assert memory and memory[0] == T, memory   # the scenario: memory held the unsaved, longer lease
     assert [a for a in acks if a.contact] == [], "a contact acknowledgement promised a lease never saved"
+
+
+def test_a_switchover_under_way_stamps_no_more_records(tmp_path):
+    """A record that waits for the group commit when a switchover starts is not
+    stamped while it is under way: the target is told to take over once it holds
+    every stamped record, and one stamped after that would have the voters that
+    hold it refuse the target. It waits; once this node has stepped down it fails
+    ``unavailable`` (never stamped, so known not stored); had the switchover been
+    given up, it would be committed."""
+    from spooler import errors
+
+    e = Engine(str(tmp_path), node_id="n1", peers=PEERS)
+
+    async def main():
+        e.repl.load()
+        c = e.repl.core
+        c.start(mono_us())
+        c.role, c.epoch, c.primary, c.transfer_to = R.PRIMARY, 1, "n1", "n2"
+        e.role = "primary"
+        fut = asyncio.get_running_loop().create_future()
+        e._pending.append((log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id="n1")), fut))
+        e._wake = asyncio.Event()  # (Engine.start makes it)
+        e._wake.set()
+        loop_task = asyncio.create_task(e._commit_loop())
+        try:
+            for _ in range(20):  # 0.2 s of a commit loop that is free to run
+                await asyncio.sleep(0.01)
+            assert e.appended_lsn == 0 and len(e._pending) == 1 and not fut.done()
+            e.role = "replica"  # the target took over; this node stepped down
+            for _ in range(100):
+                if fut.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert isinstance(fut.exception(), errors.Unavailable) and e.appended_lsn == 0
+        finally:
+            loop_task.cancel()
+
+    asyncio.run(main())
+    assert e.store.last_position().lsn == 0
+    e.store.close()
