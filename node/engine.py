@@ -395,17 +395,28 @@ class Engine:
                 # replication core or the store between stamping these records and
                 # counting them durable here.
                 async with self.repl.lock:
-                    # A switchover under way (promote, or a stop's handover): nothing
-                    # more is stamped in this epoch. The target is told to take over
-                    # once it holds every record stamped; one stamped after that would
-                    # make the voters, which hold it, refuse the target. The records
-                    # wait: they fail `unavailable` (never stamped) once this node has
-                    # stepped down, or are committed if the switchover is given up.
-                    paused = self.role == "primary" and self.repl.core.transfer_to is not None
+                    # A switchover's TimeoutNow is out (promote, or a stop's handover):
+                    # nothing more is stamped in this epoch. The target was told to take
+                    # over once it held every record stamped (checked under this lock);
+                    # one stamped after that would make the voters, which hold it,
+                    # refuse the target. The records wait, and fail `unavailable` (never
+                    # stamped, so not stored) once this node has stepped down, or when
+                    # a stop gives up waiting (drop_pending). Before TimeoutNow, records
+                    # already queued are stamped as usual: the target must hold them
+                    # before it is told (new writes are refused meanwhile).
+                    c = self.repl.core
+                    paused = self.role == "primary" and c.transfer_to is not None and c.transfer_sent
                     if not paused and not await self._commit_some():
                         return
                 if paused:
                     await asyncio.sleep(0.01)
+
+    def drop_pending(self, why: str) -> None:
+        """Fail every record not yet stamped, as never stored (``unavailable``)."""
+        taken, self._pending = self._pending, []
+        for _, fut in taken:
+            if not fut.done():
+                fut.set_exception(errors.Unavailable(why, retry_after_s=0.5))
 
     async def _commit_some(self) -> bool:
         """Take, stamp, ship, fsync and count one batch of pending records (under

@@ -259,13 +259,17 @@ class Driver:
             log.info("handed over to %s (epoch %d)", target, c.epoch)
             return target
         async with self.lock:
-            abandoned = c.abandon_transfer()
-        if abandoned:
-            why = f"{target} did not catch up within {min(HANDOVER_WAIT_S, c.timeout / 1e6):g} s"
-        elif c.role == R.PRIMARY:
-            why = f"{target} was told to take over but had not yet"
-        else:
-            why = f"{c.primary} is primary" if c.primary else "no primary is known yet"
+            if c.role != R.PRIMARY:
+                why = f"{c.primary} is primary" if c.primary else "no primary is known yet"
+            elif c.transfer_to is None:
+                why = f"the switchover was given up ({target} did not catch up in time)"
+            elif c.abandon_transfer():
+                why = f"{target} did not catch up within {min(HANDOVER_WAIT_S, c.timeout / 1e6):g} s"
+            else:
+                # TimeoutNow is out: this node never stamps again in its epoch, so what
+                # waits for the group commit is known not stored
+                why = f"{target} was told to take over but had not yet"
+                self.engine.drop_pending("the primary is stopping and handing over; not stored")
         log.warning("stopping without a handover to %s: %s", target, why)
         return None
 

@@ -206,14 +206,25 @@ def test_a_vote_is_on_the_voters_disk(cluster):
     election every node's store holds the epoch, and a majority's holds a vote for
     the primary in that epoch (the sim checks the order; this checks the real store)."""
     nodes, _ = cluster
-    p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
     until_ok(lambda: client(nodes[p]).put_queue("v"))
+    seen = []
 
     def persisted():
+        # the primary and epoch as they are now (a loaded machine may have elected again)
+        cur = primary_of(nodes)
         votes = [(_meta(n, "repl_epoch"), _meta(n, "voted_for")) for n in nodes.values()]
-        return votes if sum(1 for e, v in votes if int(e or 0) == epoch and v == p) >= 2 else None
-    votes = wait_until(persisted, 10, what="a majority's votes on disk")
-    assert all(int(e or 0) == epoch for e, _ in votes), votes
+        seen[:] = [cur, votes]
+        if cur is None:
+            return None
+        q, epoch = cur
+        majority = sum(1 for e, v in votes if int(e or 0) == epoch and v == q) >= 2
+        # the third node keeps the epoch once it has heard the primary
+        return votes if majority and all(int(e or 0) == epoch for e, _ in votes) else None
+    try:
+        wait_until(persisted, 15, what="a majority's votes and every node's epoch on disk")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; last seen (primary, epoch), [(epoch, vote)]: {seen}") from None
 
 
 def test_sigstop_primary_is_replaced_and_steps_down(cluster):
@@ -274,6 +285,16 @@ def test_planned_switchover(cluster):
 
 
 HANDOVER_FAILOVER_S = 6.0
+
+
+def _readyz(n):
+    try:
+        with urllib.request.urlopen(n.http_url + "/readyz", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
 
 
 def test_a_primary_told_to_stop_hands_over_first(tmp_path):
@@ -351,6 +372,10 @@ def test_a_stopping_primary_whose_successor_hangs_stops_anyway_and_loses_nothing
         os.kill(nodes[stopped].pid, signal.SIGSTOP)
         t0 = time.monotonic()
         nodes[p].proc.send_signal(signal.SIGTERM)
+        # not ready from the stop's start: while it still waits for its target,
+        # its log does not yet say it gave up
+        wait_until(lambda: _readyz(nodes[p]) != 200, 10, interval_s=0.01, what="/readyz 503")
+        assert "stopping without a handover" not in nodes[p].read_log()
         assert nodes[p].proc.wait(20) == 0
         took = time.monotonic() - t0
         log = nodes[p].read_log()

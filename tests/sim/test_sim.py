@@ -911,6 +911,12 @@ def test_a_stopping_primary_hands_over_to_the_live_member_with_the_most_of_the_l
     one = R.Replication("n1", ["n1"], failover_timeout_us=T, rand=lambda: 0.5)
     one.start(0)
     assert one.role == R.PRIMARY and one.handover_target(10) is None
+    # heard within three heartbeats, not merely within the failover timeout: n3
+    # holds more of the log, but last answered half a timeout ago (hung, say)
+    d = _primary_n1(T)
+    d.receive(R.AppendResp(1, "n3", True, 1, 40), 40)
+    d.receive(R.AppendResp(1, "n2", True, 0, 40 + T // 2), 40 + T // 2)
+    assert d.handover_target(40 + T // 2) == "n2"
 
 
 def test_a_second_switchover_while_one_is_under_way_is_refused():

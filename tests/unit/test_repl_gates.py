@@ -187,12 +187,12 @@ def test_no_contact_acknowledgement_while_a_failed_persist_is_undone():
 
 
 def test_a_switchover_under_way_stamps_no_more_records(tmp_path):
-    """A record that waits for the group commit when a switchover starts is not
-    stamped while it is under way: the target is told to take over once it holds
-    every stamped record, and one stamped after that would have the voters that
-    hold it refuse the target. It waits; once this node has stepped down it fails
-    ``unavailable`` (never stamped, so known not stored); had the switchover been
-    given up, it would be committed."""
+    """A record that waits for the group commit once a switchover's TimeoutNow is
+    out is not stamped: the target was told to take over when it held every stamped
+    record, and one stamped after that would have the voters that hold it refuse
+    the target. It waits; once this node has stepped down it fails ``unavailable``
+    (never stamped, so known not stored). A stop that gives up waiting for the
+    target fails what waits at once (drop_pending)."""
     from spooler import errors
 
     e = Engine(str(tmp_path), node_id="n1", peers=PEERS)
@@ -201,7 +201,7 @@ def test_a_switchover_under_way_stamps_no_more_records(tmp_path):
         e.repl.load()
         c = e.repl.core
         c.start(mono_us())
-        c.role, c.epoch, c.primary, c.transfer_to = R.PRIMARY, 1, "n1", "n2"
+        c.role, c.epoch, c.primary, c.transfer_to, c.transfer_sent = R.PRIMARY, 1, "n1", "n2", True
         e.role = "primary"
         fut = asyncio.get_running_loop().create_future()
         e._pending.append((log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id="n1")), fut))
@@ -218,6 +218,10 @@ def test_a_switchover_under_way_stamps_no_more_records(tmp_path):
                     break
                 await asyncio.sleep(0.01)
             assert isinstance(fut.exception(), errors.Unavailable) and e.appended_lsn == 0
+            fut2 = asyncio.get_running_loop().create_future()
+            e._pending.append((log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id="n1")), fut2))
+            e.drop_pending("stopping")
+            assert isinstance(fut2.exception(), errors.Unavailable) and not e._pending
         finally:
             loop_task.cancel()
 
