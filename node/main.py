@@ -232,7 +232,7 @@ async def serve(args) -> int:
     health.cancel()
     await grpc_api.set_serving(health_servicer, False)
     if engine.cluster and not engine.failed:
-        # a primary hands over first, so its successor leases at once (Replication.hand_over)
+        # a primary hands over first, so its successor leases at once (Driver.hand_over)
         try:
             await engine.repl.hand_over()
         except Exception:  # noqa: BLE001 - the stop goes on; the cluster elects as after a crash

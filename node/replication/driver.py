@@ -249,12 +249,7 @@ class Driver:
         if target is None:
             return None
         log.info("stopping as the primary: handing over to %s first", target)
-        await self.transfer(target)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(HANDOVER_WAIT_S, c.timeout / 1e6)
-        while loop.time() < deadline and not (c.role != R.PRIMARY and c.primary) \
-                and not (c.role == R.PRIMARY and c.transfer_to is None):
-            await asyncio.sleep(0.01)
+        await self.switch_over(target, min(HANDOVER_WAIT_S, c.timeout / 1e6))
         if c.role != R.PRIMARY and c.primary == target:
             log.info("handed over to %s (epoch %d)", target, c.epoch)
             return target
