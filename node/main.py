@@ -231,12 +231,16 @@ async def serve(args) -> int:
     engine.draining = True  # /readyz 503 from now on, also while a primary hands over
     health.cancel()
     await grpc_api.set_serving(health_servicer, False)
-    if engine.cluster and not engine.failed:
-        # a primary hands over first, so its successor leases at once (Driver.hand_over)
-        try:
-            await engine.repl.hand_over()
-        except Exception:  # noqa: BLE001 - the stop goes on; the cluster elects as after a crash
-            log.exception("handing over before the stop failed")
+    if engine.cluster:
+        if not engine.failed:
+            # a primary hands over first, so its successor leases at once (Driver.hand_over)
+            try:
+                await engine.repl.hand_over()
+            except Exception:  # noqa: BLE001 - the stop goes on; the cluster elects as after a crash
+                log.exception("handing over before the stop failed")
+        # then the streams that the (new) primary keeps open to this node end: the
+        # server's stop below would wait its whole grace period for them
+        engine.repl.end_inbound()
     svc.shut_down()  # calls in progress end as unavailable (with their kind), not cancelled
     await server.stop(grace=1.0)
     await runner.cleanup()

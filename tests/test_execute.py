@@ -187,8 +187,9 @@ def test_a_command_that_finishes_while_the_runner_decides_keeps_its_own_result(t
     def should_stop():
         if spawned and not getattr(should_stop, "held", False):
             should_stop.held = True
+            asked_at = time.monotonic()  # after the runner set its deadline: timeout_s from the spawn
             wait_until(lambda: _exited(spawned[0]), 5.0, what="the command exiting")
-            time.sleep(0.2)  # and the deadline has surely passed
+            wait_until(lambda: time.monotonic() >= asked_at + 0.1, 5.0, what="the deadline passing")
             return stop_reason
         return None
 

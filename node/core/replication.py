@@ -540,21 +540,31 @@ class Replication:
             return "joining"  # it ignores TimeoutNow and refuses votes until it has joined
         return None
 
-    def handover_target(self, now: int) -> Optional[str]:
+    def handover_target(self, now: int, exclude=()) -> Optional[str]:
         """Whom a primary that is told to stop hands over to first: of the members
         heard within three heartbeats and not joining, the one holding the most
         of the log (the lowest id among equals). A member whose stream broke and
         that has answered nothing sent since is not counted (it was just stopped,
         say, before this node: the switchover would wait a failover timeout for it).
+        ``exclude``: members already tried (they refused: stopping too).
         None: not a primary, a switchover under way already, or no such member (a
         single node, or its peers are down), and the stop goes on without one."""
         if self.role != PRIMARY or self.transfer_to is not None:
             return None
         # heard within three heartbeats: a member that answers at all answers each one
-        live = [p for p in sorted(self.peers)
-                if not self.peer_joining.get(p) and now - self.acked_sent.get(p, -1 << 62) < 3 * self.heartbeat
+        live = [p for p in sorted(self.peers) if p not in exclude
+                and not self.peer_joining.get(p) and now - self.acked_sent.get(p, -1 << 62) < 3 * self.heartbeat
                 and self.acked_sent.get(p, -1 << 62) >= self.stream_lost_at.get(p, -1 << 62)]
         return max(live, key=lambda p: self.match.get(p, 0)) if live else None
+
+    def transfer_target_lost(self) -> bool:
+        """The switchover's target's stream broke after the switchover began, and
+        it has answered nothing sent since (it is stopping, most likely)."""
+        t = self.transfer_to
+        if t is None:
+            return False
+        lost = self.stream_lost_at.get(t, -1 << 62)
+        return lost >= self.transfer_started and self.acked_sent.get(t, -1 << 62) < lost
 
     def abandon_transfer(self) -> bool:
         """Give up a switchover whose TimeoutNow has not gone out (the target did
@@ -563,6 +573,17 @@ class Replication:
         if self.role != PRIMARY or self.transfer_to is None or self.transfer_sent:
             return False
         self.transfer_to = None
+        return True
+
+    def transfer_declined(self, target: str, epoch: int) -> bool:
+        """``target`` answered this primary's TimeoutNow of ``epoch`` with a refusal
+        (it is stopping, so it will not campaign): the switchover ends as if
+        TimeoutNow had never gone out, and this primary serves again. Only a
+        refusal counts, never a lost or failed call (the target may have acted)."""
+        if self.role != PRIMARY or epoch != self.epoch or self.transfer_to != target or not self.transfer_sent:
+            return False
+        self.transfer_to = None
+        self.transfer_sent = False
         return True
 
     def transfer(self, target: str, now: int) -> list:

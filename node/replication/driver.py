@@ -101,6 +101,13 @@ class Driver:
         self._vote_reply = None
         self._snapshots: dict = {}
         self.stopped = False
+        # a stop: the streams primaries keep open to this node are ended, and new
+        # ones refused (end_inbound); the gRPC server's stop would wait them out
+        self.closing = False
+        # the tasks serving those streams -> whether end_inbound may cancel one now
+        # (not while it waits at a yield, in gRPC's own code: it ends after it)
+        self._inbound: dict = {}
+        self.declined: Optional[str] = None  # the last switchover target that refused (stopping)
 
     # ------------------------------------------------------------ lifecycle
     def load(self) -> None:
@@ -162,6 +169,8 @@ class Driver:
         started = warned = mono_us()
         while True:
             await asyncio.sleep(step)
+            if self.closing:
+                continue  # stopping: no heartbeat, and above all no campaign
             async with self.lock:
                 now = mono_us()
                 await self._run(self.core.tick(now))
@@ -217,11 +226,15 @@ class Driver:
         async with self.lock:
             await self._run(self.core.transfer(target, mono_us()))
 
-    async def switch_over(self, target: str, wait_s: float) -> None:
+    async def switch_over(self, target: str, wait_s: float, give_up_if_lost: bool = False) -> None:
         """A planned switchover to ``target``, waited for at most ``wait_s``: until
         this node has stepped down AND heard the new primary (its first frame), or
-        serves again (the target did not catch up within the failover timeout).
-        The caller reads the outcome from the core (role, primary)."""
+        serves again (the target did not catch up within the failover timeout, or
+        refused). ``give_up_if_lost``: stop waiting once the target's stream has
+        broken (Replication.transfer_target_lost), and give the switchover up if
+        TimeoutNow is not out yet. The caller reads the outcome from the core
+        (role, primary), and from ``declined`` whether the target refused."""
+        self.declined = None
         await self.transfer(target)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
@@ -229,7 +242,20 @@ class Driver:
         while loop.time() < deadline and (c.role == R.PRIMARY or not c.primary or c.primary == self.id):
             if c.role == R.PRIMARY and c.transfer_to is None:
                 return  # abandoned: this node serves again
+            if give_up_if_lost and c.transfer_target_lost():
+                async with self.lock:
+                    c.abandon_transfer()  # (only while TimeoutNow is not out: then this node serves again)
+                return
             await asyncio.sleep(0.01)
+
+    def end_inbound(self) -> None:
+        """A stop, once any handover is over: end the replication streams that
+        primaries keep open to this node, and refuse new ones. Otherwise the gRPC
+        server's stop waits out its grace period for them (about a second)."""
+        self.closing = True
+        for t, cancellable in list(self._inbound.items()):
+            if cancellable:
+                t.cancel()
 
     async def hand_over(self) -> Optional[str]:
         """A primary told to stop first hands over to the member holding the most of
@@ -243,27 +269,45 @@ class Driver:
         that has not caught up by then (it hung, or is stopping too) is given up,
         and the stop goes on as it did before handovers (the cluster elects as
         after a crash). Once TimeoutNow is out this node never serves again in its
-        epoch, so the stop goes on then too. Returns the new primary, or None."""
+        epoch, so the stop goes on then too. A target that refuses (it is stopping
+        too) is passed over for the next, within the same bound. Returns the new
+        primary, or None."""
         c = self.core
-        target = c.handover_target(mono_us())
-        if target is None:
-            return None
-        log.info("stopping as the primary: handing over to %s first", target)
-        await self.switch_over(target, min(HANDOVER_WAIT_S, c.timeout / 1e6))
-        if c.role != R.PRIMARY and c.primary == target:
-            log.info("handed over to %s (epoch %d)", target, c.epoch)
-            return target
+        loop = asyncio.get_running_loop()
+        wait_s = min(HANDOVER_WAIT_S, c.timeout / 1e6)
+        deadline = loop.time() + wait_s
+        refused: list = []
+        while True:
+            target = c.handover_target(mono_us(), exclude=refused)
+            if target is None:
+                if refused:
+                    log.warning("stopping without a handover: no other member can take over (%s would not)",
+                                ", ".join(refused))
+                return None
+            log.info("stopping as the primary: handing over to %s first", target)
+            await self.switch_over(target, max(0.0, deadline - loop.time()), give_up_if_lost=True)
+            if c.role != R.PRIMARY and c.primary == target:
+                log.info("handed over to %s (epoch %d)", target, c.epoch)
+                return target
+            if c.role == R.PRIMARY and c.transfer_to is None and loop.time() < deadline:
+                # it refused or went away (stopping too, most likely): the next member
+                log.info("%s will not take over (%s): trying the next member", target,
+                         "it refused" if self.declined == target else "its stream broke")
+                refused.append(target)
+                continue
+            break
         async with self.lock:
             if c.role != R.PRIMARY:
                 why = f"{c.primary} is primary" if c.primary else "no primary is known yet"
             elif c.transfer_to is None:
-                why = f"the switchover was given up ({target} did not catch up in time)"
+                why = (f"{target} refused: it is stopping too" if self.declined == target
+                       else f"the switchover was given up ({target} went away or did not catch up in time)")
             elif c.abandon_transfer():
-                why = f"{target} did not catch up within {min(HANDOVER_WAIT_S, c.timeout / 1e6):g} s"
+                why = f"{target} did not catch up within {wait_s:g} s"
             else:
                 # TimeoutNow is out: this node never stamps again in its epoch, so what
                 # waits for the group commit is known not stored
-                why = f"{target} was told to take over but had not yet"
+                why = f"{target} was told to take over but had not yet (or went away)"
                 self.engine.drop_pending("the primary is stopping and handing over; not stored")
         log.warning("stopping without a handover to %s: %s", target, why)
         return None
@@ -528,8 +572,15 @@ class Driver:
         try:
             await self._stubs[peer].TimeoutNow(pb.TimeoutNowRequest(epoch=m.epoch, primary=m.primary),
                                                timeout=self.core.timeout / 1e6)
-        except grpc.RpcError:
-            pass
+        except grpc.RpcError as e:
+            # FAILED_PRECONDITION is the target's own refusal (serve_timeout_now: it
+            # is stopping, and did not act on it); any other failure may have
+            # reached it, and the switchover stays under way
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                async with self.lock:
+                    if self.core.transfer_declined(peer, m.epoch):
+                        self.declined = peer
+                        log.info("%s refused to take over (%s): this node serves again", peer, e.details())
 
     # ------------------------------------------------------------ servicer
     def is_member(self, node_id: str) -> bool:
@@ -556,13 +607,18 @@ class Driver:
         contact acknowledgement (Replication.heard), so that a primary does not
         lose its majority, and step down, while our disk works through a backlog of
         large records. A frame handled without waiting costs nothing of this."""
+        if self.closing:  # stopping (end_inbound)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self.id!r} is stopping")
+        me = asyncio.current_task()
+        inbound = self._inbound
+        inbound[me] = True
         sender = None
         it = request_iterator.__aiter__()
         ahead: list = []          # frames read while an earlier one was being handled
         reading = None            # the pending read of the next frame, if any
         read_end = None           # how reading ended while a frame was handled (StopAsyncIteration, error)
         try:
-            while True:
+            while not self.closing:
                 if ahead:
                     f = ahead.pop(0)
                 elif read_end is not None:
@@ -596,7 +652,9 @@ class Driver:
                         else:
                             ahead.append(nxt)
                             for ack in self._contact_acks(nxt):
+                                inbound[me] = False
                                 yield ack
+                                inbound[me] = True
                     if value.done():
                         done, value = True, value.result()
                 replies = value
@@ -604,17 +662,26 @@ class Driver:
                 for r in replies:
                     if rel:
                         r.releases.extend(rel)
+                    inbound[me] = False
                     yield r
+                    inbound[me] = True
                 if self._apply_after_ack:
                     # the acknowledgements are out (a yield resumes once gRPC has sent
                     # it): now apply what the frame committed
                     async with self.lock:
                         self._apply_deferred()
+        except asyncio.CancelledError:
+            if not self.closing:
+                raise
+            # ended by end_inbound (this node is stopping): the stream ends as OK, at
+            # once, rather than held until the server's stop gives up on it
         finally:
+            inbound.pop(me, None)
             if reading is not None:
                 reading.cancel()
-            # the primary's end of the stream is gone: it may have died
-            if sender is not None and sender == self.core.primary and not self.stopped:
+            # the primary's end of the stream is gone: it may have died (unless this
+            # node ended it, stopping: a node that is leaving does not campaign)
+            if sender is not None and sender == self.core.primary and not self.stopped and not self.closing:
                 async with self.lock:
                     await self._run(self.core.primary_stream_broken(mono_us()))
 
@@ -709,7 +776,15 @@ class Driver:
         if not self.is_member(req.primary):
             await self._refuse(context, req.primary)
         async with self.lock:
-            await self._run(self.core.receive(R.TimeoutNow(req.epoch, req.primary), mono_us()))
+            # a node that is stopping does not take over (it would be gone at once):
+            # it says so, and the primary serves again or tries another member
+            # (Replication.transfer_declined). Decided under the lock: either
+            # the core sees the TimeoutNow, or the refusal is sent; never both.
+            stopping = self.engine.draining
+            if not stopping:
+                await self._run(self.core.receive(R.TimeoutNow(req.epoch, req.primary), mono_us()))
+        if stopping:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"node {self.id!r} is stopping")
         return pb.ReplEmpty()
 
 

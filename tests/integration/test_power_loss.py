@@ -42,7 +42,11 @@ async def _confirm_then_cut_power(tmp_path, synchronous, inline=True):
     for d in await svc.receive(ADMIN, "q", 0, 50):
         await svc.ack(ADMIN, d.token)
         acked.add(d.id)
-    await asyncio.sleep(0.12)  # let checkpoints run too: they must not lose anything either
+    # let checkpoints run too: they must not lose anything either (one has written every change so far)
+    deadline = asyncio.get_running_loop().time() + 10
+    while len(eng.core.dirty) or eng._checkpoint_write is None or not eng._checkpoint_write.done():
+        assert asyncio.get_running_loop().time() < deadline, "no checkpoint ran"
+        await asyncio.sleep(0.01)
     for i in range(10):
         sent += [x[0] for x in await svc.send(ADMIN, [("q", f"late-{i}".encode(), 0.0, "")])]
     sent += [x[0] for x in await svc.send(ADMIN, [], ("q", [b"late-batch-1", b"late-batch-2"], 0.0))]

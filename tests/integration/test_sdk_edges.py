@@ -100,7 +100,10 @@ def test_one_full_queue_fails_only_its_own_sends_in_a_mixed_batch_async(mixed_no
             while mixed_node.calls["SendBatch"] < 1:
                 await asyncio.sleep(0.01)
             later = [(q, asyncio.ensure_future(c.send(q, b"x"))) for q in ["ok", "full"] * 4]
-            await asyncio.sleep(0.05)  # all of them queued behind the first batch
+            deadline = asyncio.get_running_loop().time() + 10
+            while len(c._pending) < len(later):  # all of them queued behind the first batch
+                assert asyncio.get_running_loop().time() < deadline, "the sends were not queued"
+                await asyncio.sleep(0.01)
             mixed_node.gate.set()
             await first
             for q, t in later:

@@ -726,7 +726,10 @@ def test_async_settles_begun_after_close_began_are_refused(node, settle):
         os.kill(node.pid, signal.SIGSTOP)  # the first ack stays on the wire until SIGCONT
         try:
             acking = asyncio.ensure_future(c.ack(first.token))
-            await asyncio.sleep(0.05)
+            deadline = asyncio.get_running_loop().time() + 10
+            while not any(w.call is not None for w in c.session.waiting.values()):  # written to the stream
+                assert asyncio.get_running_loop().time() < deadline, "the ack was never written"
+                await asyncio.sleep(0.01)
             closing = asyncio.ensure_future(c.close())
             await asyncio.sleep(0)
             assert c._closing and not closing.done()

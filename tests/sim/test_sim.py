@@ -919,6 +919,35 @@ def test_a_stopping_primary_hands_over_to_the_live_member_with_the_most_of_the_l
     assert d.handover_target(40 + T // 2) == "n2"
 
 
+def test_a_switchover_target_that_refuses_or_goes_away_is_passed_over():
+    """R5, every member stopped at once: a target whose stream broke after the
+    switchover began is known lost (a stop then gives it up and tries the next
+    member, ``exclude``); a target's refusal of TimeoutNow (it is stopping) ends
+    the switchover as if TimeoutNow had never gone out, and only that one: a
+    refusal of another epoch, or with no TimeoutNow out, changes nothing."""
+    T = 1_000_000
+    c = _primary_n1(T)
+    c.receive(R.AppendResp(1, "n3", True, 1, 40), 40)
+    c.receive(R.AppendResp(1, "n2", True, 1, 40), 40)
+    assert c.handover_target(50) == "n2" and c.handover_target(50, exclude=["n2"]) == "n3"
+    assert c.handover_target(50, exclude=["n2", "n3"]) is None
+    c.replica_stream_lost("n2", 45)
+    c.receive(R.AppendResp(1, "n2", True, 1, 46), 47)   # answered a frame sent after that break
+    c.transfer("n2", 50)
+    assert not c.transfer_target_lost()                   # the break came before the switchover
+    assert not c.transfer_declined("n2", 1) and c.transfer_to == "n2"   # no TimeoutNow out: nothing to decline
+    c.replica_stream_lost("n2", 60)
+    assert c.transfer_target_lost()                       # and this one after it, nothing answered since
+    out = c.receive(R.AppendResp(1, "n2", True, 1, 61), 62)
+    assert not c.transfer_target_lost()                   # it answered again
+    assert any(isinstance(e, R.Send) and isinstance(e.msg, R.TimeoutNow) for e in out) and c.transfer_sent
+    assert not c.transfer_declined("n3", 1) and not c.transfer_declined("n2", 0)   # not its target, not its epoch
+    assert c.transfer_to == "n2" and not c.serving(70)
+    assert c.transfer_declined("n2", 1)
+    assert c.transfer_to is None and not c.transfer_sent and c.serving(70) and c.role == R.PRIMARY
+    assert c.handover_target(70) == "n2"                  # (a stop excludes it by itself)
+
+
 def test_a_second_switchover_while_one_is_under_way_is_refused():
     """R2. Starting a switchover again would forget that TimeoutNow is out: the
     primary would serve (and lease) again after the failover timeout, while the

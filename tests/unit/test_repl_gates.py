@@ -165,9 +165,11 @@ def test_no_contact_acknowledgement_while_a_failed_persist_is_undone():
         c.start(now)
         c.receive(R.AppendReq(1, "n1", 0, 0, 0, [], 0, now, 0, T // 2), now)
         memory = []
+        resyncing = asyncio.Event()
 
         async def slow_resync():  # the real one reloads the core from the store in the writer thread
             memory.append(c.lease_seen)
+            resyncing.set()
             await asyncio.sleep(0.2)
             c.lease_seen = disk["lease_seen"]
             d._unsaved = False
@@ -175,7 +177,7 @@ def test_no_contact_acknowledgement_while_a_failed_persist_is_undone():
 
         async def frames():
             yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=T, contact_acks=True)
-            await asyncio.sleep(0.1)  # arrives while the first is still being handled (its resync)
+            await asyncio.wait_for(resyncing.wait(), 10)  # arrives while the first is still being handled (its resync)
             yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=T, contact_acks=True)
 
         acks = [a async for a in d.serve_stream(frames(), None)]
@@ -227,4 +229,116 @@ def test_a_switchover_under_way_stamps_no_more_records(tmp_path):
 
     asyncio.run(main())
     assert e.store.last_position().lsn == 0
+    e.store.close()
+
+
+def test_a_stopping_node_refuses_to_take_over_and_ends_its_inbound_streams(tmp_path):
+    """A node that is stopping: TimeoutNow is refused (FAILED_PRECONDITION, the
+    one answer the primary takes as "it did not act": Replication.transfer_declined)
+    and never reaches the core; the control, the same call before the stop, makes
+    it campaign. Once the stop has ended its inbound streams (end_inbound), a
+    stream waiting for its primary's next frame ends at once, as OK, and without
+    a campaign for the broken stream; a new stream is refused; the ticker no longer
+    ticks the core (no heartbeat, no campaign)."""
+    e = _voted(tmp_path)
+
+    async def main():
+        e.repl.load()
+        c = e.repl.core
+        c.start(mono_us())
+        c.receive(R.AppendReq(7, "n1", 1, 7, 0, [], 0, mono_us(), 0, 0), mono_us())
+        assert c.role == R.REPLICA and c.primary == "n1"
+        s = ReplicationServicer(e.repl)
+        e.draining = True
+        ctx = Ctx()
+        with pytest.raises(Aborted):
+            await s.TimeoutNow(pb.TimeoutNowRequest(epoch=7, primary="n1"), ctx)
+        assert ctx.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert c.role == R.REPLICA and c.epoch == 7        # no campaign
+        e.draining = False
+        e.repl._ask_vote = lambda peer, m: asyncio.sleep(0)  # (no peers to ask here)
+        await s.TimeoutNow(pb.TimeoutNowRequest(epoch=7, primary="n1"), Ctx())
+        assert c.role == R.CANDIDATE and c.epoch == 8      # the control: it campaigns
+        # a stream from the primary of epoch 9, parked waiting for its next frame
+        more = asyncio.Event()
+
+        async def frames():
+            yield pb.AppendFrame(epoch=9, primary="n2", prev_lsn=1, prev_epoch=7, prev_crc=c.log.at(1)[1],
+                                 sent_us=mono_us(), lease_us=0)
+            await more.wait()  # never set: the primary has nothing more to say
+            yield pb.AppendFrame(epoch=9, primary="n2")
+
+        broken = []
+        e.repl.core.primary_stream_broken = lambda now: broken.append(now) or []
+        acks = []
+
+        async def serve():
+            async for a in s.Stream(frames(), Ctx()):
+                acks.append(a)
+
+        t = asyncio.create_task(serve())
+        for _ in range(200):
+            if acks and e.repl._inbound:
+                break
+            await asyncio.sleep(0.005)
+        assert acks and c.primary == "n2" and c.epoch == 9
+        await asyncio.sleep(0.02)
+        assert not t.done()                                # the control: it waits for the next frame
+        ticks = []
+        e.repl.core.tick = lambda now: ticks.append(now) or []
+        e.repl.end_inbound()
+        done, _ = await asyncio.wait({t}, timeout=1.0)    # (not wait_for: it would cancel t itself)
+        assert t in done                                   # ended, and not by an exception
+        assert t.exception() is None and not broken and not e.repl._inbound
+        ctx = Ctx()
+        with pytest.raises(Aborted):
+            await s.Stream(frames(), ctx).__anext__()
+        assert ctx.code == grpc.StatusCode.UNAVAILABLE
+        ticker = asyncio.create_task(e.repl._ticker())
+        await asyncio.sleep(0.1)
+        ticker.cancel()
+        assert ticks == []
+
+    asyncio.run(main())
+    e.store.close()
+
+
+def test_a_primary_serves_again_only_when_its_target_refuses_timeout_now(tmp_path):
+    """The primary's side of a refusal: FAILED_PRECONDITION (the target did not act)
+    ends the switchover and this node serves again; any other failure (the call may
+    have reached the target, which may be campaigning) leaves it under way."""
+    e = Engine(str(tmp_path), node_id="n1", peers=PEERS)
+
+    class Failed(grpc.RpcError):
+        def __init__(self, code):
+            self._code = code
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return "node 'n2' is stopping"
+
+    class Stub:
+        def __init__(self, code):
+            self.code = code
+
+        async def TimeoutNow(self, req, timeout=None):
+            raise Failed(self.code)
+
+    async def main():
+        e.repl.load()
+        c = e.repl.core
+        c.start(mono_us())
+        seen = []
+        for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                     grpc.StatusCode.FAILED_PRECONDITION):
+            c.role, c.epoch, c.primary, c.transfer_to, c.transfer_sent = R.PRIMARY, 1, "n1", "n2", True
+            e.repl._stubs["n2"] = Stub(code)
+            await e.repl._timeout_now("n2", R.TimeoutNow(1, "n1"))
+            seen.append((c.transfer_to, c.transfer_sent, e.repl.declined))
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen == [("n2", True, None), ("n2", True, None), (None, False, "n2")]
     e.store.close()
