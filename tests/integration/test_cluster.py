@@ -4,6 +4,7 @@ import os
 import signal
 import time
 import urllib.request
+import uuid
 
 import pytest
 
@@ -60,7 +61,11 @@ def until_ok(fn, timeout_s=15, what="success"):
 
 
 def send_until_ok(c, queue, body, timeout_s=15):
-    return until_ok(lambda: c.send(queue, body), timeout_s, what="a 201")
+    """One message, sent until a 201. Its tries share a dedup key: one that ended
+    operation_unconfirmed may have been stored, and the next must not store the
+    message twice (the tests count what was sent)."""
+    key = uuid.uuid4().hex
+    return until_ok(lambda: c.send(queue, body, dedup_key=key), timeout_s, what="a 201")
 
 
 def all_applied(nodes, lsn_at_least):

@@ -97,7 +97,9 @@ def test_one_full_queue_fails_only_its_own_sends_in_a_mixed_batch_async(mixed_no
         async with _unary_only(AsyncClient(mixed_node.target, "k", retry_attempts=1, batches_in_flight_max=1,
                                            timeout_s=10)) as c:
             first = asyncio.ensure_future(c.send("ok", b"0"))
+            deadline = asyncio.get_running_loop().time() + 10
             while mixed_node.calls["SendBatch"] < 1:
+                assert asyncio.get_running_loop().time() < deadline, "the first batch never reached the node"
                 await asyncio.sleep(0.01)
             later = [(q, asyncio.ensure_future(c.send(q, b"x"))) for q in ["ok", "full"] * 4]
             deadline = asyncio.get_running_loop().time() + 10
@@ -187,7 +189,9 @@ def test_close_during_a_keyed_resend_leaves_the_unknown_outcome_async(unconfirme
     async def main():
         c = _unary_only(AsyncClient(unconfirmed_node.target, "k", timeout_s=10))
         t = asyncio.ensure_future(c.send("q", b"x", dedup_key="k1"))
+        deadline = asyncio.get_running_loop().time() + 10
         while unconfirmed_node.calls["GetQueue"] < 1 or unconfirmed_node.calls["SendBatch"] < 1:
+            assert asyncio.get_running_loop().time() < deadline, "the keyed resend never began"
             await asyncio.sleep(0.005)
         await c.close()
         with pytest.raises(errors.OperationUnconfirmed):

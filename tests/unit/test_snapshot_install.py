@@ -252,7 +252,9 @@ def test_a_snapshot_is_made_in_slices_that_commits_run_between(tmp_path, monkeyp
             e.snapshot_step = step
             path = str(tmp_path / "copy.db")
             copying = asyncio.ensure_future(e.snapshot_to(path))
+            deadline = asyncio.get_running_loop().time() + 10
             while not order:
+                assert asyncio.get_running_loop().time() < deadline, "the copy never took a step"
                 await asyncio.sleep(0.001)
             rec = log_pb2.Record()
             rec.send.entries.add(queue="q", id="during", body=b"x")
