@@ -579,7 +579,9 @@ class Replication:
         """``target`` answered this primary's TimeoutNow of ``epoch`` with a refusal
         (it is stopping, so it will not campaign): the switchover ends as if
         TimeoutNow had never gone out, and this primary serves again. Only a
-        refusal counts, never a lost or failed call (the target may have acted)."""
+        refusal counts, never a lost or failed call (the target may have acted).
+        A switchover sends TimeoutNow once (_maybe_finish_transfer), so the
+        refusal is of the one copy there is."""
         if self.role != PRIMARY or epoch != self.epoch or self.transfer_to != target or not self.transfer_sent:
             return False
         self.transfer_to = None
@@ -706,8 +708,12 @@ class Replication:
         t = self.transfer_to
         # the target holds every record, and has answered since the switchover
         # began: a target that is down never gets TimeoutNow, so this primary
-        # serves again after the failover timeout instead of stepping down
-        if t is not None and self.match.get(t, 0) >= self.log.last_lsn and self.commit_lsn >= self.log.last_lsn \
+        # serves again after the failover timeout instead of stepping down.
+        # Sent once per switchover: the target's answer to it then says for sure
+        # whether it acted (a refusal: transfer_declined); with copies, a refusal
+        # of one could follow a copy it acted on
+        if t is not None and not self.transfer_sent \
+                and self.match.get(t, 0) >= self.log.last_lsn and self.commit_lsn >= self.log.last_lsn \
                 and self.acked_sent.get(t, -1 << 62) >= self.transfer_started and not self.peer_joining.get(t) \
                 and now >= self.lease_ok_at:
             # (a target still joining would ignore TimeoutNow: wait for it to join. And

@@ -36,8 +36,13 @@ SNAPSHOT_INCOMING = "snapshot-incoming-"   # + a unique part + ".db": a copy bei
 RELEASE_RESEND_S = 0.25  # a pending lost-answer release rides on an ack at most this often
 RELEASES_PER_ACK = 64
 # how long a primary told to stop waits for its successor to take over (hand_over);
-# a handover on a working cluster takes a few tens of milliseconds
-HANDOVER_WAIT_S = 1.0
+# a handover on a working cluster takes a few tens of milliseconds.
+# SPOOLER_TEST_HANDOVER_WAIT: another bound, for a test that must tell it apart
+HANDOVER_WAIT_S = float(os.environ.get("SPOOLER_TEST_HANDOVER_WAIT", "1.0") or 1.0)
+# once a stopping primary has stepped down for its target's campaign, how long it
+# waits to hear the winner (only to say so): it has cast its vote, and the target
+# may be stopping too (TimeoutNow reached it just before its own stop)
+HANDOVER_HEAR_S = 0.5
 # Contact acknowledgements (serve_stream, Replication.heard/contact): off only in
 # a test's control run, which shows that a backlog on slow disks deposes a primary
 # without them.
@@ -230,15 +235,18 @@ class Driver:
         """A planned switchover to ``target``, waited for at most ``wait_s``: until
         this node has stepped down AND heard the new primary (its first frame), or
         serves again (the target did not catch up within the failover timeout, or
-        refused). ``give_up_if_lost``: stop waiting once the target's stream has
-        broken (Replication.transfer_target_lost), and give the switchover up if
-        TimeoutNow is not out yet. The caller reads the outcome from the core
-        (role, primary), and from ``declined`` whether the target refused."""
+        refused). ``give_up_if_lost`` (a stop): stop waiting once the target's
+        stream has broken (Replication.transfer_target_lost), and give the
+        switchover up if TimeoutNow is not out yet; and once this node has stepped
+        down for the target's campaign, wait at most HANDOVER_HEAR_S more to hear
+        the winner. The caller reads the outcome from the core (role, primary),
+        and from ``declined`` whether the target refused."""
         self.declined = None
         await self.transfer(target)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         c = self.core
+        stepped_down = False
         while loop.time() < deadline and (c.role == R.PRIMARY or not c.primary or c.primary == self.id):
             if c.role == R.PRIMARY and c.transfer_to is None:
                 return  # abandoned: this node serves again
@@ -246,6 +254,9 @@ class Driver:
                 async with self.lock:
                     c.abandon_transfer()  # (only while TimeoutNow is not out: then this node serves again)
                 return
+            if give_up_if_lost and c.role != R.PRIMARY and not stepped_down:
+                stepped_down = True  # for a campaign: hear the winner, briefly
+                deadline = min(deadline, loop.time() + HANDOVER_HEAR_S)
             await asyncio.sleep(0.01)
 
     def end_inbound(self) -> None:
@@ -281,7 +292,7 @@ class Driver:
             target = c.handover_target(mono_us(), exclude=refused)
             if target is None:
                 if refused:
-                    log.warning("stopping without a handover: no other member can take over (%s would not)",
+                    log.warning("stopping without a handover: no member left to try (%s refused or went away)",
                                 ", ".join(refused))
                 return None
             log.info("stopping as the primary: handing over to %s first", target)
@@ -675,6 +686,7 @@ class Driver:
                 raise
             # ended by end_inbound (this node is stopping): the stream ends as OK, at
             # once, rather than held until the server's stop gives up on it
+            me.uncancel()
         finally:
             inbound.pop(me, None)
             if reading is not None:
@@ -780,7 +792,10 @@ class Driver:
             # it says so, and the primary serves again or tries another member
             # (Replication.transfer_declined). Decided under the lock: either
             # the core sees the TimeoutNow, or the refusal is sent; never both.
-            stopping = self.engine.draining
+            # (only while it would act: a replica of that epoch or an older one; once
+            # it has acted on a TimeoutNow, its epoch is past the request's)
+            c = self.core
+            stopping = self.engine.draining and c.role == R.REPLICA and c.epoch <= req.epoch
             if not stopping:
                 await self._run(self.core.receive(R.TimeoutNow(req.epoch, req.primary), mono_us()))
         if stopping:

@@ -259,6 +259,10 @@ def test_a_stopping_node_refuses_to_take_over_and_ends_its_inbound_streams(tmp_p
         e.repl._ask_vote = lambda peer, m: asyncio.sleep(0)  # (no peers to ask here)
         await s.TimeoutNow(pb.TimeoutNowRequest(epoch=7, primary="n1"), Ctx())
         assert c.role == R.CANDIDATE and c.epoch == 8      # the control: it campaigns
+        e.draining = True
+        await s.TimeoutNow(pb.TimeoutNowRequest(epoch=7, primary="n1"), Ctx())   # no refusal: it acted on one
+        assert c.role == R.CANDIDATE and c.epoch == 8      # (and the core ignores the stale copy)
+        e.draining = False
         # a stream from the primary of epoch 9, parked waiting for its next frame
         more = asyncio.Event()
 
@@ -290,6 +294,7 @@ def test_a_stopping_node_refuses_to_take_over_and_ends_its_inbound_streams(tmp_p
         done, _ = await asyncio.wait({t}, timeout=1.0)    # (not wait_for: it would cancel t itself)
         assert t in done                                   # ended, and not by an exception
         assert t.exception() is None and not broken and not e.repl._inbound
+        assert t.cancelling() == 0                         # the cancel it took is not left pending
         ctx = Ctx()
         with pytest.raises(Aborted):
             await s.Stream(frames(), ctx).__anext__()
