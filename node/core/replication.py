@@ -250,6 +250,10 @@ class Replication:
         self.transfer_campaign = False
         self.transfer_started = 0
         self.transfer_sent = False
+        # the switchover's TimeoutNow call failed without a refusal (it may or may
+        # not have reached the target) at this time: sent again once the target
+        # answers a frame sent after it (None: no call failed, or one is out again)
+        self.timeout_now_failed_at: Optional[int] = None
         self.started = False
         self._lease_window = (0, 0)  # (since, the longest lease acknowledged or voted since then)
 
@@ -588,6 +592,16 @@ class Replication:
         self.transfer_sent = False
         return True
 
+    def timeout_now_failed(self, target: str, epoch: int, now: int) -> None:
+        """The call carrying this primary's TimeoutNow of ``epoch`` to ``target``
+        failed without a refusal: it may have reached the target, so the
+        switchover stays under way (this primary never serves again in its epoch),
+        and TimeoutNow goes out again once the target has answered a frame sent
+        after now (_maybe_finish_transfer). One call at a time: a copy acted on
+        moves the target's epoch past this one, so it refuses no later copy."""
+        if self.role == PRIMARY and epoch == self.epoch and self.transfer_to == target and self.transfer_sent:
+            self.timeout_now_failed_at = now
+
     def transfer(self, target: str, now: int) -> list:
         """Planned switchover: stop taking writes; hand over once target has caught up."""
         out: list = []
@@ -596,6 +610,7 @@ class Replication:
         self.transfer_to = target
         self.transfer_started = now
         self.transfer_sent = False
+        self.timeout_now_failed_at = None
         self._send_append(target, now, out, heartbeat=True)  # its answer shows it is alive
         return out
 
@@ -709,11 +724,14 @@ class Replication:
         # the target holds every record, and has answered since the switchover
         # began: a target that is down never gets TimeoutNow, so this primary
         # serves again after the failover timeout instead of stepping down.
-        # Sent once per switchover: the target's answer to it then says for sure
-        # whether it acted (a refusal: transfer_declined); with copies, a refusal
-        # of one could follow a copy it acted on
-        if t is not None and not self.transfer_sent \
-                and self.match.get(t, 0) >= self.log.last_lsn and self.commit_lsn >= self.log.last_lsn \
+        # One call at a time: sent once, and again only after that call failed
+        # without a refusal (timeout_now_failed) and the target answered since.
+        # A refusal (transfer_declined) then says for sure that the target did
+        # not act: with copies in flight, one could be refused after another had
+        # been acted on (or reach the target's next process, after a restart)
+        failed = self.timeout_now_failed_at
+        due = not self.transfer_sent or failed is not None and self.acked_sent.get(t, -1 << 62) > failed
+        if t is not None and due and self.match.get(t, 0) >= self.log.last_lsn and self.commit_lsn >= self.log.last_lsn \
                 and self.acked_sent.get(t, -1 << 62) >= self.transfer_started and not self.peer_joining.get(t) \
                 and now >= self.lease_ok_at:
             # (a target still joining would ignore TimeoutNow: wait for it to join. And
@@ -721,6 +739,7 @@ class Replication:
             # that wait is over: the target's campaign counts no contact with a
             # primary, only votes for other candidates, see _lease_wait)
             self.transfer_sent = True
+            self.timeout_now_failed_at = None
             out.append(Send(t, TimeoutNow(self.epoch, self.id)))
 
     # ------------------------------------------------------------ replica

@@ -39,8 +39,8 @@ RELEASES_PER_ACK = 64
 # a handover on a working cluster takes a few tens of milliseconds.
 # SPOOLER_TEST_HANDOVER_WAIT: another bound, for a test that must tell it apart
 HANDOVER_WAIT_S = float(os.environ.get("SPOOLER_TEST_HANDOVER_WAIT", "1.0") or 1.0)
-# once a stopping primary has stepped down for its target's campaign, how long it
-# waits to hear the winner (only to say so): it has cast its vote, and the target
+# once a stopping primary has stepped down for its target's campaign and its vote
+# is on disk, how long it waits to hear the winner (only to say so): the target
 # may be stopping too (TimeoutNow reached it just before its own stop)
 HANDOVER_HEAR_S = 0.5
 # Contact acknowledgements (serve_stream, Replication.heard/contact): off only in
@@ -254,8 +254,9 @@ class Driver:
                 async with self.lock:
                     c.abandon_transfer()  # (only while TimeoutNow is not out: then this node serves again)
                 return
-            if give_up_if_lost and c.role != R.PRIMARY and not stepped_down:
-                stepped_down = True  # for a campaign: hear the winner, briefly
+            if give_up_if_lost and c.role != R.PRIMARY and not stepped_down and not self._persisting:
+                # stepped down for a campaign, and its vote is on disk: hear the winner, briefly
+                stepped_down = True
                 deadline = min(deadline, loop.time() + HANDOVER_HEAR_S)
             await asyncio.sleep(0.01)
 
@@ -586,12 +587,14 @@ class Driver:
         except grpc.RpcError as e:
             # FAILED_PRECONDITION is the target's own refusal (serve_timeout_now: it
             # is stopping, and did not act on it); any other failure may have
-            # reached it, and the switchover stays under way
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                async with self.lock:
-                    if self.core.transfer_declined(peer, m.epoch):
-                        self.declined = peer
-                        log.info("%s refused to take over (%s): this node serves again", peer, e.details())
+            # reached it: the switchover stays under way, and TimeoutNow goes out
+            # again once the target answers (Replication.timeout_now_failed)
+            async with self.lock:
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    self.core.timeout_now_failed(peer, m.epoch, mono_us())
+                elif self.core.transfer_declined(peer, m.epoch):
+                    self.declined = peer
+                    log.info("%s refused to take over (%s): this node serves again", peer, e.details())
 
     # ------------------------------------------------------------ servicer
     def is_member(self, node_id: str) -> bool:

@@ -941,8 +941,15 @@ def test_a_switchover_target_that_refuses_or_goes_away_is_passed_over():
     out = c.receive(R.AppendResp(1, "n2", True, 1, 61), 62)
     assert not c.transfer_target_lost()                   # it answered again
     assert any(isinstance(e, R.Send) and isinstance(e.msg, R.TimeoutNow) for e in out) and c.transfer_sent
+    def timeout_nows(out):
+        return [e for e in out if isinstance(e, R.Send) and isinstance(e.msg, R.TimeoutNow)]
     out = c.receive(R.AppendResp(1, "n2", True, 1, 63), 64) + c.receive(R.AppendResp(1, "n3", True, 1, 63), 64)
-    assert not [e for e in out if isinstance(e, R.Send) and isinstance(e.msg, R.TimeoutNow)]  # once: its answer is sure
+    assert not timeout_nows(out)                          # one call at a time: its answer is sure
+    c.timeout_now_failed("n2", 1, 65)                     # it failed, not refused: it may have acted
+    assert c.transfer_to == "n2" and not c.serving(66)    # so the switchover stays under way
+    assert not timeout_nows(c.receive(R.AppendResp(1, "n2", True, 1, 64), 66))   # a frame sent before the failure
+    assert len(timeout_nows(c.receive(R.AppendResp(1, "n2", True, 1, 66), 67))) == 1   # answered since: again
+    assert not timeout_nows(c.receive(R.AppendResp(1, "n2", True, 1, 67), 68))   # and once
     assert not c.transfer_declined("n3", 1) and not c.transfer_declined("n2", 0)   # not its target, not its epoch
     assert c.transfer_to == "n2" and not c.serving(70)
     assert c.transfer_declined("n2", 1)

@@ -340,10 +340,12 @@ def test_a_primary_serves_again_only_when_its_target_refuses_timeout_now(tmp_pat
                      grpc.StatusCode.FAILED_PRECONDITION):
             c.role, c.epoch, c.primary, c.transfer_to, c.transfer_sent = R.PRIMARY, 1, "n1", "n2", True
             e.repl._stubs["n2"] = Stub(code)
+            c.timeout_now_failed_at = None
             await e.repl._timeout_now("n2", R.TimeoutNow(1, "n1"))
-            seen.append((c.transfer_to, c.transfer_sent, e.repl.declined))
+            seen.append((c.transfer_to, c.transfer_sent, e.repl.declined, c.timeout_now_failed_at is not None))
         return seen
 
     seen = asyncio.run(main())
-    assert seen == [("n2", True, None), ("n2", True, None), (None, False, "n2")]
+    # (a failure other than the refusal: sent again once the target answers, Replication.timeout_now_failed)
+    assert seen == [("n2", True, None, True), ("n2", True, None, True), (None, False, "n2", False)]
     e.store.close()
