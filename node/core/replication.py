@@ -584,8 +584,8 @@ class Replication:
         (it is stopping, so it will not campaign): the switchover ends as if
         TimeoutNow had never gone out, and this primary serves again. Only a
         refusal counts, never a lost or failed call (the target may have acted).
-        A switchover sends TimeoutNow once (_maybe_finish_transfer), so the
-        refusal is of the one copy there is."""
+        A switchover has one TimeoutNow call out at a time (_maybe_finish_transfer),
+        so the refusal is of the only copy out."""
         if self.role != PRIMARY or epoch != self.epoch or self.transfer_to != target or not self.transfer_sent:
             return False
         self.transfer_to = None
@@ -731,7 +731,8 @@ class Replication:
         # been acted on (or reach the target's next process, after a restart)
         failed = self.timeout_now_failed_at
         due = not self.transfer_sent or failed is not None and self.acked_sent.get(t, -1 << 62) > failed
-        if t is not None and due and self.match.get(t, 0) >= self.log.last_lsn and self.commit_lsn >= self.log.last_lsn \
+        if t is not None and due \
+                and self.match.get(t, 0) >= self.log.last_lsn and self.commit_lsn >= self.log.last_lsn \
                 and self.acked_sent.get(t, -1 << 62) >= self.transfer_started and not self.peer_joining.get(t) \
                 and now >= self.lease_ok_at:
             # (a target still joining would ignore TimeoutNow: wait for it to join. And
