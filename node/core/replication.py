@@ -721,6 +721,8 @@ class Replication:
 
     def _maybe_finish_transfer(self, now: int, out: list) -> None:
         t = self.transfer_to
+        if t is None:
+            return  # (every acknowledgement a primary counts comes through here)
         # the target holds every record, and has answered since the switchover
         # began: a target that is down never gets TimeoutNow, so this primary
         # serves again after the failover timeout instead of stepping down.
@@ -731,8 +733,7 @@ class Replication:
         # been acted on (or reach the target's next process, after a restart)
         failed = self.timeout_now_failed_at
         due = not self.transfer_sent or failed is not None and self.acked_sent.get(t, -1 << 62) > failed
-        if t is not None and due \
-                and self.match.get(t, 0) >= self.log.last_lsn and self.commit_lsn >= self.log.last_lsn \
+        if due and self.match.get(t, 0) >= self.log.last_lsn and self.commit_lsn >= self.log.last_lsn \
                 and self.acked_sent.get(t, -1 << 62) >= self.transfer_started and not self.peer_joining.get(t) \
                 and now >= self.lease_ok_at:
             # (a target still joining would ignore TimeoutNow: wait for it to join. And
