@@ -519,8 +519,16 @@ class Driver:
         retry after its deadline, may stream at once), and only a copy whose
         last chunk came is installed. The install itself runs to its end even
         if the call is cancelled meanwhile (its work is on the writer thread):
-        what it leaves is a whole store and a core loaded from it."""
+        what it leaves is a whole store and a core loaded from it.
+
+        A node that is stopping (end_inbound) ends a copy still arriving, as it
+        ends the frame streams, and refuses new ones; an install under way runs
+        to its end."""
         e = self.engine
+        if self.closing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self.id!r} is stopping")
+        me = asyncio.current_task()
+        self._inbound[me] = True
         fd, path = tempfile.mkstemp(prefix=SNAPSHOT_INCOMING, suffix=".db", dir=e.data_dir)
         epoch, primary, complete, handed = 0, "", False, False
         try:
@@ -539,8 +547,15 @@ class Driver:
             if not complete:
                 return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
             handed = True  # from here the install removes the file, when it is done with it
+            self._inbound[me] = False
             return await shielded(self._install(path, epoch, primary))
+        except asyncio.CancelledError:
+            if not self.closing or handed:
+                raise
+            me.uncancel()  # ended by end_inbound: nothing installed, the primary sees the stream end
+            return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
         finally:
+            self._inbound.pop(me, None)
             if not handed and os.path.exists(path):
                 os.remove(path)
 
@@ -768,6 +783,25 @@ class Driver:
             log.warning("%s runs with --failover-timeout %.3f s, this node with %.3f s: keep them equal outside a "
                         "rolling change of the setting (docs/operations.md)", req.candidate,
                         2 * req.lease_us / 1e6, self.core.timeout / 1e6)
+        # shielded: a cancellation (the candidate's deadline) waits for the vote's
+        # Persist to land, so the core's memory is never left ahead of its disk
+        r = await shielded(self._vote(req))
+        if r is None:  # ignored (leader stickiness), or failed: answer as a refusal
+            return pb.VoteResponse(epoch=self.core.epoch, sender=self.id, granted=False, pre=req.pre,
+                                   since_contact_us=0, since_vote_us=0)
+        return pb.VoteResponse(epoch=r.epoch, sender=r.sender, granted=r.granted, pre=r.pre,
+                               since_contact_us=r.since_contact_us, since_vote_us=r.since_vote_us,
+                               lease_us=r.lease_us, vote_lease_us=r.vote_lease_us, voter_epoch=r.voter_epoch)
+
+    async def serve_timeout_now(self, req, context):
+        if not self.is_member(req.primary):
+            await self._refuse(context, req.primary)
+        if await shielded(self._timeout_now_received(req)):  # shielded: as a vote's
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"node {self.id!r} is stopping")
+        return pb.ReplEmpty()
+
+    async def _vote(self, req):
+        """A vote request through the core, under the lock: the core's answer, or None."""
         async with self.lock:
             self._vote_reply = None
             try:
@@ -780,16 +814,10 @@ class Driver:
                 self._vote_reply = None
                 await self._resync()
             r, self._vote_reply = self._vote_reply, None
-        if r is None:  # ignored (leader stickiness), or failed: answer as a refusal
-            return pb.VoteResponse(epoch=self.core.epoch, sender=self.id, granted=False, pre=req.pre,
-                                   since_contact_us=0, since_vote_us=0)
-        return pb.VoteResponse(epoch=r.epoch, sender=r.sender, granted=r.granted, pre=r.pre,
-                               since_contact_us=r.since_contact_us, since_vote_us=r.since_vote_us,
-                               lease_us=r.lease_us, vote_lease_us=r.vote_lease_us, voter_epoch=r.voter_epoch)
+        return r
 
-    async def serve_timeout_now(self, req, context):
-        if not self.is_member(req.primary):
-            await self._refuse(context, req.primary)
+    async def _timeout_now_received(self, req) -> bool:
+        """A TimeoutNow through the core, under the lock. True: refused, as this node is stopping."""
         async with self.lock:
             # a node that is stopping does not take over (it would be gone at once):
             # it says so, and the primary serves again or tries another member
@@ -798,12 +826,17 @@ class Driver:
             # (only while it would act: a replica of that epoch or an older one; once
             # it has acted on a TimeoutNow, its epoch is past the request's)
             c = self.core
-            stopping = self.engine.draining and c.role == R.REPLICA and c.epoch <= req.epoch
-            if not stopping:
+            if self.engine.draining and c.role == R.REPLICA and c.epoch <= req.epoch:
+                return True
+            try:
                 await self._run(self.core.receive(R.TimeoutNow(req.epoch, req.primary), mono_us()))
-        if stopping:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"node {self.id!r} is stopping")
-        return pb.ReplEmpty()
+            except Exception:
+                # its Persist failed (the campaign's epoch and vote): as a failed vote request
+                # (the primary sees the call fail, not a refusal: Replication.timeout_now_failed)
+                log.exception("TimeoutNow from %s failed; reloading the persistent state", req.primary)
+                await self._resync()
+                raise
+            return False
 
 
 async def shielded(coro):

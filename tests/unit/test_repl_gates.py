@@ -349,3 +349,131 @@ def test_a_primary_serves_again_only_when_its_target_refuses_timeout_now(tmp_pat
     # (a failure other than the refusal: sent again once the target answers, Replication.timeout_now_failed)
     assert seen == [("n2", True, None, True), ("n2", True, None, True), (None, False, "n2", False)]
     e.store.close()
+
+
+@pytest.mark.parametrize("rpc", ["Vote", "TimeoutNow"])
+def test_a_vote_or_takeover_cancelled_at_its_deadline_still_lands_its_persist(tmp_path, rpc):
+    """R2. gRPC cancels a handler at its caller's deadline. A Vote or TimeoutNow
+    cancelled while its Persist (epoch, vote) is on its way to disk: the write goes
+    on in the store's thread, and the handler's effects run to their end (shielded),
+    so the core's memory is never marked ahead of its disk (``_unsaved``: no contact
+    acknowledgement would ever be sent again until a frame failed) and what the
+    core holds is what the store holds."""
+    e = _voted(tmp_path)
+    landed = []
+
+    async def main():
+        d = e.repl
+        d.load()
+        c = d.core
+        c.start(mono_us())
+        d._ask_vote = lambda peer, m: asyncio.sleep(0)   # (no peers to ask here)
+        release = asyncio.Event()
+        real_io = e.store_io
+
+        async def slow_io(fn, *a, inline=False):
+            if getattr(fn, "__name__", "") == "_persist":
+                async def job():                             # a slow fsync in the store's thread,
+                    await release.wait()                     # which a cancelled awaiter does not stop
+                    out = await real_io(fn, *a)
+                    landed.append(a)
+                    return out
+                return await asyncio.shield(asyncio.ensure_future(job()))
+            return await real_io(fn, *a, inline=inline)
+        e.store_io = slow_io
+        s = ReplicationServicer(d)
+        call = (s.Vote(pb.VoteRequest(epoch=8, candidate="n2", last_epoch=7, last_lsn=1), Ctx()) if rpc == "Vote"
+                else s.TimeoutNow(pb.TimeoutNowRequest(epoch=7, primary="n1"), Ctx()))
+        t = asyncio.ensure_future(call)
+        for _ in range(400):
+            if d._persisting:
+                break
+            await asyncio.sleep(0.005)
+        assert d._persisting and c.epoch == 8              # the Persist is under way
+        t.cancel()                                         # the caller's deadline
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        release.set()
+        for _ in range(400):
+            if landed and not d._persisting:
+                break
+            await asyncio.sleep(0.005)
+        assert landed and not d._persisting
+        assert not d._unsaved, "a Persist that landed left the node refusing contact acknowledgements"
+        return c.epoch, c.voted_for
+
+    epoch, voted_for = asyncio.run(main())
+    assert (epoch, voted_for) == (8, "n2" if rpc == "Vote" else "n3")
+    assert e.store.get_meta("repl_epoch") == 8 and e.store.get_meta("voted_for") == voted_for
+    e.store.close()
+
+
+def test_a_takeover_whose_persist_fails_reloads_what_the_disk_holds(tmp_path):
+    """R2. TimeoutNow makes the node campaign: epoch and vote to disk first. If that
+    write fails, the call fails (the primary does not take it for a refusal) and the
+    core is loaded back from the store, as after a failed vote request: it neither
+    campaigns in an epoch its disk does not hold nor stays marked unsaved."""
+    e = _voted(tmp_path)
+
+    async def main():
+        d = e.repl
+        d.load()
+        c = d.core
+        c.start(mono_us())
+        d._ask_vote = lambda peer, m: asyncio.sleep(0)
+        real_io = e.store_io
+
+        async def failing_io(fn, *a, inline=False):
+            if getattr(fn, "__name__", "") == "_persist":
+                raise OSError("injected fsync failure")
+            return await real_io(fn, *a, inline=inline)
+        e.store_io = failing_io
+        with pytest.raises(OSError):
+            await ReplicationServicer(d).TimeoutNow(pb.TimeoutNowRequest(epoch=7, primary="n1"), Ctx())
+        return c.epoch, c.voted_for, d._unsaved
+
+    assert asyncio.run(main()) == (7, "n1", False)
+    e.store.close()
+
+
+def test_a_stopping_node_ends_a_snapshot_still_arriving(tmp_path):
+    """R5. A stop's end_inbound also ends a snapshot copy that is still arriving
+    (the gRPC server's stop would otherwise wait for it: up to its grace period),
+    as unfinished: nothing installed, its partial file removed; a new copy is
+    refused. The control: before the stop, the same copy waits for its next chunk."""
+    from node.replication.driver import SNAPSHOT_INCOMING
+    e = _voted(tmp_path)
+
+    async def main():
+        d = e.repl
+        d.load()
+        d.core.start(mono_us())
+        s = ReplicationServicer(d)
+        more = asyncio.Event()
+
+        async def chunks():
+            yield pb.SnapshotChunk(epoch=9, primary="n2", data=b"x" * 4096)
+            await more.wait()  # never set: the rest of the copy is slow to come
+            yield pb.SnapshotChunk(epoch=9, primary="n2", data=b"", last=True)
+
+        t = asyncio.ensure_future(s.InstallSnapshot(chunks(), Ctx()))
+        incoming = lambda: [p for p in tmp_path.iterdir() if p.name.startswith(SNAPSHOT_INCOMING)]  # noqa: E731
+        for _ in range(400):
+            if d._inbound and incoming():
+                break
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.02)
+        assert not t.done() and incoming()                 # the control: it waits for the rest
+        d.end_inbound()
+        done, _ = await asyncio.wait({t}, timeout=1.0)
+        assert t in done and t.exception() is None
+        assert t.result().ok is False and not incoming() and not d._inbound
+        assert t.cancelling() == 0
+        ctx = Ctx()
+        with pytest.raises(Aborted):
+            await s.InstallSnapshot(chunks(), ctx)
+        assert ctx.code == grpc.StatusCode.UNAVAILABLE
+        return d.core.epoch
+
+    assert asyncio.run(main()) == 7                        # nothing of the copy was installed
+    e.store.close()
