@@ -102,6 +102,22 @@ def test_list_filters_by_state_and_status_counts(spool):
     assert st["counts"]["queued"] == 1 and st["counts"]["canceled"] == 1 and st["total"] == 2
 
 
+def test_a_list_cut_short_by_its_limit_says_so(spool):
+    """limits.md: `list` shows at most --limit jobs (10,000 by default), oldest
+    first; when the limit leaves jobs out, the JSON says so and stderr tells
+    the reader (plain output stays one job per line)."""
+    ids = [spool.submit_direct("true") for _ in range(3)]
+    cut = spool.run("list", "--json", "--limit", "2")
+    got = json.loads(cut.stdout)
+    assert [j["id"] for j in got["jobs"]] == ids[:2] and got["truncated"] is True
+    assert b"--limit" in cut.stderr
+    plain = spool.run("list", "--limit", "2")
+    assert len(plain.stdout.decode().splitlines()) == 2 and b"left out" in plain.stderr
+    whole = spool.run("list", "--json", "--limit", "3")      # the control: nothing left out
+    assert json.loads(whole.stdout)["truncated"] is False and whole.stderr == b""
+    assert len(json.loads(whole.stdout)["jobs"]) == 3
+
+
 def test_plain_list_shows_attempts_crash_count_and_failure_reason(spool):
     """API.md: status and list show the state, attempts, crash count and failure_reason."""
     ok = spool.submit("true")

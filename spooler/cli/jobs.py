@@ -179,15 +179,20 @@ def cmd_list(args) -> int:
         raise InvalidArgument(f"--limit must be in [1, {knobs.LIST_LIMIT_MAX}]")
     store = _store(args)
     try:
-        jobs = store.list(args.state, args.limit)
+        jobs = store.list(args.state, args.limit + 1)  # one more: whether the limit left any out
     finally:
         store.close()
+    truncated = len(jobs) > args.limit
+    del jobs[args.limit:]
+    if truncated:  # never silent: stdout keeps its shape, the note goes to stderr
+        print(f"spoolctl: listed the first {args.limit} jobs (oldest first) and left out the rest; "
+              f"pass --limit to see more", file=sys.stderr)
     # API.md: state, attempts, crash count, failure_reason (the reason only when there is one)
     text = "\n".join(f"{j['id']}  {j['state']:<9} p={j['priority']:<4} attempts={len(j['attempts'])}"
                      f" crashes={j['crash_count']}"
                      + (f" failure={j['failure_reason']}" if j["failure_reason"] else "")
                      + f"  {shown_command(j['command'])}" for j in jobs)
-    emit(args, {"jobs": jobs}, text)
+    emit(args, {"jobs": jobs, "truncated": truncated}, text)
     return 0
 
 
