@@ -527,9 +527,9 @@ class Driver:
         e = self.engine
         if self.closing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self.id!r} is stopping")
+        fd, path = tempfile.mkstemp(prefix=SNAPSHOT_INCOMING, suffix=".db", dir=e.data_dir)
         me = asyncio.current_task()
         self._inbound[me] = True
-        fd, path = tempfile.mkstemp(prefix=SNAPSHOT_INCOMING, suffix=".db", dir=e.data_dir)
         epoch, primary, complete, handed = 0, "", False, False
         try:
             with os.fdopen(fd, "wb") as f:
