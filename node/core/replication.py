@@ -853,6 +853,20 @@ class Replication:
         self._check_won(now, out)
         return out
 
+    def campaign_unsaved(self, epoch: int, primary: str, now: int) -> None:
+        """A campaign's Persist failed (TimeoutNow made this node campaign, and its
+        new epoch and self-vote never reached the disk), and the shell has loaded
+        the persisted epoch and vote back: be again the replica it was, following
+        ``primary`` if the epoch loaded is that primary's ``epoch``. No effects:
+        the candidacy's Role came after its Persist, so nothing outside heard of it."""
+        if self.role != CANDIDATE:
+            return
+        self.role = REPLICA
+        self.votes = {}
+        self.transfer_campaign = False
+        self.primary = primary if self.epoch == epoch else None
+        self._reset_election_timer(now)
+
     def _heard_recently(self, now: int) -> bool:
         return (self.role == PRIMARY) or (
             self.primary is not None and not self.primary_gone and self._since_contact(now) < self.timeout)

@@ -835,6 +835,7 @@ class Driver:
                 # (the primary sees the call fail, not a refusal: Replication.timeout_now_failed)
                 log.exception("TimeoutNow from %s failed; reloading the persistent state", req.primary)
                 await self._resync()
+                self.core.campaign_unsaved(req.epoch, req.primary, mono_us())
                 raise
             return False
 
@@ -858,6 +859,14 @@ async def shielded(coro):
     return value if done else await asyncio.shield(value)
 
 
+def _retrieved(t: asyncio.Task) -> None:
+    """A shielded task's outcome is read here too: once its caller was cancelled
+    nobody else reads it, and asyncio would log an exception it raised later as
+    never retrieved (what failed is logged where it failed)."""
+    if not t.cancelled():
+        t.exception()
+
+
 def start_shielded(coro) -> tuple:
     """Run ``coro`` up to its first wait (see shielded): (True, its result) if it
     finished there, else (False, the task that runs the rest, which the caller's
@@ -866,7 +875,9 @@ def start_shielded(coro) -> tuple:
         first = coro.send(None)
     except StopIteration as done:
         return True, done.value
-    return False, asyncio.ensure_future(_resume(coro, first))
+    t = asyncio.ensure_future(_resume(coro, first))
+    t.add_done_callback(_retrieved)
+    return False, t
 
 
 @types.coroutine
