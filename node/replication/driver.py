@@ -783,8 +783,9 @@ class Driver:
             log.warning("%s runs with --failover-timeout %.3f s, this node with %.3f s: keep them equal outside a "
                         "rolling change of the setting (docs/operations.md)", req.candidate,
                         2 * req.lease_us / 1e6, self.core.timeout / 1e6)
-        # shielded: a cancellation (the candidate's deadline) waits for the vote's
-        # Persist to land, so the core's memory is never left ahead of its disk
+        # shielded: a cancellation (the candidate's deadline) does not cut the vote's
+        # Persist short: the step runs to its end in a task of its own (its answer
+        # unread), so the core is never left marked ahead of its disk
         r = await shielded(self._vote(req))
         if r is None:  # ignored (leader stickiness), or failed: answer as a refusal
             return pb.VoteResponse(epoch=self.core.epoch, sender=self.id, granted=False, pre=req.pre,
