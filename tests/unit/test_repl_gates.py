@@ -42,6 +42,15 @@ def _voted(tmp_path, **kw) -> Engine:
     return e
 
 
+def _loaded(e: Engine):
+    """``e``'s replication driver with the store's epoch, vote and log loaded and
+    its core started: what serving a peer's call needs."""
+    d = e.repl
+    d.load()
+    d.core.start(mono_us())
+    return d
+
+
 async def _frames():
     yield pb.AppendFrame(epoch=9, primary="n2")
 
@@ -363,10 +372,8 @@ def test_a_vote_or_takeover_cancelled_at_its_deadline_still_lands_its_persist(tm
     landed = []
 
     async def main():
-        d = e.repl
-        d.load()
+        d = _loaded(e)
         c = d.core
-        c.start(mono_us())
         d._ask_vote = lambda peer, m: asyncio.sleep(0)   # (no peers to ask here)
         release = asyncio.Event()
         real_io = e.store_io
@@ -417,10 +424,8 @@ def test_a_takeover_whose_persist_fails_reloads_what_the_disk_holds(tmp_path):
     e = _voted(tmp_path)
 
     async def main():
-        d = e.repl
-        d.load()
+        d = _loaded(e)
         c = d.core
-        c.start(mono_us())
         d._ask_vote = lambda peer, m: asyncio.sleep(0)
         real_io = e.store_io
 
@@ -447,9 +452,7 @@ def test_a_stopping_node_ends_a_snapshot_still_arriving(tmp_path):
     e = _voted(tmp_path)
 
     async def main():
-        d = e.repl
-        d.load()
-        d.core.start(mono_us())
+        d = _loaded(e)
         s = ReplicationServicer(d)
         more = asyncio.Event()
 
@@ -490,9 +493,7 @@ def test_a_stopping_node_lets_an_install_under_way_finish(tmp_path):
     e = _voted(tmp_path)
 
     async def main():
-        d = e.repl
-        d.load()
-        d.core.start(mono_us())
+        d = _loaded(e)
         s = ReplicationServicer(d)
         started, go = threading.Event(), threading.Event()
 
