@@ -153,6 +153,26 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         elif typ == "role":
             roles.append(ev)
 
+    # Lease ends are the primary's wall-clock time; the history's ``t`` is the clients'
+    # monotonic clock, and an expiry was converted to it when its answer arrived. When
+    # the wall clock moves against ``t`` later (a virtual machine paused: the monotonic
+    # clock stood still while real time passed, and the wall clock catches up), the
+    # primary ends the lease that much earlier in ``t``. Events stamped with ``w``
+    # (their wall time) say by how much: ``seen`` moves an expiry into the ``t`` of the
+    # moment it is compared at. Without ``w`` nothing moves.
+    off_t = [ev["t"] for ev in timed if "w" in ev]
+    off_v = [ev["w"] - ev["t"] for ev in timed if "w" in ev]
+
+    def off_at(t: float) -> float:
+        if not off_t:
+            return 0.0
+        return off_v[max(0, bisect.bisect_right(off_t, t) - 1)]
+
+    def seen(expiry: float, src_t: float, at_t: float) -> float:
+        """``expiry``, converted to ``t`` when the event at ``src_t`` was recorded, as
+        the wall clock places it in ``t`` at ``at_t``."""
+        return expiry + off_at(src_t) - off_at(at_t)
+
     # -- pass 2: index by function ----------------------------------------------------------
     sends: list[_Op] = []
     deliveries: list[_Delivery] = []
@@ -317,7 +337,7 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
 
     def may_end_before(x: _Delivery, t: float) -> bool:
         """x's lease may have ended by a nack or its expiry (renewals counted) before t."""
-        expiry = x.expires_at
+        expiry = None if x.expires_at is None else seen(x.expires_at, x.ok_t, t)
         for op in settles.get(x.token, ()):
             if op.inv_t >= t:
                 continue
@@ -325,8 +345,10 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
                 return True
             if op.f == "renew" and op.outcome == "ok":
                 new = op.res.get("expires_at")
-                if new is not None and (expiry is None or new > expiry):
-                    expiry = new
+                if new is not None:
+                    new = seen(new, op.done_t, t)
+                    if expiry is None or new > expiry:
+                        expiry = new
         return expiry is not None and expiry < t
 
     def concurrent_ended(chain: list, skip: tuple, lo: float, hi: float, rmin: Any, rmax: Any) -> int:
@@ -344,8 +366,8 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
 
     def lease_end(x: _Delivery, t: float) -> tuple:
         """(a nack of x's lease may have taken effect before t, x's expiry with the
-        renewals invoked before t)."""
-        nack_possible, expiry = False, x.expires_at
+        renewals invoked before t, as seen at t)."""
+        nack_possible, expiry = False, None if x.expires_at is None else seen(x.expires_at, x.ok_t, t)
         for op in settles.get(x.token, ()):
             if op.inv_t >= t:
                 continue
@@ -353,8 +375,10 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
                 nack_possible = True
             elif op.f == "renew" and op.outcome == "ok":
                 new = op.res.get("expires_at")
-                if new is not None and (expiry is None or new > expiry):
-                    expiry = new
+                if new is not None:
+                    new = seen(new, op.done_t, t)
+                    if expiry is None or new > expiry:
+                        expiry = new
         return nack_possible, expiry
 
     def granted_after(e: _Delivery, d: _Delivery) -> bool:
@@ -386,7 +410,7 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
             ids_delivered_more_than_once += 1
         for prev, d in zip(chain, chain[1:]):
             nack_possible = ack_ok = ack_unknown = False
-            expiry = prev.expires_at
+            expiry = None if prev.expires_at is None else seen(prev.expires_at, prev.ok_t, d.ok_t)
             for op in settles.get(prev.token, ()):
                 oc = op.outcome
                 if op.f == "nack":
@@ -399,8 +423,10 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
                         ack_unknown = True
                 elif op.f == "renew" and oc == "ok" and op.inv_t < d.ok_t:
                     new = op.res.get("expires_at")
-                    if new is not None and (expiry is None or new > expiry):
-                        expiry = new
+                    if new is not None:
+                        new = seen(new, op.done_t, d.ok_t)
+                        if expiry is None or new > expiry:
+                            expiry = new
             expired = expiry is not None and expiry < d.ok_t  # may have expired before the grant
             higher_epoch = (d.epoch is not None and prev.epoch is not None and d.epoch > prev.epoch)
 
@@ -442,7 +468,7 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
                     continue
                 nack_possible, expiry = lease_end(e, d.ok_t)
                 if (expiry is not None and d.ok_t < expiry - slack_s and not nack_possible
-                        and (d.expires_at is None or e.ok_t < d.expires_at - slack_s)):
+                        and (d.expires_at is None or e.ok_t < seen(d.expires_at, d.ok_t, e.ok_t) - slack_s)):
                     overlapping += 1
                     _keep(overlap_details, {**d.brief(), "previous": e.brief(), "overlap_s": expiry - d.ok_t})
                     break

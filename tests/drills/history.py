@@ -116,9 +116,13 @@ class History:
     list is in ``t`` order and an invoke always precedes its completion."""
 
     def __init__(self, events: Iterable[dict] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] | None = None):
+        """``wall``: stamped as ``w`` beside each ``t`` (time.time with the default clock):
+        the checker sees from it where the wall clock moved against ``t`` (a paused
+        virtual machine, a clock step), since lease ends are the primary's wall time."""
         self._lock = threading.Lock()
         self._clock = clock
+        self._wall = wall if wall is not None or clock is not time.monotonic else time.time
         self._events: list[dict] = list(events) if events is not None else []
         start = max((e["op"] for e in self._events if isinstance(e.get("op"), int)), default=0)
         self._ops = itertools.count(start + 1)
@@ -130,6 +134,8 @@ class History:
         with self._lock:
             if "t" not in ev and ev.get("type") != "final":
                 ev["t"] = self._clock()
+                if self._wall is not None:
+                    ev["w"] = self._wall()
             self._events.append(ev)
         return ev
 
@@ -139,6 +145,8 @@ class History:
         with self._lock:
             op = next(self._ops)
             ev = {"t": self._clock(), "process": process, "type": "invoke", "f": f, "op": op}
+            if self._wall is not None:
+                ev["w"] = self._wall()
             ev.update(fields)
             self._events.append(ev)
         return Op(self, process, f, op, ev)

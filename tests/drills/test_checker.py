@@ -647,3 +647,35 @@ def test_elections_the_nodes_logged_count_for_double_primaries(tmp_path):
     s.final()
     r = s.check()
     assert r["double_primaries"] == 1 and r["double_primaries_details"][0]["epoch"] == 3
+
+
+@pytest.mark.parametrize("jump_s", [0.0, 7.0])
+def test_a_wall_clock_that_jumps_ahead_of_the_history_ends_leases_that_much_earlier(jump_s):
+    """A virtual machine paused for 7 s (seen here in a CI run): the monotonic clock
+    of ``t`` stood still, the wall clock caught up on resume, and the primary, whose
+    lease ends are its wall time (guarantees S4), ended a 2 s lease granted just
+    before: the message was delivered again at once, its retry count raised. Judged
+    in ``t`` alone that is an overlap and an increment no consumer caused; the wall
+    time stamped beside ``t`` (``w``) shows the jump. The control, no jump: the same
+    deliveries overlap."""
+    s = Sim()
+    skew = [0.0]
+    s.h = History(clock=lambda: s.now, wall=lambda: 1_000.0 + s.now + skew[0])
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.1, 1.11, "m1", "b1", "t1", lease_s=2.0)      # ends at 3.11 in t, as converted then
+    skew[0] = jump_s
+    s.recv(1.2, 1.25, "m1", "b1", "t1b", retry=1)         # delivered again, one more retry
+    s.settle("ack", 1.3, 1.31, "m1", "t1b")
+    r = s.check()
+    if jump_s:
+        assert_only(r)
+        assert r["duplicate_deliveries"]["lease_expired"] == 1
+    else:
+        assert_only(r, overlapping_leases=1, failover_retry_increments=1)
+
+
+def test_a_history_on_the_monotonic_clock_stamps_the_wall_time_beside_it():
+    before = time.time()
+    ev = History().append({"type": "nemesis", "f": "kill"})
+    assert before <= ev["w"] <= time.time() and isinstance(ev["t"], float)
+    assert "w" not in History(clock=lambda: 5.0).append({"type": "nemesis", "f": "kill"})
