@@ -140,6 +140,19 @@ def _call_logged(fn: Callable, *args) -> None:
         log.exception("a reply callback failed")
 
 
+def _read_outcome(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+def nobody_waits(fut: asyncio.Future) -> asyncio.Future:
+    """A proposal of the node's own that nothing awaits (its epoch's first record, a
+    lease expiry): if it fails (this node stepped down first), that is expected, and
+    asyncio must not log it as an exception never retrieved."""
+    fut.add_done_callback(_read_outcome)
+    return fut
+
+
 SNAPSHOT_STEP_PAGES = 2048   # pages of the store copied per writer-thread job when a snapshot is made
 
 
@@ -578,7 +591,8 @@ class Engine:
             # log is caught up and every older lease is gone
             self.write_epoch = epoch
             self._epoch_begin_lsn = self.appended_lsn + 1
-            self.propose(log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id=self.node_id)), internal=True)
+            nobody_waits(self.propose(log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id=self.node_id)),
+                                      internal=True))
             log.info("node %s elected primary in epoch %d", self.node_id, epoch)
         elif role != "primary" and was == "primary":
             self.ready = False
@@ -696,7 +710,7 @@ class Engine:
                 for queue, mid in due:
                     rec.settle.entries.add(kind=log_pb2.EXPIRE, queue=queue, id=mid)
                 try:
-                    self.propose(rec, internal=True)
+                    nobody_waits(self.propose(rec, internal=True))
                 except errors.SpoolerError:
                     self.core.abort_expiries(due)  # not serving now; try again on a later tick
             # delayed messages whose time came: wake long polls on their queue
