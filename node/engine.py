@@ -146,9 +146,10 @@ def _read_outcome(fut: asyncio.Future) -> None:
 
 
 def nobody_waits(fut: asyncio.Future) -> asyncio.Future:
-    """A proposal of the node's own that nothing awaits (its epoch's first record, a
-    lease expiry): if it fails (this node stepped down first), that is expected, and
-    asyncio must not log it as an exception never retrieved."""
+    """A future nothing awaits (a proposal of the node's own: its epoch's first
+    record, a lease expiry; a shielded step whose caller gave up): if it fails, that
+    is expected or logged where it happened, and asyncio must not log it again as
+    an exception never retrieved."""
     fut.add_done_callback(_read_outcome)
     return fut
 

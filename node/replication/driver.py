@@ -21,7 +21,7 @@ import apsw
 import grpc
 
 from node.core import replication as R
-from node.engine import mono_us
+from node.engine import mono_us, nobody_waits
 from spooler.pb import replication_pb2 as pb
 from spooler.pb import replication_pb2_grpc as pb_grpc
 
@@ -860,14 +860,6 @@ async def shielded(coro):
     return value if done else await asyncio.shield(value)
 
 
-def _retrieved(t: asyncio.Task) -> None:
-    """A shielded task's outcome is read here too: once its caller was cancelled
-    nobody else reads it, and asyncio would log an exception it raised later as
-    never retrieved (what failed is logged where it failed)."""
-    if not t.cancelled():
-        t.exception()
-
-
 def start_shielded(coro) -> tuple:
     """Run ``coro`` up to its first wait (see shielded): (True, its result) if it
     finished there, else (False, the task that runs the rest, which the caller's
@@ -876,9 +868,9 @@ def start_shielded(coro) -> tuple:
         first = coro.send(None)
     except StopIteration as done:
         return True, done.value
-    t = asyncio.ensure_future(_resume(coro, first))
-    t.add_done_callback(_retrieved)
-    return False, t
+    # its outcome is read here too: once the caller was cancelled nobody else reads
+    # it (what failed is logged where it failed)
+    return False, nobody_waits(asyncio.ensure_future(_resume(coro, first)))
 
 
 @types.coroutine
