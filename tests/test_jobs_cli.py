@@ -118,6 +118,56 @@ def test_a_list_cut_short_by_its_limit_says_so(spool):
     assert len(json.loads(whole.stdout)["jobs"]) == 3
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_submit_whose_output_cannot_be_written_says_so_and_its_job_stands(spool, as_json):
+    """jobs.md: when stdout cannot be written, the error is output_failed, on
+    stderr only (no JSON written back to the stdout that failed, no traceback),
+    and what the command did stands: the submit's job is queued, so the message
+    must not call the spool unusable (a script would submit it again)."""
+    spool.submit_direct("true")  # the spool exists (the control below reads it)
+    with open("/dev/full", "wb") as full:
+        cmd = [*spoolctl_argv(), "--spool", spool.path, "submit", *(["--json"] if as_json else []), "--", "true"]
+        r = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, cwd=spool.cwd, env=spool.env, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert b"output_failed" in r.stderr and b"spool_unusable" not in r.stderr, r.stderr
+    assert b"Traceback" not in r.stderr, r.stderr
+    assert spool.json("status")["counts"]["queued"] == 2  # its job was queued all the same
+    ok = spool.run("list", "--json")  # the control: the same spool, a stdout that works
+    assert len(json.loads(ok.stdout)["jobs"]) == 2 and ok.stderr == b""
+
+
+def test_a_submit_from_a_removed_directory_is_invalid_argument_not_a_broken_spool(spool, tmp_path):
+    """jobs.md: a job runs in the directory it is submitted from; when that
+    directory was removed, the submit is invalid_argument naming it, not
+    spool_unusable, and nothing is queued."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    p = subprocess.Popen([*spoolctl_argv(), "--spool", spool.path, "submit", "--json", "--", "true"],
+                         cwd=gone, env=spool.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: os.rmdir(gone))
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 1, err
+    e = json.loads(out)["error"]
+    assert e["kind"] == "invalid_argument" and "working directory" in e["message"], e
+    assert not os.path.exists(os.path.join(spool.path, "spool.db")) or spool.json("status")["counts"]["queued"] == 0
+
+
+def test_an_empty_command_or_job_id_is_refused_not_queued_or_counted(spool):
+    """jobs.md: a submit whose program name is empty is a usage error (exit 2),
+    never queued to fail every attempt; an empty job id is not_found, not the
+    spool's counts (a script's `status "$JOB"` with JOB unset)."""
+    spool.submit_direct("true")  # the spool exists
+    r = spool.run("submit", "--json", "--", "", "x", check=False)
+    assert r.returncode == 2 and json.loads(r.stdout)["error"]["kind"] == "invalid_argument", r
+    assert spool.json("status")["counts"]["queued"] == 1
+    for command in ("status", "cancel", "output", "retry"):
+        e = spool.run(command, "--json", "", check=False)
+        assert e.returncode == 1 and json.loads(e.stdout)["error"]["kind"] == "not_found", (command, e)
+    spool.submit("true", "")  # the control: an empty argument after the program is the command's own
+    assert spool.json("status")["counts"]["queued"] == 2
+
+
 def test_plain_list_shows_attempts_crash_count_and_failure_reason(spool):
     """API.md: status and list show the state, attempts, crash count and failure_reason."""
     ok = spool.submit("true")
@@ -295,7 +345,7 @@ def test_drain_progress_line_only_on_a_tty(spool):
             if not chunk:
                 break
             buf += chunk
-        assert b"2 done, 0 failed, 0 left" in buf
+        assert b"2 succeeded, 0 failed, 0 left" in buf
     finally:
         if slave is not None:
             os.close(slave)

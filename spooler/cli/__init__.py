@@ -40,8 +40,59 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         if _Parser.json_errors:
-            print(json.dumps({"error": {"kind": "invalid_argument", "message": message}}), file=sys.stdout)
+            try:
+                print(json.dumps({"error": {"kind": "invalid_argument", "message": message}}), file=sys.stdout)
+                sys.stdout.flush()
+            except (OutputFailed, OSError):
+                _stdout_gone()  # stderr still says it, below
         super().error(message)
+
+
+class OutputFailed(Exception):
+    """Standard output could not be written (a full disk, a closed terminal, ...).
+    Not the spool's fault, and not a reason to think the command did nothing: a
+    submit has queued its job by the time its id is printed."""
+
+    kind = "output_failed"
+
+
+class _GuardedOut:
+    """sys.stdout (or its .buffer) while a command runs: a failed write or flush is
+    an OutputFailed, told apart from the spool's own OSErrors (environment_error).
+    A reader that went away (BrokenPipeError) stays what it is."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def _guard(self, fn, *a):
+        try:
+            return fn(*a)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise OutputFailed(f"{type(e).__name__}: {e}") from e
+
+    def write(self, data):
+        return self._guard(self._f.write, data)
+
+    def flush(self):
+        return self._guard(self._f.flush)
+
+    @property
+    def buffer(self):
+        return _GuardedOut(self._f.buffer)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def _stdout_gone() -> None:
+    """Nothing more can go to stdout: point its descriptor at /dev/null, so that
+    the interpreter's flush at exit has nothing left to fail on."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 _INT = re.compile(r"[+-]?[0-9]+", re.ASCII)
@@ -122,6 +173,10 @@ def main(argv=None) -> int:
         args.json = True
     if args.command == "submit" and list(args.cmd or [])[:2] in ([], ["--"]):  # (a usage error: exit 2)
         parser.error("submit needs a command: spoolctl submit [options] -- CMD [ARG...]")
+    if args.command == "submit" and [a for a in args.cmd if a != "--"][:1] == [""]:
+        # an empty program name can never be started: refused here rather than
+        # queued to fail every attempt as spawn_failed
+        parser.error("submit's command is empty: its first word names the program to run")
     if args.command == "submit" and not args.queue and args.idem_key is None and "submit" in ours \
             and any(a == "--key" or a.startswith("--key=") for a in ours[:ours.index("submit")]):
         # the global --key is the server's API key (API.md: global options come
@@ -130,12 +185,39 @@ def main(argv=None) -> int:
         print("spoolctl: warning: --key before the command is the server's API key (used with --queue), not an "
               "idempotency key; an idempotency key goes after it: spoolctl submit --key K -- CMD", file=sys.stderr)
     as_json = getattr(args, "json", False)
+    real_stdout, sys.stdout = sys.stdout, _GuardedOut(sys.stdout)
+    try:
+        return _run(args, as_json)
+    finally:
+        sys.stdout = real_stdout
+
+
+def _json_error(err: dict) -> None:
+    """An error's JSON on stdout, under --json; if stdout cannot take it either,
+    stderr (written next) is where it is said."""
+    try:
+        print(json.dumps({"error": err}), file=sys.stdout)
+        sys.stdout.flush()
+    except (OutputFailed, OSError):
+        _stdout_gone()
+
+
+def _run(args, as_json: bool) -> int:
     try:
         rc = args.func(args)
         sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+    except OutputFailed as e:
+        # stdout is what failed: the error goes to stderr alone. What the command
+        # did stands (a submit's job is queued), so it must not read as a failed spool.
+        _stdout_gone()
+        done = (" (its job is queued: see `spoolctl list` before submitting it again)"
+                if args.command == "submit" else "")
+        print(f"spoolctl: {OutputFailed.kind}: could not write to standard output ({e}); what the command "
+              f"did stands{done}", file=sys.stderr)
+        return 1
     except SpoolerError as e:
         if as_json:
-            print(json.dumps({"error": e.to_dict()}), file=sys.stdout)
+            _json_error(e.to_dict())
         reason = f" ({e.reason})" if e.reason and not e.message.endswith(e.reason) else ""
         print(f"spoolctl: {e.kind}: {e.message}{reason}", file=sys.stderr)
         return 1
@@ -144,10 +226,7 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         # the reader went away (`spoolctl ... | head`): nothing more to say to it, and
         # nothing left in the buffer for the interpreter to fail on at exit
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError, AttributeError):
-            pass
+        _stdout_gone()
         return 1
     except Exception as e:  # noqa: BLE001 - the machine's, or a bug of ours: one error, in the promised shape
         known = environment_error(e)
@@ -155,7 +234,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
             known = SpoolerError(f"{type(e).__name__}: {e}")  # kind internal
         if as_json:
-            print(json.dumps({"error": known.to_dict()}), file=sys.stdout)
+            _json_error(known.to_dict())
         if known.kind != "internal":
             print(f"spoolctl: {known.kind}: {known.message}", file=sys.stderr)
         return 1

@@ -115,6 +115,15 @@ def _stderr_tty() -> bool:
 
 # --- commands ---------------------------------------------------------------
 
+def _cwd() -> str:
+    """The directory a job runs in: the one it is submitted from."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        raise InvalidArgument("the working directory no longer exists (it was removed): a job runs in the "
+                              "directory it is submitted from; cd to one that exists") from None
+
+
 def cmd_submit(args) -> int:
     command = _command_argv(args)
     if args.queue:
@@ -123,13 +132,13 @@ def cmd_submit(args) -> int:
 
         knobs.load()   # validate the knobs everywhere, for one consistent rule
         job = remote.submit(HttpClient(args.server, args.key), args.queue, command, args.priority,
-                            args.max_retries, args.max_crashes, args.timeout, args.idem_key, os.getcwd())
+                            args.max_retries, args.max_crashes, args.timeout, args.idem_key, _cwd())
         emit(args, job, job["id"])
         return 0
     store = _store(args, create=True)
     try:
         job_id, dup = store.submit(command, args.priority, args.max_retries, args.max_crashes, args.timeout,
-                                   args.idem_key, cwd=os.getcwd())
+                                   args.idem_key, cwd=_cwd())
         if args.json:
             emit(args, dict(store.get(job_id), duplicate=dup))
         else:
@@ -162,7 +171,7 @@ def cmd_worker(args) -> int:
 def cmd_status(args) -> int:
     store = _store(args)
     try:
-        if args.job:
+        if args.job is not None:  # (an empty id, from an unset variable, is no job: not the counts)
             job = store.get(args.job)
             emit(args, job, _job_text(job))
         else:

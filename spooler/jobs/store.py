@@ -426,7 +426,7 @@ class Store:
             now = time.time() if now is None else now
             row = self._one("SELECT state, attempt_count, worker_host, backend FROM jobs WHERE id=?", (job_id,))
             if row is None:
-                raise NotFound(f"no job {job_id}")
+                raise NotFound(f"no job {job_id or repr(job_id)}")
             state, n, host, backend = row
             if backend != "local":
                 raise states.JobStateConflict(
@@ -457,7 +457,7 @@ class Store:
             now = time.time() if now is None else now
             row = self._one("SELECT state, backend FROM jobs WHERE id=?", (job_id,))
             if row is None:
-                raise NotFound(f"no job {job_id}")
+                raise NotFound(f"no job {job_id or repr(job_id)}")
             state, backend = row
             if backend != "local":
                 raise states.JobStateConflict(
@@ -559,7 +559,7 @@ class Store:
     def get(self, job_id: str) -> dict:
         row = self._one(f"SELECT {self._JOB_COLS} FROM jobs WHERE id=?", (job_id,))
         if row is None:
-            raise NotFound(f"no job {job_id}")
+            raise NotFound(f"no job {job_id or repr(job_id)}")
         atts = [self._att_dict(r) for r in self.conn.execute(
             f"SELECT {self._ATT_COLS} FROM attempts WHERE job_id=? ORDER BY n", (job_id,))]
         return self._job_dict(row, atts)

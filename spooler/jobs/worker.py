@@ -35,7 +35,7 @@ def percentile(samples: list, q: float) -> Optional[float]:
 
 
 class Progress:
-    """One self-overwriting line on a terminal: jobs done / failed / left."""
+    """One self-overwriting line on a terminal: attempts succeeded / failed, jobs left."""
 
     def __init__(self, stream: Optional[TextIO]):
         self.stream = stream
@@ -44,7 +44,7 @@ class Progress:
     def show(self, done: int, failed: int, left: int) -> None:
         if self.stream is None:
             return
-        line = f"spoolctl worker: {done} done, {failed} failed, {left} left"
+        line = f"spoolctl worker: {done} succeeded, {failed} failed, {left} left"
         if line != self.last:
             self.stream.write("\r\033[K" + line)
             self.stream.flush()
