@@ -427,6 +427,51 @@ def test_a_replacement_joins_only_once_it_holds_every_write_committed_in_the_cur
     sim.final_checks()
 
 
+def test_a_replacement_does_not_join_on_a_commit_point_of_an_older_epoch():
+    """R1a. A primary newly elected in epoch 2 may still state a commit point
+    (primary_commit) at a record of epoch 1: it holds every committed record, but
+    the old primary may have committed records past that point that this
+    primary has not yet counted as committed. A replacement whose log matches up
+    to that point must not count itself joined there (it would vote next, for a
+    candidate that may lack those records); it joins once the commit point is a
+    record of the primary's own epoch, which every earlier committed record
+    precedes (the control)."""
+    T = 1_000_000
+
+    def joined(epochs, primary_commit):
+        c = R.Replication("n3", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
+        c.joining = True
+        c.start(0)
+        c.join_started = -(1 << 40)  # past its quiet first stretch
+        entries = [(i + 1, ep, 1000 + i) for i, ep in enumerate(epochs)]
+        req = R.AppendReq(2, "n1", 0, 0, 0, entries, primary_commit, 10, primary_commit, T // 2)
+        out = c.receive(req, 10) + c.stored(req, 20)  # stored: the shell's fsync of the records is done
+        return any(isinstance(e, R.Joined) for e in out), c.joining, c.epoch
+
+    assert joined([1, 1, 1, 1, 1, 2], 5) == (False, True, 2)  # matched up to lsn 5, of epoch 1: not yet
+    assert joined([1, 1, 1, 1, 1, 2], 6) == (True, False, 2)  # lsn 6 is of epoch 2: joined
+
+
+def test_a_vote_is_persisted_before_its_answer_is_sent():
+    """R2. The core hands its shell a granted vote's Persist before the Send of the
+    answer: the shell runs effects in order, so the vote is on disk before any
+    candidate can count it, and a voter that crashes between the two has voted
+    for no one as far as anyone knows. Also when the request's newer epoch makes
+    the voter step down first (its own Persist of the epoch)."""
+    T = 1_000_000
+    for epoch, voter_epoch in ((4, 4), (5, 4)):
+        c = R.Replication("n2", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
+        c.epoch = voter_epoch
+        c.start(0)
+        now = 10 * T  # long past any contact: the vote is not ignored
+        out = c.receive(R.VoteReq(epoch, "n1", 0, 0), now)
+        answers = [i for i, e in enumerate(out) if isinstance(e, R.Send) and isinstance(e.msg, R.VoteResp)]
+        persists = [i for i, e in enumerate(out) if isinstance(e, R.Persist)]
+        assert len(answers) == 1 and out[answers[0]].msg.granted, out
+        assert persists and max(persists) < answers[0], out
+        assert out[max(persists)].voted_for == "n1", out
+
+
 def test_a_replacement_acknowledges_nothing_for_its_first_failover_timeout():
     """R1a. The lost disk may have stopped acknowledging a primary for a newer one;
     a replacement started at once must not give that old primary a majority again

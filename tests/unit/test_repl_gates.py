@@ -197,6 +197,78 @@ def test_no_contact_acknowledgement_while_a_failed_persist_is_undone():
     assert [a for a in acks if a.contact] == [], "a contact acknowledgement promised a lease never saved"
 
 
+def test_no_contact_acknowledgement_while_a_persist_is_on_its_way_to_disk():
+    """R7 and R2. A frame raises the replica's lease_seen (its primary now states
+    a longer lease), and persisting that is slow but succeeds. A frame read while
+    that write is on its way must get no contact acknowledgement
+    (Driver._persisting): until the write lands, a restart from the disk would
+    not wait out the lease the acknowledgement promises. Once it has landed, the
+    same frame is acknowledged (the control)."""
+    from node.replication.driver import Driver
+    T = 1_000_000
+    disk = {"lease_seen": T // 2}
+
+    class Eng:
+        pending_releases: dict = {}
+        release_hook = None
+        metrics = None
+        writing = asyncio.Event()
+
+        def apply_upto(self, lsn):
+            pass
+
+        async def store_io(self, fn, *a, inline=False):
+            if getattr(fn, "__name__", "") == "_persist":
+                self.writing.set()
+                await asyncio.sleep(0.2)  # a slow disk: the write lands, late
+                disk["lease_seen"] = d.core.lease_seen
+                return None
+            return fn(*a)
+
+    async def main():
+        nonlocal d
+        eng = Eng()
+        d = Driver(eng, "n2", {"n1": "a", "n2": "b", "n3": "c"}, T / 1e6)
+        c = d.core
+        c.epoch, c.lease_seen = 1, disk["lease_seen"]
+        now = mono_us()
+        c.start(now)
+        c.receive(R.AppendReq(1, "n1", 0, 0, 0, [], 0, now, 0, T // 2), now)
+        seen = []
+
+        async def frames():
+            yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=T, contact_acks=True)
+            await asyncio.wait_for(eng.writing.wait(), 10)  # arrives while the first one's write is on its way
+            seen.append((c.lease_seen, disk["lease_seen"]))
+            yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=T, contact_acks=True)
+
+        during = [a async for a in d.serve_stream(frames(), None)]
+
+        async def later():  # the control: the write has landed; a frame waiting behind a busy one
+            busy = asyncio.Event()
+
+            async def frames2():
+                yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=T, contact_acks=True)
+                await asyncio.wait_for(busy.wait(), 10)
+                yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=T, contact_acks=True)
+            real = d._handle_frame
+
+            async def slow_handle(f):
+                busy.set()
+                await asyncio.sleep(0.2)
+                return await real(f)
+            d._handle_frame = slow_handle
+            return [a async for a in d.serve_stream(frames2(), None)]
+
+        return during, seen, await later()
+
+    d = None
+    during, seen, after = asyncio.run(main())
+    assert seen == [(T, T // 2)], seen  # the scenario: memory ahead of the disk, the write on its way
+    assert [a for a in during if a.contact] == [], "a contact acknowledgement promised a lease not yet saved"
+    assert [a for a in after if a.contact], "the control: with nothing on its way to disk, contact is acknowledged"
+
+
 def test_a_switchover_under_way_stamps_no_more_records(tmp_path):
     """A record that waits for the group commit once a switchover's TimeoutNow is
     out is not stamped: the target was told to take over when it held every stamped
