@@ -142,24 +142,40 @@ def test_a_primary_past_its_failover_timeout_counts_no_install():
     assert [x.lsn for x in live.snapshot_sent("n2", 3, now) if isinstance(x, R.Commit)] == [3]
 
 
+class _BareEngine:
+    """The little of an Engine that a replication Driver touches while it serves
+    frames; a test's subclass supplies store_io (its disk)."""
+    pending_releases: dict = {}
+    release_hook = None
+    metrics = None
+
+    def apply_upto(self, lsn):
+        pass
+
+
+def _following_n1(eng, T: int, lease_seen: int):
+    """n2's Driver over ``eng``, a replica of n1 in epoch 1 (heard at half a
+    timeout's lease), its disk's lease_seen ``lease_seen``."""
+    from node.replication.driver import Driver
+    d = Driver(eng, "n2", {"n1": "a", "n2": "b", "n3": "c"}, T / 1e6)
+    c = d.core
+    c.epoch, c.lease_seen = 1, lease_seen
+    now = mono_us()
+    c.start(now)
+    c.receive(R.AppendReq(1, "n1", 0, 0, 0, [], 0, now, 0, T // 2), now)
+    return d
+
+
 def test_no_contact_acknowledgement_while_a_failed_persist_is_undone():
     """R7 and R2. A frame raises the replica's lease_seen (its primary now states a
     longer lease), and persisting that fails: the core's memory is ahead of its disk
     until the store is loaded again (_resync). A frame read meanwhile must get no
     contact acknowledgement: it would promise a lease that a restart from that
     disk does not wait out."""
-    from node.replication.driver import Driver
     T = 1_000_000
     disk = {"lease_seen": T // 2}
 
-    class Eng:
-        pending_releases: dict = {}
-        release_hook = None
-        metrics = None
-
-        def apply_upto(self, lsn):
-            pass
-
+    class Eng(_BareEngine):
         async def store_io(self, fn, *a, inline=False):
             if getattr(fn, "__name__", "") == "_persist":
                 await asyncio.sleep(0.05)
@@ -167,12 +183,8 @@ def test_no_contact_acknowledgement_while_a_failed_persist_is_undone():
             return fn(*a)
 
     async def main():
-        d = Driver(Eng(), "n2", {"n1": "a", "n2": "b", "n3": "c"}, T / 1e6)
+        d = _following_n1(Eng(), T, disk["lease_seen"])
         c = d.core
-        c.epoch, c.lease_seen = 1, disk["lease_seen"]
-        now = mono_us()
-        c.start(now)
-        c.receive(R.AppendReq(1, "n1", 0, 0, 0, [], 0, now, 0, T // 2), now)
         memory = []
         resyncing = asyncio.Event()
 
@@ -204,18 +216,11 @@ def test_no_contact_acknowledgement_while_a_persist_is_on_its_way_to_disk():
     (Driver._persisting): until the write lands, a restart from the disk would
     not wait out the lease the acknowledgement promises. Once it has landed, the
     same frame is acknowledged (the control)."""
-    from node.replication.driver import Driver
     T = 1_000_000
     disk = {"lease_seen": T // 2}
 
-    class Eng:
-        pending_releases: dict = {}
-        release_hook = None
-        metrics = None
+    class Eng(_BareEngine):
         writing = asyncio.Event()
-
-        def apply_upto(self, lsn):
-            pass
 
         async def store_io(self, fn, *a, inline=False):
             if getattr(fn, "__name__", "") == "_persist":
@@ -228,12 +233,8 @@ def test_no_contact_acknowledgement_while_a_persist_is_on_its_way_to_disk():
     async def main():
         nonlocal d
         eng = Eng()
-        d = Driver(eng, "n2", {"n1": "a", "n2": "b", "n3": "c"}, T / 1e6)
+        d = _following_n1(eng, T, disk["lease_seen"])
         c = d.core
-        c.epoch, c.lease_seen = 1, disk["lease_seen"]
-        now = mono_us()
-        c.start(now)
-        c.receive(R.AppendReq(1, "n1", 0, 0, 0, [], 0, now, 0, T // 2), now)
         seen = []
 
         async def frames():
