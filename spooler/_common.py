@@ -117,6 +117,10 @@ def settings_pb(settings: dict) -> api_pb2.Settings:
         name = SETTINGS_PB.get(k) or SNAKE_SETTINGS.get(k)
         if name is None:
             raise errors.InvalidArgument(f"unknown setting {k!r}")
+        if name == "max_retries" and type(v) is float:  # as over HTTP: 2.0 is 2, 2.5 is no count
+            if not v.is_integer():
+                raise errors.InvalidArgument(f"maxRetries must be a whole number, not {v!r}")
+            v = int(v)
         out[name] = v
     return api_pb2.Settings(**out)
 
@@ -177,8 +181,12 @@ def queue_dict(q: api_pb2.Queue) -> dict:
 
 
 # What gRPC says when the channel could not connect, so the call never left this
-# process (the pick of a connection failed before anything was written).
-_NOT_SENT = ("failed to connect to all addresses", "dns resolution failed")
+# process (the pick of a connection failed before anything was written): no
+# address would take a connection, or the node's name did not resolve (worded
+# "DNS resolution failed" by older grpcio, "errors resolving NAME: ... Domain
+# name not found" by 1.85).
+_NOT_SENT = ("failed to connect to all addresses", "dns resolution failed", "errors resolving",
+             "domain name not found")
 
 
 def map_rpc_error(e: grpc.RpcError, write: bool = False) -> errors.SpoolerError:
@@ -384,11 +392,22 @@ def note_release_failure(client, e: Exception, log) -> None:
     log.info("could not release a receive whose answer was lost: %r", e)
 
 
+# API.md: a receive waits at most 20 s for a message
+WAIT_S_MAX = 20.0
+
+
 def receive_request(queue: str, wait_s: float, max_messages: int) -> api_pb2.ReceiveRequest:
-    """Named with a fresh receive id, so that a lost answer can be given back."""
-    if not isinstance(max_messages, int) or max_messages < 1:
+    """Named with a fresh receive id, so that a lost answer can be given back.
+    A wait that is not a number from 0 to 20 s is refused here: the call's
+    deadline is counted from it, and a NaN or a huge one would otherwise end the
+    call at once as a timeout (``unavailable``, which reads as try again)."""
+    if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
         # (0 would reach the node as "unset", which it reads as 1)
-        raise errors.InvalidArgument(f"max_messages must be at least 1, not {max_messages!r}")
+        raise errors.InvalidArgument(f"max_messages must be a whole number of at least 1, not {max_messages!r}")
+    if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)):
+        raise TypeError(f"wait_s must be a number, not {type(wait_s).__name__}")
+    if not 0 <= wait_s <= WAIT_S_MAX:  # (NaN is neither)
+        raise errors.InvalidArgument(f"wait_s must be from 0 to {WAIT_S_MAX:g} seconds, not {wait_s!r}")
     return api_pb2.ReceiveRequest(queue=queue, wait_seconds=wait_s, max_messages=max_messages,
                                   receive_id=os.urandom(12).hex())
 
@@ -484,6 +503,17 @@ def settle_action(a) -> int:
         raise errors.InvalidArgument(f"unknown settle action {a!r}: ack, nack or renew") from None
 
 
+def _token(t) -> None:
+    if not isinstance(t, str):
+        raise TypeError(f"a lease token must be a str, not {type(t).__name__}")
+
+
+def lease_request(token: str, delay_s: float = 0.0) -> api_pb2.LeaseRequest:
+    """An Ack/Nack/Renew request; a token that is not a str is a TypeError that says so."""
+    _token(token)
+    return api_pb2.LeaseRequest(token=token, delay_seconds=delay_s)
+
+
 def settle_request(items, action_of=settle_action) -> api_pb2.SettleBatchRequest:
     """[(token, action, delay_s)] -> one SettleBatchRequest. Each item is built where
     it lives in the request, and a zero delay is left unset: in CPython that costs
@@ -491,8 +521,11 @@ def settle_request(items, action_of=settle_action) -> api_pb2.SettleBatchRequest
     acks: 90 against 250 us here)."""
     req = api_pb2.SettleBatchRequest()
     add = req.items.add
-    for t, a, d in items:
+    for item in items:
+        t, a, d = item if len(item) == 3 else (*item, None)  # (token, action[, delay_s])
         action = action_of(a)  # (an unknown action fails first, as it did)
+        if t is not None:
+            _token(t)
         it = add()
         if t is not None:  # None: unset, as Item(token=None) left it (the node refuses it)
             it.token = t
@@ -675,6 +708,8 @@ class Nodes:
         """What the sync or the asyncio client keeps of its own."""
 
     def _init_nodes(self, target: str, credentials, ping_timeout_s: float = PING_TIMEOUT_S) -> None:
+        if not isinstance(target, str) or not target.replace(",", "").strip():
+            raise ValueError(f"target must name a node, \"host:port\" or \"h1:p1,h2:p2,...\", not {target!r}")
         self._grpc_options = grpc_options(ping_timeout_s)
         self.target = target
         self._targets = [t.strip() for t in target.split(",") if t.strip()] or [target]

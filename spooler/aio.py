@@ -23,7 +23,7 @@ import grpc
 from spooler import errors
 from spooler._common import (MOVE_ON, Nodes, LeaseEnd, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, batch_request, compact_request, settle_request, settle_outcomes, batch_results, call_with_retries,
                              _has_detail, map_rpc_error, messages_of, never_sent, read_lost, queue_dict, renew_delay_s, resend_groups, send_outcomes, settle_after_unconfirmed,
-                             settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
+                             settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request, lease_request,
                              release_request, settle_failed, unconfirmed_after)
 from spooler.pb import api_pb2
 
@@ -591,7 +591,7 @@ class AsyncClient(Nodes):
                 return out
         # the stub read now, not before the session was tried: the client may have moved since
         rpc = getattr(self.stub, {"ack": "Ack", "nack": "Nack", "renew": "Renew"}[action])
-        r = await self._call(rpc, api_pb2.LeaseRequest(token=token, delay_seconds=delay_s), write=True)
+        r = await self._call(rpc, lease_request(token, delay_s), write=True)
         return LeaseEnd(r.expires_at, r.lease_seconds_left, started) if action == "renew" else None
 
     async def _settle(self, action: str, token: str, delay_s: float = 0.0) -> object:
@@ -648,7 +648,7 @@ class AsyncClient(Nodes):
         return await self._settle("renew", token)
 
     async def settle_batch(self, items: list) -> list:
-        """items: [(token, "ack"|"nack"|"renew", delay_s)] -> per item None / expiresAt / SpoolerError."""
+        """items: [(token, "ack"|"nack"|"renew"[, delay_s])] -> per item None / expiresAt / SpoolerError."""
         req = settle_request(items)
         started = time.monotonic()
         # after unavailable only: the per-item answers are final

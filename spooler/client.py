@@ -23,7 +23,7 @@ import grpc
 from spooler import errors
 from spooler._common import (MOVE_ON, Nodes, LeaseEnd, keep_renewing_after, batch_size, check_batch, check_send_types, Message, SendResult, batch_request, settle_outcomes, batch_results, call_with_retries_sync,
                              map_rpc_error, messages_of, queue_dict, renew_delay_s, resend_groups, send_outcomes, settle_after_unconfirmed,
-                             settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request,
+                             settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request, lease_request,
                              release_request, settle_failed, settle_request, unconfirmed_after)
 from spooler.pb import api_pb2
 
@@ -320,21 +320,21 @@ class Client(Nodes):
             return call_with_retries_sync(once, self.retry_attempts, settle=True, stop_when=self._gone)
 
     def ack(self, token: str) -> None:
-        self._settle("Ack", api_pb2.LeaseRequest(token=token))
+        self._settle("Ack", lease_request(token))
 
     def nack(self, token: str, *, delay_s: float = 0.0) -> None:
-        self._settle("Nack", api_pb2.LeaseRequest(token=token, delay_seconds=delay_s))
+        self._settle("Nack", lease_request(token, delay_s))
 
     def renew(self, token: str) -> str:
         """-> the new expiresAt (a LeaseEnd)."""
         def once():
             started = time.monotonic()
-            r = self._call("Renew", api_pb2.LeaseRequest(token=token), write=True)
+            r = self._call("Renew", lease_request(token), write=True)
             return LeaseEnd(r.expires_at, r.lease_seconds_left, started)
         return call_with_retries_sync(once, self.retry_attempts, settle=True, stop_when=self._gone)
 
     def settle_batch(self, items: list) -> list:
-        """items: [(token, "ack"|"nack"|"renew", delay_s)] -> per item None / expiresAt / SpoolerError."""
+        """items: [(token, "ack"|"nack"|"renew"[, delay_s])] -> per item None / expiresAt / SpoolerError."""
         req = settle_request(items)
         started = time.monotonic()
         with self._waited_for_by_close():

@@ -349,14 +349,21 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
 
         The reader starts one task per request; answers go out in completion
         order from this coroutine (the only writer of the stream). The key is
-        checked at open and again for every request, so a deleted key stops
-        working on open streams too."""
+        checked for every request, so a deleted key stops working on open
+        streams too.
+
+        A stream whose key is refused (unknown, malformed) is not ended: each of
+        its requests is answered with that error. Ending it at once races the
+        client's first write, and when the write loses, the client's grpc reports
+        the stream as INTERNAL without this node's error kind: the SDK would read
+        a send refused as unauthenticated as one that may have landed."""
         svc = self.svc
+        refused = None  # an error of the call itself (its metadata), given to every request
+        auth, forwarded = None, ""
         try:
             auth, forwarded = _caller(context)
-            svc.authenticate(auth, forwarded)
         except errors.SpoolerError as e:
-            await _abort(svc, context, e)   # raises: the stream ends here
+            refused = e
         if svc.stopping:
             await _abort(svc, context, errors.Unavailable("the node is shutting down", retry_after_s=0.5))
         answers: list = []
@@ -444,7 +451,9 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                         answer(api_pb2.SessionResponse(id=0, error=errors.to_detail(r.error())))
                         continue
                     which = r.WhichOneof("call")
-                    if which is None:
+                    if refused is not None:
+                        answer(failed(r.id, which or "session", refused))
+                    elif which is None:
                         answer(api_pb2.SessionResponse(id=r.id, error=errors.to_detail(
                             errors.InvalidArgument("session request names no call"))))
                     else:

@@ -134,9 +134,11 @@ def test_error_kinds_travel_in_trailers(node, client):
 
 def test_authorization_given_twice_is_invalid_argument_on_unary_and_session(node, client):
     """Two authorization entries in a call's metadata (even the same valid key
-    twice) are ambiguous: invalid_argument with its kind trailer, on a unary call
-    and on a Session stream alike, as a repeated header is over HTTP; nothing is
-    stored."""
+    twice) are ambiguous: invalid_argument, as a repeated header is over HTTP,
+    with its kind trailer on a unary call, and as the answer to each request on a
+    Session stream (which itself ends well: see test_session.py,
+    test_a_wrong_key_is_unauthenticated_on_every_call_never_a_transport_failure);
+    nothing is stored."""
     client.put_queue("g4")
     md = (("authorization", f"Bearer {node.admin_key}"),) * 2
     ch = grpc.insecure_channel(node.grpc_target)
@@ -146,14 +148,82 @@ def test_authorization_given_twice_is_invalid_argument_on_unary_and_session(node
             stub.Send(api_pb2.SendRequest(queue="g4", body=b"x"), metadata=md, timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert dict(e.value.trailing_metadata())["spooler-error-kind"] == "invalid_argument"
-        call = stub.Session(iter(()), metadata=md, timeout=10)
-        with pytest.raises(grpc.RpcError) as e:
-            list(call)
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert dict(e.value.trailing_metadata())["spooler-error-kind"] == "invalid_argument"
+        send = api_pb2.SendBatchRequest(queue="g4", bodies=[b"x"])
+        call = stub.Session(iter([api_pb2.SessionRequest(id=1, send_batch=send)]), metadata=md, timeout=10)
+        assert [(a.id, a.error.kind) for a in call] == [(1, "invalid_argument")]
     finally:
         ch.close()
     assert client.get_queue("g4")["stats"]["sentTotal"] == 0
+
+
+def test_a_receive_wait_that_is_not_0_to_20_seconds_is_invalid_argument_in_both_clients(node, client):
+    """API.md: a receive waits 0 to 20 s. A wait outside that (NaN, infinite,
+    huge, negative, 21) is invalid_argument in both SDK clients, not a call that
+    ends at once as a timeout (unavailable: "try again", which kept `consume`
+    looping without a word); a wait that is not a number is a TypeError. And
+    consume with such a wait ends with that error. The controls: 0 and 20 are
+    taken (20 returns at once, a message being there)."""
+    client.put_queue("w1")
+    bad = (float("nan"), float("inf"), 1e308, -1.0, 21)
+
+    def handler(m):
+        raise AssertionError("nothing should be handled")
+    for w in bad:
+        with pytest.raises(errors.InvalidArgument):
+            client.receive("w1", wait_s=w)
+    with pytest.raises(TypeError):
+        client.receive("w1", wait_s="1")
+    with pytest.raises(errors.InvalidArgument):
+        client.receive("w1", max_messages=True)
+    client.send("w1", b"x")
+    stop = threading.Event()
+    with pytest.raises(errors.InvalidArgument):
+        client.consume("w1", handler, wait_s=float("nan"), stop=stop)
+    got = client.receive("w1", wait_s=20)  # taken: the message is there, so it returns at once
+    assert [m.body for m in got] == [b"x"]
+    assert client.receive("w1", wait_s=0) == []
+
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as a:
+            for w in bad:
+                with pytest.raises(errors.InvalidArgument):
+                    await a.receive("w1", wait_s=w)
+            with pytest.raises(TypeError):
+                await a.receive("w1", wait_s="1")
+            with pytest.raises(errors.InvalidArgument):
+                await asyncio.wait_for(a.consume("w1", lambda m: asyncio.sleep(0), wait_s=float("nan")), 30)
+    asyncio.run(main())
+
+
+def test_sdk_arguments_of_the_wrong_kind_say_what_is_wrong(node, client):
+    """S8, in the SDK: a client with no node named is a ValueError at once (not
+    an internal error on the first call); a lease token that is not a str is a
+    TypeError that says so (not protobuf's "bad argument type"); maxRetries
+    2.0 is 2, as over HTTP, and 2.5 is invalid_argument; settle_batch takes
+    (token, action) items as well as (token, action, delay_s)."""
+    for target in ("", " , "):
+        with pytest.raises(ValueError, match="target"):
+            Client(target, node.admin_key)
+        with pytest.raises(ValueError, match="target"):
+            AsyncClient(target, node.admin_key)
+    for call in (client.ack, client.nack, client.renew):
+        with pytest.raises(TypeError, match="lease token"):
+            call(5)
+    with pytest.raises(TypeError, match="lease token"):
+        client.settle_batch([(5, "ack")])
+    assert client.put_queue("m1", maxRetries=2.0)["settings"]["maxRetries"] == 2
+    with pytest.raises(errors.InvalidArgument):
+        client.put_queue("m1", maxRetries=2.5)
+    client.send_batch("m1", [b"a", b"b"])
+    got = client.receive("m1", max_messages=2)
+    assert client.settle_batch([(got[0].token, "ack"), (got[1].token, "nack", 0)]) == [None, None]
+
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as a:
+            for call in (a.ack, a.nack, a.renew):
+                with pytest.raises(TypeError, match="lease token"):
+                    await call(5)
+    asyncio.run(main())
 
 
 def test_scoped_keys(node, client):
@@ -431,10 +501,9 @@ def test_a_session_names_the_epoch_when_it_ends_and_when_it_refuses_a_key(node):
         assert [r.id for r in call] == [1]
         assert dict(call.trailing_metadata()).get("spooler-epoch", "").isdigit()
         bad = stub.Session(iter([api_pb2.SessionRequest(id=1, receive=api_pb2.ReceiveRequest(queue="se"))]))
-        with pytest.raises(grpc.RpcError) as e:
-            list(bad)
-        t = dict(e.value.trailing_metadata())
-        assert t["spooler-error-kind"] == "unauthenticated" and t.get("spooler-epoch", "").isdigit(), t
+        answers = list(bad)  # a refused key: its request answered so, and the stream ends well
+        assert [(a.id, a.error.kind) for a in answers] == [(1, "unauthenticated")] and answers[0].epoch > 0
+        assert dict(bad.trailing_metadata()).get("spooler-epoch", "").isdigit()
     finally:
         ch.close()
 
