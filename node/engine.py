@@ -72,6 +72,9 @@ class Limits:
         self.dedup_window_s_max = 86_400.0
         self.max_retries_max = 1000
         self.session_requests_in_flight_max = 1024  # per gRPC Session stream (then it stops reading)
+        # a Session whose key was refused when it opened is ended once it has been
+        # idle this long (it is answered request by request meanwhile); tests shorten it
+        self.session_refused_idle_s = float(os.environ.get("SPOOLER_TEST_REFUSED_IDLE", "") or 10.0)
         self.receipts_max = 16_384          # named receives remembered for a lost-answer release
         self.receipt_tokens_max = 65_536    # leases those remember, in all
         self.receipt_age_s_max = 120.0

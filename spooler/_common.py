@@ -121,6 +121,8 @@ def settings_pb(settings: dict) -> api_pb2.Settings:
             if not v.is_integer():
                 raise errors.InvalidArgument(f"maxRetries must be a whole number, not {v!r}")
             v = int(v)
+        if name == "max_retries" and type(v) is int and not -2**31 <= v < 2**31:
+            raise errors.InvalidArgument(f"maxRetries {v} is out of range")  # (the node's bound is far lower)
         out[name] = v
     return api_pb2.Settings(**out)
 
@@ -183,10 +185,8 @@ def queue_dict(q: api_pb2.Queue) -> dict:
 # What gRPC says when the channel could not connect, so the call never left this
 # process (the pick of a connection failed before anything was written): no
 # address would take a connection, or the node's name did not resolve (worded
-# "DNS resolution failed" by older grpcio, "errors resolving NAME: ... Domain
-# name not found" by 1.85).
-_NOT_SENT = ("failed to connect to all addresses", "dns resolution failed", "errors resolving",
-             "domain name not found")
+# "DNS resolution failed" by older grpcio, "errors resolving NAME: ..." by 1.85).
+_NOT_SENT = ("failed to connect to all addresses", "dns resolution failed", "errors resolving")
 
 
 def map_rpc_error(e: grpc.RpcError, write: bool = False) -> errors.SpoolerError:
@@ -509,8 +509,10 @@ def _token(t) -> None:
 
 
 def lease_request(token: str, delay_s: float = 0.0) -> api_pb2.LeaseRequest:
-    """An Ack/Nack/Renew request; a token that is not a str is a TypeError that says so."""
-    _token(token)
+    """An Ack/Nack/Renew request; a token that is not a str is a TypeError that says
+    so (None stays unset, as in a SettleBatch item: the node refuses it)."""
+    if token is not None:
+        _token(token)
     return api_pb2.LeaseRequest(token=token, delay_seconds=delay_s)
 
 
@@ -522,7 +524,11 @@ def settle_request(items, action_of=settle_action) -> api_pb2.SettleBatchRequest
     req = api_pb2.SettleBatchRequest()
     add = req.items.add
     for item in items:
-        t, a, d = item if len(item) == 3 else (*item, None)  # (token, action[, delay_s])
+        try:
+            t, a, d = item
+        except ValueError:  # (token, action): no delay
+            t, a = item
+            d = None
         action = action_of(a)  # (an unknown action fails first, as it did)
         if t is not None:
             _token(t)
@@ -712,7 +718,7 @@ class Nodes:
             raise ValueError(f"target must name a node, \"host:port\" or \"h1:p1,h2:p2,...\", not {target!r}")
         self._grpc_options = grpc_options(ping_timeout_s)
         self.target = target
-        self._targets = [t.strip() for t in target.split(",") if t.strip()] or [target]
+        self._targets = [t.strip() for t in target.split(",") if t.strip()]
         self._target_i = 0
         self._credentials = credentials  # channel credentials for mTLS, or None
         # one channel (and stub) per node, made on first use and kept: moving back and

@@ -137,20 +137,41 @@ def test_a_submit_whose_output_cannot_be_written_says_so_and_its_job_stands(spoo
     assert len(json.loads(ok.stdout)["jobs"]) == 2 and ok.stderr == b""
 
 
-def test_a_submit_from_a_removed_directory_is_invalid_argument_not_a_broken_spool(spool, tmp_path):
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_spoolctl_started_with_its_stdout_closed_still_says_what_happened(spool, as_json):
+    """The same with no stdout at all (started with descriptor 1 closed): an
+    error is still told on stderr, with no traceback, and a submit's job stands
+    (output_failed)."""
+    spool.submit_direct("true")
+    j = ["--json"] if as_json else []
+
+    def closed(*args):
+        return subprocess.run([*spoolctl_argv(), "--spool", spool.path, *args], stderr=subprocess.PIPE,
+                              cwd=spool.cwd, env=spool.env, timeout=60, preexec_fn=lambda: os.close(1))
+    r = closed("status", *j, "nosuch")
+    assert r.returncode == 1 and b"not_found" in r.stderr and b"Traceback" not in r.stderr, r.stderr
+    r = closed("submit", *j, "--", "true")
+    assert r.returncode == 1 and b"output_failed" in r.stderr and b"Traceback" not in r.stderr, r.stderr
+    assert spool.json("status")["counts"]["queued"] == 2
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_a_submit_from_a_removed_directory_is_invalid_argument_not_a_broken_spool(spool, tmp_path, named):
     """jobs.md: a job runs in the directory it is submitted from; when that
     directory was removed, the submit is invalid_argument naming it, not
-    spool_unusable, and nothing is queued."""
+    spool_unusable, and nothing is queued: with --spool named, and with the
+    default spool (./.spoolctl, found through that same directory)."""
     gone = tmp_path / "gone"
     gone.mkdir()
-    p = subprocess.Popen([*spoolctl_argv(), "--spool", spool.path, "submit", "--json", "--", "true"],
+    where = ["--spool", spool.path] if named else []
+    p = subprocess.Popen([*spoolctl_argv(), *where, "submit", "--json", "--", "true"],
                          cwd=gone, env=spool.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          preexec_fn=lambda: os.rmdir(gone))
     out, err = p.communicate(timeout=60)
     assert p.returncode == 1, err
     e = json.loads(out)["error"]
     assert e["kind"] == "invalid_argument" and "working directory" in e["message"], e
-    assert not os.path.exists(os.path.join(spool.path, "spool.db")) or spool.json("status")["counts"]["queued"] == 0
+    assert not os.path.exists(os.path.join(spool.path, "spool.db"))  # nothing made, nothing queued
 
 
 def test_an_empty_command_or_job_id_is_refused_not_queued_or_counted(spool):

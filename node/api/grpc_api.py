@@ -364,6 +364,17 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
             auth, forwarded = _caller(context)
         except errors.SpoolerError as e:
             refused = e
+        # The key refused at open (unknown, missing, malformed): such a stream is
+        # answered request by request, and ended once it has been idle for
+        # session_refused_idle_s (nothing in flight: no write of the client's to
+        # race), so that streams nobody can use do not hold call slots for good.
+        refused_at_open = refused
+        if refused_at_open is None:
+            try:
+                svc.authenticate(auth, forwarded)
+            except errors.SpoolerError as e:
+                refused_at_open = e
+        idle_s = svc.limits.session_refused_idle_s if refused_at_open is not None else None
         if svc.stopping:
             await _abort(svc, context, errors.Unavailable("the node is shutting down", retry_after_s=0.5))
         answers: list = []
@@ -465,7 +476,18 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
         reader = asyncio.ensure_future(read())
         try:
             while True:
-                await wake.wait()
+                if idle_s is None:
+                    await wake.wait()
+                else:
+                    try:
+                        await asyncio.wait_for(wake.wait(), idle_s)
+                    except asyncio.TimeoutError:
+                        if memo:  # a request's key has passed since (a node done loading): kept
+                            idle_s = None
+                        elif reading and not tasks and not answers:
+                            reader.cancel()
+                            await _abort(svc, context, refused_at_open)  # raises: the stream ends here
+                        continue
                 wake.clear()
                 while answers:
                     batch = answers[:]

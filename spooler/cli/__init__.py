@@ -62,9 +62,11 @@ class _GuardedOut:
     A reader that went away (BrokenPipeError) stays what it is."""
 
     def __init__(self, f):
-        self._f = f
+        self._f = f  # None: the process was started with its stdout closed
 
     def _guard(self, fn, *a):
+        if self._f is None:
+            raise OutputFailed("standard output is closed")
         try:
             return fn(*a)
         except BrokenPipeError:
@@ -73,14 +75,17 @@ class _GuardedOut:
             raise OutputFailed(f"{type(e).__name__}: {e}") from e
 
     def write(self, data):
-        return self._guard(self._f.write, data)
+        return self._guard(lambda: self._f.write(data))
 
     def flush(self):
-        return self._guard(self._f.flush)
+        return self._guard(lambda: self._f.flush())
+
+    def isatty(self) -> bool:
+        return self._f is not None and self._f.isatty()
 
     @property
     def buffer(self):
-        return _GuardedOut(self._f.buffer)
+        return _GuardedOut(getattr(self._f, "buffer", None))
 
     def __getattr__(self, name):
         return getattr(self._f, name)
@@ -90,9 +95,15 @@ def _stdout_gone() -> None:
     """Nothing more can go to stdout: point its descriptor at /dev/null, so that
     the interpreter's flush at exit has nothing left to fail on."""
     try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        fd = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        os.dup2(fd, sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):
         pass
+    finally:
+        os.close(fd)
 
 
 _INT = re.compile(r"[+-]?[0-9]+", re.ASCII)
@@ -173,7 +184,7 @@ def main(argv=None) -> int:
         args.json = True
     if args.command == "submit" and list(args.cmd or [])[:2] in ([], ["--"]):  # (a usage error: exit 2)
         parser.error("submit needs a command: spoolctl submit [options] -- CMD [ARG...]")
-    if args.command == "submit" and [a for a in args.cmd if a != "--"][:1] == [""]:
+    if args.command == "submit" and (args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd)[:1] == [""]:
         # an empty program name can never be started: refused here rather than
         # queued to fail every attempt as spawn_failed
         parser.error("submit's command is empty: its first word names the program to run")
@@ -210,8 +221,9 @@ def _run(args, as_json: bool) -> int:
         # stdout is what failed: the error goes to stderr alone. What the command
         # did stands (a submit's job is queued), so it must not read as a failed spool.
         _stdout_gone()
-        done = (" (its job is queued: see `spoolctl list` before submitting it again)"
-                if args.command == "submit" else "")
+        done = {"submit": " (its job is queued: see `spoolctl list` before submitting it again)",
+                "receive": " (with --ack, what it received is acked: it is not delivered again)"
+                }.get(args.command, "") if args.command != "receive" or getattr(args, "ack", False) else ""
         print(f"spoolctl: {OutputFailed.kind}: could not write to standard output ({e}); what the command "
               f"did stands{done}", file=sys.stderr)
         return 1

@@ -126,19 +126,20 @@ def _cwd() -> str:
 
 def cmd_submit(args) -> int:
     command = _command_argv(args)
+    cwd = _cwd()  # first: the default spool (./.spoolctl) is found through it
     if args.queue:
         from spooler.http import HttpClient
         from spooler.jobs import remote
 
         knobs.load()   # validate the knobs everywhere, for one consistent rule
         job = remote.submit(HttpClient(args.server, args.key), args.queue, command, args.priority,
-                            args.max_retries, args.max_crashes, args.timeout, args.idem_key, _cwd())
+                            args.max_retries, args.max_crashes, args.timeout, args.idem_key, cwd)
         emit(args, job, job["id"])
         return 0
     store = _store(args, create=True)
     try:
         job_id, dup = store.submit(command, args.priority, args.max_retries, args.max_crashes, args.timeout,
-                                   args.idem_key, cwd=_cwd())
+                                   args.idem_key, cwd=cwd)
         if args.json:
             emit(args, dict(store.get(job_id), duplicate=dup))
         else:

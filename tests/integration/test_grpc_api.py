@@ -500,7 +500,8 @@ def test_a_session_names_the_epoch_when_it_ends_and_when_it_refuses_a_key(node):
                             metadata=md)
         assert [r.id for r in call] == [1]
         assert dict(call.trailing_metadata()).get("spooler-epoch", "").isdigit()
-        bad = stub.Session(iter([api_pb2.SessionRequest(id=1, receive=api_pb2.ReceiveRequest(queue="se"))]))
+        bad = stub.Session(iter([api_pb2.SessionRequest(id=1, receive=api_pb2.ReceiveRequest(queue="se"))]),
+                           timeout=30)
         answers = list(bad)  # a refused key: its request answered so, and the stream ends well
         assert [(a.id, a.error.kind) for a in answers] == [(1, "unauthenticated")] and answers[0].epoch > 0
         assert dict(bad.trailing_metadata()).get("spooler-epoch", "").isdigit()

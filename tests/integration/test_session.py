@@ -6,6 +6,7 @@ import time
 import grpc
 import pytest
 
+from nodeproc import ADMIN_KEY, NodeProc
 from spooler import AsyncClient, errors
 from spooler.pb import api_pb2, api_pb2_grpc
 
@@ -17,7 +18,7 @@ def _md(key):
 async def _session(node, key, requests):
     """Open a raw Session, write ``requests``, close our side, return every answer by id."""
     async with grpc.aio.insecure_channel(node.grpc_target) as ch:
-        call = api_pb2_grpc.SpoolerStub(ch).Session(metadata=_md(key))
+        call = api_pb2_grpc.SpoolerStub(ch).Session(metadata=_md(key), timeout=30)
         for r in requests:
             await call.write(r)
         await call.done_writing()
@@ -141,6 +142,36 @@ def test_a_wrong_key_is_unauthenticated_on_every_call_never_a_transport_failure(
         return got
 
     assert asyncio.run(main()) == {"Unauthenticated": 160}
+
+
+def test_a_stream_whose_key_was_refused_ends_once_idle_and_a_good_one_stays(tmp_path):
+    """limits.md: a Session opened with a refused key is answered request by
+    request, and ended (unauthenticated) once it has been idle for
+    session_refused_idle_s, so that streams nobody can use do not hold the
+    node's call slots for good. The control: a stream with a good key idle as
+    long stays open and answers."""
+    n = NodeProc(str(tmp_path / "node"), admin_key=ADMIN_KEY, env={"SPOOLER_TEST_REFUSED_IDLE": "0.5"})
+    n.start()
+    try:
+        async def main():
+            async with grpc.aio.insecure_channel(n.grpc_target) as ch:
+                stub = api_pb2_grpc.SpoolerStub(ch)
+                bad = stub.Session(metadata=_md("not-a-key"), timeout=30)
+                good = stub.Session(metadata=_md(ADMIN_KEY), timeout=30)
+                await bad.write(api_pb2.SessionRequest(id=1, receive=api_pb2.ReceiveRequest(queue="nope")))
+                first = await bad.read()
+                assert first.id == 1 and first.error.kind == "unauthenticated"
+                with pytest.raises(grpc.aio.AioRpcError) as e:  # idle from here: ended by the node
+                    await asyncio.wait_for(bad.read(), 10)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                await asyncio.sleep(1.5)  # the good stream, as idle, and longer
+                await good.write(api_pb2.SessionRequest(id=1, receive=api_pb2.ReceiveRequest(queue="nope")))
+                a = await asyncio.wait_for(good.read(), 10)
+                assert a.id == 1 and a.error.kind == "queue_not_found"
+                await good.done_writing()
+        asyncio.run(main())
+    finally:
+        n.kill()
 
 
 def test_sdk_uses_the_session_and_the_compact_form(node):

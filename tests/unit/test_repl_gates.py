@@ -145,9 +145,11 @@ def test_a_primary_past_its_failover_timeout_counts_no_install():
 class _BareEngine:
     """The little of an Engine that a replication Driver touches while it serves
     frames; a test's subclass supplies store_io (its disk)."""
-    pending_releases: dict = {}
     release_hook = None
     metrics = None
+
+    def __init__(self):
+        self.pending_releases: dict = {}
 
     def apply_upto(self, lsn):
         pass
@@ -220,12 +222,14 @@ def test_no_contact_acknowledgement_while_a_persist_is_on_its_way_to_disk():
     disk = {"lease_seen": T // 2}
 
     class Eng(_BareEngine):
-        writing = asyncio.Event()
+        def __init__(self):
+            super().__init__()
+            self.writing = asyncio.Event()
 
         async def store_io(self, fn, *a, inline=False):
             if getattr(fn, "__name__", "") == "_persist":
                 self.writing.set()
-                await asyncio.sleep(0.2)  # a slow disk: the write lands, late
+                await asyncio.sleep(1.0)  # a slow disk: the write lands, late
                 disk["lease_seen"] = d.core.lease_seen
                 return None
             return fn(*a)
@@ -256,7 +260,7 @@ def test_no_contact_acknowledgement_while_a_persist_is_on_its_way_to_disk():
 
             async def slow_handle(f):
                 busy.set()
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(1.0)
                 return await real(f)
             d._handle_frame = slow_handle
             return [a async for a in d.serve_stream(frames2(), None)]
