@@ -153,6 +153,12 @@ def test_a_spoolctl_started_with_its_stdout_closed_still_says_what_happened(spoo
     r = closed("submit", *j, "--", "true")
     assert r.returncode == 1 and b"output_failed" in r.stderr and b"Traceback" not in r.stderr, r.stderr
     assert spool.json("status")["counts"]["queued"] == 2
+    r = closed("status", *j, "--bogus")  # a usage error: exit 2, said on stderr
+    assert r.returncode == 2 and b"--bogus" in r.stderr and b"Traceback" not in r.stderr, r.stderr
+    if not as_json:  # a command that writes nothing to stdout has nothing to fail on
+        r = closed("worker", "--drain")
+        assert r.returncode == 0 and r.stderr == b"", r.stderr
+        assert spool.json("status")["counts"]["succeeded"] == 2
 
 
 @pytest.mark.parametrize("named", [True, False])

@@ -43,7 +43,7 @@ class _Parser(argparse.ArgumentParser):
             try:
                 print(json.dumps({"error": {"kind": "invalid_argument", "message": message}}), file=sys.stdout)
                 sys.stdout.flush()
-            except (OutputFailed, OSError):
+            except (OSError, ValueError, AttributeError):  # (closed, or started without a stdout)
                 _stdout_gone()  # stderr still says it, below
         super().error(message)
 
@@ -64,11 +64,11 @@ class _GuardedOut:
     def __init__(self, f):
         self._f = f  # None: the process was started with its stdout closed
 
-    def _guard(self, fn, *a):
+    def _guard(self, fn):
         if self._f is None:
             raise OutputFailed("standard output is closed")
         try:
-            return fn(*a)
+            return fn()
         except BrokenPipeError:
             raise
         except OSError as e:
@@ -78,7 +78,8 @@ class _GuardedOut:
         return self._guard(lambda: self._f.write(data))
 
     def flush(self):
-        return self._guard(lambda: self._f.flush())
+        if self._f is not None:  # (nothing written: nothing to fail, e.g. a worker without --json)
+            return self._guard(lambda: self._f.flush())
 
     def isatty(self) -> bool:
         return self._f is not None and self._f.isatty()
@@ -221,9 +222,11 @@ def _run(args, as_json: bool) -> int:
         # stdout is what failed: the error goes to stderr alone. What the command
         # did stands (a submit's job is queued), so it must not read as a failed spool.
         _stdout_gone()
-        done = {"submit": " (its job is queued: see `spoolctl list` before submitting it again)",
-                "receive": " (with --ack, what it received is acked: it is not delivered again)"
-                }.get(args.command, "") if args.command != "receive" or getattr(args, "ack", False) else ""
+        done = ""
+        if args.command == "submit":
+            done = " (its job is queued: see `spoolctl list` before submitting it again)"
+        elif args.command == "receive" and getattr(args, "ack", False):
+            done = " (what it received is acked: it is not delivered again)"
         print(f"spoolctl: {OutputFailed.kind}: could not write to standard output ({e}); what the command "
               f"did stands{done}", file=sys.stderr)
         return 1
