@@ -235,6 +235,9 @@ def test_cancel_queued_job_never_runs(spool, tmp_path):
 
 
 def test_cancel_running_job_kills_its_process_group(spool, tmp_path):
+    """J7: `spoolctl cancel` kills a running job's whole group itself. The owning
+    worker is stopped (SIGSTOP) meanwhile, so that its own next heartbeat, which
+    would also end a canceled attempt, cannot be what killed it."""
     gc = tmp_path / "gc.pid"
     job_id = spool.submit("sh", "-c", f"sleep 300 & echo $! > {gc}; sleep 300")
     w = spool.start_worker()
@@ -242,9 +245,13 @@ def test_cancel_running_job_kills_its_process_group(spool, tmp_path):
         wait_until(lambda: gc.exists() and gc.read_text().strip(), 15, what="job running")
         wait_until(lambda: spool.job(job_id)["attempts"][0]["pid"], 10, what="pid recorded")
         gpid = int(gc.read_text())
-        job = spool.json("cancel", job_id)
-        assert job["state"] == "canceled"
-        wait_until(lambda: pid_gone(gpid), 10, what="grandchild killed by cancel")
+        os.kill(w.pid, signal.SIGSTOP)
+        try:
+            job = spool.json("cancel", job_id)
+            assert job["state"] == "canceled"
+            wait_until(lambda: pid_gone(gpid), 10, what="grandchild killed by cancel")
+        finally:
+            os.kill(w.pid, signal.SIGCONT)
         wait_until(lambda: spool.job(job_id)["attempts"][0]["exit_code"] is not None, 10,
                    what="worker recorded the attempt")
         job = spool.job(job_id)

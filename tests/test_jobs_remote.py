@@ -75,6 +75,12 @@ def test_failure_nacks_with_backoff_then_failure_queue_plays_dead(spool, node):
     assert res["failure_reason"] == "nonzero_exit" and res["exit_code"] == 4
     assert res["host"] and res["stderr"] == a2["stderr"], "the dead message says where the output is"
     assert c.get_queue("q2")["stats"]["visible"] == 0
+    # the worker sent its dead message there, then acked the job's own (J9): one copy in
+    # the failure queue, not a second bare one that a nack past maxRetries would move there
+    failed = c.get_queue("q2.failed")["stats"]
+    assert (failed["visible"], failed["leased"], failed["delayed"]) == (0, 1, 0), failed
+    q2 = c.get_queue("q2")["stats"]
+    assert q2["ackedTotal"] == 1 and q2["failedTotal"] == 0, q2
 
 
 def test_worker_crash_is_a_lease_expiry_that_counts_as_a_retry(spool, node, tmp_path):

@@ -585,6 +585,31 @@ def test_pre_vote_grants_that_arrive_after_a_primary_was_heard_start_no_election
     assert (c.role, c.epoch, c.primary) == (R.REPLICA, 1, "n5")
 
 
+def test_pre_vote_grants_that_arrive_after_the_same_primary_is_heard_again_start_no_election():
+    """Liveness (R6), the same as above when the primary heard again is the one
+    this node already followed: its stream broke (primary_stream_broken), a
+    pre-vote round went out, then the primary's next append arrived over a new
+    stream (nothing in the core changes role, so the round is not cleared on the
+    way), then grants given before it arrive. The check that the node has not
+    heard its primary recently is all that keeps them from starting an election."""
+    T = 2_000_000
+    c = R.Replication("n4", ["n1", "n2", "n3", "n4", "n5"], failover_timeout_us=T, rand=lambda: 0.5)
+    c.epoch = 1
+    c.start(0)
+    t = T + 100_000
+    c.receive(R.AppendReq(1, "n5", 0, 0, 0, [], 0, t, 0, T // 2), t)
+    assert (c.role, c.primary) == (R.REPLICA, "n5")
+    c.primary_stream_broken(t + 10_000)
+    t = c.election_at
+    assert any(isinstance(e, R.Send) and isinstance(e.msg, R.VoteReq) and e.msg.pre for e in c.tick(t))
+    c.receive(R.AppendReq(1, "n5", 0, 0, 0, [], 0, t, 0, T // 2), t + 20_000)  # n5 is back
+    out = []
+    for v in ("n1", "n2", "n3"):
+        out += c.receive(R.VoteResp(2, v, True, True, 10 * T, 10 * T), t + 40_000)
+    assert not any(isinstance(e, R.Send) and isinstance(e.msg, R.VoteReq) for e in out), out
+    assert (c.role, c.epoch, c.primary) == (R.REPLICA, 1, "n5")
+
+
 def test_a_primary_past_its_failover_timeout_steps_down_before_counting_a_late_acknowledgement():
     """R2. A primary that has had no majority for its failover timeout steps down
     at its next tick; an acknowledgement that arrives before that tick must not
