@@ -352,8 +352,9 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
         checked for every request, so a deleted key stops working on open
         streams too.
 
-        A stream whose key is refused (unknown, malformed) is not ended: each of
-        its requests is answered with that error. Ending it at once races the
+        A stream whose key is refused (unknown, malformed) is not ended at once:
+        each of its requests is answered with that error, and the stream ends only
+        once it has been idle (below). Ending it at once races the
         client's first write, and when the write loses, the client's grpc reports
         the stream as INTERNAL without this node's error kind: the SDK would read
         a send refused as unauthenticated as one that may have landed."""
@@ -364,10 +365,9 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
             auth, forwarded = _caller(context)
         except errors.SpoolerError as e:
             refused = e
-        # The key refused at open (unknown, missing, malformed): such a stream is
-        # answered request by request, and ended once it has been idle for
-        # session_refused_idle_s (nothing in flight: no write of the client's to
-        # race), so that streams nobody can use do not hold call slots for good.
+        # Ended once idle for session_refused_idle_s (nothing in flight: no write of
+        # the client's to race), so that streams nobody can use hold no call slots
+        # for good.
         refused_at_open = refused
         if refused_at_open is None:
             try:
