@@ -849,6 +849,11 @@ class Service:
         try:
             lease = self.core.check_lease(epoch, lease_id, nonce, now)
         except StaleLeaseError as e:
+            if queue not in self.core.queues:
+                # the queue was deleted (its leases ended with it): say so, as SQS does,
+                # not stale_lease; a queue created again under the name is another one,
+                # and the old lease is stale there
+                raise errors.QueueNotFound(f"queue {queue} does not exist") from None
             raise errors.StaleLease(f"lease is no longer valid: {e.reason}", reason=e.reason) from None
         except BadToken as e:
             raise errors.InvalidArgument(str(e)) from None

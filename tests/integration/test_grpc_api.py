@@ -24,9 +24,16 @@ def test_queue_lifecycle(client):
     assert client.put_queue("g1", maxRetries=3)["created"] is False
     assert client.get_queue("g1")["settings"]["maxRetries"] == 3
     assert [q["name"] for q in client.list_queues()] == ["g1"]
+    client.send("g1", b"x")
+    [m] = client.receive("g1", wait_s=1)
     client.delete_queue("g1")
     with pytest.raises(errors.QueueNotFound):
         client.get_queue("g1")
+    # a lease of the deleted queue: the queue is gone, alone or in a batch
+    with pytest.raises(errors.QueueNotFound):
+        client.ack(m.token)
+    [e] = client.settle_batch([(m.token, "nack")])
+    assert isinstance(e, errors.QueueNotFound), e
 
 
 def test_send_receive_ack_nack_renew(client):

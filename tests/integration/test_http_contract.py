@@ -414,6 +414,25 @@ def test_ack_204_then_stale_settled(api, queue):
     assert api.receive(queue).status == 204
 
 
+def test_a_lease_on_a_deleted_queue_is_queue_not_found_and_stale_once_the_name_is_reused(api, queue):
+    """Deleting a queue ends its leases with it: settling one says the queue is gone
+    (404, as SQS's NonExistentQueue), not that the lease ran out. A queue created
+    again under the name is another queue, holding none of the old messages: there
+    the old lease is stale."""
+    api.send(queue, b"x")
+    tok = received(api, queue).h("Spooler-Lease-Token")
+    assert api.req("DELETE", f"/v1/queues/{queue}").status == 204
+    for r in (api.ack(tok), api.nack(tok), api.renew(tok)):
+        assert r.status == 404, r
+        assert r.json()["kind"] == "queue_not_found"
+    assert api.put_queue(queue, {}).status == 201
+    for r in (api.ack(tok), api.nack(tok), api.renew(tok)):
+        assert r.status == 409, r
+        assert r.json()["kind"] == "stale_lease" and r.json()["reason"] == "settled"
+    st = api.stats(queue)
+    assert st["visible"] == 0 and st["leased"] == 0 and st["ackedTotal"] == 0
+
+
 def test_nack_redelivers_with_retry_plus_one(api, queue):
     mid = api.send(queue, b"again").json()["id"]
     r = received(api, queue)
