@@ -134,16 +134,21 @@ def test_a_job_with_fields_of_the_wrong_type_goes_to_the_failure_queue(spool, no
     assert body["spoolctl_result"]["failure_reason"] == "invalid_job"
 
 
-def test_a_job_longer_than_its_lease_succeeds_by_renewal(spool, node):
+@pytest.mark.parametrize("heartbeat_s", ["0.1", "5"])
+def test_a_job_longer_than_its_lease_succeeds_by_renewal(spool, node, heartbeat_s):
     """J9: the worker renews the lease while the command runs, so a job three times
     longer than the queue's 1 s lease runs once: one delivery, retry count 0, no
     lease expiry. (A redelivery would run at once, so a missing renewal shows up
-    as a second attempt with retry count 1 in about 3 s, not as a slow test.)"""
+    as a second attempt with retry count 1 in about 3 s, not as a slow test.)
+    With the default 5 s heartbeat, longer than the lease, the renewals come at a
+    third of the lease timeout instead."""
     c = HttpClient(node.http_url, node.admin_key)
-    c.put_queue("q5", leaseTimeoutSeconds=1.0, maxRetries=3)
+    q = f"q5-{heartbeat_s.replace('.', '')}"
+    c.put_queue(q, leaseTimeoutSeconds=1.0, maxRetries=3)
     script = 'if [ "$SPOOLCTL_RETRY_COUNT" = 0 ]; then sleep 3; fi; echo retry $SPOOLCTL_RETRY_COUNT'
-    msg_id = spool.run("submit", "--queue", "q5", "--", "sh", "-c", script, global_args=g(node)).stdout.decode().strip()
-    summary = spool.json("worker", "--queue", "q5", "--drain", global_args=g(node), timeout_s=30)
+    msg_id = spool.run("submit", "--queue", q, "--", "sh", "-c", script, global_args=g(node)).stdout.decode().strip()
+    summary = spool.json("worker", "--queue", q, "--drain", global_args=g(node), timeout_s=30,
+                         env={"SPOOLCTL_TEST_HEARTBEAT_INTERVAL": heartbeat_s})
     assert (summary["claimed"], summary["succeeded"], summary["lease_lost"]) == (1, 1, 0), summary
     job = spool.job(msg_id)
     assert job["state"] == "succeeded" and len(job["attempts"]) == 1
@@ -151,7 +156,7 @@ def test_a_job_longer_than_its_lease_succeeds_by_renewal(spool, node):
     assert a["failure_reason"] is None and a["exit_code"] == 0
     assert a["finished_at"] - a["started_at"] >= 3.0 - 0.1, "the command outlived the lease timeout"
     assert spool.run("output", msg_id).stdout == b"retry 0\n"
-    stats = c.get_queue("q5")["stats"]
+    stats = c.get_queue(q)["stats"]
     assert stats["leaseExpiredTotal"] == 0 and stats["ackedTotal"] == 1, stats
     assert stats["visible"] == stats["leased"] == stats["delayed"] == 0
 
