@@ -160,6 +160,25 @@ def test_dead_worker_job_is_requeued_with_crash_count_and_reason(store, procs):
     assert store.claim_next(WorkerIdentity.current(5.0), now=T0 + 31).n == 2
 
 
+def test_the_orphan_is_killed_before_its_job_is_requeued(store, procs, monkeypatch):
+    """J2: the dead worker's command is stopped while its job still reads running
+    (its attempt open), so no other worker can claim a new attempt while the old
+    one still runs; the requeue comes after."""
+    job_id, _ = store.submit(["true"])
+    _, c = claim_as(store, dead_pid(procs))
+    seen = []
+
+    def kill_orphans(pgid, token):
+        job = store.get(job_id)
+        seen.append((token, job["state"], job["attempts"][-1]["finished_at"]))
+
+    monkeypatch.setattr(reaper.executor, "kill_orphans", kill_orphans)
+    [r] = reaper.reap_pass(store, now=T0 + 31)
+    assert (r.verdict, r.new_state) == (reaper.DEAD, states.QUEUED)
+    assert seen == [(f"{job_id}:1", "running", None)], seen
+    assert store.get(job_id)["state"] == "queued"
+
+
 def test_recycled_pid_job_is_reaped(store, procs):
     job_id, _ = store.submit(["true"])
     p = procs(["sleep", "60"])
