@@ -83,6 +83,62 @@ def test_failure_nacks_with_backoff_then_failure_queue_plays_dead(spool, node):
     assert q2["ackedTotal"] == 1 and q2["failedTotal"] == 0, q2
 
 
+def test_a_queue_whose_max_retries_is_below_the_jobs_budget_spends_it_and_the_worker_plays_dead(spool, node):
+    """J9: the queue moves a message past its own maxRetries with no spoolctl_result,
+    so a job submitted with a larger --max-retries gets the queue's: the submit
+    says so on stderr, and the worker sends the job to the failure queue with its
+    result on the queue's last retry, and records it dead (not queued for good)."""
+    c = HttpClient(node.http_url, node.admin_key)
+    c.put_queue("q7", maxRetries=1)
+    r = spool.run("submit", "--queue", "q7", "--max-retries", "3", "--", "sh", "-c", "exit 5", global_args=g(node))
+    msg_id = r.stdout.decode().strip()
+    assert msg_id and len(r.stdout.split()) == 1, r.stdout
+    assert b"maxRetries 1" in r.stderr and b"at most 1 times, not 3" in r.stderr, r.stderr
+    summary = spool.json("worker", "--queue", "q7", "--drain", global_args=g(node), timeout_s=60)
+    assert (summary["failed"], summary["dead"]) == (2, 1), summary
+    job = spool.job(msg_id)
+    assert job["state"] == "dead" and [a["exit_code"] for a in job["attempts"]] == [5, 5], job
+    d = c.receive("q7.failed")
+    assert d is not None
+    res = json.loads(d.body)["spoolctl_result"]
+    assert res["exit_code"] == 5 and res["retry_count"] == 1 and "maxRetries (1)" in res["detail"], res
+    q7 = c.get_queue("q7")["stats"]
+    assert q7["ackedTotal"] == 1 and q7["failedTotal"] == 0, q7
+
+
+@pytest.mark.parametrize("max_retries", [0, 3])
+def test_a_stopped_worker_gives_its_job_back_with_a_nack_that_counts(spool, node, tmp_path, max_retries):
+    """J9: SIGTERM stops the running command and nacks its message, a retry spent
+    (docs/jobs.md). On the queue's last retry the queue moves the message to its
+    failure queue itself, and the worker's record says dead, not queued."""
+    c = HttpClient(node.http_url, node.admin_key)
+    q = f"q8-{max_retries}"
+    c.put_queue(q, maxRetries=max_retries)
+    started = tmp_path / "started"
+    msg_id = spool.run("submit", "--queue", q, "--max-retries", str(max_retries), "--", "sh", "-c",
+                       f"touch {started}; sleep 300", global_args=g(node)).stdout.decode().strip()
+    w = spool.start_worker("--queue", q, global_args=g(node))
+    try:
+        wait_until(started.exists, 20, what="the attempt running")
+        w.send_signal(signal.SIGTERM)
+        assert w.wait(timeout=30) == 0
+    finally:
+        if w.poll() is None:
+            w.kill()
+            w.wait()
+    [a] = spool.job(msg_id)["attempts"]
+    assert a["failure_reason"] == "worker_stopped", a
+    stats = c.get_queue(q)["stats"]
+    if max_retries == 0:
+        assert spool.job(msg_id)["state"] == "dead"
+        assert stats["failedTotal"] == 1 and stats["visible"] == 0, stats
+        assert c.get_queue(f"{q}.failed")["stats"]["visible"] == 1
+    else:
+        assert spool.job(msg_id)["state"] == "queued"
+        d = c.receive(q)
+        assert d is not None and d.retry_count == 1 and d.id == msg_id
+
+
 def test_worker_crash_is_a_lease_expiry_that_counts_as_a_retry(spool, node, tmp_path):
     c = HttpClient(node.http_url, node.admin_key)
     c.put_queue("q3", leaseTimeoutSeconds=1.0, maxRetries=3)

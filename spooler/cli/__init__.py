@@ -27,6 +27,17 @@ def emit(args, obj, text=None) -> None:
             print(text)
 
 
+def warn(text: str) -> None:
+    """A warning on stderr: never on stdout (print(file=None), when spoolctl was
+    started with stderr closed, would write it there), and never a failure."""
+    if sys.stderr is None:
+        return
+    try:
+        print(f"spoolctl: warning: {text}", file=sys.stderr)
+    except (OSError, ValueError):
+        pass
+
+
 def add_json(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return p
@@ -194,8 +205,8 @@ def main(argv=None) -> int:
         # the global --key is the server's API key (API.md: global options come
         # before the command), unused by a local submit: say so, in case an
         # idempotency key was meant (it goes after the command)
-        print("spoolctl: warning: --key before the command is the server's API key (used with --queue), not an "
-              "idempotency key; an idempotency key goes after it: spoolctl submit --key K -- CMD", file=sys.stderr)
+        warn("--key before the command is the server's API key (used with --queue), not an "
+             "idempotency key; an idempotency key goes after it: spoolctl submit --key K -- CMD")
     as_json = getattr(args, "json", False)
     real_stdout, sys.stdout = sys.stdout, _GuardedOut(sys.stdout)
     try:

@@ -12,7 +12,7 @@ import shlex
 import sys
 import time
 
-from spooler.cli import add_json, emit, int_arg, number_arg
+from spooler.cli import add_json, emit, int_arg, number_arg, warn
 from spooler.errors import InvalidArgument, NotFound
 from spooler.jobs import knobs, states
 
@@ -134,6 +134,9 @@ def cmd_submit(args) -> int:
         knobs.load()   # validate the knobs everywhere, for one consistent rule
         job = remote.submit(HttpClient(args.server, args.key), args.queue, command, args.priority,
                             args.max_retries, args.max_crashes, args.timeout, args.idem_key, cwd)
+        if job["queue_max_retries"] < job["max_retries"]:
+            warn(f"queue {args.queue} has maxRetries {job['queue_max_retries']}, so this job is retried at most "
+                 f"{job['queue_max_retries']} times, not {job['max_retries']}")
         emit(args, job, job["id"])
         return 0
     store = _store(args, create=True)

@@ -98,7 +98,9 @@ def submit(client, queue: str, command: list, priority: int = knobs.DEFAULT_PRIO
     return {"id": r["id"], "duplicate": bool(r.get("duplicate")), "state": states.QUEUED,
             "priority": priority, "command": command, "key": key, "backend": "spooler", "queue": queue,
             "max_retries": max_retries, "max_crashes": max_crashes, "timeout_s": timeout_s,
-            "crash_count": 0, "failure_reason": None, "attempts": []}
+            "crash_count": 0, "failure_reason": None, "attempts": [],
+            # the job gets min(max_retries, this) retries: the queue moves it past its own
+            "queue_max_retries": int((doc.get("settings") or {}).get("maxRetries", max_retries))}
 
 
 class RemoteWorker:
@@ -124,6 +126,7 @@ class RemoteWorker:
         self.errors: list = []
         self.failure_queue = f"{queue}.failed"
         self.renew_every_s = settings.heartbeat_interval_s
+        self.queue_max_retries = knobs.DEFAULT_MAX_RETRIES  # the queue's maxRetries (run() reads it)
 
     def run(self) -> dict:
         from spooler.jobs.worker import Worker
@@ -132,6 +135,9 @@ class RemoteWorker:
         st = doc.get("settings") or {}
         self.failure_queue = st.get("failureQueue") or self.failure_queue
         lease_s = float(st.get("leaseTimeoutSeconds") or 30.0)
+        # the queue moves a message whose retry count would pass its maxRetries on its
+        # own, without a spoolctl_result: a job's budget can be no larger
+        self.queue_max_retries = int(st.get("maxRetries", knobs.DEFAULT_MAX_RETRIES))
         self.renew_every_s = max(0.05, min(self.settings.heartbeat_interval_s, lease_s / 3))
         Store(self.spool_dir, self.settings.busy_timeout_s).close()
         restore = Worker._install_signals(self)   # same SIGTERM/SIGINT handling
@@ -275,12 +281,22 @@ class RemoteWorker:
                 # spends a retry, as a crash's lease expiry does (docs/jobs.md)
                 client.nack(d.token)
                 self._bump("stopped")
-                store.finish_remote(claim, reason, res.exit_code, states.QUEUED, d.retry_count,
-                                    f"{detail}; given back with a nack, which the queue counts as a retry")
+                if d.retry_count + 1 > self.queue_max_retries:  # the queue moved it: not queued any more
+                    store.finish_remote(claim, reason, res.exit_code, states.DEAD, d.retry_count,
+                                        f"{detail}; given back with a nack on the queue's last retry "
+                                        f"(maxRetries {self.queue_max_retries}): the queue moved it to "
+                                        f"{self.failure_queue}")
+                else:
+                    store.finish_remote(claim, reason, res.exit_code, states.QUEUED, d.retry_count,
+                                        f"{detail}; given back with a nack, which the queue counts as a retry")
             else:
                 self._bump("failed")
                 failures = d.retry_count + 1
-                if failures > int(job["max_retries"]):
+                budget = min(int(job["max_retries"]), self.queue_max_retries)
+                if failures > budget:
+                    if budget < int(job["max_retries"]):
+                        detail = (f"{detail}; the queue's maxRetries ({budget}) is below the job's "
+                                  f"max_retries ({job['max_retries']})")
                     result = {"failure_reason": reason, "exit_code": res.exit_code, "detail": detail,
                               "host": self.identity.host, "worker_id": self.identity.worker_id,
                               "stdout": claim.stdout, "stderr": claim.stderr, "retry_count": d.retry_count,
