@@ -105,6 +105,39 @@ def _hostport(s: str) -> tuple:
     return host.strip("[]"), int(port)
 
 
+def check_listenable(what: str, host: str, port: int) -> None:
+    """Refuse an address another process holds before anything is created: no
+    data directory or store is made, no election is held, and gRPC's own log
+    line about a failed bind is not printed beside ours. Binds and closes a
+    socket per address the name gives, as asyncio's server does (an address
+    family the host lacks is skipped). The servers bind for real later; a
+    process taking the port in between still meets the ListenError there."""
+    import errno
+    import socket
+    if port == 0:
+        return  # any free port
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        raise grpc_api.ListenError(f"cannot listen for {what} on {host}:{port}: {e.strerror or e}") from None
+    bound = 0
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(addr)
+                bound += 1
+            except OSError as e:
+                if e.errno == errno.EADDRNOTAVAIL:
+                    continue
+                raise grpc_api.ListenError(f"cannot listen for {what} on {host}:{port}: "
+                                           f"{e.strerror or e}") from None
+    if not bound:
+        raise grpc_api.ListenError(f"cannot listen for {what} on {host}:{port}: no such address here")
+
+
 def _parse_peers(spec: str, me: str):
     """ID=HOST:PORT,... -> {id: address}; None for a single node."""
     items = [x.strip() for x in spec.split(",") if x.strip()]
@@ -166,6 +199,8 @@ def freeze_loaded_state() -> None:
 
 async def serve(args) -> int:
     peers = _parse_peers(args.peers, args.id)
+    check_listenable("gRPC", *_hostport(args.grpc))
+    check_listenable("HTTP", *_hostport(args.http))
     os.makedirs(args.data, exist_ok=True)
     tls = None
     if args.tls_cert:

@@ -71,3 +71,7 @@ def test_an_address_in_use_is_one_clear_line_and_exit_1(tmp_path, flag):
     assert f"spooler-node: cannot listen for {what} on 127.0.0.1:{port}" in err, err[-2000:]
     assert "Traceback" not in err, err[-2000:]
     assert b'"ready"' not in p.stdout
+    # refused before anything was made: no data directory, no store, no election,
+    # and not gRPC's own log line about the bind beside ours
+    assert not (tmp_path / "d").exists()
+    assert "elected" not in err and "Failed to add port" not in err, err[-2000:]
