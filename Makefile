@@ -18,7 +18,7 @@ install: $(STAMP)
 SPOOLER_ADMIN_KEY ?= dev-admin-key
 run: $(STAMP)
 	@echo "admin key: $(SPOOLER_ADMIN_KEY)"
-	SPOOLER_ADMIN_KEY=$(SPOOLER_ADMIN_KEY) $(BIN)/spooler-node --id n1 --data ./var \
+	SPOOLER_ADMIN_KEY=$(SPOOLER_ADMIN_KEY) exec $(BIN)/spooler-node --id n1 --data ./var \
 		--http 127.0.0.1:8080 --grpc 127.0.0.1:50051
 
 # Three nodes on 127.0.0.1 (HTTP 8081-8083, gRPC 27061-27063), data under ./var/cluster.
@@ -32,13 +32,13 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''
 
-# Long failover drills: make drill SEEDS=1-100 DURATION=30 [POWER_LOSS=1] [PARTITIONS=1] [CASCADES=1] [DISK_LOSS=1] [GRACEFUL=1] [NODES=5]
+# Long failover drills: make drill SEEDS=1-100 DURATION=30 [POWER_LOSS=1] [PARTITIONS=1] [CASCADES=1] [DISK_LOSS=1] [GRACEFUL=1] [NODES=5] [FAULTS=kind,...]
 SEEDS ?= 1-5
 DURATION ?= 30
 drill: $(STAMP)
 	$(BIN)/python -m tests.drills.run --seeds $(SEEDS) --duration $(DURATION) $(if $(POWER_LOSS),--power-loss,) \
 		$(if $(PARTITIONS),--partitions,) $(if $(CASCADES),--cascades,) $(if $(DISK_LOSS),--disk-loss,) \
-		$(if $(GRACEFUL),--graceful,) $(if $(NODES),--nodes $(NODES),)
+		$(if $(GRACEFUL),--graceful,) $(if $(NODES),--nodes $(NODES),) $(if $(FAULTS),--faults $(FAULTS),)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run

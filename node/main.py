@@ -260,7 +260,7 @@ async def serve(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     print(json.dumps({"event": "ready", "id": args.id, "http": f"{hhost}:{hport}", "grpc": f"{ghost}:{gport}",
-                      "epoch": engine.epoch}), flush=True)
+                      "epoch": engine.epoch, "pid": os.getpid()}), flush=True)
     await stop.wait()
     log.info("stopping")
     engine.draining = True  # /readyz 503 from now on, also while a primary hands over

@@ -148,7 +148,11 @@ def cmd_cluster_status(args):
 
 def cmd_cluster_promote(args):
     d = _client(args).promote(args.node)
-    emit(args, d, f"primary is now {d['primary']} (epoch {d['epoch']})")
+    if d.get("primary"):
+        emit(args, d, f"primary is now {d['primary']} (epoch {d['epoch']})")
+    else:  # an older primary answers with its own view, which may not know the new one yet
+        emit(args, d, f"switchover to {args.node} done; the answering node does not know the new primary "
+                      f"yet (epoch {d['epoch']}): see spoolctl cluster status")
 
 
 def register(sub) -> None:

@@ -180,6 +180,11 @@ def main(argv=None) -> int:
                 fh.write(json.dumps(slim, default=str) + "\n")
     print()
     print(summarize(reports))
+    if not args.workdir and not args.keep:
+        try:
+            os.rmdir(root)  # the directory it made itself, once every seed passed (emptied): not left behind
+        except OSError:
+            pass  # a failing seed's files are in it: kept
     return 0 if all(r["required_zeros_ok"] for r in reports) else 1
 
 

@@ -172,3 +172,18 @@ def test_systemd_unit_names_only_real_settings():
     assert set(example) <= known, f"the unit's example names settings the node does not read: {set(example) - known}"
     status = re.search(r"^RestartPreventExitStatus=(\d+)$", unit, re.M)
     assert status and int(status.group(1)) == EXIT_STORE_FAILED
+
+
+def test_the_build_context_leaves_out_the_working_tree_but_not_what_the_image_copies():
+    """The compose files build from the repository root: .dockerignore keeps a
+    virtualenv, a node's data and the spool out of the context (a make run
+    leaves them there), and none of what the Dockerfile COPYs."""
+    ignored = [ln.strip().rstrip("/") for ln in (DEPLOY.parent / ".dockerignore").read_text().splitlines()
+               if ln.strip() and not ln.startswith("#")]
+    for must in (".venv", "var", ".spoolctl", ".git"):
+        assert must in ignored, must
+    copied = [src for line in (DEPLOY / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")
+              for src in shlex.split(line[5:])[:-1]]
+    assert {"pyproject.toml", "spooler", "node"} <= set(copied), copied
+    for src in copied:
+        assert not any(src == ig or src.startswith(ig + "/") for ig in ignored), src

@@ -41,6 +41,7 @@ def test_the_spooler_node_script_runs_on_the_older_io_path(tmp_path):
     try:
         ready = json.loads(p.stdout.readline() or b"{}")
         assert ready.get("event") == "ready", log.read_text()
+        assert ready.get("pid") == p.pid, ready  # the pid to stop it by (make run's node, README)
         wait_until(lambda: LINE in log.read_text(), 5, what="the I/O path in the log")
     finally:
         p.kill()

@@ -28,3 +28,27 @@ def test_an_older_nodes_cluster_info_reads_without_the_fields_it_never_sent():
     assert d == {"nodeId": "n1", "role": "replica", "epoch": 3, "primary": "n2",
                  "nodes": [{"id": "n1", "role": "replica", "address": "h1:1", "lsn": 9},
                            {"id": "n2", "role": "primary", "address": "h2:1"}]}
+
+
+def test_spoolctl_promote_never_prints_a_primary_of_none(monkeypatch, capsys):
+    """An older primary answers a promote with its own view, which may name no
+    primary yet: spoolctl says the switchover is done and where to look, not
+    "primary is now None"."""
+    import argparse
+
+    from spooler.cli import spool as cli_spool
+
+    answers = [{"nodeId": "n1", "role": "replica", "epoch": 2, "primary": None, "nodes": []},
+               {"nodeId": "n1", "role": "replica", "epoch": 2, "primary": "n2", "nodes": []}]
+
+    class Fake:
+        def promote(self, node):
+            return answers.pop(0)
+
+    monkeypatch.setattr(cli_spool, "_client", lambda args: Fake())
+    args = argparse.Namespace(node="n2", json=False)
+    cli_spool.cmd_cluster_promote(args)
+    out = capsys.readouterr().out
+    assert "None" not in out and "switchover to n2 done" in out and "epoch 2" in out, out
+    cli_spool.cmd_cluster_promote(args)
+    assert capsys.readouterr().out.strip() == "primary is now n2 (epoch 2)"
