@@ -4,7 +4,7 @@ HTTP 8081-8083, gRPC 27061-27063 (first ports from SPOOLER_CLUSTER_HTTP_PORT and
 SPOOLER_CLUSTER_GRPC_PORT), data under ./var/cluster/nN (SPOOLER_CLUSTER_DIR), one
 admin key (SPOOLER_ADMIN_KEY, default dev-admin-key). Each node's stdout lines
 (its ready line) are printed with its id in front; its log goes to stderr as it
-is. Their pids are printed at the start. A node that exits is reported once, and
+is (each log line names its node after the time). Their pids are printed at the start. A node that exits is reported once, and
 the others keep running (stopping one is how a failover is tried); once none
 is left, this exits 1. Ctrl-C (or
 SIGTERM) stops all of them; each is ended by its pid.

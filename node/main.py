@@ -293,7 +293,9 @@ def main(argv=None, grpc_io: str = "") -> int:
         raise SystemExit(refusal())
     if os.environ.get("SPOOLER_SWITCH_INTERVAL"):
         sys.setswitchinterval(float(os.environ["SPOOLER_SWITCH_INTERVAL"]))
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    # the node's id on every line: the logs of a cluster's members read apart (make cluster, drills)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s {args.id.replace('%', '%%')} %(levelname)s %(name)s %(message)s",
                         stream=sys.stderr)
     log.info("gRPC I/O path: %s (GRPC_EXPERIMENTS=%s)", grpc_io or "not settled (node.process not run)",
              os.environ.get("GRPC_EXPERIMENTS", ""))

@@ -43,6 +43,9 @@ def test_the_spooler_node_script_runs_on_the_older_io_path(tmp_path):
         assert ready.get("event") == "ready", log.read_text()
         assert ready.get("pid") == p.pid, ready  # the pid to stop it by (make run's node, README)
         wait_until(lambda: LINE in log.read_text(), 5, what="the I/O path in the log")
+        # every log line names its node after the time (a cluster's logs read apart)
+        line = next(x for x in log.read_text().splitlines() if LINE in x)
+        assert line.split()[2] == "n1", line
     finally:
         p.kill()
         p.wait()
