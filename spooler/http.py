@@ -108,6 +108,14 @@ class HttpClient:
         return urllib.parse.quote(name.encode("utf-8", "surrogateescape"), safe="")
 
     @staticmethod
+    def _name(name: str, what: str = "queue name") -> str:
+        """A queue name (or key id) for a path: an empty one would make another
+        path (the list of queues, or no route at all), so it is refused here."""
+        if not name:
+            raise errors.InvalidArgument(f"malformed {what}: it is empty")
+        return HttpClient._q(name)
+
+    @staticmethod
     def _token(token: str) -> str:
         if not token:
             raise errors.InvalidArgument("malformed lease token: it is empty")
@@ -116,21 +124,21 @@ class HttpClient:
     # --- queues -----------------------------------------------------------
     def put_queue(self, name: str, **settings) -> dict:
         """settings: leaseTimeoutSeconds, maxRetries, retentionSeconds, dedupWindowSeconds, failureQueue."""
-        status, doc = self._json("PUT", f"/v1/queues/{self._q(name)}", settings)
+        status, doc = self._json("PUT", f"/v1/queues/{self._name(name)}", settings)
         doc["created"] = status == 201
         return doc
 
     def get_queue(self, name: str) -> dict:
-        return self._json("GET", f"/v1/queues/{self._q(name)}")[1]
+        return self._json("GET", f"/v1/queues/{self._name(name)}")[1]
 
     def list_queues(self) -> list:
         return self._json("GET", "/v1/queues")[1]["queues"]
 
     def delete_queue(self, name: str) -> None:
-        self.request("DELETE", f"/v1/queues/{self._q(name)}")
+        self.request("DELETE", f"/v1/queues/{self._name(name)}")
 
     def redrive(self, name: str) -> int:
-        return self._json("POST", f"/v1/queues/{self._q(name)}/redrive")[1]["moved"]
+        return self._json("POST", f"/v1/queues/{self._name(name)}/redrive")[1]["moved"]
 
     # --- messages ---------------------------------------------------------
     def send(self, queue: str, body: bytes, delay_s: Optional[float] = None,
@@ -140,11 +148,11 @@ class HttpClient:
             h["Spooler-Delay-Seconds"] = seconds(delay_s)
         if dedup_key is not None:  # "" too: the node answers invalid_argument, not a send without a key
             h["Spooler-Dedup-Key"] = dedup_key
-        _, _, data = self.request("POST", f"/v1/queues/{self._q(queue)}/messages", body, h)
+        _, _, data = self.request("POST", f"/v1/queues/{self._name(queue)}/messages", body, h)
         return json.loads(data)
 
     def receive(self, queue: str, wait_s: float = 0.0) -> Optional[Delivery]:
-        path = f"/v1/queues/{self._q(queue)}/receive?wait={seconds(wait_s)}"
+        path = f"/v1/queues/{self._name(queue)}/receive?wait={seconds(wait_s)}"
         status, h, data = self.request("POST", path, timeout_s=self.timeout_s + wait_s)
         if status == 204:
             return None
@@ -170,7 +178,7 @@ class HttpClient:
         return self._json("GET", "/v1/keys")[1]["keys"]
 
     def delete_key(self, key_id: str) -> None:
-        self.request("DELETE", f"/v1/keys/{self._q(key_id)}")
+        self.request("DELETE", f"/v1/keys/{self._name(key_id, 'key id')}")
 
     def cluster(self) -> dict:
         return self._json("GET", "/v1/cluster")[1]

@@ -431,6 +431,20 @@ def _counted(metrics, e: errors.SpoolerError) -> web.Response:
     return _error(e)
 
 
+# A contract route with its name, token or key id left empty matches no route; it is
+# a malformed name (400 invalid_argument, API.md), not a route that does not exist
+_EMPTY_PART = ((re.compile(r"^/v1/queues/(/(messages|receive|redrive))?$"), "queue name"),
+               (re.compile(r"^/v1/leases//(ack|nack|renew)$"), "lease token"),
+               (re.compile(r"^/v1/keys/$"), "key id"))
+
+
+def _no_route(path: str) -> errors.SpoolerError:
+    for pattern, what in _EMPTY_PART:
+        if pattern.match(path):
+            return errors.InvalidArgument(f"malformed {what}: it is empty")
+    return errors.NotFound(f"no route {path}")
+
+
 def _errors_mw(metrics):
     async def answer(request, handler):
         """The handler's answer, or the error table's for what it raised."""
@@ -445,7 +459,7 @@ def _errors_mw(metrics):
             r.headers["Allow"] = ", ".join(sorted(e.allowed_methods))
             return r
         except web.HTTPNotFound:
-            return _counted(metrics, errors.NotFound(f"no route {request.path}"))
+            return _counted(metrics, _no_route(request.path))
         except web.HTTPException as e:
             if e.status >= 400:
                 return _counted(metrics, errors.InvalidArgument(e.reason or str(e.status)))

@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"spoolctl {__version__}")
     p.add_argument("--spool", default=os.environ.get("SPOOLCTL_DIR") or "./.spoolctl",
                    help="job runner spool directory (env SPOOLCTL_DIR, default ./.spoolctl)")
-    p.add_argument("--server", default=os.environ.get("SPOOLER_URL", "http://127.0.0.1:8080"),
+    p.add_argument("--server", default=os.environ.get("SPOOLER_URL") or "http://127.0.0.1:8080",
                    help="Spooler HTTP URL (env SPOOLER_URL)")
     p.add_argument("--key", default=os.environ.get("SPOOLER_KEY", ""),
                    help="Spooler API key (env SPOOLER_KEY)")
@@ -215,11 +215,14 @@ def main(argv=None) -> int:
         sys.stdout = real_stdout
 
 
-def _json_error(err: dict) -> None:
+def _json_error(err: dict, received=None) -> None:
     """An error's JSON on stdout, under --json; if stdout cannot take it either,
-    stderr (written next) is where it is said."""
+    stderr (written next) is where it is said. ``received``: a message the
+    command received before it failed (``receive --ack`` whose ack failed), given
+    beside the error so that it is not lost with it."""
     try:
-        print(json.dumps({"error": err}), file=sys.stdout)
+        print(json.dumps({"error": err} if received is None else {"error": err, "received": received}),
+              file=sys.stdout)
         sys.stdout.flush()
     except (OutputFailed, OSError):
         _stdout_gone()
@@ -237,13 +240,14 @@ def _run(args, as_json: bool) -> int:
         if args.command == "submit":
             done = " (its job is queued: see `spoolctl list` before submitting it again)"
         elif args.command == "receive" and getattr(args, "ack", False):
-            done = " (what it received is acked: it is not delivered again)"
+            done = (" (what it received is acked: it is not delivered again)" if as_json else
+                    " (what it received is not acked: it is delivered again once its lease expires)")
         print(f"spoolctl: {OutputFailed.kind}: could not write to standard output ({e}); what the command "
               f"did stands{done}", file=sys.stderr)
         return 1
     except SpoolerError as e:
         if as_json:
-            _json_error(e.to_dict())
+            _json_error(e.to_dict(), getattr(e, "received", None))
         reason = f" ({e.reason})" if e.reason and not e.message.endswith(e.reason) else ""
         print(f"spoolctl: {e.kind}: {e.message}{reason}", file=sys.stderr)
         return 1

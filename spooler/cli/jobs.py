@@ -127,7 +127,7 @@ def _cwd() -> str:
 def cmd_submit(args) -> int:
     command = _command_argv(args)
     cwd = _cwd()  # first: the default spool (./.spoolctl) is found through it
-    if args.queue:
+    if args.queue is not None:  # (--queue "" is a malformed name, not the local spool)
         from spooler.http import HttpClient
         from spooler.jobs import remote
 
@@ -156,7 +156,7 @@ def cmd_worker(args) -> int:
     _spool_named(args)
     settings = _settings(args, heartbeat_interval_s=args.heartbeat_interval)
     progress = sys.stderr if (args.drain and _stderr_tty()) else None
-    if args.queue:
+    if args.queue is not None:
         from spooler.http import HttpClient
         from spooler.jobs.remote import RemoteWorker
 

@@ -11,12 +11,24 @@ import json
 import os
 import sys
 
-from spooler.cli import add_json, emit, seconds_arg
+from spooler.cli import add_json, emit, int_arg, number_arg, seconds_arg
+from spooler.errors import InvalidArgument, SpoolerError
 from spooler.http import HttpClient
 
-SETTING_FLAGS = (("--lease-timeout", "leaseTimeoutSeconds", float), ("--max-retries", "maxRetries", int),
-                 ("--retention", "retentionSeconds", float), ("--dedup-window", "dedupWindowSeconds", float),
+# numbers in plain ASCII (not Python's int()/float(), which take "1_000", other
+# scripts' digits, "nan"): one written otherwise is a usage error; one out of range
+# is the node's invalid_argument (docs/jobs.md)
+SETTING_FLAGS = (("--lease-timeout", "leaseTimeoutSeconds", number_arg), ("--max-retries", "maxRetries", int_arg),
+                 ("--retention", "retentionSeconds", number_arg), ("--dedup-window", "dedupWindowSeconds", number_arg),
                  ("--failure-queue", "failureQueue", str))
+
+
+def _listing(args, obj: dict, lines: list, empty: str) -> None:
+    """A list: one line per item on stdout; an empty one says so on stderr, so that
+    a script reading stdout line by line gets no item that is not one."""
+    emit(args, obj, "\n".join(lines))
+    if not lines and not args.json:
+        print(empty, file=sys.stderr)
 
 
 def _client(args) -> HttpClient:
@@ -49,7 +61,7 @@ def cmd_queue_get(args):
 
 def cmd_queue_list(args):
     qs = _client(args).list_queues()
-    emit(args, {"queues": qs}, "\n".join(_queue_line(d) for d in qs) or "(no queues)")
+    _listing(args, {"queues": qs}, [_queue_line(d) for d in qs], "(no queues)")
 
 
 def cmd_queue_delete(args):
@@ -59,7 +71,12 @@ def cmd_queue_delete(args):
 
 def cmd_send(args):
     # os.fsencode: the argument's own bytes, also when they are not UTF-8
-    body = sys.stdin.buffer.read() if args.body == "-" else os.fsencode(args.body)
+    if args.body == "-":
+        if sys.stdin is None:  # started with its stdin closed: there is no body to read
+            raise InvalidArgument("the body is - (standard input), but standard input is closed")
+        body = sys.stdin.buffer.read()
+    else:
+        body = os.fsencode(args.body)
     r = _client(args).send(args.queue, body, delay_s=args.delay, dedup_key=args.dedup_key)
     emit(args, r, r["id"] + (" (duplicate)" if r["duplicate"] else ""))
 
@@ -73,21 +90,40 @@ def cmd_receive(args):
             return 0
         print("(no message)", file=sys.stderr)  # stdout carries message bodies only
         return 3
-    if args.ack:
-        c.ack(d.token)
     out = {"id": d.id, "token": d.token, "retryCount": d.retry_count, "leaseExpiresAt": d.expires_at,
            "acked": bool(args.ack), **_body_text(d.body)}
     if args.json:
+        if args.ack:
+            _ack_received(c, d, out)
         emit(args, out)
-    else:
-        # the body exactly as sent (a pipe gets every byte and nothing more); only a
-        # terminal gets a line break after a body that lacks one
-        sys.stdout.buffer.write(d.body)
-        if sys.stdout.isatty() and not d.body.endswith(b"\n"):
-            sys.stdout.buffer.write(b"\n")
-        sys.stdout.buffer.flush()
-        print(f"id={d.id} retry={d.retry_count} expires={d.expires_at}" + ("" if args.ack else f"\ntoken={d.token}"),
-              file=sys.stderr)
+        return 0
+    # the body first, exactly as sent (a pipe gets every byte and nothing more; only
+    # a terminal gets a line break after a body that lacks one), and only then the
+    # ack: a body that could not be written is not acked (it comes back once its
+    # lease expires), and one whose ack failed has been shown, with its token
+    sys.stdout.buffer.write(d.body)
+    if sys.stdout.isatty() and not d.body.endswith(b"\n"):
+        sys.stdout.buffer.write(b"\n")
+    sys.stdout.buffer.flush()
+    if args.ack:
+        _ack_received(c, d, out)
+    print(f"id={d.id} retry={d.retry_count} expires={d.expires_at}" + ("" if args.ack else f"\ntoken={d.token}"),
+          file=sys.stderr)
+
+
+def _ack_received(c, d, out: dict) -> None:
+    """``receive --ack``'s ack. If it fails, what was received is not lost with it:
+    the error carries the message (``--json``: beside the error, with ``acked``
+    null, as it may or may not have landed), and stderr has its id and token."""
+    try:
+        c.ack(d.token)
+    except SpoolerError as e:
+        out["acked"] = None
+        e.received = out
+        print(f"id={d.id} retry={d.retry_count} expires={d.expires_at}\ntoken={d.token}\n"
+              "spoolctl: the message was received but its ack failed: ack it with `spoolctl ack TOKEN`; "
+              "an ack that did not land leaves it to be delivered again once its lease expires", file=sys.stderr)
+        raise
 
 
 def cmd_ack(args):
@@ -112,9 +148,9 @@ def cmd_redrive(args):
 
 def cmd_stats(args):
     c = _client(args)
-    qs = [c.get_queue(args.queue)] if args.queue else c.list_queues()
-    emit(args, {"queues": [{"name": d["name"], "stats": d["stats"]} for d in qs]},
-         "\n".join(_queue_line(d) for d in qs) or "(no queues)")
+    qs = [c.get_queue(args.queue)] if args.queue is not None else c.list_queues()  # "" is refused, not "all"
+    _listing(args, {"queues": [{"name": d["name"], "stats": d["stats"]} for d in qs]},
+             [_queue_line(d) for d in qs], "(no queues)")
 
 
 def cmd_keys_create(args):
@@ -126,8 +162,8 @@ def cmd_keys_create(args):
 
 def cmd_keys_list(args):
     ks = _client(args).list_keys()
-    emit(args, {"keys": ks}, "\n".join(f"{k['id']} queue={k['queue']} scopes={','.join(k['scopes'])}" for k in ks)
-         or "(no keys)")
+    _listing(args, {"keys": ks}, [f"{k['id']} queue={k['queue']} scopes={','.join(k['scopes'])}" for k in ks],
+             "(no keys)")
 
 
 def cmd_keys_delete(args):

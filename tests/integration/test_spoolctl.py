@@ -194,3 +194,162 @@ def test_a_closed_pipe_ends_quietly(node):
                 p.wait()
         assert rc == 1 and "BrokenPipe" not in err and "Traceback" not in err and "Exception ignored" not in err, \
             (rc, err)
+
+
+class _AckAnswerLost:
+    """A proxy to the node that passes every request on and every answer back,
+    except an ack's answer: the ack reaches the node, then the connection closes."""
+
+    def __init__(self, node):
+        import http.client
+        import http.server
+        import threading
+        from urllib.parse import urlsplit
+        target = urlsplit(node.http_url)
+
+        class H(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self):
+                self._relay()
+
+            def do_GET(self):
+                self._relay()
+
+            def do_PUT(self):
+                self._relay()
+
+            def _relay(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+                try:
+                    conn.request(self.command, self.path, body=body,
+                                 headers={k: v for k, v in self.headers.items() if k.lower() != "host"})
+                    r = conn.getresponse()
+                    data = r.read()
+                finally:
+                    conn.close()
+                if self.path.endswith("/ack"):
+                    self.close_connection = True  # the ack landed; its answer never comes back
+                    return
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("content-length", "connection", "transfer-encoding"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+def test_receive_ack_whose_ack_fails_still_gives_the_message_and_its_token(node):
+    """A lost ack answer must not take the message with it: plain, the body is on
+    stdout before the ack, and stderr has its id and token; with --json the error
+    carries the message, its ``acked`` null (the ack may have landed: here it did)."""
+    assert run(node, "queue", "create", "lostack")[0] == 0
+    proxy = _AckAnswerLost(node)
+    try:
+        assert run(node, "send", "lostack", "one")[0] == 0
+        rc, out, err = run(node, "receive", "lostack", "--ack", server=proxy.url)
+        assert rc == 1 and out == b"one", (rc, out, err)
+        assert "operation_unconfirmed" in err and "token=" in err and "spoolctl ack TOKEN" in err, err
+        assert run(node, "send", "lostack", "two")[0] == 0
+        rc, out, err = run(node, "receive", "lostack", "--ack", "--json", server=proxy.url)
+        assert out.count(b"\n") == 1, (rc, out, err)
+        d = json.loads(out)
+        assert rc == 1 and d["error"]["kind"] == "operation_unconfirmed", d
+        assert d["received"]["body"] == "two" and d["received"]["acked"] is None and d["received"]["token"], d
+    finally:
+        proxy.close()
+    rc, st = run_json(node, "stats", "lostack")
+    assert st["queues"][0]["stats"]["ackedTotal"] == 2  # both acks landed; both bodies were shown
+
+
+def test_receive_ack_whose_body_cannot_be_written_leaves_it_unacked(node):
+    """Plain ``receive --ack`` writes the body before it acks: a stdout that fails
+    leaves the message leased, to be delivered again, not acked unseen."""
+    assert run(node, "queue", "create", "fullout", "--lease-timeout", "30")[0] == 0
+    assert run(node, "send", "fullout", "kept")[0] == 0
+    e = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLER_")}
+    with open("/dev/full", "wb") as full:
+        p = subprocess.run([sys.executable, "-m", "spooler", "--server", node.http_url, "--key", node.admin_key,
+                            "receive", "fullout", "--ack"], stdout=full, stderr=subprocess.PIPE, timeout=60, env=e)
+    err = p.stderr.decode()
+    assert p.returncode == 1 and "output_failed" in err and "not acked" in err, err
+    rc, st = run_json(node, "stats", "fullout")
+    assert (st["queues"][0]["stats"]["ackedTotal"], st["queues"][0]["stats"]["leased"]) == (0, 1), st
+
+
+def test_an_empty_name_is_invalid_argument_on_every_command_never_another_route(node):
+    """"" as a queue name or key id would make another path (/v1/queues/ is no
+    route; stats of "" read as every queue): a malformed name, as API.md says."""
+    assert run(node, "queue", "create", "kept")[0] == 0
+    assert run(node, "send", "kept", "x")[0] == 0
+    for argv in (("queue", "create", ""), ("queue", "get", ""), ("queue", "delete", ""), ("send", "", "hi"),
+                 ("receive", ""), ("redrive", ""), ("stats", ""), ("keys", "delete", "")):
+        rc, d = run_json(node, *argv)
+        assert rc == 1 and d["error"]["kind"] == "invalid_argument", (argv, d)
+    assert run_json(node, "stats", "kept")[1]["queues"][0]["stats"]["visible"] == 1  # nothing lost
+    # the node says the same to any client that sends such a path
+    import urllib.error
+    import urllib.request
+    for method, path in (("POST", "/v1/queues//messages"), ("POST", "/v1/queues//receive"),
+                         ("PUT", "/v1/queues/"), ("POST", "/v1/leases//ack"), ("DELETE", "/v1/keys/")):
+        req = urllib.request.Request(node.http_url + path, data=b"x" if method != "DELETE" else None,
+                                     method=method, headers={"Authorization": f"Bearer {node.admin_key}"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 400 and json.loads(e.value.read())["kind"] == "invalid_argument", (method, path)
+
+
+def test_queue_setting_flags_take_plain_ascii_numbers(node):
+    for flag, value in (("--max-retries", "1_000"), ("--max-retries", "\u0663"), ("--max-retries", "2.5"),
+                        ("--lease-timeout", "1_0"), ("--lease-timeout", "nan"), ("--retention", "inf"),
+                        ("--dedup-window", "\u0665")):
+        rc, out, err = run(node, "queue", "create", "flags", flag, value)
+        assert rc == 2 and "usage:" in err, (flag, value, rc, err)
+    rc, d = run_json(node, "queue", "create", "flags", "--lease-timeout", "-1")  # a number, out of range
+    assert rc == 1 and d["error"]["kind"] == "invalid_argument", d
+    rc, d = run_json(node, "queue", "create", "flags", "--max-retries", "7", "--lease-timeout", "2.5",
+                     "--retention", "1e3", "--dedup-window", "60")
+    assert rc == 0 and d["settings"] == {"leaseTimeoutSeconds": 2.5, "maxRetries": 7, "retentionSeconds": 1000,
+                                         "dedupWindowSeconds": 60, "failureQueue": "flags.failed"}, d
+
+
+def test_send_from_a_closed_stdin_is_invalid_argument_not_a_traceback(node):
+    assert run(node, "queue", "create", "nostdin")[0] == 0
+    e = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLER_")}
+    for extra in ([], ["--json"]):
+        p = subprocess.run([sys.executable, "-m", "spooler", "--server", node.http_url, "--key", node.admin_key,
+                            "send", "nostdin", "-", *extra], capture_output=False, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, timeout=60, env=e, preexec_fn=lambda: os.close(0))
+        err = p.stderr.decode()
+        assert p.returncode == 1 and "invalid_argument" in err and "standard input is closed" in err, err
+        assert "Traceback" not in err, err
+    assert run_json(node, "stats", "nostdin")[1]["queues"][0]["stats"]["sentTotal"] == 0
+
+
+def test_an_empty_listing_says_so_on_stderr_not_as_an_item(node):
+    for argv in (("queue", "list"), ("stats",), ("keys", "list")):
+        rc, out, err = run(node, *argv)
+        assert rc == 0 and out == b"" and "(no " in err, (argv, out, err)
+
+
+def test_an_empty_spooler_url_is_unset(monkeypatch):
+    from spooler.cli import build_parser
+    monkeypatch.setenv("SPOOLER_URL", "")
+    assert build_parser().parse_args(["stats"]).server == "http://127.0.0.1:8080"
+    monkeypatch.setenv("SPOOLER_URL", "http://10.0.0.1:9")
+    assert build_parser().parse_args(["stats"]).server == "http://10.0.0.1:9"
