@@ -43,14 +43,21 @@ def backup(data_dir: str, dest: str) -> None:
                 raise RuntimeError(f"the copy does not check out: {problems[:5]}")
         finally:
             out.close()
-    finally:
+    except BaseException:
         src.close()
+        if os.path.exists(tmp):
+            os.remove(tmp)  # no half copy left behind
+        raise
+    src.close()
     fd = os.open(tmp, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, dest)
+    try:
+        os.link(tmp, dest)  # fails if a file took the name meanwhile: never replaced
+    finally:
+        os.remove(tmp)
     d = os.open(os.path.dirname(os.path.abspath(dest)), os.O_RDONLY)
     try:
         os.fsync(d)

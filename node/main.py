@@ -100,9 +100,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _hostport(s: str) -> tuple:
     host, _, port = s.rpartition(":")
-    if not host or not port.isdigit():
-        raise SystemExit(f"spooler-node: expected HOST:PORT, got {s!r}")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise SystemExit(f"spooler-node: expected HOST:PORT (a port up to 65535), got {s!r}")
     return host.strip("[]"), int(port)
+
+
+def _join(host: str, port: int) -> str:
+    """HOST:PORT again, an IPv6 address in brackets (as gRPC wants it)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def check_listenable(what: str, host: str, port: int) -> None:
@@ -122,7 +127,13 @@ def check_listenable(what: str, host: str, port: int) -> None:
         raise grpc_api.ListenError(f"cannot listen for {what} on {host}:{port}: {e.strerror or e}") from None
     bound = 0
     for family, kind, proto, _, addr in infos:
-        with socket.socket(family, kind, proto) as sock:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError as e:
+            if e.errno in (errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT):
+                continue  # a family this host lacks: skipped, as asyncio's server does
+            raise grpc_api.ListenError(f"cannot listen for {what} on {host}:{port}: {e.strerror or e}") from None
+        with sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
@@ -199,8 +210,11 @@ def freeze_loaded_state() -> None:
 
 async def serve(args) -> int:
     peers = _parse_peers(args.peers, args.id)
-    check_listenable("gRPC", *_hostport(args.grpc))
-    check_listenable("HTTP", *_hostport(args.http))
+    (ghost, gport), (hhost, hport) = _hostport(args.grpc), _hostport(args.http)
+    if gport == hport != 0 and (ghost == hhost or "" in (ghost, hhost) or {ghost, hhost} & {"0.0.0.0", "::"}):
+        raise grpc_api.ListenError(f"cannot listen for HTTP on {args.http}: the same address as --grpc")
+    check_listenable("gRPC", ghost, gport)
+    check_listenable("HTTP", hhost, hport)
     os.makedirs(args.data, exist_ok=True)
     tls = None
     if args.tls_cert:
@@ -225,8 +239,8 @@ async def serve(args) -> int:
     metrics = Metrics(engine)
 
     ghost, gport = _hostport(args.grpc)
-    server, health_servicer, gport = await grpc_api.build_server(svc, metrics, f"{ghost}:{gport}", tls)
-    engine.grpc_address = f"{ghost}:{gport}"
+    server, health_servicer, gport = await grpc_api.build_server(svc, metrics, _join(ghost, gport), tls)
+    engine.grpc_address = _join(ghost, gport)
     tune_gc()
     # grpcio's health service starts out SERVING: not until the node is ready
     await grpc_api.set_serving(health_servicer, False)
@@ -259,7 +273,7 @@ async def serve(args) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(json.dumps({"event": "ready", "id": args.id, "http": f"{hhost}:{hport}", "grpc": f"{ghost}:{gport}",
+    print(json.dumps({"event": "ready", "id": args.id, "http": _join(hhost, hport), "grpc": _join(ghost, gport),
                       "epoch": engine.epoch, "pid": os.getpid()}), flush=True)
     await stop.wait()
     log.info("stopping")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 
 import pytest
 
@@ -137,6 +138,35 @@ def test_a_stopped_worker_gives_its_job_back_with_a_nack_that_counts(spool, node
         assert spool.job(msg_id)["state"] == "queued"
         d = c.receive(q)
         assert d is not None and d.retry_count == 1 and d.id == msg_id
+
+
+def test_a_queue_deleted_while_its_job_runs_stops_the_command_and_the_record_says_so(spool, node, tmp_path):
+    """J9: deleting the queue deletes the message and its lease: the worker's next
+    renewal is refused (queue_not_found), it kills the command as for a lost
+    lease, and the job's record ends dead (nothing will deliver it again), not
+    running or queued for good."""
+    c = HttpClient(node.http_url, node.admin_key)
+    c.put_queue("q9", leaseTimeoutSeconds=30)
+    started = tmp_path / "started"
+    msg_id = spool.run("submit", "--queue", "q9", "--", "sh", "-c", f"touch {started}; sleep 300; echo done",
+                       global_args=g(node)).stdout.decode().strip()
+    w = spool.start_worker("--queue", "q9", "--json", global_args=g(node), stdout=subprocess.PIPE)
+    try:
+        wait_until(started.exists, 20, what="the attempt running")
+        c.delete_queue("q9")
+        wait_until(lambda: spool.job(msg_id)["state"] != "running", 20, what="the attempt ended")
+    finally:
+        w.send_signal(signal.SIGTERM)
+        try:
+            w.wait(timeout=30)
+        finally:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+    job = spool.job(msg_id)
+    [a] = job["attempts"]
+    assert job["state"] == "dead" and a["failure_reason"] == "lease_lost" and "deleted" in a["detail"], job
+    assert spool.run("output", msg_id).stdout == b"", "the command was stopped, not run to its end"
 
 
 def test_worker_crash_is_a_lease_expiry_that_counts_as_a_retry(spool, node, tmp_path):

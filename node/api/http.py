@@ -438,9 +438,9 @@ _EMPTY_PART = ((re.compile(r"^/v1/queues/(/(messages|receive|redrive))?$"), "que
                (re.compile(r"^/v1/keys/$"), "key id"))
 
 
-def _no_route(path: str) -> errors.SpoolerError:
+def _no_route(method: str, path: str) -> errors.SpoolerError:
     for pattern, what in _EMPTY_PART:
-        if pattern.match(path):
+        if pattern.match(path) and (what != "key id" or method == "DELETE"):  # (POST /v1/keys/: a stray slash)
             return errors.InvalidArgument(f"malformed {what}: it is empty")
     return errors.NotFound(f"no route {path}")
 
@@ -459,7 +459,7 @@ def _errors_mw(metrics):
             r.headers["Allow"] = ", ".join(sorted(e.allowed_methods))
             return r
         except web.HTTPNotFound:
-            return _counted(metrics, _no_route(request.path))
+            return _counted(metrics, _no_route(request.method, request.path))
         except web.HTTPException as e:
             if e.status >= 400:
                 return _counted(metrics, errors.InvalidArgument(e.reason or str(e.status)))

@@ -941,9 +941,11 @@ class Service:
                     self.core.end_settle(lease)
                 raise
             changed = await fut
-            for (i, _), ok in zip(fenced, changed):
+            for (i, lease), ok in zip(fenced, changed):
                 if not ok:  # the message was moved or deleted meanwhile (redrive, queue delete)
-                    out[i] = errors.StaleLease("lease is no longer valid: settled", reason="settled")
+                    out[i] = (errors.QueueNotFound(f"queue {lease.queue} does not exist")
+                              if lease.queue not in self.core.queues else  # as _live_lease says
+                              errors.StaleLease("lease is no longer valid: settled", reason="settled"))
         if not per_item_errors:
             if first_error is not None:
                 raise first_error

@@ -187,6 +187,10 @@ def environment_error(e: Exception):
 
 
 def main(argv=None) -> int:
+    if sys.stderr is None:
+        # started with stderr closed: what would go there goes nowhere (print(file=None)
+        # would write it to stdout, among the bodies, ids and JSON a script reads)
+        sys.stderr = open(os.devnull, "w")
     argv = sys.argv[1:] if argv is None else list(argv)
     ours = argv[:argv.index("--")] if "--" in argv else argv  # not a job's own command line
     _Parser.json_errors = "--json" in ours

@@ -120,7 +120,7 @@ class RemoteWorker:
         self.stop_event = threading.Event()
         self._lock = threading.Lock()
         self._active: dict = {}   # token -> job id
-        self._lost: set = set()   # tokens whose lease is gone
+        self._lost: dict = {}     # token -> why its lease is gone: "lease" or "queue" (deleted)
         self.stats = {"claimed": 0, "succeeded": 0, "failed": 0, "dead": 0, "stopped": 0, "lease_lost": 0,
                       "errors": 0}
         self.errors: list = []
@@ -186,7 +186,10 @@ class RemoteWorker:
                     client.renew(tok)
                 except errors.StaleLease:
                     with self._lock:
-                        self._lost.add(tok)
+                        self._lost[tok] = "lease"
+                except errors.QueueNotFound:  # the queue was deleted, its messages and leases with it
+                    with self._lock:
+                        self._lost[tok] = "queue"
                 except errors.SpoolerError:
                     pass   # unreachable for now: try again next beat, the lease may still hold
 
@@ -253,8 +256,7 @@ class RemoteWorker:
         finally:
             with self._lock:
                 self._active.pop(d.token, None)
-                lost = d.token in self._lost
-                self._lost.discard(d.token)
+                lost = self._lost.pop(d.token, None)
         self._settle(client, store, d, job, claim, res, lost)
 
     def _should_stop(self, token: str) -> Optional[str]:
@@ -263,8 +265,16 @@ class RemoteWorker:
         with self._lock:
             return states.LEASE_LOST if token in self._lost else None
 
-    def _settle(self, client, store: Store, d, job: dict, claim: Claim, res: executor.Result, lost: bool) -> None:
+    def _settle(self, client, store: Store, d, job: dict, claim: Claim, res: executor.Result,
+                lost: Optional[str]) -> None:
+        """``lost``: why the lease went while the command ran ("lease", "queue"), or None."""
         reason, detail = res.reason, res.detail
+        if lost == "queue":
+            # deleted with its queue: nothing will deliver it again, so the record must not say queued
+            self._bump("lease_lost")
+            store.finish_remote(claim, states.LEASE_LOST, res.exit_code, states.DEAD, d.retry_count,
+                                f"queue {self.queue} was deleted while it ran, and its messages with it")
+            return
         if lost or reason == states.LEASE_LOST:
             # someone else may hold it now: do not settle; the queue redelivers it
             self._bump("lease_lost")
@@ -313,6 +323,13 @@ class RemoteWorker:
             store.finish_remote(claim, reason or None, res.exit_code,
                                 states.SUCCEEDED if reason is None else states.QUEUED, d.retry_count,
                                 f"{detail}; settling failed ({e.reason or e.message}): the queue will redeliver")
+        except errors.QueueNotFound as e:
+            # the queue was deleted meanwhile, and its messages with it: nothing will
+            # redeliver this one, and the record must not read running for good
+            self._bump("lease_lost")
+            store.finish_remote(claim, reason or states.LEASE_LOST, res.exit_code,
+                                states.SUCCEEDED if reason is None else states.DEAD, d.retry_count,
+                                f"{detail}; settling failed: {e.message} (deleted with its messages)")
 
     def _bury(self, client, d, body: dict) -> None:
         """Move to the failure queue: send there first, then ack (a crash between the

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from nodeproc import NodeProc, wait_until
+from nodeproc import NodeProc, free_ports, wait_until
 from node.process import GRPC_IO_LEGACY
 
 LINE = f"gRPC I/O path: legacy (GRPC_EXPERIMENTS={GRPC_IO_LEGACY})"
@@ -79,3 +79,43 @@ def test_an_address_in_use_is_one_clear_line_and_exit_1(tmp_path, flag):
     # and not gRPC's own log line about the bind beside ours
     assert not (tmp_path / "d").exists()
     assert "elected" not in err and "Failed to add port" not in err, err[-2000:]
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_a_node_listens_on_ipv6_addresses_for_both_apis(tmp_path):
+    """[::1]:PORT for --grpc as for --http: gRPC is given the address in brackets
+    (it once got ::1:PORT and refused it after making the data directory)."""
+    from spooler import Client
+    g, h = free_ports(2)
+    p = subprocess.Popen([sys.executable, "-m", "node.main", "--id", "n1", "--data", str(tmp_path / "d"),
+                          "--admin-key", "k-123", "--grpc", f"[::1]:{g}", "--http", f"[::1]:{h}"],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        ready = json.loads(p.stdout.readline() or b"{}")
+        assert ready.get("grpc") == f"[::1]:{g}" and ready.get("http") == f"[::1]:{h}", ready
+        with Client(f"[::1]:{g}", "k-123", timeout_s=10) as c:
+            c.put_queue("v6")
+            assert not c.send("v6", b"x").duplicate
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_the_same_address_for_both_apis_is_refused_before_anything_is_made(tmp_path):
+    port = free_ports(1)[0]
+    p = subprocess.run([sys.executable, "-m", "node.main", "--id", "n1", "--data", str(tmp_path / "d"),
+                        "--admin-key", "k-123", "--grpc", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{port}"],
+                       capture_output=True, timeout=60)
+    err = p.stderr.decode()
+    assert p.returncode == 1 and "the same address as --grpc" in err and "Traceback" not in err, err[-2000:]
+    assert not (tmp_path / "d").exists()

@@ -38,6 +38,23 @@ def test_ack_that_loses_a_race_with_redrive_is_not_a_204(tmp_path):
     run(body, tmp_path)
 
 
+def test_ack_that_loses_a_race_with_its_queues_delete_is_queue_not_found(tmp_path):
+    """The delete is committed first in the same group commit: the ack, fenced
+    before it, finds the queue gone and says so, as an ack after the delete does
+    (not stale_lease)."""
+    async def body(eng, svc):
+        await svc.put_queue(ADMIN, "q", {})
+        await svc.send(ADMIN, [("q", b"m", 0.0, "")])
+        [d] = await svc.receive(ADMIN, "q", 0)
+        deleted, ack = await asyncio.gather(svc.delete_queue(ADMIN, "q"), svc.ack(ADMIN, d.token),
+                                            return_exceptions=True)
+        assert deleted is None or deleted is True, deleted
+        assert isinstance(ack, errors.QueueNotFound), ack
+        later = await asyncio.gather(svc.ack(ADMIN, d.token), return_exceptions=True)
+        assert isinstance(later[0], errors.QueueNotFound), later
+    run(body, tmp_path)
+
+
 def test_settle_refused_for_back_pressure_leaves_the_lease_usable(tmp_path):
     async def body(eng, svc):
         await svc.put_queue(ADMIN, "q", {})

@@ -302,6 +302,11 @@ def test_an_empty_name_is_invalid_argument_on_every_command_never_another_route(
         rc, d = run_json(node, *argv)
         assert rc == 1 and d["error"]["kind"] == "invalid_argument", (argv, d)
     assert run_json(node, "stats", "kept")[1]["queues"][0]["stats"]["visible"] == 1  # nothing lost
+    # refused before anything is sent: the same answer with no server there at all
+    dead = f"http://127.0.0.1:{free_ports(1)[0]}"
+    for argv in (("send", "", "hi"), ("queue", "get", ""), ("keys", "delete", "")):
+        rc, d = run_json(node, *argv, server=dead)
+        assert rc == 1 and d["error"]["kind"] == "invalid_argument", (argv, d)
     # the node says the same to any client that sends such a path
     import urllib.error
     import urllib.request
@@ -353,3 +358,15 @@ def test_an_empty_spooler_url_is_unset(monkeypatch):
     assert build_parser().parse_args(["stats"]).server == "http://127.0.0.1:8080"
     monkeypatch.setenv("SPOOLER_URL", "http://10.0.0.1:9")
     assert build_parser().parse_args(["stats"]).server == "http://10.0.0.1:9"
+
+
+def test_with_stderr_closed_nothing_meant_for_it_reaches_stdout(node):
+    """Notes meant for stderr (an empty listing, receive's id line) go nowhere when
+    stderr is closed: never onto stdout, which a script reads."""
+    assert run(node, "queue", "create", "errclosed")[0] == 0
+    assert run(node, "send", "errclosed", "body")[0] == 0
+    e = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLER_")}
+    base = [sys.executable, "-m", "spooler", "--server", node.http_url, "--key", node.admin_key]
+    for argv, want in ((["keys", "list"], b""), (["receive", "errclosed", "--ack"], b"body")):
+        p = subprocess.run(base + argv, stdout=subprocess.PIPE, timeout=60, env=e, preexec_fn=lambda: os.close(2))
+        assert (p.returncode, p.stdout) == (0, want), (argv, p.returncode, p.stdout)
