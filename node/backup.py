@@ -49,20 +49,41 @@ def backup(data_dir: str, dest: str) -> None:
             os.remove(tmp)  # no half copy left behind
         raise
     src.close()
-    fd = os.open(tmp, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _give_name(tmp, dest)
     finally:
-        os.close(fd)
-    try:
-        os.link(tmp, dest)  # fails if a file took the name meanwhile: never replaced
-    finally:
-        os.remove(tmp)
+        if os.path.exists(tmp):
+            os.remove(tmp)  # no partial copy left behind, whatever failed
     d = os.open(os.path.dirname(os.path.abspath(dest)), os.O_RDONLY)
     try:
         os.fsync(d)
     finally:
         os.close(d)
+
+
+def _give_name(tmp: str, dest: str) -> None:
+    """``tmp`` under the name ``dest``, never replacing a file that took the name
+    meanwhile: a hard link fails if it exists. Where the file system has no hard
+    links, the name is first claimed empty (O_EXCL), then the copy moved onto it."""
+    import errno
+    try:
+        os.link(tmp, dest)
+        return
+    except FileExistsError:
+        raise FileExistsError(f"{dest} exists: give a new name") from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+    try:
+        os.close(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        raise FileExistsError(f"{dest} exists: give a new name") from None
+    os.replace(tmp, dest)
 
 
 def main(argv=None) -> int:

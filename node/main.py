@@ -100,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _hostport(s: str) -> tuple:
     host, _, port = s.rpartition(":")
-    if not host or not port.isdigit() or int(port) > 65535:
+    if not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
         raise SystemExit(f"spooler-node: expected HOST:PORT (a port up to 65535), got {s!r}")
     return host.strip("[]"), int(port)
 
@@ -159,10 +159,9 @@ def _parse_peers(spec: str, me: str):
         nid, sep, addr = it.partition("=")
         if not sep or not nid or not addr:
             raise SystemExit(f"spooler-node: --peers entries are ID=HOST:PORT, got {it!r}")
-        _hostport(addr)
         if nid in peers:
             raise SystemExit(f"spooler-node: --peers names {nid} twice")
-        peers[nid] = addr
+        peers[nid] = _join(*_hostport(addr))  # (an IPv6 address in brackets, as gRPC dials it)
     if me not in peers:
         raise SystemExit(f"spooler-node: --peers must include this node ({me})")
     return peers if len(peers) > 1 else None
@@ -211,7 +210,7 @@ def freeze_loaded_state() -> None:
 async def serve(args) -> int:
     peers = _parse_peers(args.peers, args.id)
     (ghost, gport), (hhost, hport) = _hostport(args.grpc), _hostport(args.http)
-    if gport == hport != 0 and (ghost == hhost or "" in (ghost, hhost) or {ghost, hhost} & {"0.0.0.0", "::"}):
+    if gport == hport != 0 and ghost == hhost:  # (other spellings of one address meet the bind's own refusal)
         raise grpc_api.ListenError(f"cannot listen for HTTP on {args.http}: the same address as --grpc")
     check_listenable("gRPC", ghost, gport)
     check_listenable("HTTP", hhost, hport)

@@ -276,3 +276,54 @@ def test_a_renewal_refused_as_stale_kills_the_command(spool, node, tmp_path):
     assert a1["failure_reason"] == "lease_lost" and a1["exit_code"] is not None and a1["exit_code"] < 0, a1
     assert a2["failure_reason"] is None and a2["exit_code"] == 0
     assert spool.run("output", msg_id, "--attempt", "2").stdout == b"again\n"
+
+
+@pytest.mark.parametrize("script, state, reason", [("exit 0", "succeeded", None), ("exit 3", "dead", "nonzero_exit")])
+def test_a_queue_deleted_just_as_its_job_is_settled_ends_the_record_by_the_commands_outcome(tmp_path, script,
+                                                                                            state, reason):
+    """J9: the ack (or nack) meets queue_not_found: the message is gone with its
+    queue, so nothing will run the job again. Its record ends by what the command
+    did (succeeded, or dead with the command's own reason), never running,
+    queued, or succeeded with a failure reason."""
+    from spooler import errors
+    from spooler.http import Delivery
+    from spooler.jobs import knobs
+    from spooler.jobs.store import Store
+
+    body = json.dumps(remote.job_body(["sh", "-c", script], 0, 3, None, None, None, str(tmp_path), 0.0)).encode()
+
+    class Gone:
+        given = False
+
+        def get_queue(self, q):
+            return {"name": q, "settings": {"leaseTimeoutSeconds": 30, "maxRetries": 3, "failureQueue": q + ".failed"},
+                    "stats": {"visible": 0, "delayed": 0, "leased": 0}}
+
+        def receive(self, q, wait_s):
+            if Gone.given:
+                return None
+            Gone.given = True
+            return Delivery(id="m1", body=body, token="t1", retry_count=0, expires_at="2026-12-03T00:00:30Z")
+
+        def renew(self, token):
+            return "2026-12-03T00:00:30Z"
+
+        def ack(self, token):
+            raise errors.QueueNotFound("queue jq does not exist")
+
+        def nack(self, token, delay_s=0.0):
+            raise errors.QueueNotFound("queue jq does not exist")
+
+    spool_dir = str(tmp_path / "spool")
+    w = remote.RemoteWorker(Gone, "jq", spool_dir, knobs.load(env={}), drain=True)
+    summary = w.run()
+    st = Store(spool_dir, 5.0)
+    try:
+        job = st.get("m1")
+    finally:
+        st.close()
+    [a] = job["attempts"]
+    assert (job["state"], a["failure_reason"]) == (state, reason), job
+    assert "was deleted" in a["detail"] and not a["detail"].startswith(";"), a
+    assert summary["succeeded" if state == "succeeded" else "lease_lost"] == 1, summary
+    assert not w._lost, w._lost

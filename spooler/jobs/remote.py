@@ -184,12 +184,11 @@ class RemoteWorker:
             for tok in tokens:
                 try:
                     client.renew(tok)
-                except errors.StaleLease:
+                except (errors.StaleLease, errors.QueueNotFound) as e:
+                    # (queue_not_found: the queue was deleted, its messages and leases with it)
                     with self._lock:
-                        self._lost[tok] = "lease"
-                except errors.QueueNotFound:  # the queue was deleted, its messages and leases with it
-                    with self._lock:
-                        self._lost[tok] = "queue"
+                        if tok in self._active:  # (its slot may have settled it meanwhile: nothing to mark)
+                            self._lost[tok] = "queue" if isinstance(e, errors.QueueNotFound) else "lease"
                 except errors.SpoolerError:
                     pass   # unreachable for now: try again next beat, the lease may still hold
 
@@ -270,10 +269,7 @@ class RemoteWorker:
         """``lost``: why the lease went while the command ran ("lease", "queue"), or None."""
         reason, detail = res.reason, res.detail
         if lost == "queue":
-            # deleted with its queue: nothing will deliver it again, so the record must not say queued
-            self._bump("lease_lost")
-            store.finish_remote(claim, states.LEASE_LOST, res.exit_code, states.DEAD, d.retry_count,
-                                f"queue {self.queue} was deleted while it ran, and its messages with it")
+            self._queue_gone(store, claim, res, d, "it ran")
             return
         if lost or reason == states.LEASE_LOST:
             # someone else may hold it now: do not settle; the queue redelivers it
@@ -323,13 +319,23 @@ class RemoteWorker:
             store.finish_remote(claim, reason or None, res.exit_code,
                                 states.SUCCEEDED if reason is None else states.QUEUED, d.retry_count,
                                 f"{detail}; settling failed ({e.reason or e.message}): the queue will redeliver")
-        except errors.QueueNotFound as e:
-            # the queue was deleted meanwhile, and its messages with it: nothing will
-            # redeliver this one, and the record must not read running for good
+        except errors.QueueNotFound:
+            self._queue_gone(store, claim, res, d, "it was being settled")
+
+    def _queue_gone(self, store: Store, claim: Claim, res: executor.Result, d, when: str) -> None:
+        """The job's queue was deleted (while ``when``), its messages and leases with it:
+        nothing will deliver this job again, so its record ends now, never running or
+        queued for good: succeeded if its command did (unacked: there is nothing to
+        ack), else dead with the command's own reason (or lease_lost, if it was stopped
+        for this)."""
+        note = f"queue {self.queue} was deleted while {when}, and its messages with it"
+        detail = f"{res.detail}; {note}" if res.detail else note
+        if res.reason is None:
+            self._bump("succeeded")
+            store.finish_remote(claim, None, res.exit_code, states.SUCCEEDED, d.retry_count, detail)
+        else:
             self._bump("lease_lost")
-            store.finish_remote(claim, reason or states.LEASE_LOST, res.exit_code,
-                                states.SUCCEEDED if reason is None else states.DEAD, d.retry_count,
-                                f"{detail}; settling failed: {e.message} (deleted with its messages)")
+            store.finish_remote(claim, res.reason, res.exit_code, states.DEAD, d.retry_count, detail)
 
     def _bury(self, client, d, body: dict) -> None:
         """Move to the failure queue: send there first, then ack (a crash between the

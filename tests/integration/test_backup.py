@@ -132,3 +132,58 @@ def test_one_backup_restored_on_every_member_makes_a_cluster_again(tmp_path):
     finally:
         for n in again.values():
             n.kill()
+
+
+def _a_store(tmp_path):
+    import apsw
+    d = tmp_path / "data"
+    d.mkdir()
+    db = apsw.Connection(str(d / "spool.db"))
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("CREATE TABLE t(x); INSERT INTO t VALUES (1), (2)")
+    return db, str(d)
+
+
+def test_the_copy_gets_its_name_without_hard_links_and_never_replaces_a_file_that_took_it(tmp_path, monkeypatch):
+    import errno
+
+    import apsw
+
+    from node import backup
+    db, data = _a_store(tmp_path)
+    try:
+        real_link = os.link
+
+        def no_links(src, dst):
+            raise OSError(errno.EPERM, "Operation not permitted")
+        monkeypatch.setattr(os, "link", no_links)  # (a file system without hard links)
+        backup.backup(data, str(tmp_path / "a.db"))
+        assert [r[0] for r in apsw.Connection(str(tmp_path / "a.db")).execute("SELECT x FROM t")] == [1, 2]
+
+        def another_file_first(src, dst):
+            with open(dst, "w") as f:
+                f.write("someone else's")
+            return real_link(src, dst)
+        monkeypatch.setattr(os, "link", another_file_first)
+        with pytest.raises(FileExistsError):
+            backup.backup(data, str(tmp_path / "b.db"))
+        assert (tmp_path / "b.db").read_text() == "someone else's"
+        assert not (tmp_path / "b.db.partial").exists()
+    finally:
+        db.close()
+
+
+def test_a_copy_that_fails_leaves_no_partial_file(tmp_path, monkeypatch):
+    import errno
+
+    from node import backup
+    db, data = _a_store(tmp_path)
+    try:
+        def eio(fd):
+            raise OSError(errno.EIO, "Input/output error")
+        monkeypatch.setattr(os, "fsync", eio)
+        with pytest.raises(OSError):
+            backup.backup(data, str(tmp_path / "c.db"))
+        assert sorted(os.listdir(tmp_path)) == ["data"]
+    finally:
+        db.close()

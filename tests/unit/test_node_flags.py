@@ -91,3 +91,16 @@ def test_an_unknown_grpc_io_choice_stops_the_node_after_the_flags(monkeypatch, c
     with pytest.raises(SystemExit) as e:
         main(["--id", "n1"], grpc_io="invalid")
     assert str(e.value) == "spooler-node: SPOOLER_GRPC_IO must be one of legacy, default, not 'fast'"
+
+
+def test_addresses_ipv6_in_brackets_and_ports_in_ascii_digits_up_to_65535():
+    """gRPC dials and listens on an IPv6 address only in brackets: a peer written
+    bare (::1:P) is kept bracketed, as the node's own --grpc is; a port of other
+    scripts' digits or past 65535 is refused at start, not a traceback."""
+    from node.main import _hostport, _join, _parse_peers
+    assert _parse_peers("n1=::1:27061,n2=[::1]:27062,n3=127.0.0.1:27063", "n1") == {
+        "n1": "[::1]:27061", "n2": "[::1]:27062", "n3": "127.0.0.1:27063"}
+    assert _join(*_hostport("[::]:50051")) == "[::]:50051" and _join(*_hostport("localhost:1")) == "localhost:1"
+    for bad in ("127.0.0.1:\u00b2", "127.0.0.1:65536", "127.0.0.1:", ":80"):
+        with pytest.raises(SystemExit):
+            _hostport(bad)
