@@ -43,13 +43,6 @@ def backup(data_dir: str, dest: str) -> None:
                 raise RuntimeError(f"the copy does not check out: {problems[:5]}")
         finally:
             out.close()
-    except BaseException:
-        src.close()
-        if os.path.exists(tmp):
-            os.remove(tmp)  # no half copy left behind
-        raise
-    src.close()
-    try:
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -57,6 +50,7 @@ def backup(data_dir: str, dest: str) -> None:
             os.close(fd)
         _give_name(tmp, dest)
     finally:
+        src.close()
         if os.path.exists(tmp):
             os.remove(tmp)  # no partial copy left behind, whatever failed
     d = os.open(os.path.dirname(os.path.abspath(dest)), os.O_RDONLY)

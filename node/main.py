@@ -237,7 +237,6 @@ async def serve(args) -> int:
     svc = Service(engine, _admin_keys(args))
     metrics = Metrics(engine)
 
-    ghost, gport = _hostport(args.grpc)
     server, health_servicer, gport = await grpc_api.build_server(svc, metrics, _join(ghost, gport), tls)
     engine.grpc_address = _join(ghost, gport)
     tune_gc()
@@ -256,7 +255,6 @@ async def serve(args) -> int:
     runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=75,
                            handler_cancellation=True, **RUNNER_OPTIONS)
     await runner.setup()
-    hhost, hport = _hostport(args.http)
     # a graceful stop ends every call within about a second (Service.shut_down):
     # anything still open after a few is not waited for
     site = web.TCPSite(runner, hhost, hport, reuse_address=True, shutdown_timeout=3.0)

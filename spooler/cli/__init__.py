@@ -28,10 +28,7 @@ def emit(args, obj, text=None) -> None:
 
 
 def warn(text: str) -> None:
-    """A warning on stderr: never on stdout (print(file=None), when spoolctl was
-    started with stderr closed, would write it there), and never a failure."""
-    if sys.stderr is None:
-        return
+    """A warning on stderr (main() points a closed stderr at /dev/null), never a failure."""
     try:
         print(f"spoolctl: warning: {text}", file=sys.stderr)
     except (OSError, ValueError):
