@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Optional
 
 from aiohttp import web
 
@@ -110,13 +111,15 @@ def _join(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def check_listenable(what: str, host: str, port: int) -> None:
+def check_listenable(what: str, host: str, port: int, hold: Optional[list] = None) -> None:
     """Refuse an address another process holds before anything is created: no
     data directory or store is made, no election is held, and gRPC's own log
-    line about a failed bind is not printed beside ours. Binds and closes a
-    socket per address the name gives, as asyncio's server does (an address
-    family the host lacks is skipped). The servers bind for real later; a
-    process taking the port in between still meets the ListenError there."""
+    line about a failed bind is not printed beside ours. Binds a socket per
+    address the name gives, as asyncio's server does (an address family the host
+    lacks is skipped), and closes it; with ``hold``, it listens on it instead and
+    appends it there, so that a second check meets it (the caller closes them).
+    The servers bind for real later; a process taking the port in between still
+    meets the ListenError there."""
     import errno
     import socket
     if port == 0:
@@ -133,20 +136,53 @@ def check_listenable(what: str, host: str, port: int) -> None:
             if e.errno in (errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT):
                 continue  # a family this host lacks: skipped, as asyncio's server does
             raise grpc_api.ListenError(f"cannot listen for {what} on {host}:{port}: {e.strerror or e}") from None
-        with sock:
+        try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:
                 sock.bind(addr)
-                bound += 1
+                if hold is not None:
+                    sock.listen(1)
             except OSError as e:
                 if e.errno == errno.EADDRNOTAVAIL:
                     continue
                 raise grpc_api.ListenError(f"cannot listen for {what} on {host}:{port}: "
                                            f"{e.strerror or e}") from None
+            bound += 1
+            if hold is not None:
+                hold.append(sock)
+                sock = None
+        finally:
+            if sock is not None:
+                sock.close()
     if not bound:
         raise grpc_api.ListenError(f"cannot listen for {what} on {host}:{port}: no such address here")
+
+
+def check_both_listenable(grpc_addr: str, http_addr: str) -> None:
+    """Both APIs' addresses, each free, and not one address under two spellings
+    (localhost and 127.0.0.1, or a wildcard and one of its addresses): the gRPC
+    address is held listening while the HTTP one is tried, so any overlap the
+    kernel would refuse later is refused now, before anything is made."""
+    (ghost, gport), (hhost, hport) = _hostport(grpc_addr), _hostport(http_addr)
+    held: list = []
+    try:
+        check_listenable("gRPC", ghost, gport, hold=held)
+        try:
+            check_listenable("HTTP", hhost, hport)
+        except grpc_api.ListenError:
+            if not held:
+                raise
+            for sock in held:
+                sock.close()
+            held.clear()
+            check_listenable("HTTP", hhost, hport)  # another process holds it: that error
+            raise grpc_api.ListenError(f"cannot listen for HTTP on {http_addr}: "
+                                       "the same address as --grpc") from None
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def _parse_peers(spec: str, me: str):
@@ -210,10 +246,7 @@ def freeze_loaded_state() -> None:
 async def serve(args) -> int:
     peers = _parse_peers(args.peers, args.id)
     (ghost, gport), (hhost, hport) = _hostport(args.grpc), _hostport(args.http)
-    if gport == hport != 0 and ghost == hhost:  # (other spellings of one address meet the bind's own refusal)
-        raise grpc_api.ListenError(f"cannot listen for HTTP on {args.http}: the same address as --grpc")
-    check_listenable("gRPC", ghost, gport)
-    check_listenable("HTTP", hhost, hport)
+    check_both_listenable(args.grpc, args.http)
     os.makedirs(args.data, exist_ok=True)
     tls = None
     if args.tls_cert:

@@ -169,6 +169,70 @@ def test_a_queue_deleted_while_its_job_runs_stops_the_command_and_the_record_say
     assert spool.run("output", msg_id).stdout == b"", "the command was stopped, not run to its end"
 
 
+def test_a_queue_deleted_and_made_again_while_its_job_runs_ends_the_record(spool, node, tmp_path):
+    """J9: a queue deleted and made again between two renewals answers the next one
+    stale_lease/settled (the lease's message went with the old queue), not
+    queue_not_found. The job is stopped as for a lost lease, and its record ends
+    dead: the new queue will never deliver it, so "queued" would be false."""
+    c = HttpClient(node.http_url, node.admin_key)
+    c.put_queue("q10", leaseTimeoutSeconds=30)
+    started = tmp_path / "started"
+    msg_id = spool.run("submit", "--queue", "q10", "--", "sh", "-c", f"touch {started}; sleep 300; echo done",
+                       global_args=g(node)).stdout.decode().strip()
+    w = spool.start_worker("--queue", "q10", global_args=g(node))
+    try:
+        wait_until(started.exists, 20, what="the attempt running")
+        c.delete_queue("q10")   # both inside one renewal interval (5 s by default)
+        c.put_queue("q10", leaseTimeoutSeconds=30)
+        wait_until(lambda: spool.job(msg_id)["state"] != "running", 30, what="the attempt ended")
+    finally:
+        w.send_signal(signal.SIGTERM)
+        try:
+            w.wait(timeout=30)
+        finally:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+    job = spool.job(msg_id)
+    [a] = job["attempts"]
+    assert job["state"] == "dead" and a["failure_reason"] == "lease_lost" and "deleted" in a["detail"], job
+    assert spool.run("output", msg_id).stdout == b"", "the command was stopped, not run to its end"
+    assert c.get_queue("q10")["stats"]["visible"] == 0
+
+
+def test_a_change_of_the_queues_max_retries_holds_for_a_worker_already_running(spool, node, tmp_path):
+    """J9: the worker reads the queue's maxRetries again before it settles a failure.
+    Lowered to 0 while the job runs, the first failure is the last: the worker moves
+    the job to the failure queue with its result and records it dead. With the
+    figure read only at the start it would nack, and the queue would move the message
+    itself, with no result, leaving the record queued."""
+    c = HttpClient(node.http_url, node.admin_key)
+    c.put_queue("q11", maxRetries=5)
+    started, go = tmp_path / "started", tmp_path / "go"
+    msg_id = spool.run("submit", "--queue", "q11", "--max-retries", "5", "--", "sh", "-c",
+                       f"touch {started}; while [ ! -e {go} ]; do sleep 0.05; done; exit 4",
+                       global_args=g(node)).stdout.decode().strip()
+    w = spool.start_worker("--queue", "q11", global_args=g(node))
+    try:
+        wait_until(started.exists, 20, what="the attempt running")
+        c.put_queue("q11", maxRetries=0)
+        go.touch()
+        wait_until(lambda: spool.job(msg_id)["state"] != "running", 30, what="the attempt ended")
+    finally:
+        w.send_signal(signal.SIGTERM)
+        try:
+            w.wait(timeout=30)
+        finally:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+    job = spool.job(msg_id)
+    assert job["state"] == "dead" and [a["exit_code"] for a in job["attempts"]] == [4], job
+    d = c.receive("q11.failed")
+    assert d is not None and json.loads(d.body)["spoolctl_result"]["exit_code"] == 4, d
+    assert "maxRetries (0)" in json.loads(d.body)["spoolctl_result"]["detail"]
+
+
 def test_worker_crash_is_a_lease_expiry_that_counts_as_a_retry(spool, node, tmp_path):
     c = HttpClient(node.http_url, node.admin_key)
     c.put_queue("q3", leaseTimeoutSeconds=1.0, maxRetries=3)

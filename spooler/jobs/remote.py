@@ -103,6 +103,17 @@ def submit(client, queue: str, command: list, priority: int = knobs.DEFAULT_PRIO
             "queue_max_retries": int((doc.get("settings") or {}).get("maxRetries", max_retries))}
 
 
+def _why_lost(e: errors.SpoolerError) -> str:
+    """Why a running job's lease is gone, from a refused renewal: "queue" when its
+    queue was deleted (queue_not_found); "settled" when its message was settled by
+    no one here, which for a lease this worker still holds means the queue was
+    deleted and made again under the name (the message went with the old one);
+    "lease" when it expired or predates a primary change (the queue redelivers)."""
+    if isinstance(e, errors.QueueNotFound):
+        return "queue"
+    return "settled" if getattr(e, "reason", None) == "settled" else "lease"
+
+
 class RemoteWorker:
     def __init__(self, client_factory, queue: str, spool_dir: str, settings: knobs.Settings,
                  concurrency: int = 1, drain: bool = False, progress=None, server: str = ""):
@@ -122,7 +133,7 @@ class RemoteWorker:
         self._active: dict = {}   # token -> job id
         self._lost: dict = {}     # token -> why its lease is gone: "lease" or "queue" (deleted)
         self.stats = {"claimed": 0, "succeeded": 0, "failed": 0, "dead": 0, "stopped": 0, "lease_lost": 0,
-                      "errors": 0}
+                      "transient_errors": 0}
         self.errors: list = []
         self.failure_queue = f"{queue}.failed"
         self.renew_every_s = settings.heartbeat_interval_s
@@ -163,6 +174,20 @@ class RemoteWorker:
         return {"worker_id": self.identity.worker_id, "pid": self.identity.pid, "backend": "spooler",
                 "queue": self.queue, **self.stats, "errors": self.errors[:10]}
 
+    def _read_settings(self, client) -> None:
+        """The queue's maxRetries and failure queue as they are now (an operator may
+        have changed them since the worker started), read before a job's failure is
+        settled; the last figures read stand when the server does not answer.
+        queue_not_found is raised: the caller's record ends as for a deleted queue."""
+        try:
+            st = client.get_queue(self.queue).get("settings") or {}
+        except errors.QueueNotFound:
+            raise
+        except errors.SpoolerError:
+            return
+        self.queue_max_retries = int(st.get("maxRetries", self.queue_max_retries))
+        self.failure_queue = st.get("failureQueue") or f"{self.queue}.failed"
+
     def _left(self, client) -> int:
         if self.progress.stream is None:
             return 0
@@ -185,10 +210,9 @@ class RemoteWorker:
                 try:
                     client.renew(tok)
                 except (errors.StaleLease, errors.QueueNotFound) as e:
-                    # (queue_not_found: the queue was deleted, its messages and leases with it)
                     with self._lock:
                         if tok in self._active:  # (its slot may have settled it meanwhile: nothing to mark)
-                            self._lost[tok] = "queue" if isinstance(e, errors.QueueNotFound) else "lease"
+                            self._lost[tok] = _why_lost(e)
                 except errors.SpoolerError:
                     pass   # unreachable for now: try again next beat, the lease may still hold
 
@@ -210,7 +234,7 @@ class RemoteWorker:
                 except (errors.Unavailable, errors.OperationUnconfirmed) as e:
                     # an unconfirmed receive may have leased a message we never saw: it
                     # expires and comes back with its retry count raised
-                    self._bump("errors")
+                    self._bump("transient_errors")
                     self.stop_event.wait(min(5.0, max(0.2, e.retry_after_s or 1.0)))
                     continue
                 if d is None:
@@ -221,7 +245,7 @@ class RemoteWorker:
                     self._handle(client, store, d)
                 except errors.SpoolerError as e:
                     # the message is not settled: its lease expires and it comes back
-                    self._bump("errors")
+                    self._bump("transient_errors")
                     print(f"spoolctl worker: message {d.id}: {e.kind}: {e.message}", file=sys.stderr)
         finally:
             store.close()
@@ -266,10 +290,15 @@ class RemoteWorker:
 
     def _settle(self, client, store: Store, d, job: dict, claim: Claim, res: executor.Result,
                 lost: Optional[str]) -> None:
-        """``lost``: why the lease went while the command ran ("lease", "queue"), or None."""
+        """``lost``: why the lease went while the command ran (_why_lost), or None."""
         reason, detail = res.reason, res.detail
         if lost == "queue":
-            self._queue_gone(store, claim, res, d, "it ran")
+            self._queue_gone(store, claim, res, d, f"queue {self.queue} was deleted while it ran, "
+                                                   "and its messages with it")
+            return
+        if lost == "settled":
+            self._queue_gone(store, claim, res, d, f"its message left queue {self.queue} while it ran without "
+                                                   "being settled here (the queue was deleted and made again)")
             return
         if lost or reason == states.LEASE_LOST:
             # someone else may hold it now: do not settle; the queue redelivers it
@@ -285,6 +314,7 @@ class RemoteWorker:
             elif reason == states.WORKER_STOPPED:
                 # A queue has no uncounted give-back of a lease over HTTP: the nack
                 # spends a retry, as a crash's lease expiry does (docs/jobs.md)
+                self._read_settings(client)
                 client.nack(d.token)
                 self._bump("stopped")
                 if d.retry_count + 1 > self.queue_max_retries:  # the queue moved it: not queued any more
@@ -296,7 +326,7 @@ class RemoteWorker:
                     store.finish_remote(claim, reason, res.exit_code, states.QUEUED, d.retry_count,
                                         f"{detail}; given back with a nack, which the queue counts as a retry")
             else:
-                self._bump("failed")
+                self._read_settings(client)
                 failures = d.retry_count + 1
                 budget = min(int(job["max_retries"]), self.queue_max_retries)
                 if failures > budget:
@@ -308,10 +338,12 @@ class RemoteWorker:
                               "stdout": claim.stdout, "stderr": claim.stderr, "retry_count": d.retry_count,
                               "finished_at": time.time()}
                     self._bury(client, d, dict(job, spoolctl_result=result))
+                    self._bump("failed")
                     store.finish_remote(claim, reason, res.exit_code, states.DEAD, d.retry_count, detail)
                 else:
                     delay_s = states.backoff_s(failures)
                     client.nack(d.token, delay_s=delay_s)
+                    self._bump("failed")
                     store.finish_remote(claim, reason, res.exit_code, states.QUEUED, d.retry_count,
                                         f"{detail}; redelivery in {delay_s:g}s")
         except errors.StaleLease as e:
@@ -320,15 +352,15 @@ class RemoteWorker:
                                 states.SUCCEEDED if reason is None else states.QUEUED, d.retry_count,
                                 f"{detail}; settling failed ({e.reason or e.message}): the queue will redeliver")
         except errors.QueueNotFound:
-            self._queue_gone(store, claim, res, d, "it was being settled")
+            self._queue_gone(store, claim, res, d, f"queue {self.queue} was deleted while it was being settled, "
+                                                   "and its messages with it")
 
-    def _queue_gone(self, store: Store, claim: Claim, res: executor.Result, d, when: str) -> None:
-        """The job's queue was deleted (while ``when``), its messages and leases with it:
-        nothing will deliver this job again, so its record ends now, never running or
-        queued for good: succeeded if its command did (unacked: there is nothing to
-        ack), else dead with the command's own reason (or lease_lost, if it was stopped
-        for this)."""
-        note = f"queue {self.queue} was deleted while {when}, and its messages with it"
+    def _queue_gone(self, store: Store, claim: Claim, res: executor.Result, d, note: str) -> None:
+        """The job's message is gone from its queue (``note`` says how: the queue was
+        deleted), its lease with it: nothing will deliver this job again, so its
+        record ends now, never running or queued for good: succeeded if its command
+        did (unacked: there is nothing to ack), else dead with the command's own
+        reason (or lease_lost, if it was stopped for this)."""
         detail = f"{res.detail}; {note}" if res.detail else note
         if res.reason is None:
             self._bump("succeeded")

@@ -111,10 +111,15 @@ def test_a_node_listens_on_ipv6_addresses_for_both_apis(tmp_path):
         p.wait()
 
 
-def test_the_same_address_for_both_apis_is_refused_before_anything_is_made(tmp_path):
+@pytest.mark.parametrize("grpc_host, http_host", [("127.0.0.1", "127.0.0.1"), ("localhost", "127.0.0.1"),
+                                                  ("0.0.0.0", "127.0.0.1"), ("127.0.0.1", "0.0.0.0")])
+def test_the_same_address_for_both_apis_is_refused_before_anything_is_made(tmp_path, grpc_host, http_host):
+    """Also under two spellings of one address, or a wildcard and one of its
+    addresses: the kernel would refuse the second bind, after the data directory
+    and the store were made."""
     port = free_ports(1)[0]
     p = subprocess.run([sys.executable, "-m", "node.main", "--id", "n1", "--data", str(tmp_path / "d"),
-                        "--admin-key", "k-123", "--grpc", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{port}"],
+                        "--admin-key", "k-123", "--grpc", f"{grpc_host}:{port}", "--http", f"{http_host}:{port}"],
                        capture_output=True, timeout=60)
     err = p.stderr.decode()
     assert p.returncode == 1 and "the same address as --grpc" in err and "Traceback" not in err, err[-2000:]
