@@ -262,10 +262,13 @@ def test_cancel_running_job_kills_its_process_group(spool, tmp_path):
         stop_worker(w)
 
 
-def test_a_worker_counts_a_canceled_job_as_canceled_not_failed(spool):
+@pytest.mark.parametrize("command", [("sleep", "300"), ("env", "-i", "sleep", "300")])
+def test_a_worker_counts_a_canceled_job_as_canceled_not_failed(spool, command):
     """The worker's summary: `spoolctl cancel` kills the group itself, so the worker
-    may see the attempt end as a signal exit; it is a cancel, not the job's failure."""
-    job_id = spool.submit("sleep", "300")
+    may see the attempt end as a signal exit; it is a cancel, not the job's failure.
+    A command that cleared its environment carries no attempt token, so `cancel`
+    leaves it to the worker, which kills it at its next heartbeat: counted the same."""
+    job_id = spool.submit(*command)
     w = spool.start_worker("--drain", "--json")
     try:
         wait_until(lambda: spool.job(job_id)["attempts"] and spool.job(job_id)["attempts"][0]["pid"], 15,

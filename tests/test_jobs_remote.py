@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -253,6 +254,92 @@ def test_worker_crash_is_a_lease_expiry_that_counts_as_a_retry(spool, node, tmp_
     assert job["attempts"][0]["failure_reason"] == "worker_crashed"
     assert spool.run("output", msg_id).stdout == b"retry 1\n", "the expiry raised the retry count"
     wait_until(lambda: pid_gone(orphan), 5, what="orphaned first attempt killed")
+
+
+def test_a_crashed_workers_command_is_killed_by_the_next_worker_on_its_spool(spool, node, tmp_path):
+    """J2 with --queue: a worker SIGKILLed mid-job leaves its command running. The
+    next worker on the same spool reaps it as a local worker would (a stale
+    heartbeat, a dead PID): the command is killed before that worker takes any
+    job, and the row is closed (queued: the queue delivers the job again once its
+    lease expires), not left running for good. The lease here outlasts the test,
+    so the message never comes back to kill it another way."""
+    c = HttpClient(node.http_url, node.admin_key)
+    c.put_queue("q12", leaseTimeoutSeconds=600)
+    first = tmp_path / "first.pid"
+    msg_id = spool.run("submit", "--queue", "q12", "--", "sh", "-c", f"echo $$ > {first}; sleep 300",
+                       global_args=g(node)).stdout.decode().strip()
+    w1 = spool.start_worker("--queue", "q12", global_args=g(node))
+    try:
+        wait_until(lambda: first.exists() and first.read_text().strip(), 20, what="the attempt running")
+        orphan = int(first.read_text())
+        wait_until(lambda: spool.job(msg_id)["attempts"][0]["pid"], 10, what="the attempt's pid recorded")
+    finally:
+        w1.kill()
+        w1.wait(timeout=10)
+    assert not pid_gone(orphan), "the command outlives its worker's SIGKILL (its own session)"
+    w2 = spool.start_worker("--queue", "q12", "--json", global_args=g(node), stdout=subprocess.PIPE,
+                            env={"SPOOLCTL_TEST_REAP_THRESHOLD": "0.5"})
+    try:
+        wait_until(lambda: pid_gone(orphan), 20, what="the dead worker's command killed by the reaper")
+        wait_until(lambda: spool.job(msg_id)["state"] == "queued", 10, what="the row closed")
+    finally:
+        w2.send_signal(signal.SIGTERM)
+        try:
+            out, _ = w2.communicate(timeout=30)
+        finally:
+            if w2.poll() is None:
+                w2.kill()
+                w2.wait()
+    job = spool.job(msg_id)
+    [a] = job["attempts"]
+    assert a["failure_reason"] == "worker_crashed" and "lease expires" in a["detail"], a
+    assert job["crash_count"] == 1, job
+    assert json.loads(out)["reaped"] == 1
+    assert c.get_queue("q12")["stats"]["leased"] == 1, "the queue still holds the dead worker's lease"
+
+
+def test_a_live_cluster_worker_keeps_its_rows_fresh_and_is_never_reaped(spool, node, tmp_path):
+    """The other side of the above: a --queue worker touches its running rows every
+    renewal. A reaper finds a live worker's PID alive, but it also reaps a worker
+    whose heartbeat stands still for ten thresholds as hung: without the touches,
+    every long cluster job would be killed that way. Here a reaper whose hung
+    watch is one second long passes over the running job twice, more than that
+    apart, and leaves it alone; the job finishes under its worker."""
+    from spooler.jobs import reaper
+    from spooler.jobs.store import Store
+    c = HttpClient(node.http_url, node.admin_key)
+    c.put_queue("q13", leaseTimeoutSeconds=30)
+    started, go = tmp_path / "started", tmp_path / "go"
+    msg_id = spool.run("submit", "--queue", "q13", "--", "sh", "-c",
+                       f"touch {started}; while [ ! -e {go} ]; do sleep 0.05; done; echo ok",
+                       global_args=g(node)).stdout.decode().strip()
+    w1 = spool.start_worker("--queue", "q13", global_args=g(node))
+    try:
+        wait_until(started.exists, 20, what="the attempt running")
+        store = Store(spool.path)
+        try:
+            first = store.get(msg_id)["worker"]["heartbeat_at"]
+            wait_until(lambda: store.get(msg_id)["worker"]["heartbeat_at"] > first, 10, what="the row's heartbeat touched")
+            watch = reaper.HungWatch(1.0)
+            t0 = time.monotonic()
+            passes = [reaper.reap_pass(store, 0.3, watch=watch)]
+            wait_until(lambda: time.monotonic() - t0 > 1.5, 5, what="the hung watch's length gone by")
+            passes.append(reaper.reap_pass(store, 0.3, watch=watch))
+        finally:
+            store.close()
+        assert all(r.new_state is None for p in passes for r in p), passes
+        assert spool.job(msg_id)["state"] == "running"
+        go.touch()
+        wait_until(lambda: spool.job(msg_id)["state"] == "succeeded", 20, what="the job finished")
+    finally:
+        w1.send_signal(signal.SIGTERM)
+        try:
+            w1.wait(timeout=30)
+        finally:
+            if w1.poll() is None:
+                w1.kill()
+                w1.wait()
+    assert spool.run("output", msg_id).stdout == b"ok\n"
 
 
 def test_invalid_message_is_moved_to_the_failure_queue(spool, node):

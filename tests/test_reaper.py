@@ -495,11 +495,12 @@ def test_a_hung_worker_is_reaped_once_its_heartbeat_was_watched_standing_still(s
     the marker) is eventually reaped. Another worker watches its stale heartbeat
     stand still for ten of its own reap thresholds (0.3 s here, so 3 s), on its own
     monotonic clock, then reaps it: the command is killed and the job runs again.
-    Woken afterwards, the hung worker finds its attempt gone and leaves the job alone."""
+    Woken afterwards, the hung worker finds its attempt gone and leaves the job alone,
+    and its summary counts that attempt nowhere (it is not the job's failure)."""
     first = tmp_path / "first.pid"
     script = (f'if [ "$SPOOLCTL_ATTEMPT" = 1 ]; then echo $$ > {first}; sleep 300; fi; echo attempt $SPOOLCTL_ATTEMPT')
     job_id = spool.submit("sh", "-c", script)
-    w1 = spool.start_worker()
+    w1 = spool.start_worker("--json", stdout=subprocess.PIPE)
     try:
         wait_until(lambda: first.exists() and first.read_text().strip(), 15, what="attempt 1 running")
         orphan = int(first.read_text())
@@ -515,9 +516,12 @@ def test_a_hung_worker_is_reaped_once_its_heartbeat_was_watched_standing_still(s
         wait_until(lambda: pid_gone(orphan), 5, what="the hung worker's command killed by the reaper")
         w1.send_signal(signal.SIGCONT)
         w1.send_signal(signal.SIGTERM)
-        w1.wait(timeout=30)
+        out, _ = w1.communicate(timeout=30)
         job = spool.job(job_id)
         assert job["state"] == "succeeded" and len(job["attempts"]) == 2, job
+        summary = json.loads(out)
+        assert (summary["claimed"], summary["failed"], summary["succeeded"], summary["stopped"]) == (1, 0, 0, 0), \
+            summary
     finally:
         if w1.poll() is None:
             w1.send_signal(signal.SIGCONT)

@@ -8,8 +8,11 @@ plays ``dead``) once the job's ``max_retries`` is spent.
 Differences from the local spool, by design:
 
 * A worker crash is a lease expiry, which the queue counts as a retry (the
-  server raises the retry count on expiry). There is no separate crash budget
-  and no PID probing: the lease timeout replaces the reaper.
+  server raises the retry count on expiry). There is no separate crash budget:
+  the lease timeout decides when the job runs again. The spool's reaper still
+  runs (as in any worker on the spool, with the same PID probing): a dead
+  worker's command is killed and its row closed, so that the command does not
+  run on beside the job's next attempt.
 * A message has no priority; ``--priority`` is carried in the body and
   reported, not used for ordering.
 * ``--key`` becomes the message dedup key and works within the queue's dedup
@@ -28,8 +31,10 @@ import threading
 import time
 from typing import Optional
 
+import apsw
+
 from spooler import errors
-from spooler.jobs import executor, knobs, states
+from spooler.jobs import executor, knobs, reaper, states
 from spooler.jobs.store import Claim, Store, WorkerIdentity, validate_command, validate_job_options
 from spooler.jobs.worker import Progress
 
@@ -133,7 +138,10 @@ class RemoteWorker:
         self._active: dict = {}   # token -> job id
         self._lost: dict = {}     # token -> why its lease is gone: "lease" or "queue" (deleted)
         self.stats = {"claimed": 0, "succeeded": 0, "failed": 0, "dead": 0, "stopped": 0, "lease_lost": 0,
-                      "transient_errors": 0}
+                      "reaped": 0, "transient_errors": 0}
+        self._hung_watch = reaper.HungWatch(knobs.HUNG_REAP_MULTIPLE * settings.own_reap_threshold_s)
+        self.reap_every_s = max(0.05, min(1.0, settings.heartbeat_interval_s / 2))
+        self._last_reap = 0.0
         self.errors: list = []
         self.failure_queue = f"{queue}.failed"
         self.renew_every_s = settings.heartbeat_interval_s
@@ -150,7 +158,11 @@ class RemoteWorker:
         # own, without a spoolctl_result: a job's budget can be no larger
         self.queue_max_retries = int(st.get("maxRetries", knobs.DEFAULT_MAX_RETRIES))
         self.renew_every_s = max(0.05, min(self.settings.heartbeat_interval_s, lease_s / 3))
-        Store(self.spool_dir, self.settings.busy_timeout_s).close()
+        store = Store(self.spool_dir, self.settings.busy_timeout_s)
+        try:
+            self._reap(store)  # a crashed worker's commands end before this one takes jobs
+        finally:
+            store.close()
         restore = Worker._install_signals(self)   # same SIGTERM/SIGINT handling
         renew = threading.Thread(target=self._renew_loop, name="renew", daemon=True)
         renew.start()
@@ -201,9 +213,38 @@ class RemoteWorker:
         with self._lock:
             self.stats[key] += 1
 
+    def _reap(self, store: Store) -> None:
+        """The spool's reaper (as a local worker runs it): jobs of workers found
+        dead, cluster jobs included, have their commands killed and rows closed."""
+        self._last_reap = time.monotonic()
+        try:
+            for r in reaper.reap_pass(store, self.settings.reap_threshold_override_s, watch=self._hung_watch):
+                if r.new_state is not None:
+                    self._bump("reaped")
+        except apsw.BusyError:
+            pass  # the next beat tries again
+
     def _renew_loop(self) -> None:
         client = self.client_factory()
+        store = Store(self.spool_dir, self.settings.busy_timeout_s)
+        try:
+            self._beat(client, store)
+        except Exception as e:  # noqa: BLE001 - a worker that cannot heartbeat stops (as a local one)
+            self.errors.append(f"heartbeat: {type(e).__name__}: {e}")
+            self.stop_event.set()
+            print(f"spoolctl worker: heartbeat failed: {type(e).__name__}: {e}", file=sys.stderr)
+        finally:
+            store.close()
+
+    def _beat(self, client, store: Store) -> None:
+        """Every renewal interval: the spool's rows of this worker's running jobs are
+        touched first (their heartbeat, which other workers' reapers read), then
+        the leases renewed, then (every reap interval) the spool reaped."""
         while not self.stop_event.wait(self.renew_every_s):
+            try:
+                store.heartbeat(self.identity, ())
+            except apsw.BusyError:
+                pass   # next beat; the reap threshold is several beats long
             with self._lock:
                 tokens = list(self._active)
             for tok in tokens:
@@ -215,6 +256,8 @@ class RemoteWorker:
                             self._lost[tok] = _why_lost(e)
                 except errors.SpoolerError:
                     pass   # unreachable for now: try again next beat, the lease may still hold
+            if time.monotonic() - self._last_reap >= self.reap_every_s:
+                self._reap(store)
 
     def _slot_main(self) -> None:
         try:

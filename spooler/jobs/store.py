@@ -6,9 +6,10 @@ the lock instead of racing to upgrade a read lock. Each function takes ``now``
 (Unix seconds) so tests can drive time. A ``Store`` is one connection: use one
 per thread.
 
-Only jobs with ``backend = 'local'`` are claimed and reaped here; rows that a
-cluster worker records (``backend = 'spooler'``) are history only, their truth
-is the Spooler queue.
+Only jobs with ``backend = 'local'`` are claimed here; rows that a cluster
+worker records (``backend = 'spooler'``) are history, their truth is the Spooler
+queue. Both are reaped: a dead cluster worker's command is killed, and its row
+closed (``queued``: the queue redelivers the job once its lease expires).
 """
 from __future__ import annotations
 
@@ -328,6 +329,12 @@ class Store:
         The job only moves if this worker still owns this attempt (it may have
         been canceled, or reaped if this worker looked dead).
         """
+        return self.finish_attempt_owned(claim, reason, exit_code, detail, now)[0]
+
+    def finish_attempt_owned(self, claim: Claim, reason: Optional[str], exit_code: Optional[int],
+                             detail: str = "", now: Optional[float] = None) -> tuple:
+        """As finish_attempt; -> (the job's state afterwards, whether the attempt was
+        still this worker's: if not, its end moved nothing and counts for nobody)."""
         with self.immediate() as c:
             now = time.time() if now is None else now
             row = self._one(
@@ -344,7 +351,7 @@ class Store:
                     " failure_reason=COALESCE(failure_reason, ?) WHERE job_id=? AND n=?",
                     (exit_code, now, states.CANCELED_REASON if state == states.CANCELED else reason,
                      claim.job_id, claim.n))
-                return state
+                return state, False
             if reason in (states.CANCELED_REASON, states.LEASE_LOST):
                 # stopped by its worker for a loss that did not happen (still ours):
                 # requeued like an interrupted attempt, no budget spent
@@ -354,7 +361,7 @@ class Store:
             c.execute("UPDATE attempts SET exit_code=?, finished_at=?, failure_reason=?, detail=?"
                       " WHERE job_id=? AND n=?", (exit_code, now, reason, detail or None, claim.job_id, claim.n))
             self._move(claim.job_id, to, d, now)
-            return to
+            return to, True
 
     def _move(self, job_id: str, to: str, d: states.Decision, now: float) -> None:
         self.conn.execute(
@@ -371,7 +378,7 @@ class Store:
     # candidate and the PID probe decides (reaper.py: a live worker is left alone,
     # and only this host's workers are ever judged).
     _THRESHOLD = "COALESCE(?, MAX(4 * COALESCE(heartbeat_interval_s, 5.0), 30.0))"
-    _STALE = (f"state='running' AND backend='local' AND (heartbeat_at < ? - {_THRESHOLD}"
+    _STALE = (f"state='running' AND (heartbeat_at < ? - {_THRESHOLD}"
               f" OR heartbeat_at > ? + {_THRESHOLD})")
 
     @staticmethod
@@ -404,12 +411,24 @@ class Store:
         with self.immediate() as c:
             now = time.time() if now is None else now
             row = self._one(
-                f"SELECT state, failure_count, crash_count, max_crashes FROM jobs"
+                f"SELECT state, failure_count, crash_count, max_crashes, backend FROM jobs"
                 f" WHERE id=? AND worker_id=? AND attempt_count=? AND {self._STALE}",
                 (cand.job_id, cand.worker_id, cand.n, *self._stale_args(now, threshold_override_s)))
             if row is None:
                 return None
-            state, failures, crashes, max_crashes = row
+            state, failures, crashes, max_crashes, backend = row
+            if backend != "local":
+                # a cluster job: its queue decides what comes next (the lease expires
+                # and the job is delivered again, a retry counted there); this row
+                # only stops claiming that it runs here
+                c.execute("UPDATE attempts SET finished_at=?, failure_reason=?, detail=?"
+                          " WHERE job_id=? AND n=? AND finished_at IS NULL",
+                          (now, states.WORKER_CRASHED, f"{detail}; the queue delivers the job again once its "
+                           "lease expires", cand.job_id, cand.n))
+                c.execute("UPDATE jobs SET state=?, crash_count=crash_count+1, failure_reason=?, updated_at=?,"
+                          " worker_id=NULL, worker_pid=NULL, worker_host=NULL, heartbeat_at=NULL WHERE id=?",
+                          (states.QUEUED, states.WORKER_CRASHED, now, cand.job_id))
+                return states.QUEUED
             d = states.after_crash(failures, crashes, max_crashes, now)
             to = states.transition(state, d.event)
             c.execute("UPDATE attempts SET finished_at=?, failure_reason=?, detail=?"

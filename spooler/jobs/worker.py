@@ -298,19 +298,20 @@ class Worker:
         deadline = time.monotonic() + 120.0
         while True:
             try:
-                if reason in (states.CANCELED_REASON, states.LEASE_LOST):
-                    store.finish_attempt(claim, states.CANCELED_REASON, res.exit_code, res.detail)
-                    new_state = None
-                else:
-                    new_state = store.finish_attempt(claim, reason, res.exit_code, res.detail)
+                new_state, owned = store.finish_attempt_owned(
+                    claim, states.CANCELED_REASON if reason == states.LEASE_LOST else reason, res.exit_code,
+                    res.detail)
                 break
             except apsw.BusyError:
                 if time.monotonic() > deadline:
                     raise
         if new_state == states.CANCELED:
-            # canceled while it ran: `spoolctl cancel` may have killed the group itself,
-            # so the attempt can look like a non-zero exit here; it is not the job's failure
+            # canceled while it ran, whoever killed it (this worker at its heartbeat, or
+            # `spoolctl cancel` itself, when the attempt can look like a non-zero exit here):
+            # not the job's failure
             self._bump("canceled")
+        elif not owned:
+            pass  # reaped while this worker looked dead (it was hung): its end counts for nobody
         elif reason is None and new_state == states.SUCCEEDED:
             self._bump("succeeded")
         elif reason in states.JOB_OWNED:

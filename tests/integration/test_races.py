@@ -128,28 +128,41 @@ def test_sync_client_survives_a_cancelled_send(node):
         assert c.send("cx", b"after").id  # the client is not wedged
 
 
-def test_drop_taken_but_never_committed_is_proposed_again(tmp_path):
+@pytest.mark.parametrize("how", ["lost_after_taken", "refused_at_once"])
+@pytest.mark.parametrize("shape", ["one_message", "batch_in_a_segment"])
+def test_drop_taken_but_never_committed_is_proposed_again(tmp_path, how, shape):
     """Retention: a Drop that the commit loop took but that did not commit (as when the
-    node steps down first) must not leave its messages undropped for good."""
+    node steps down first), or that was refused as it was proposed (the node not
+    serving), must not leave its messages undropped for good: a message of its own
+    goes back to the retention heap, and the messages of a batch held as a segment
+    put their segment back in the segments' heap."""
     async def body(eng, svc):
         await svc.put_queue(ADMIN, "q", {"retentionSeconds": 0.2})
-        await svc.send(ADMIN, [("q", b"a", 0.0, "")])
+        if shape == "one_message":
+            await svc.send(ADMIN, [("q", b"a", 0.0, "")])
+            n = 1
+        else:
+            await svc.send(ADMIN, [], ("q", [b"a", b"b", b"c"], 0.0))
+            n = 3
         real, failed = eng.propose, []
 
         def propose(rec, internal=False):
             if rec.WhichOneof("op") == "drop" and not failed:
-                failed.append(rec)  # accepted, then lost: its future fails as on a step-down
-                fut = asyncio.get_running_loop().create_future()
-                fut.set_exception(errors.Unavailable("no longer the primary"))
+                failed.append(rec)
+                if how == "refused_at_once":
+                    raise errors.Unavailable("node is not serving")
+                fut = asyncio.get_running_loop().create_future()  # accepted, then lost: its future
+                fut.set_exception(errors.Unavailable("no longer the primary"))  # fails as on a step-down
                 return fut
             return real(rec, internal)
         eng.propose = propose
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 6
-        while loop.time() < deadline and eng.core.stats("q", eng.now_us())["expiredTotal"] == 0:
+        while loop.time() < deadline and eng.core.stats("q", eng.now_us())["expiredTotal"] < n:
             await asyncio.sleep(0.05)
         assert failed, "the first Drop was never proposed"
-        assert eng.core.stats("q", eng.now_us())["expiredTotal"] == 1
+        assert len(failed[0].drop.ids) == n, failed[0]
+        assert eng.core.stats("q", eng.now_us())["expiredTotal"] == n
     run(body, tmp_path)
 
 
