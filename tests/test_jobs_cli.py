@@ -404,10 +404,13 @@ def test_environment_failures_are_clear_errors_without_a_traceback(spool, tmp_pa
     import apsw
     afile = tmp_path / "a-file"
     afile.write_bytes(b"not a directory")
-    r = subprocess.run([*spoolctl_argv(), "--spool", str(afile), "submit", "--json", "--", "true"],
-                       env=spool.env, capture_output=True, cwd=str(tmp_path), timeout=60)
-    assert r.returncode == 1 and json.loads(r.stdout)["error"]["kind"] == "spool_unusable", r
-    assert b"Traceback" not in r.stderr and r.stderr.count(b"\n") == 1, r.stderr
+    for cmd in (["submit", "--json", "--", "true"], ["status", "--json"], ["list", "--json"]):
+        # (every command alike: status and list said not_found, "no spool there")
+        r = subprocess.run([*spoolctl_argv(), "--spool", str(afile), *cmd],
+                           env=spool.env, capture_output=True, cwd=str(tmp_path), timeout=60)
+        assert r.returncode == 1 and json.loads(r.stdout)["error"]["kind"] == "spool_unusable", (cmd, r)
+        assert b"Traceback" not in r.stderr and r.stderr.count(b"\n") == 1, r.stderr
+    assert afile.read_bytes() == b"not a directory"
 
     job = spool.submit("true")
     db = apsw.Connection(os.path.join(spool.path, "spool.db"))

@@ -176,6 +176,9 @@ class Store:
         self.output_dir = os.path.join(self.spool_dir, OUTPUT_DIR)
         self.path = os.path.join(self.spool_dir, DB_NAME)
         if not create and not os.path.isfile(self.path):
+            if os.path.exists(self.spool_dir) and not os.path.isdir(self.spool_dir):
+                # as submit and worker say it (their makedirs meets the same file)
+                raise states.SpoolUnusable(f"spool {self.spool_dir} is not a directory")
             raise NotFound(f"no spool at {self.spool_dir} (no {DB_NAME} there)")
         os.makedirs(self.output_dir, exist_ok=True)
         self.conn = apsw.Connection(self.path)
