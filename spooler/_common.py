@@ -26,6 +26,7 @@ NAME_CHARS_MAX = 16 * 1024  # a queue name or dedup key the SDK sends at all (se
 
 PING_INTERVAL_MS = 2_000
 PING_TIMEOUT_S = 5.0  # the clients' ping_timeout_s default
+TIMEOUT_S_MAX = 1e6    # a client's timeout_s: at most about eleven days
 
 GRPC_OPTIONS = [
     # one Session stream carries many batches at once: let it have more than
@@ -47,6 +48,13 @@ GRPC_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.min_time_between_pings_ms", 1_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # After failed connection attempts gRPC waits 1 s, then 1.6 times longer each
+    # time, up to 120 s, and a channel waiting that out fails every call at once:
+    # a node back after a minute's outage would go unreached through a whole call's
+    # retries (3.1 s). Capped at 1 s, a node that is back is reached within one
+    # call's retries. (The connection attempt's own timeout stays gRPC's 20 s.)
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
@@ -117,6 +125,11 @@ def settings_pb(settings: dict) -> api_pb2.Settings:
         name = SETTINGS_PB.get(k) or SNAKE_SETTINGS.get(k)
         if name is None:
             raise errors.InvalidArgument(f"unknown setting {k!r}")
+        if name == "failure_queue":
+            if not isinstance(v, str):
+                raise TypeError(f"{k} must be a str, not {type(v).__name__}")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{k} must be a number, not {type(v).__name__}")
         if name == "max_retries" and type(v) is float:  # as over HTTP: 2.0 is 2, 2.5 is no count
             if not v.is_integer():
                 raise errors.InvalidArgument(f"maxRetries must be a whole number, not {v!r}")
@@ -401,6 +414,8 @@ def receive_request(queue: str, wait_s: float, max_messages: int) -> api_pb2.Rec
     A wait that is not a number from 0 to 20 s is refused here: the call's
     deadline is counted from it, and a NaN or a huge one would otherwise end the
     call at once as a timeout (``unavailable``, which reads as try again)."""
+    if not isinstance(queue, str):
+        raise TypeError(f"queue must be a str, not {type(queue).__name__}")
     if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
         # (0 would reach the node as "unset", which it reads as 1)
         raise errors.InvalidArgument(f"max_messages must be a whole number of at least 1, not {max_messages!r}")
@@ -513,7 +528,23 @@ def lease_request(token: str, delay_s: float = 0.0) -> api_pb2.LeaseRequest:
     so (None stays unset, as in a SettleBatch item: the node refuses it)."""
     if token is not None:
         _token(token)
+    if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)):
+        raise TypeError(f"delay_s must be a number, not {type(delay_s).__name__}")
     return api_pb2.LeaseRequest(token=token, delay_seconds=delay_s)
+
+
+def key_request(queue: str, scopes) -> api_pb2.CreateKeyRequest:
+    """A CreateKey request. ``scopes``: a list of scope names, or one string of them
+    separated by commas (as ``spoolctl keys create --scope send,receive``): a
+    string was taken letter by letter."""
+    if not isinstance(queue, str):
+        raise TypeError(f"queue must be a str, not {type(queue).__name__}")
+    if isinstance(scopes, str):
+        scopes = [x.strip() for x in scopes.split(",")]
+    scopes = list(scopes)
+    if not all(isinstance(x, str) for x in scopes):
+        raise TypeError("scopes must be scope names (str)")
+    return api_pb2.CreateKeyRequest(queue=queue, scopes=scopes)
 
 
 def settle_request(items, action_of=settle_action) -> api_pb2.SettleBatchRequest:
@@ -696,8 +727,11 @@ class Nodes:
             # flushed, or calls never made
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, not {v!r}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ValueError(f"timeout_s must be a number > 0, not {timeout_s!r}")
+        if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                or not 0 < timeout_s <= TIMEOUT_S_MAX):
+            # (past about 1e10 s gRPC's deadline overflows and every call fails at
+            # once, a send as "maybe stored"; infinity is not "no timeout")
+            raise ValueError(f"timeout_s must be a number of seconds in (0, {TIMEOUT_S_MAX:g}], not {timeout_s!r}")
         self._init_nodes(target, credentials, ping_timeout_s)
         self.md = auth_metadata(key)
         self.timeout_s = timeout_s

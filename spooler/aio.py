@@ -21,7 +21,7 @@ from typing import Awaitable, Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (MOVE_ON, Nodes, LeaseEnd, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, batch_request, compact_request, settle_request, settle_outcomes, batch_results, call_with_retries,
+from spooler._common import (MOVE_ON, Nodes, LeaseEnd, key_request, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, batch_request, compact_request, settle_request, settle_outcomes, batch_results, call_with_retries,
                              _has_detail, map_rpc_error, messages_of, never_sent, read_lost, queue_dict, renew_delay_s, resend_groups, send_outcomes, settle_after_unconfirmed,
                              settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request, lease_request,
                              release_request, settle_failed, unconfirmed_after)
@@ -642,6 +642,8 @@ class AsyncClient(Nodes):
         await self._settle("ack", token)
 
     async def nack(self, token: str, *, delay_s: float = 0.0) -> None:
+        if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)):
+            raise TypeError(f"delay_s must be a number, not {type(delay_s).__name__}")
         await self._settle("nack", token, delay_s)
 
     async def renew(self, token: str) -> str:
@@ -771,7 +773,7 @@ class AsyncClient(Nodes):
         return await self._retried("GetCluster", api_pb2.Empty(), write=False)
 
     async def create_key(self, queue: str = "*", scopes=("send", "receive")) -> api_pb2.KeyInfo:
-        return await self._retried("CreateKey", api_pb2.CreateKeyRequest(queue=queue, scopes=list(scopes)),
+        return await self._retried("CreateKey", key_request(queue, scopes),
                                 write=True)
 
     async def list_keys(self) -> list:

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (MOVE_ON, Nodes, LeaseEnd, keep_renewing_after, batch_size, check_batch, check_send_types, Message, SendResult, batch_request, settle_outcomes, batch_results, call_with_retries_sync,
+from spooler._common import (MOVE_ON, Nodes, LeaseEnd, key_request, keep_renewing_after, batch_size, check_batch, check_send_types, Message, SendResult, batch_request, settle_outcomes, batch_results, call_with_retries_sync,
                              map_rpc_error, messages_of, queue_dict, renew_delay_s, resend_groups, send_outcomes, settle_after_unconfirmed,
                              settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request, lease_request,
                              release_request, settle_failed, settle_request, unconfirmed_after)
@@ -295,14 +295,17 @@ class Client(Nodes):
                 self._settles -= 1
                 self._settled.notify_all()
 
-    def _settle(self, method: str, req):
+    def _settle(self, method: str, req, answer=None):
         """``method``: the stub's method name, looked up for every attempt, so that a
-        retry after a move to another node goes there, not to the node that failed."""
+        retry after a move to another node goes there, not to the node that failed.
+        ``answer(response, when the attempt began)``: what the caller gets."""
         state = {"maybe_landed": False}  # an earlier attempt's outcome is unknown
 
         def once():
             try:
-                return self._call(method, req, write=True)
+                started = time.monotonic()
+                r = self._call(method, req, write=True)
+                return answer(r, started) if answer is not None else r
             except errors.StaleLease as e:
                 if state["maybe_landed"] and method != "Renew":
                     settle_after_unconfirmed(e)  # our earlier attempt landed (returns), or may have
@@ -326,12 +329,10 @@ class Client(Nodes):
         self._settle("Nack", lease_request(token, delay_s))
 
     def renew(self, token: str) -> str:
-        """-> the new expiresAt (a LeaseEnd)."""
-        def once():
-            started = time.monotonic()
-            r = self._call("Renew", lease_request(token), write=True)
-            return LeaseEnd(r.expires_at, r.lease_seconds_left, started)
-        return call_with_retries_sync(once, self.retry_attempts, settle=True, stop_when=self._gone)
+        """-> the new expiresAt (a LeaseEnd). Retried as ack and nack are (S6a: after
+        an attempt whose outcome is unknown, a refused retry is operation_unconfirmed)."""
+        return self._settle("Renew", lease_request(token),
+                            answer=lambda r, started: LeaseEnd(r.expires_at, r.lease_seconds_left, started))
 
     def settle_batch(self, items: list) -> list:
         """items: [(token, "ack"|"nack"|"renew"[, delay_s])] -> per item None / expiresAt / SpoolerError."""
@@ -418,7 +419,7 @@ class Client(Nodes):
         return self._retried("GetCluster", api_pb2.Empty(), write=False)
 
     def create_key(self, queue: str = "*", scopes=("send", "receive")) -> api_pb2.KeyInfo:
-        return self._retried("CreateKey", api_pb2.CreateKeyRequest(queue=queue, scopes=list(scopes)), write=True)
+        return self._retried("CreateKey", key_request(queue, scopes), write=True)
 
     def list_keys(self) -> list:
         """The scoped keys (KeyInfo, without their secrets)."""

@@ -25,12 +25,13 @@ class FakeNode:
     """A sync gRPC server with the unary handlers given (method name -> fn(req, ctx));
     no Session, so both clients use the unary calls. Counts calls per method."""
 
-    def __init__(self, **handlers):
+    def __init__(self, port: int = 0, **handlers):
         self.calls = {name: 0 for name in handlers}
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         types = {"SendBatch": (api_pb2.SendBatchRequest, api_pb2.SendBatchResponse),
                  "GetQueue": (api_pb2.QueueRequest, api_pb2.Queue),
-                 "Ack": (api_pb2.LeaseRequest, api_pb2.Empty)}
+                 "Ack": (api_pb2.LeaseRequest, api_pb2.Empty),
+                 "Renew": (api_pb2.LeaseRequest, api_pb2.RenewResponse)}
 
         def counted(name, fn):
             def call(req, ctx):
@@ -42,7 +43,7 @@ class FakeNode:
                                                           response_serializer=types[name][1].SerializeToString)
                 for name, fn in handlers.items()}
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("spooler.v1.Spooler", rpcs),))
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         self.server.start()
         self.target = f"127.0.0.1:{self.port}"
 
@@ -150,6 +151,40 @@ def test_an_ack_whose_retry_meets_a_primary_change_is_unconfirmed_async(changed_
 
 
 @pytest.fixture
+def renew_unknown_then_refused_node():
+    """Renew: the first attempt ends with no answer (outcome unknown: it may have
+    renewed the lease), every retry is refused unavailable."""
+    def renew(req, ctx, n):
+        if n == 1:
+            ctx.abort(grpc.StatusCode.CANCELLED, "the node went away")
+        _refuse(ctx, errors.Unavailable("node is not serving", retry_after_s=0.05))
+
+    node = FakeNode(Renew=renew)
+    yield node
+    node.stop()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_renew_whose_retries_end_refused_after_an_unknown_outcome_is_unconfirmed(
+        renew_unknown_then_refused_node, kind):
+    """S6a: the first renewal may have taken effect, so a caller must not hear
+    "unavailable" (not accepted) when the retries are refused: it hears
+    operation_unconfirmed, from both clients (the sync one said unavailable)."""
+    node = renew_unknown_then_refused_node
+    if kind == "sync":
+        with Client(node.target, "k", timeout_s=10) as c:
+            with pytest.raises(errors.OperationUnconfirmed):
+                c.renew("t" * 40)
+    else:
+        async def main():
+            async with _unary_only(AsyncClient(node.target, "k", timeout_s=10)) as c:
+                with pytest.raises(errors.OperationUnconfirmed):
+                    await c.renew("t" * 40)
+        asyncio.run(main())
+    assert node.calls["Renew"] >= 2
+
+
+@pytest.fixture
 def unconfirmed_node():
     """Every send's outcome is unknown (no answer in time); the queue has a dedup
     window, so a keyed send is sent again."""
@@ -233,3 +268,64 @@ def test_a_part_of_a_refused_batch_that_fails_oddly_leaves_no_caller_waiting(cap
     finally:
         gate.set()
         node.stop()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_node_back_after_an_outage_is_reached_within_one_calls_retries(kind):
+    """A client that has failed to connect for a while must reach the node within
+    its own retry schedule (3.1 s) once the node is back. gRPC's default reconnect
+    backoff grows by 1.6 times per failed attempt up to 120 s, and a channel
+    waiting it out fails every call at once; the clients cap it at 1 s. Here a
+    listener that accepts and closes every connection counts the client's
+    attempts (each a failed handshake); right after the sixth, the real node
+    takes the port. Uncapped, the next attempt would come 5 s or more later."""
+    import socket
+    import time
+    lsock = socket.socket()
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(16)
+    port = lsock.getsockname()[1]
+    target = f"127.0.0.1:{port}"
+    stop, done, attempts = threading.Event(), [], []
+
+    def call_until_answered():
+        async def calls_async():
+            async with AsyncClient(target, "k", timeout_s=2.0) as c:
+                while not stop.is_set():
+                    try:
+                        done.append((time.monotonic(), await c.get_queue("q")))
+                        return
+                    except errors.Unavailable:
+                        pass
+        if kind == "async":
+            asyncio.run(calls_async())
+            return
+        with Client(target, "k", timeout_s=2.0) as c:
+            while not stop.is_set():
+                try:
+                    done.append((time.monotonic(), c.get_queue("q")))
+                    return
+                except errors.Unavailable:
+                    pass
+
+    caller = threading.Thread(target=call_until_answered, daemon=True)
+    caller.start()
+    node = None
+    try:
+        lsock.settimeout(60)
+        while len(attempts) < 6:
+            conn, _ = lsock.accept()
+            attempts.append(time.monotonic())
+            conn.close()
+        lsock.close()
+        up = time.monotonic()
+        node = FakeNode(port, GetQueue=lambda req, ctx, n: api_pb2.Queue(name=req.name))
+        wait_until(lambda: done, 20, what="a call answered")
+        assert done[0][0] - up < 3.1, f"answered {done[0][0] - up:.2f} s after the node was back"
+    finally:
+        stop.set()
+        caller.join(timeout=30)
+        if node is not None:
+            node.stop()
+        lsock.close()

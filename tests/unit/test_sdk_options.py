@@ -40,6 +40,17 @@ def test_a_client_option_below_one_is_refused(option, bad):
         AsyncClient("127.0.0.1:9", **{option: bad})
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 1e10, 1e6 + 1])
+def test_a_timeout_that_is_not_finite_or_past_the_cap_is_refused(bad):
+    """A timeout of 1e10 s or infinity was taken, and then every unary call failed at
+    once (gRPC's deadline overflowed), a send as "maybe stored" though nothing left."""
+    with pytest.raises(ValueError):
+        Client("127.0.0.1:9", timeout_s=bad)
+    with pytest.raises(ValueError):
+        AsyncClient("127.0.0.1:9", timeout_s=bad)
+    Client("127.0.0.1:9", timeout_s=1e6).close()  # the cap itself is taken
+
+
 def test_a_batch_over_grpcs_limit_only_with_its_framing_is_refused_before_it_is_sent():
     """167,000 bodies of 100 bytes are under the bodies' limit (16.70 MB) but over
     gRPC's 16 MiB once each body's tag and length are counted: message_too_large
@@ -114,3 +125,29 @@ def _outcome(fn):
         return fn()
     except Exception as e:  # noqa: BLE001
         return e
+
+
+@pytest.mark.parametrize("call", ["receive", "put_queue_failure_queue", "put_queue_seconds", "nack", "create_key"])
+def test_arguments_of_the_wrong_type_are_refused_saying_which_before_anything_is_sent(call):
+    """Arguments that protobuf itself refused ("bad argument type for built-in
+    operation") are refused by the SDK naming the argument; scopes given as one
+    string are split at commas (they were taken letter by letter)."""
+    import asyncio
+    from spooler._common import key_request
+
+    bad = {"receive": (lambda c: c.receive(5), "queue"),
+           "put_queue_failure_queue": (lambda c: c.put_queue("q", failureQueue=5), "failureQueue"),
+           "put_queue_seconds": (lambda c: c.put_queue("q", leaseTimeoutSeconds="5"), "leaseTimeoutSeconds"),
+           "nack": (lambda c: c.nack("t" * 40, delay_s="1"), "delay_s"),
+           "create_key": (lambda c: c.create_key(5), "queue")}[call]
+    with Client("127.0.0.1:9", timeout_s=1) as c:  # (nothing listens there: a call that went out fails otherwise)
+        with pytest.raises(TypeError, match=bad[1]):
+            bad[0](c)
+
+    async def main():
+        async with AsyncClient("127.0.0.1:9", timeout_s=1) as c:
+            with pytest.raises(TypeError, match=bad[1]):
+                await bad[0](c)
+    asyncio.run(main())
+    assert list(key_request("q", "send, receive").scopes) == ["send", "receive"]
+    assert list(key_request("q", ["admin"]).scopes) == ["admin"]
