@@ -601,3 +601,30 @@ def test_a_worker_id_names_its_start_time():
     w = WorkerIdentity.current(5.0)
     assert start_of(w.worker_id) == process_start(os.getpid()) is not None
     assert start_of(f"{HOST}:123:abcd1234") is None  # ids written before carry none
+
+
+def test_a_cluster_row_never_touched_since_its_start_is_not_judged_hung(store, procs):
+    """A --queue worker of spoolctl before 0.4.18 records its running jobs but never
+    heartbeats them. Sharing a spool with this version's workers, whose reapers now
+    read cluster rows too, its live worker must not be taken for a hung one: a
+    cluster row whose heartbeat is still its attempt's start is not judged hung.
+    Once touched (this version's --queue workers touch theirs every renewal), a
+    heartbeat that then stands still is watched as any other."""
+    clock = [100.0]
+    watch = reaper.HungWatch(5.0, clock=lambda: clock[0])
+    p = procs([sys.executable, "-c", "import time; time.sleep(60)", "spoolctl", "worker", "--queue", "q"])
+    wait_until(lambda: "spoolctl" in (reaper.read_cmdline(p.pid) or []), 5)
+    w = WorkerIdentity(f"{HOST}:{p.pid}:test", p.pid, HOST, 5.0)
+    c = store.begin_remote(w, "m1", "http://n/v1/queues/q", ["true"], None, 0, 3, None, now=T0)
+    for _ in range(3):
+        [r] = reaper.reap_pass(store, now=T0 + 3600, watch=watch)
+        assert (r.verdict, r.new_state) == (reaper.ALIVE, None), r
+        clock[0] += 5.0
+    assert store.get("m1")["state"] == "running"
+    store.heartbeat(w, {(c.job_id, c.n)}, now=T0 + 10)  # a worker that heartbeats: judged as any
+    [r] = reaper.reap_pass(store, now=T0 + 3600, watch=watch)
+    assert (r.verdict, r.new_state) == (reaper.ALIVE, None)
+    clock[0] += 5.0
+    [r] = reaper.reap_pass(store, now=T0 + 3600, watch=watch)
+    assert (r.verdict, r.new_state) == (reaper.HUNG, states.QUEUED), r
+    assert store.get("m1")["attempts"][0]["failure_reason"] == "worker_crashed"

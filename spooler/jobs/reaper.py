@@ -169,8 +169,13 @@ def _reap_one(store, cand, verdicts, now, now_s, threshold_override_s, my_host, 
     if verdict is None:
         verdict = verdicts[cand.worker_id] = liveness(cand.worker_pid, cand.worker_host, my_host=my_host,
                                                       kill=kill, cmdline=cmdline, start=start_of(cand.worker_id))
-    if verdict == ALIVE and watch is not None and (cand.heartbeat_at or 0.0) <= now_s and watch.hung(cand):
-        verdict = HUNG  # (a heartbeat "in the future", after a clock step back, is never judged hung)
+    never_beat = cand.backend != "local" and cand.heartbeat_at == cand.started_at
+    if (verdict == ALIVE and watch is not None and (cand.heartbeat_at or 0.0) <= now_s and not never_beat
+            and watch.hung(cand)):
+        # (a heartbeat "in the future", after a clock step back, is never judged hung;
+        # nor a cluster row never touched since its start: spoolctl before 0.4.18 did
+        # not heartbeat those, and its live worker would be taken for a hung one)
+        verdict = HUNG
     if verdict in (ALIVE, INCONCLUSIVE):
         return ReapResult(cand.job_id, verdict, None)
     age = now_s - (cand.heartbeat_at or 0.0)

@@ -136,6 +136,8 @@ class Candidate:
     worker_host: Optional[str]
     heartbeat_at: Optional[float]
     pgid: Optional[int] = None   # the attempt's process group, if it was spawned
+    backend: str = "local"
+    started_at: Optional[float] = None  # the attempt's start
 
 
 def new_job_id() -> str:
@@ -397,7 +399,8 @@ class Store:
         skip = list(skip_workers)
         not_in = f" AND j.worker_id NOT IN ({','.join('?' * len(skip))})" if skip else ""
         rows = self.conn.execute(
-            f"SELECT j.id, j.attempt_count, j.worker_id, j.worker_pid, j.worker_host, j.heartbeat_at, a.pid"
+            f"SELECT j.id, j.attempt_count, j.worker_id, j.worker_pid, j.worker_host, j.heartbeat_at, a.pid,"
+            f" j.backend, a.started_at"
             f" FROM jobs j LEFT JOIN attempts a ON a.job_id=j.id AND a.n=j.attempt_count"
             f" WHERE {self._STALE}{not_in} ORDER BY j.heartbeat_at LIMIT ?",
             (*self._stale_args(now, threshold_override_s), *skip, limit))
