@@ -280,6 +280,17 @@ class RemoteWorker:
                     self._bump("transient_errors")
                     self.stop_event.wait(min(5.0, max(0.2, e.retry_after_s or 1.0)))
                     continue
+                except errors.QueueNotFound as e:
+                    # deleted under the worker: nothing more will come from it (the other
+                    # slots' running jobs end as their leases went, with the queue)
+                    with self._lock:
+                        first = not self.stop_event.is_set()
+                        self.stop_event.set()
+                    if first:
+                        self.errors.append(f"queue_not_found: {e.message}")
+                        print(f"spoolctl worker: queue {self.queue} does not exist (any more); stopping",
+                              file=sys.stderr)
+                    return
                 if d is None:
                     if self.drain and self._drained(client):
                         return
