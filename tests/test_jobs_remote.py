@@ -24,6 +24,27 @@ def g(node):
     return ("--server", node.http_url, "--key", node.admin_key)
 
 
+def queue_job(spool, node, queue: str, script: str, **settings):
+    """A queue with these settings and one job on it (``sh -c script``) -> (client, job id)."""
+    c = HttpClient(node.http_url, node.admin_key)
+    c.put_queue(queue, **settings)
+    msg_id = spool.run("submit", "--queue", queue, "--", "sh", "-c", script,
+                       global_args=g(node)).stdout.decode().strip()
+    return c, msg_id
+
+
+def stop(w):
+    """SIGTERM to a worker, and SIGKILL if it has not ended 30 s later (also when
+    the test failed): every worker a test starts ends by its pid. -> its stdout."""
+    w.send_signal(signal.SIGTERM)
+    try:
+        return w.communicate(timeout=30)[0]
+    finally:
+        if w.poll() is None:
+            w.kill()
+            w.wait()
+
+
 def test_submit_and_run_through_a_queue(spool, node):
     r = spool.run("submit", "--queue", "jobs", "--", "sh", "-c", "echo hello from $SPOOLCTL_JOB_ID",
                   global_args=g(node))
@@ -175,11 +196,8 @@ def test_a_queue_deleted_and_made_again_while_its_job_runs_ends_the_record(spool
     stale_lease/settled (the lease's message went with the old queue), not
     queue_not_found. The job is stopped as for a lost lease, and its record ends
     dead: the new queue will never deliver it, so "queued" would be false."""
-    c = HttpClient(node.http_url, node.admin_key)
-    c.put_queue("q10", leaseTimeoutSeconds=30)
     started = tmp_path / "started"
-    msg_id = spool.run("submit", "--queue", "q10", "--", "sh", "-c", f"touch {started}; sleep 300; echo done",
-                       global_args=g(node)).stdout.decode().strip()
+    c, msg_id = queue_job(spool, node, "q10", f"touch {started}; sleep 300; echo done", leaseTimeoutSeconds=30)
     w = spool.start_worker("--queue", "q10", global_args=g(node))
     try:
         wait_until(started.exists, 20, what="the attempt running")
@@ -187,13 +205,7 @@ def test_a_queue_deleted_and_made_again_while_its_job_runs_ends_the_record(spool
         c.put_queue("q10", leaseTimeoutSeconds=30)
         wait_until(lambda: spool.job(msg_id)["state"] != "running", 30, what="the attempt ended")
     finally:
-        w.send_signal(signal.SIGTERM)
-        try:
-            w.wait(timeout=30)
-        finally:
-            if w.poll() is None:
-                w.kill()
-                w.wait()
+        stop(w)
     job = spool.job(msg_id)
     [a] = job["attempts"]
     assert job["state"] == "dead" and a["failure_reason"] == "lease_lost" and "deleted" in a["detail"], job
@@ -220,13 +232,7 @@ def test_a_change_of_the_queues_max_retries_holds_for_a_worker_already_running(s
         go.touch()
         wait_until(lambda: spool.job(msg_id)["state"] != "running", 30, what="the attempt ended")
     finally:
-        w.send_signal(signal.SIGTERM)
-        try:
-            w.wait(timeout=30)
-        finally:
-            if w.poll() is None:
-                w.kill()
-                w.wait()
+        stop(w)
     job = spool.job(msg_id)
     assert job["state"] == "dead" and [a["exit_code"] for a in job["attempts"]] == [4], job
     d = c.receive("q11.failed")
@@ -263,11 +269,8 @@ def test_a_crashed_workers_command_is_killed_by_the_next_worker_on_its_spool(spo
     job, and the row is closed (queued: the queue delivers the job again once its
     lease expires), not left running for good. The lease here outlasts the test,
     so the message never comes back to kill it another way."""
-    c = HttpClient(node.http_url, node.admin_key)
-    c.put_queue("q12", leaseTimeoutSeconds=600)
     first = tmp_path / "first.pid"
-    msg_id = spool.run("submit", "--queue", "q12", "--", "sh", "-c", f"echo $$ > {first}; sleep 300",
-                       global_args=g(node)).stdout.decode().strip()
+    c, msg_id = queue_job(spool, node, "q12", f"echo $$ > {first}; sleep 300", leaseTimeoutSeconds=600)
     w1 = spool.start_worker("--queue", "q12", global_args=g(node))
     try:
         wait_until(lambda: first.exists() and first.read_text().strip(), 20, what="the attempt running")
@@ -283,13 +286,7 @@ def test_a_crashed_workers_command_is_killed_by_the_next_worker_on_its_spool(spo
         wait_until(lambda: pid_gone(orphan), 20, what="the dead worker's command killed by the reaper")
         wait_until(lambda: spool.job(msg_id)["state"] == "queued", 10, what="the row closed")
     finally:
-        w2.send_signal(signal.SIGTERM)
-        try:
-            out, _ = w2.communicate(timeout=30)
-        finally:
-            if w2.poll() is None:
-                w2.kill()
-                w2.wait()
+        out = stop(w2)
     job = spool.job(msg_id)
     [a] = job["attempts"]
     assert a["failure_reason"] == "worker_crashed" and "lease expires" in a["detail"], a
@@ -307,12 +304,9 @@ def test_a_live_cluster_worker_keeps_its_rows_fresh_and_is_never_reaped(spool, n
     apart, and leaves it alone; the job finishes under its worker."""
     from spooler.jobs import reaper
     from spooler.jobs.store import Store
-    c = HttpClient(node.http_url, node.admin_key)
-    c.put_queue("q13", leaseTimeoutSeconds=30)
     started, go = tmp_path / "started", tmp_path / "go"
-    msg_id = spool.run("submit", "--queue", "q13", "--", "sh", "-c",
-                       f"touch {started}; while [ ! -e {go} ]; do sleep 0.05; done; echo ok",
-                       global_args=g(node)).stdout.decode().strip()
+    c, msg_id = queue_job(spool, node, "q13", f"touch {started}; while [ ! -e {go} ]; do sleep 0.05; done; echo ok",
+                          leaseTimeoutSeconds=30)
     w1 = spool.start_worker("--queue", "q13", global_args=g(node))
     try:
         wait_until(started.exists, 20, what="the attempt running")
@@ -332,13 +326,7 @@ def test_a_live_cluster_worker_keeps_its_rows_fresh_and_is_never_reaped(spool, n
         go.touch()
         wait_until(lambda: spool.job(msg_id)["state"] == "succeeded", 20, what="the job finished")
     finally:
-        w1.send_signal(signal.SIGTERM)
-        try:
-            w1.wait(timeout=30)
-        finally:
-            if w1.poll() is None:
-                w1.kill()
-                w1.wait()
+        stop(w1)
     assert spool.run("output", msg_id).stdout == b"ok\n"
 
 
