@@ -240,14 +240,25 @@ class RemoteWorker:
         """Every renewal interval: the spool's rows of this worker's running jobs are
         touched first (their heartbeat, which other workers' reapers read), then
         the leases renewed, then (every reap interval) the spool reaped."""
-        while not self.stop_event.wait(self.renew_every_s):
+        touched = 0.0
+
+        def touch() -> None:
+            # between renewals too: many renewals to a server slow to answer must not
+            # leave this live worker's rows looking hung to another worker's reaper
+            nonlocal touched
+            if time.monotonic() - touched < self.renew_every_s:
+                return
             try:
                 store.heartbeat(self.identity, ())
+                touched = time.monotonic()
             except apsw.BusyError:
-                pass   # next beat; the reap threshold is several beats long
+                pass   # next time; the reap threshold is several beats long
+
+        while not self.stop_event.wait(self.renew_every_s):
             with self._lock:
                 tokens = list(self._active)
             for tok in tokens:
+                touch()
                 try:
                     client.renew(tok)
                 except (errors.StaleLease, errors.QueueNotFound) as e:
