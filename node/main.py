@@ -117,19 +117,33 @@ def check_listenable(what: str, host: str, port: int, hold: Optional[list] = Non
     line about a failed bind is not printed beside ours. Binds a socket per
     address the name gives, as asyncio's server does (an address family the host
     lacks is skipped), and closes it; with ``hold``, it listens on it instead and
-    appends it there, so that a second check meets it (the caller closes them).
-    The servers bind for real later; a process taking the port in between still
+    appends it there, so that a second check meets it (the caller closes them):
+    that is the gRPC address, held as gRPC binds it (a wildcard as one socket for
+    both families, "localhost" as both loopback addresses). The servers bind for real later; a process taking the port in between still
     meets the ListenError there."""
     import errno
     import socket
     if port == 0:
         return  # any free port
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError as e:
-        raise grpc_api.ListenError(f"cannot listen for {what} on {host}:{port}: {e.strerror or e}") from None
+    if hold is not None and host in ("", "0.0.0.0", "::"):
+        # gRPC listens on a wildcard as one socket for both families ([::], not
+        # v6-only): so must the held one, to meet an IPv4 or IPv6 address on its port
+        infos = [(socket.AF_INET6, socket.SOCK_STREAM, 0, "", ("::", port, 0, 0)),
+                 (socket.AF_INET, socket.SOCK_STREAM, 0, "", ("0.0.0.0", port))]
+    elif hold is not None and host == "localhost":
+        # gRPC resolves "localhost" itself, to both loopback addresses
+        infos = [(socket.AF_INET, socket.SOCK_STREAM, 0, "", ("127.0.0.1", port)),
+                 (socket.AF_INET6, socket.SOCK_STREAM, 0, "", ("::1", port, 0, 0))]
+    else:
+        try:
+            infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except OSError as e:
+            raise grpc_api.ListenError(f"cannot listen for {what} on {host}:{port}: {e.strerror or e}") from None
     bound = 0
+    dual = False
     for family, kind, proto, _, addr in infos:
+        if dual:
+            break  # the wildcard's one socket holds both families
         try:
             sock = socket.socket(family, kind, proto)
         except OSError as e:
@@ -139,7 +153,8 @@ def check_listenable(what: str, host: str, port: int, hold: Optional[list] = Non
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                both = hold is not None and addr[0] == "::"
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if both else 1)
             try:
                 sock.bind(addr)
                 if hold is not None:
@@ -150,6 +165,7 @@ def check_listenable(what: str, host: str, port: int, hold: Optional[list] = Non
                 raise grpc_api.ListenError(f"cannot listen for {what} on {host}:{port}: "
                                            f"{e.strerror or e}") from None
             bound += 1
+            dual = family == socket.AF_INET6 and hold is not None and addr[0] == "::"
             if hold is not None:
                 hold.append(sock)
                 sock = None

@@ -319,6 +319,8 @@ class Client(Nodes):
                     raise unconfirmed_after(e) from e
                 raise
 
+        if method == "Renew":  # close() waits for acks and nacks, not renewals (as AsyncClient)
+            return call_with_retries_sync(once, self.retry_attempts, settle=True, stop_when=self._gone)
         with self._waited_for_by_close():
             return call_with_retries_sync(once, self.retry_attempts, settle=True, stop_when=self._gone)
 

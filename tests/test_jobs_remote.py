@@ -280,19 +280,69 @@ def test_a_crashed_workers_command_is_killed_by_the_next_worker_on_its_spool(spo
         w1.kill()
         w1.wait(timeout=10)
     assert not pid_gone(orphan), "the command outlives its worker's SIGKILL (its own session)"
+    # stale past the next worker's threshold before it starts, and a second job
+    # waiting, which tells whether the first one's command was still there when it ran
+    stale = lambda: time.time() - (spool.job(msg_id)["worker"] or {}).get("heartbeat_at", 0) > 1.0  # noqa: E731
+    wait_until(stale, 10, what="the dead worker's row stale")
+    second = spool.run("submit", "--queue", "q12", "--", "sh", "-c",
+                       # (a killed process not yet reaped by its new parent is a zombie: gone)
+                       f"s=$(cut -d' ' -f3 /proc/{orphan}/stat 2>/dev/null); "
+                       f"if [ -n \"$s\" ] && [ \"$s\" != Z ]; then echo alive; else echo gone; fi",
+                       global_args=g(node)).stdout.decode().strip()
     w2 = spool.start_worker("--queue", "q12", "--json", global_args=g(node), stdout=subprocess.PIPE,
                             env={"SPOOLCTL_TEST_REAP_THRESHOLD": "0.5"})
     try:
         wait_until(lambda: pid_gone(orphan), 20, what="the dead worker's command killed by the reaper")
         wait_until(lambda: spool.job(msg_id)["state"] == "queued", 10, what="the row closed")
+        wait_until(lambda: spool.job(second)["state"] == "succeeded", 20, what="the second job run")
     finally:
         out = stop(w2)
+    assert spool.run("output", second).stdout == b"gone\n", "the orphan was killed before the next job ran"
     job = spool.job(msg_id)
     [a] = job["attempts"]
     assert a["failure_reason"] == "worker_crashed" and "lease expires" in a["detail"], a
     assert job["crash_count"] == 1, job
     assert json.loads(out)["reaped"] == 1
     assert c.get_queue("q12")["stats"]["leased"] == 1, "the queue still holds the dead worker's lease"
+
+
+def test_a_hung_cluster_worker_is_reaped_and_on_waking_gives_its_lease_back_counting_nothing(spool, node, tmp_path):
+    """J2 with --queue, a worker alive but hung (SIGSTOPped): another worker on the
+    spool watches its rows' heartbeat stand still for ten reap thresholds (0.3 s
+    here) and reaps it as hung, killing its command. Woken, the hung worker finds
+    the row no longer its own: it leaves the reaper's record as it is (not the job's
+    failure), gives its lease, which still had minutes to run, back with a nack (the
+    job runs again now, not when the lease expires), and counts the attempt nowhere."""
+    first = tmp_path / "first.pid"
+    c, msg_id = queue_job(spool, node, "q14", f"echo $$ > {first}; sleep 300", leaseTimeoutSeconds=600)
+    w1 = spool.start_worker("--queue", "q14", "--json", global_args=g(node), stdout=subprocess.PIPE)
+    w2 = None
+    try:
+        wait_until(lambda: first.exists() and first.read_text().strip(), 20, what="the attempt running")
+        orphan = int(first.read_text())
+        wait_until(lambda: spool.job(msg_id)["attempts"][0]["pid"], 10, what="the attempt's pid recorded")
+        w1.send_signal(signal.SIGSTOP)
+        w2 = spool.start_worker("--queue", "q14-other", global_args=g(node),
+                                env={"SPOOLCTL_TEST_REAP_THRESHOLD": "0.3"})
+        wait_until(lambda: pid_gone(orphan), 30, what="the hung worker's command killed by the reaper")
+        wait_until(lambda: spool.job(msg_id)["state"] == "queued", 10, what="the row closed")
+        stop(w2)
+        w1.send_signal(signal.SIGCONT)
+        # given back at once (not after the lease's ten minutes): w1 takes it again
+        wait_until(lambda: len(spool.job(msg_id)["attempts"]) == 2, 20, what="the job running again")
+    finally:
+        if w2 is not None and w2.poll() is None:
+            stop(w2)
+        w1.send_signal(signal.SIGCONT)
+        out = stop(w1)
+    summary = json.loads(out)
+    assert (summary["claimed"], summary["failed"], summary["succeeded"], summary["lease_lost"],
+            summary["stopped"]) == (2, 0, 0, 0, 1), summary  # (the second attempt: stopped by the test)
+    a1, a2 = spool.job(msg_id)["attempts"]
+    assert a1["failure_reason"] == "worker_crashed" and "hung" in a1["detail"], a1
+    assert a2["failure_reason"] == "worker_stopped", a2
+    d = c.receive("q14")
+    assert d is not None and d.id == msg_id and d.retry_count == 2, d  # the give-back's nack, the stop's
 
 
 def test_a_live_cluster_worker_keeps_its_rows_fresh_and_is_never_reaped(spool, node, tmp_path):

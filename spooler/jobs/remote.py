@@ -112,11 +112,13 @@ def _why_lost(e: errors.SpoolerError) -> str:
     """Why a running job's lease is gone, from a refused renewal: "queue" when its
     queue was deleted (queue_not_found); "settled" when its message was settled by
     no one here, which for a lease this worker still holds means the queue was
-    deleted and made again under the name (the message went with the old one);
+    deleted and made again under the name (the message went with the old one), or
+    that a redrive moved the message to another queue (it runs again from there);
     "lease" when it expired or predates a primary change (the queue redelivers)."""
     if isinstance(e, errors.QueueNotFound):
         return "queue"
     return "settled" if getattr(e, "reason", None) == "settled" else "lease"
+
 
 
 class RemoteWorker:
@@ -166,6 +168,8 @@ class RemoteWorker:
         restore = Worker._install_signals(self)   # same SIGTERM/SIGINT handling
         renew = threading.Thread(target=self._renew_loop, name="renew", daemon=True)
         renew.start()
+        beat = threading.Thread(target=self._spool_loop, name="heartbeat", daemon=True)
+        beat.start()
         slots = [threading.Thread(target=self._slot_main, daemon=True) for _ in range(self.concurrency)]
         for t in slots:
             t.start()
@@ -183,6 +187,7 @@ class RemoteWorker:
             self.progress.end()
             restore()
         renew.join(timeout=5.0)
+        beat.join(timeout=5.0)
         return {"worker_id": self.identity.worker_id, "pid": self.identity.pid, "backend": "spooler",
                 "queue": self.queue, **self.stats, "errors": self.errors[:10]}
 
@@ -225,40 +230,13 @@ class RemoteWorker:
             pass  # the next beat tries again
 
     def _renew_loop(self) -> None:
+        """Every renewal interval, each running job's lease is renewed; one refused
+        as stale (or whose queue is gone) is marked lost, and its command stopped."""
         client = self.client_factory()
-        store = Store(self.spool_dir, self.settings.busy_timeout_s)
-        try:
-            self._beat(client, store)
-        except Exception as e:  # noqa: BLE001 - a worker that cannot heartbeat stops (as a local one)
-            self.errors.append(f"heartbeat: {type(e).__name__}: {e}")
-            self.stop_event.set()
-            print(f"spoolctl worker: heartbeat failed: {type(e).__name__}: {e}", file=sys.stderr)
-        finally:
-            store.close()
-
-    def _beat(self, client, store: Store) -> None:
-        """Every renewal interval: the spool's rows of this worker's running jobs are
-        touched first (their heartbeat, which other workers' reapers read), then
-        the leases renewed, then (every reap interval) the spool reaped."""
-        touched = 0.0
-
-        def touch() -> None:
-            # between renewals too: many renewals to a server slow to answer must not
-            # leave this live worker's rows looking hung to another worker's reaper
-            nonlocal touched
-            if time.monotonic() - touched < self.renew_every_s:
-                return
-            try:
-                store.heartbeat(self.identity, ())
-                touched = time.monotonic()
-            except apsw.BusyError:
-                pass   # next time; the reap threshold is several beats long
-
         while not self.stop_event.wait(self.renew_every_s):
             with self._lock:
                 tokens = list(self._active)
             for tok in tokens:
-                touch()
                 try:
                     client.renew(tok)
                 except (errors.StaleLease, errors.QueueNotFound) as e:
@@ -267,8 +245,36 @@ class RemoteWorker:
                             self._lost[tok] = _why_lost(e)
                 except errors.SpoolerError:
                     pass   # unreachable for now: try again next beat, the lease may still hold
-            if time.monotonic() - self._last_reap >= self.reap_every_s:
-                self._reap(store)
+
+    def _spool_loop(self) -> None:
+        """Every renewal interval, in a thread of its own (renewals to a server slow
+        to answer must not hold it back): the spool's rows of this worker's running
+        jobs are touched (their heartbeat, which other workers' reapers read), an
+        attempt found no longer this worker's (reaped while it looked hung) is
+        marked, and every reap interval the spool is reaped. A heartbeat that fails
+        with anything but a busy spool stops the worker, as a local one's does."""
+        store = Store(self.spool_dir, self.settings.busy_timeout_s)
+        try:
+            while not self.stop_event.wait(self.renew_every_s):
+                with self._lock:
+                    owned = {pair: tok for tok, pair in self._active.items()}
+                if owned:
+                    try:
+                        gone = store.heartbeat(self.identity, set(owned))
+                    except apsw.BusyError:
+                        gone = set()   # next beat; the reap threshold is several beats long
+                    with self._lock:
+                        for pair in gone:
+                            if owned[pair] in self._active:
+                                self._lost.setdefault(owned[pair], "reaped")
+                if time.monotonic() - self._last_reap >= self.reap_every_s:
+                    self._reap(store)
+        except Exception as e:  # noqa: BLE001
+            self.errors.append(f"heartbeat: {type(e).__name__}: {e}")
+            self.stop_event.set()
+            print(f"spoolctl worker: heartbeat failed: {type(e).__name__}: {e}", file=sys.stderr)
+        finally:
+            store.close()
 
     def _slot_main(self) -> None:
         try:
@@ -333,7 +339,7 @@ class RemoteWorker:
         claim = store.begin_remote(self.identity, d.id, self.source, job["command"], job.get("cwd"),
                                    int(job.get("priority") or 0), int(job["max_retries"]), job.get("timeout_s"))
         with self._lock:
-            self._active[d.token] = d.id
+            self._active[d.token] = (d.id, claim.n)
         try:
             env = dict(os.environ, SPOOLCTL_JOB_ID=d.id, SPOOLCTL_ATTEMPT=str(claim.n),
                        SPOOLCTL_RETRY_COUNT=str(d.retry_count))
@@ -355,15 +361,29 @@ class RemoteWorker:
 
     def _settle(self, client, store: Store, d, job: dict, claim: Claim, res: executor.Result,
                 lost: Optional[str]) -> None:
-        """``lost``: why the lease went while the command ran (_why_lost), or None."""
+        """``lost``: why the lease went while the command ran (_why_lost, or
+        "reaped"), or None."""
         reason, detail = res.reason, res.detail
+        if lost == "reaped" or not store.owns(claim):
+            # Reaped by another worker on the spool while this one looked hung (its
+            # command killed by that reaper), or the row taken by another attempt:
+            # the row is not ours to write, and the command's end is not the job's
+            # failure. A lease that may still hold is given back at once (a nack: a
+            # retry counted, as for a stopped worker), not left to expire.
+            if lost in (None, "reaped"):
+                try:
+                    client.nack(d.token)
+                except errors.SpoolerError:
+                    pass   # gone already: the queue redelivers it as it would
+            return
         if lost == "queue":
             self._queue_gone(store, claim, res, d, f"queue {self.queue} was deleted while it ran, "
                                                    "and its messages with it")
             return
         if lost == "settled":
             self._queue_gone(store, claim, res, d, f"its message left queue {self.queue} while it ran without "
-                                                   "being settled here (the queue was deleted and made again)")
+                                                   "being settled here (the queue was deleted and made again, or "
+                                                   "a redrive moved it to another queue, from which it runs again)")
             return
         if lost or reason == states.LEASE_LOST:
             # someone else may hold it now: do not settle; the queue redelivers it

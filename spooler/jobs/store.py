@@ -537,6 +537,12 @@ class Store:
                 executor.kill_orphans(pgid or None, token)
         return Claim(job_id, n, command, cwd, timeout_s, out, err, worker.worker_id)
 
+    def owns(self, claim: Claim) -> bool:
+        """Whether ``claim``'s attempt is still its worker's running one (not reaped,
+        not taken over by a later attempt)."""
+        row = self._one("SELECT state, worker_id, attempt_count FROM jobs WHERE id=?", (claim.job_id,))
+        return row == (states.RUNNING, claim.worker_id, claim.n)
+
     def finish_remote(self, claim: Claim, reason: Optional[str], exit_code: Optional[int], state: str,
                       retry_count: int, detail: str = "", now: Optional[float] = None) -> None:
         """The queue decided (ack / nack / failure queue); mirror it locally."""

@@ -329,3 +329,30 @@ def test_a_node_back_after_an_outage_is_reached_within_one_calls_retries(kind):
         if node is not None:
             node.stop()
         lsock.close()
+
+
+def test_a_sync_close_does_not_wait_for_a_renewal_in_flight():
+    """close() waits for acks and nacks in flight (their answers say whether a
+    message comes back), not for a renewal: as the asyncio client. A renewal sent
+    to a node that does not answer must not hold close() for the call's timeout."""
+    gate = threading.Event()
+
+    def renew(req, ctx, n):
+        gate.wait(30)
+        return api_pb2.RenewResponse()
+
+    node = FakeNode(Renew=renew)
+    c = Client(node.target, "k", timeout_s=30)
+    renewing = threading.Thread(target=lambda: pytest.raises(Exception, c.renew, "t" * 40), daemon=True)
+    closing = threading.Thread(target=c.close, daemon=True)
+    try:
+        renewing.start()
+        wait_until(lambda: node.calls["Renew"] == 1, 10, what="the renewal at the node")
+        closing.start()
+        wait_until(lambda: not closing.is_alive(), 3, what="close() returned with the renewal unanswered")
+        assert not gate.is_set()
+    finally:
+        gate.set()
+        renewing.join(timeout=30)
+        closing.join(timeout=30)
+        node.stop()
