@@ -111,16 +111,6 @@ def test_a_node_listens_on_ipv6_addresses_for_both_apis(tmp_path):
         p.wait()
 
 
-def _ipv6_loopback() -> bool:
-    import socket
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("grpc_host, http_host", [("127.0.0.1", "127.0.0.1"), ("localhost", "127.0.0.1"),
                                                   ("0.0.0.0", "127.0.0.1"), ("127.0.0.1", "0.0.0.0"),
                                                   ("localhost", "[::1]"), ("[::]", "0.0.0.0"),
