@@ -139,8 +139,10 @@ def check_listenable(what: str, host: str, port: int, hold: Optional[list] = Non
             infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         except OSError as e:
             raise grpc_api.ListenError(f"cannot listen for {what} on {host}:{port}: {e.strerror or e}") from None
-    bound = 0
-    dual = False
+    # gRPC itself starts on a wildcard when [::] is taken but 0.0.0.0 is free, and on
+    # "localhost" when one loopback is free: there, one address free is enough
+    any_of = hold is not None and host in ("", "0.0.0.0", "::", "localhost")
+    bound, dual, in_use = 0, False, None
     for family, kind, proto, _, addr in infos:
         if dual:
             break  # the wildcard's one socket holds both families
@@ -162,6 +164,9 @@ def check_listenable(what: str, host: str, port: int, hold: Optional[list] = Non
             except OSError as e:
                 if e.errno == errno.EADDRNOTAVAIL:
                     continue
+                if any_of and e.errno == errno.EADDRINUSE:
+                    in_use = e
+                    continue
                 raise grpc_api.ListenError(f"cannot listen for {what} on {host}:{port}: "
                                            f"{e.strerror or e}") from None
             bound += 1
@@ -172,6 +177,8 @@ def check_listenable(what: str, host: str, port: int, hold: Optional[list] = Non
         finally:
             if sock is not None:
                 sock.close()
+    if not bound and in_use is not None:
+        raise grpc_api.ListenError(f"cannot listen for {what} on {host}:{port}: {in_use.strerror or in_use}")
     if not bound:
         raise grpc_api.ListenError(f"cannot listen for {what} on {host}:{port}: no such address here")
 

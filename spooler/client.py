@@ -85,6 +85,10 @@ class Client(Nodes):
             return rpc(req, metadata=self.md, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as e:
             raise self._failed(e, write, ch) from None
+        except ValueError:  # grpc's "Cannot invoke RPC on closed channel!": close() ran meanwhile
+            if self._shut:
+                raise RuntimeError("the client is closed") from None
+            raise
 
     def _retried(self, method: str, req, *, write: bool):
         """As AsyncClient._retried."""

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -516,3 +517,51 @@ def test_a_queue_deleted_just_as_its_job_is_settled_ends_the_record_by_the_comma
     assert "was deleted" in a["detail"] and not a["detail"].startswith(";"), a
     assert summary["succeeded" if state == "succeeded" else "lease_lost"] == 1, summary
     assert not w._lost, w._lost
+
+
+class _FakeQueueClient:
+    """A stand-in for HttpClient: one job message, a renew that fails as an answer
+    that cannot be read would (a proxy's page for a 200), acks and nacks counted."""
+
+    def __init__(self, script: str):
+        self.job = json.dumps(remote.job_body(["sh", "-c", script], 0, 3, None, None, None, None, 0.0)).encode()
+        self.renews, self.settled, self.given = 0, [], False
+
+    def get_queue(self, name):
+        return {"settings": {"leaseTimeoutSeconds": 0.3, "maxRetries": 3}, "stats": {}}
+
+    def receive(self, queue, wait_s=0.0):
+        if self.given:
+            time.sleep(min(wait_s, 0.05))
+            return None
+        self.given = True
+        from spooler.http import Delivery
+        return Delivery("m1", self.job, "tok", 0, "2099-01-01T00:00:00Z", queue)
+
+    def renew(self, token):
+        self.renews += 1
+        raise ValueError("Expecting value: line 1 column 1 (char 0)")
+
+    def ack(self, token):
+        self.settled.append("ack")
+
+    def nack(self, token, delay_s=0.0):
+        self.settled.append("nack")
+
+
+def test_a_renewal_that_fails_oddly_stops_the_worker_instead_of_leaving_its_leases_to_expire(tmp_path):
+    """A renewal that raises anything but a contract error (an answer that cannot be
+    read) ended the renewal thread silently: the worker ran on, its leases expiring
+    under its jobs. Now it stops, saying why, and gives its running job back."""
+    from spooler.jobs import knobs
+    fake = _FakeQueueClient("sleep 30")
+    w = remote.RemoteWorker(lambda: fake, "q", str(tmp_path / "spool"),
+                            knobs.Settings(heartbeat_interval_s=0.1))
+    done = []
+    t = threading.Thread(target=lambda: done.append(w.run()), daemon=True)
+    t.start()
+    t.join(timeout=60)
+    assert done, "the worker did not stop"
+    summary = done[0]
+    assert fake.renews >= 1 and any("renew" in e and "ValueError" in e for e in summary["errors"]), summary
+    assert summary["stopped"] == 1 and fake.settled == ["nack"], (summary, fake.settled)

@@ -628,3 +628,19 @@ def test_a_cluster_row_never_touched_since_its_start_is_not_judged_hung(store, p
     [r] = reaper.reap_pass(store, now=T0 + 3600, watch=watch)
     assert (r.verdict, r.new_state) == (reaper.HUNG, states.QUEUED), r
     assert store.get("m1")["attempts"][0]["failure_reason"] == "worker_crashed"
+
+
+def test_a_cluster_rows_result_is_not_written_over_a_reap_that_came_first(store):
+    """finish_remote checks, in its own transaction, that the attempt is still its
+    worker's running one: a reap that closed it between the worker's own check and
+    its write stands (the worker had been stopped in between)."""
+    w = WorkerIdentity(f"{HOST}:999999:test", 999_999, HOST, 5.0)
+    c = store.begin_remote(w, "m2", "http://n/v1/queues/q", ["true"], None, 0, 3, None, now=T0)
+    [cand] = store.reap_candidates(now=T0 + 3600)
+    assert store.reap(cand, "worker pid 999999 is dead", now=T0 + 3600) == states.QUEUED
+    assert store.finish_remote(c, states.NONZERO_EXIT, 3, states.QUEUED, 0, "failed") is False
+    job = store.get("m2")
+    assert job["attempts"][0]["failure_reason"] == "worker_crashed" and job["failure_reason"] == "worker_crashed"
+    c2 = store.begin_remote(w, "m2", "http://n/v1/queues/q", ["true"], None, 0, 3, None, now=T0 + 3601)
+    assert store.finish_remote(c2, None, 0, states.SUCCEEDED, 1) is True
+    assert store.get("m2")["state"] == "succeeded"

@@ -121,6 +121,22 @@ def _why_lost(e: errors.SpoolerError) -> str:
 
 
 
+BUSY_RETRY_S = 120.0  # as the local worker's _finish: a result must land, a busy spool is waited out
+
+
+def _busy_retried(fn, *args):
+    """``fn(*args)`` on the spool, tried again while the spool is busy (another
+    process holds its write lock), for at most BUSY_RETRY_S: a settled job's record
+    is not dropped, nor its slot stopped, for a busy moment."""
+    deadline = time.monotonic() + BUSY_RETRY_S
+    while True:
+        try:
+            return fn(*args)
+        except apsw.BusyError:
+            if time.monotonic() > deadline:
+                raise
+
+
 class RemoteWorker:
     def __init__(self, client_factory, queue: str, spool_dir: str, settings: knobs.Settings,
                  concurrency: int = 1, drain: bool = False, progress=None, server: str = ""):
@@ -231,7 +247,17 @@ class RemoteWorker:
 
     def _renew_loop(self) -> None:
         """Every renewal interval, each running job's lease is renewed; one refused
-        as stale (or whose queue is gone) is marked lost, and its command stopped."""
+        as stale (or whose queue is gone) is marked lost, and its command stopped.
+        Any other failure (an answer that cannot be read) stops the worker, saying
+        why: running on without renewals, its leases would expire under its jobs."""
+        try:
+            self._renew_each()
+        except Exception as e:  # noqa: BLE001
+            self.errors.append(f"renew: {type(e).__name__}: {e}")
+            self.stop_event.set()
+            print(f"spoolctl worker: renewing leases failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+    def _renew_each(self) -> None:
         client = self.client_factory()
         while not self.stop_event.wait(self.renew_every_s):
             with self._lock:
@@ -364,7 +390,7 @@ class RemoteWorker:
         """``lost``: why the lease went while the command ran (_why_lost, or
         "reaped"), or None."""
         reason, detail = res.reason, res.detail
-        if lost == "reaped" or not store.owns(claim):
+        if lost == "reaped" or not _busy_retried(store.owns, claim):
             # Reaped by another worker on the spool while this one looked hung (its
             # command killed by that reaper), or the row taken by another attempt:
             # the row is not ours to write, and the command's end is not the job's
@@ -388,14 +414,14 @@ class RemoteWorker:
         if lost or reason == states.LEASE_LOST:
             # someone else may hold it now: do not settle; the queue redelivers it
             self._bump("lease_lost")
-            store.finish_remote(claim, states.LEASE_LOST, res.exit_code, states.QUEUED, d.retry_count,
+            _busy_retried(store.finish_remote, claim, states.LEASE_LOST, res.exit_code, states.QUEUED, d.retry_count,
                                 "lease expired while running; the queue will redeliver")
             return
         try:
             if reason is None:
                 client.ack(d.token)
                 self._bump("succeeded")
-                store.finish_remote(claim, None, res.exit_code, states.SUCCEEDED, d.retry_count, detail)
+                _busy_retried(store.finish_remote, claim, None, res.exit_code, states.SUCCEEDED, d.retry_count, detail)
             elif reason == states.WORKER_STOPPED:
                 # A queue has no uncounted give-back of a lease over HTTP: the nack
                 # spends a retry, as a crash's lease expiry does (docs/jobs.md)
@@ -403,12 +429,12 @@ class RemoteWorker:
                 client.nack(d.token)
                 self._bump("stopped")
                 if d.retry_count + 1 > self.queue_max_retries:  # the queue moved it: not queued any more
-                    store.finish_remote(claim, reason, res.exit_code, states.DEAD, d.retry_count,
+                    _busy_retried(store.finish_remote, claim, reason, res.exit_code, states.DEAD, d.retry_count,
                                         f"{detail}; given back with a nack on the queue's last retry "
                                         f"(maxRetries {self.queue_max_retries}): the queue moved it to "
                                         f"{self.failure_queue}")
                 else:
-                    store.finish_remote(claim, reason, res.exit_code, states.QUEUED, d.retry_count,
+                    _busy_retried(store.finish_remote, claim, reason, res.exit_code, states.QUEUED, d.retry_count,
                                         f"{detail}; given back with a nack, which the queue counts as a retry")
             else:
                 self._read_settings(client)
@@ -424,16 +450,16 @@ class RemoteWorker:
                               "finished_at": time.time()}
                     self._bury(client, d, dict(job, spoolctl_result=result))
                     self._bump("failed")
-                    store.finish_remote(claim, reason, res.exit_code, states.DEAD, d.retry_count, detail)
+                    _busy_retried(store.finish_remote, claim, reason, res.exit_code, states.DEAD, d.retry_count, detail)
                 else:
                     delay_s = states.backoff_s(failures)
                     client.nack(d.token, delay_s=delay_s)
                     self._bump("failed")
-                    store.finish_remote(claim, reason, res.exit_code, states.QUEUED, d.retry_count,
+                    _busy_retried(store.finish_remote, claim, reason, res.exit_code, states.QUEUED, d.retry_count,
                                         f"{detail}; redelivery in {delay_s:g}s")
         except errors.StaleLease as e:
             self._bump("lease_lost")
-            store.finish_remote(claim, reason or None, res.exit_code,
+            _busy_retried(store.finish_remote, claim, reason or None, res.exit_code,
                                 states.SUCCEEDED if reason is None else states.QUEUED, d.retry_count,
                                 f"{detail}; settling failed ({e.reason or e.message}): the queue will redeliver")
         except errors.QueueNotFound:
@@ -449,10 +475,10 @@ class RemoteWorker:
         detail = f"{res.detail}; {note}" if res.detail else note
         if res.reason is None:
             self._bump("succeeded")
-            store.finish_remote(claim, None, res.exit_code, states.SUCCEEDED, d.retry_count, detail)
+            _busy_retried(store.finish_remote, claim, None, res.exit_code, states.SUCCEEDED, d.retry_count, detail)
         else:
             self._bump("lease_lost")
-            store.finish_remote(claim, res.reason, res.exit_code, states.DEAD, d.retry_count, detail)
+            _busy_retried(store.finish_remote, claim, res.reason, res.exit_code, states.DEAD, d.retry_count, detail)
 
     def _bury(self, client, d, body: dict) -> None:
         """Move to the failure queue: send there first, then ack (a crash between the

@@ -544,15 +544,21 @@ class Store:
         return row == (states.RUNNING, claim.worker_id, claim.n)
 
     def finish_remote(self, claim: Claim, reason: Optional[str], exit_code: Optional[int], state: str,
-                      retry_count: int, detail: str = "", now: Optional[float] = None) -> None:
-        """The queue decided (ack / nack / failure queue); mirror it locally."""
+                      retry_count: int, detail: str = "", now: Optional[float] = None) -> bool:
+        """The queue decided (ack / nack / failure queue); mirror it locally, only
+        while the attempt is still its worker's running one (checked in the same
+        transaction: a reap that closed it meanwhile stands). -> whether written."""
         with self.immediate() as c:
             now = time.time() if now is None else now
+            row = self._one("SELECT state, worker_id, attempt_count FROM jobs WHERE id=?", (claim.job_id,))
+            if row != (states.RUNNING, claim.worker_id, claim.n):
+                return False
             c.execute("UPDATE attempts SET exit_code=?, finished_at=?, failure_reason=?, detail=?"
                       " WHERE job_id=? AND n=?", (exit_code, now, reason, detail or None, claim.job_id, claim.n))
             c.execute("UPDATE jobs SET state=?, failure_reason=?, failure_count=?, updated_at=?, worker_id=NULL,"
                       " worker_pid=NULL, worker_host=NULL, heartbeat_at=NULL WHERE id=?",
                       (state, reason, retry_count + (1 if reason else 0), now, claim.job_id))
+        return True
 
     # --- reads ------------------------------------------------------------
     _JOB_COLS = ("seq, id, idem_key, backend, source, command, cwd, priority, state, max_retries, max_crashes,"

@@ -129,3 +129,22 @@ def test_the_same_address_for_both_apis_is_refused_before_anything_is_made(tmp_p
     err = p.stderr.decode()
     assert p.returncode == 1 and "the same address as --grpc" in err and "Traceback" not in err, err[-2000:]
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+@pytest.mark.parametrize("taken, grpc_host", [("::", "0.0.0.0"), ("::1", "localhost")])
+def test_a_grpc_address_that_grpc_itself_would_take_is_not_refused(taken, grpc_host):
+    """gRPC starts on a wildcard when [::] is taken (v6-only) but 0.0.0.0 is free,
+    and on localhost when one loopback is free: the check before start-up must not
+    refuse what gRPC would take."""
+    import socket
+    from node.api.grpc_api import ListenError
+    from node.main import check_both_listenable
+    port, other_port = free_ports(2)
+    with socket.socket(socket.AF_INET6) as other:
+        other.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        other.bind((taken, port))
+        other.listen(1)
+        check_both_listenable(f"{grpc_host}:{port}", f"127.0.0.1:{other_port}")
+        with pytest.raises(ListenError, match="the same address as --grpc"):
+            check_both_listenable(f"{grpc_host}:{port}", f"127.0.0.1:{port}")
