@@ -563,5 +563,5 @@ def test_a_renewal_that_fails_oddly_stops_the_worker_instead_of_leaving_its_leas
     t.join(timeout=60)
     assert done, "the worker did not stop"
     summary = done[0]
-    assert fake.renews >= 1 and any("renew" in e and "ValueError" in e for e in summary["errors"]), summary
+    assert fake.renews >= 1 and any("renewing leases" in e and "ValueError" in e for e in summary["errors"]), summary
     assert summary["stopped"] == 1 and fake.settled == ["nack"], (summary, fake.settled)

@@ -120,7 +120,6 @@ def _why_lost(e: errors.SpoolerError) -> str:
     return "settled" if getattr(e, "reason", None) == "settled" else "lease"
 
 
-
 BUSY_RETRY_S = 120.0  # as the local worker's _finish: a result must land, a busy spool is waited out
 
 
@@ -153,8 +152,8 @@ class RemoteWorker:
         self.identity = WorkerIdentity.current(settings.heartbeat_interval_s)
         self.stop_event = threading.Event()
         self._lock = threading.Lock()
-        self._active: dict = {}   # token -> job id
-        self._lost: dict = {}     # token -> why its lease is gone: "lease" or "queue" (deleted)
+        self._active: dict = {}   # token -> (job id, attempt n) of each running job
+        self._lost: dict = {}     # token -> why its attempt is gone: _why_lost's, or "reaped"
         self.stats = {"claimed": 0, "succeeded": 0, "failed": 0, "dead": 0, "stopped": 0, "lease_lost": 0,
                       "reaped": 0, "transient_errors": 0}
         self._hung_watch = reaper.HungWatch(knobs.HUNG_REAP_MULTIPLE * settings.own_reap_threshold_s)
@@ -253,9 +252,13 @@ class RemoteWorker:
         try:
             self._renew_each()
         except Exception as e:  # noqa: BLE001
-            self.errors.append(f"renew: {type(e).__name__}: {e}")
-            self.stop_event.set()
-            print(f"spoolctl worker: renewing leases failed: {type(e).__name__}: {e}", file=sys.stderr)
+            self._fail("renewing leases", e)
+
+    def _fail(self, what: str, e: BaseException) -> None:
+        """A background thread's end: recorded, said on stderr, and the worker stops."""
+        self.errors.append(f"{what}: {type(e).__name__}: {e}")
+        self.stop_event.set()
+        print(f"spoolctl worker: {what} failed: {type(e).__name__}: {e}", file=sys.stderr)
 
     def _renew_each(self) -> None:
         client = self.client_factory()
@@ -296,9 +299,7 @@ class RemoteWorker:
                 if time.monotonic() - self._last_reap >= self.reap_every_s:
                     self._reap(store)
         except Exception as e:  # noqa: BLE001
-            self.errors.append(f"heartbeat: {type(e).__name__}: {e}")
-            self.stop_event.set()
-            print(f"spoolctl worker: heartbeat failed: {type(e).__name__}: {e}", file=sys.stderr)
+            self._fail("heartbeat", e)
         finally:
             store.close()
 
