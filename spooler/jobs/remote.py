@@ -36,7 +36,7 @@ import apsw
 from spooler import errors
 from spooler.jobs import executor, knobs, reaper, states
 from spooler.jobs.store import Claim, Store, WorkerIdentity, validate_command, validate_job_options
-from spooler.jobs.worker import Progress
+from spooler.jobs.worker import Progress, Worker
 
 JOB_FORMAT = 1
 DEDUP_WINDOW_S = 86400.0
@@ -137,6 +137,8 @@ def _busy_retried(fn, *args):
 
 
 class RemoteWorker:
+    _fail = Worker._fail  # (as run() borrows Worker._install_signals)
+
     def __init__(self, client_factory, queue: str, spool_dir: str, settings: knobs.Settings,
                  concurrency: int = 1, drain: bool = False, progress=None, server: str = ""):
         if not 1 <= concurrency <= knobs.CONCURRENCY_MAX:
@@ -165,7 +167,6 @@ class RemoteWorker:
         self.queue_max_retries = knobs.DEFAULT_MAX_RETRIES  # the queue's maxRetries (run() reads it)
 
     def run(self) -> dict:
-        from spooler.jobs.worker import Worker
         client = self.client_factory()
         doc = ensure_queue(client, self.queue)
         st = doc.get("settings") or {}
@@ -254,12 +255,6 @@ class RemoteWorker:
         except Exception as e:  # noqa: BLE001
             self._fail("renewing leases", e)
 
-    def _fail(self, what: str, e: BaseException) -> None:
-        """A background thread's end: recorded, said on stderr, and the worker stops."""
-        self.errors.append(f"{what}: {type(e).__name__}: {e}")
-        self.stop_event.set()
-        print(f"spoolctl worker: {what} failed: {type(e).__name__}: {e}", file=sys.stderr)
-
     def _renew_each(self) -> None:
         client = self.client_factory()
         while not self.stop_event.wait(self.renew_every_s):
@@ -306,10 +301,8 @@ class RemoteWorker:
     def _slot_main(self) -> None:
         try:
             self._slot()
-        except Exception as e:
-            self.errors.append(f"{type(e).__name__}: {e}")
-            self.stop_event.set()
-            print(f"spoolctl worker: slot failed: {type(e).__name__}: {e}", file=sys.stderr)
+        except Exception as e:  # a broken slot must not hang --drain
+            self._fail("slot", e)
 
     def _slot(self) -> None:
         client = self.client_factory()

@@ -306,8 +306,7 @@ class Store:
         with self.immediate() as c:
             c.execute("UPDATE attempts SET pid=? WHERE job_id=? AND n=? AND worker_id=?",
                       (pid, claim.job_id, claim.n, claim.worker_id))
-            row = self._one("SELECT state, worker_id, attempt_count FROM jobs WHERE id=?", (claim.job_id,))
-        return row == (states.RUNNING, claim.worker_id, claim.n)
+            return self.owns(claim)
 
     # --- heartbeat --------------------------------------------------------
     def heartbeat(self, worker: WorkerIdentity, owned, now: Optional[float] = None) -> set:
@@ -550,8 +549,7 @@ class Store:
         transaction: a reap that closed it meanwhile stands). -> whether written."""
         with self.immediate() as c:
             now = time.time() if now is None else now
-            row = self._one("SELECT state, worker_id, attempt_count FROM jobs WHERE id=?", (claim.job_id,))
-            if row != (states.RUNNING, claim.worker_id, claim.n):
+            if not self.owns(claim):
                 return False
             c.execute("UPDATE attempts SET exit_code=?, finished_at=?, failure_reason=?, detail=?"
                       " WHERE job_id=? AND n=?", (exit_code, now, reason, detail or None, claim.job_id, claim.n))

@@ -169,7 +169,9 @@ class Worker:
             self._fail("heartbeat", e)
 
     def _fail(self, what: str, e: BaseException) -> None:
-        self.errors.append(f"{type(e).__name__}: {e}")
+        """A slot's or background thread's end: recorded, said on stderr, and the
+        worker stops (its exit code 1). Shared with the --queue worker."""
+        self.errors.append(f"{what}: {type(e).__name__}: {e}")
         self.stop_event.set()
         print(f"spoolctl worker: {what} failed: {type(e).__name__}: {e}", file=sys.stderr)
 
