@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from typing import Optional
@@ -35,6 +36,15 @@ log = logging.getLogger("spooler.node")
 # deploy/systemd/spooler-node.service tells systemd not to loop on it.
 EXIT_STORE_FAILED = 70
 EXIT_CANNOT_LISTEN = 1   # an address in --http or --grpc cannot be bound (taken, or not this host's)
+
+
+# --failover-timeout: below a tenth of a second a replica would campaign between
+# the primary's heartbeats (a tenth of the timeout, at least 10 ms) at the first
+# fsync that takes a little longer; above an hour, a hung primary stops the
+# cluster's writes for longer than anyone would wait
+FAILOVER_TIMEOUT_MIN_S, FAILOVER_TIMEOUT_MAX_S = 0.1, 3600
+NODE_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def _env(name, default=None):
@@ -77,6 +87,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.admin_key = [k for k in _env("SPOOLER_ADMIN_KEY", "").split(",") if k]
     if a.failover_timeout <= 0:
         p.error("--failover-timeout must be > 0")
+    if not FAILOVER_TIMEOUT_MIN_S <= a.failover_timeout <= FAILOVER_TIMEOUT_MAX_S:  # (nan and inf too)
+        p.error(f"--failover-timeout must be {FAILOVER_TIMEOUT_MIN_S}..{FAILOVER_TIMEOUT_MAX_S} seconds")
+    if not NODE_ID_RE.match(a.id):
+        # it names the node in --peers (ID=HOST:PORT,...), in votes and in /v1/cluster,
+        # where an empty id would read as "no primary"
+        p.error("--id must match [A-Za-z0-9._-]{1,64}")
+    if a.log_level.upper() not in LOG_LEVELS:
+        p.error(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+    if not a.data:
+        p.error("--data must name a directory")
+    if os.path.exists(a.data) and not os.path.isdir(a.data):
+        p.error(f"--data {a.data!r} exists and is not a directory")
     # a body is sent in one log record, whose bodies are at most 8 MiB
     # (Limits.batch_bytes_max), and answered in one gRPC message of at most 16 MiB
     if not 1 <= a.max_body_bytes <= Limits().batch_bytes_max:
@@ -218,6 +240,8 @@ def _parse_peers(spec: str, me: str):
         nid, sep, addr = it.partition("=")
         if not sep or not nid or not addr:
             raise SystemExit(f"spooler-node: --peers entries are ID=HOST:PORT, got {it!r}")
+        if not NODE_ID_RE.match(nid):
+            raise SystemExit(f"spooler-node: --peers ids must match [A-Za-z0-9._-]{{1,64}}, got {nid!r}")
         if nid in peers:
             raise SystemExit(f"spooler-node: --peers names {nid} twice")
         peers[nid] = _join(*_hostport(addr))  # (an IPv6 address in brackets, as gRPC dials it)
@@ -270,7 +294,10 @@ async def serve(args) -> int:
     peers = _parse_peers(args.peers, args.id)
     (ghost, gport), (hhost, hport) = _hostport(args.grpc), _hostport(args.http)
     check_both_listenable(args.grpc, args.http)
-    os.makedirs(args.data, exist_ok=True)
+    try:
+        os.makedirs(args.data, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"spooler-node: cannot make the data directory {args.data!r}: {e.strerror or e}") from None
     tls = None
     if args.tls_cert:
         from node.tls import TLS

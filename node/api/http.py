@@ -171,6 +171,16 @@ async def _read_json(request: web.Request):
         raise errors.InvalidArgument("body is not valid JSON") from None
 
 
+def _fields(body, known: tuple) -> dict:
+    """A JSON object of only the ``known`` fields (a misspelt one is an error, not ignored)."""
+    if not isinstance(body, dict):
+        raise errors.InvalidArgument("body must be a JSON object")
+    unknown = sorted(set(body) - set(known))
+    if unknown:
+        raise errors.InvalidArgument(f"unknown field {unknown[0]!r}; known: {', '.join(known)}")
+    return body
+
+
 BODY_CAP = web.AppKey("spooler_body_cap", int)
 CLOSE = "spooler_close"  # set on a request whose connection must close after the answer
 JSON_BYTES_MAX = 64 * 1024  # the JSON body of a route other than send may always be this large
@@ -341,12 +351,7 @@ def build_app(svc: Service, metrics) -> web.Application:
     # -------------------------------------------------------------- keys
     async def create_key(request):
         p = await principal(request)
-        body = await _read_json(request)
-        if not isinstance(body, dict):
-            raise errors.InvalidArgument("body must be a JSON object")
-        unknown = sorted(set(body) - {"queue", "scopes"})
-        if unknown:
-            raise errors.InvalidArgument(f"unknown field {unknown[0]!r}; known: queue, scopes")
+        body = _fields(await _read_json(request), ("queue", "scopes"))
         queue = body.get("queue", "*")
         if queue == "":  # "*" is how a JSON caller asks for every queue
             raise errors.InvalidArgument('queue must be a queue name or "*"')
@@ -365,9 +370,7 @@ def build_app(svc: Service, metrics) -> web.Application:
 
     async def promote(request):
         p = await principal(request)
-        body = await _read_json(request)
-        if not isinstance(body, dict):
-            raise errors.InvalidArgument("body must be a JSON object")
+        body = _fields(await _read_json(request), ("node",))
         return _json(await svc.promote(p, body.get("node")))
 
     # --------------------------------------------------------------- ops

@@ -586,7 +586,7 @@ class Core:
         if m.retry + 1 > q.settings["max_retries"]:
             name = q.failure_queue
             # no room for one more queue: it stays, as if the queue were its own failure queue
-            fq = self._ensure_queue(name) if name in self.queues or len(self.queues) < QUEUES_MAX else q
+            fq = self._ensure_queue(name) if self._fails_elsewhere(q) else q
             if fq is q:  # a queue that is its own failure queue: keep it, count saturates
                 m.visible_at = ts + max(0, delay_us)
                 self._make_available(q, m, ts)
@@ -756,6 +756,16 @@ class Core:
                 if now >= m.expires_at:
                     # retention over: not handed out; due_drops() proposes its Drop
                     continue
+                if m.retry > q.settings["max_retries"] and self._fails_elsewhere(q):
+                    # Past a maxRetries lowered since its last delivery: never
+                    # delivered again. It gets a lease that is over already, so the
+                    # lease timer's next Settle(EXPIRE) moves it to the failure queue
+                    # (apply: retry + 1 > maxRetries), the way every node moves a
+                    # message without a consumer. Should that record not commit, the
+                    # lease is retried on a later tick, or ends with this primary and
+                    # the next one finds the message here again.
+                    self._lease(q, m, Lease(self.next_lease_id, self.rand(8), q.name, m.id, self.epoch, now))
+                    continue
                 if out and m.size > room:
                     heapq.heappush(h, (seq, gen, mid))  # the answer is full: back where it was
                     break
@@ -764,16 +774,26 @@ class Core:
                 nonces, k0 = self.rand(8 * (max_n - len(out))), len(out)
             k = 8 * (len(out) - k0)
             lease = Lease(self.next_lease_id, nonces[k:k + 8], q.name, m.id, self.epoch, now + timeout, via)
-            self.next_lease_id += 1
-            self.leases[lease.id] = lease
-            self._push_lease(lease)
-            q.n_ready -= 1
-            q.n_leased += 1
-            m.gen += 1
-            m.state = LEASED
-            m.lease = lease.id
+            self._lease(q, m, lease)
             out.append((m, lease))
         return out
+
+    def _lease(self, q: Queue, m: Msg, lease: Lease) -> None:
+        """``m``, ready and out of the ready heap, is leased by ``lease``."""
+        self.next_lease_id += 1
+        self.leases[lease.id] = lease
+        self._push_lease(lease)
+        q.n_ready -= 1
+        q.n_leased += 1
+        m.gen += 1
+        m.state = LEASED
+        m.lease = lease.id
+
+    def _fails_elsewhere(self, q: Queue) -> bool:
+        """Would a message past ``q``'s maxRetries leave it (_retry_or_fail)? Not
+        when the queue is its own failure queue, or no new queue may be made."""
+        name = q.failure_queue
+        return name != q.name and (name in self.queues or len(self.queues) < QUEUES_MAX)
 
     def check_lease(self, epoch: int, lease_id: int, nonce: bytes, now: int) -> Lease:
         """The one lease gate: returns the live lease or raises StaleLeaseError."""

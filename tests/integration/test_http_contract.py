@@ -552,6 +552,23 @@ def test_lease_expiry_past_max_retries_goes_to_failure_queue(api):
     assert got.h("Spooler-Message-Id") == mid and got.h("Spooler-Retry-Count") == "0"
 
 
+def test_lowering_max_retries_is_obeyed_at_the_next_receive(api):
+    """maxRetries bounds deliveries by its current value: a message nacked 3 times
+    under maxRetries 5 is not delivered again once maxRetries is 1; it moves to the
+    failure queue, its retry count there 0."""
+    name = make_queue(api, maxRetries=5)
+    mid = api.send(name, b"x").json()["id"]
+    for _ in range(3):
+        assert api.nack(received(api, name).h("Spooler-Lease-Token")).status == 204
+    assert api.put_queue(name, {"maxRetries": 1}).status == 200
+    assert api.receive(name).status == 204
+    wait_until(lambda: api.stats(name)["failedTotal"] == 1, 10, what="the move to the failure queue")
+    st = api.stats(name)
+    assert (st["visible"], st["leased"]) == (0, 0)
+    got = received(api, f"{name}.failed")
+    assert got.h("Spooler-Message-Id") == mid and got.h("Spooler-Retry-Count") == "0"
+
+
 def test_custom_failure_queue(api):
     dlq = new_name("dlq")
     name = make_queue(api, maxRetries=0, failureQueue=dlq)
@@ -862,7 +879,7 @@ def test_promote_self_admin_ok_others_not(api):
     r = api.req("POST", "/v1/cluster/promote", json.dumps({"node": "n1"}).encode())
     assert r.status == 200
     assert r.json()["nodeId"] == "n1" and r.json()["primary"] == "n1"
-    for body in (b'{"node": "n9"}', b"{}", b'{"node": 5}', b"[]", b"{"):
+    for body in (b'{"node": "n9"}', b"{}", b'{"node": 5}', b"[]", b"{", b'{"node": "n1", "extra": 1}'):
         r = api.req("POST", "/v1/cluster/promote", body)
         assert r.status == 400 and r.json()["kind"] == "invalid_argument", (body, r)
     k = api.create_key("*", ["send", "receive"]).json()["key"]

@@ -171,6 +171,54 @@ def test_max_retries_zero_fails_on_first_nack(log):
     assert [m.id for m, _ in recv(log, "dlq", 1)] == [mid]
 
 
+def _nacked(log, queue, times, now=0):
+    """A message of ``queue`` received and nacked ``times`` times."""
+    mid, _ = log.send(queue, at=now)
+    for _ in range(times):
+        [(m, lease)] = recv(log, queue, now)
+        log.core.begin_settle(lease)
+        log.settle(log_pb2.NACK, queue, mid, now)
+    return mid
+
+
+def test_lowering_max_retries_stops_deliveries_past_the_new_limit(log):
+    """A message delivered 4 times under maxRetries 5 is not delivered a 5th time
+    once maxRetries is 1 (at most 2 deliveries): the receive leases it with a lease
+    that is over already, and the lease timer's Settle(EXPIRE) moves it."""
+    log.queue("q", max_retries=5)
+    mid = _nacked(log, "q", 3)
+    log.queue("q", at=1, max_retries=1)
+    assert recv(log, "q", 2) == []
+    assert log.core.stats("q", 2)["visible"] == 0
+    assert log.expire_due(2) == [("q", mid)]  # due on the very next tick
+    st = log.core.stats("q", 2)
+    assert (st["visible"], st["leased"], st["failedTotal"]) == (0, 0, 1)
+    [(f, _)] = recv(log, "q.failed", 2)
+    assert (f.id, f.retry) == (mid, 0)
+
+
+def test_lowering_max_retries_spares_messages_within_the_new_limit(log):
+    log.queue("q", max_retries=5)
+    past = _nacked(log, "q", 2)         # 2 retries: may not be delivered again under maxRetries 1
+    [(_, held)] = recv(log, "q", 0)     # (held, so that the next one is received alone)
+    within = _nacked(log, "q", 1)       # 1 retry: may be delivered once more
+    assert log.core.release(held.id, held.nonce, 0)  # given back, its count kept
+    log.queue("q", at=1, max_retries=1)
+    got = recv(log, "q", 2, n=10)
+    assert [(m.id, m.retry) for m, _ in got] == [(within, 1)]
+    assert log.expire_due(2) == [("q", past)]
+
+
+def test_a_message_past_max_retries_is_still_delivered_when_it_has_nowhere_to_go(log):
+    """A queue that is its own failure queue keeps its failures (the count saturates):
+    there, a message past a lowered maxRetries goes on being delivered."""
+    log.queue("q", max_retries=5, failure_queue="q")
+    mid = _nacked(log, "q", 3)
+    log.queue("q", at=1, max_retries=1)
+    [(m, _)] = recv(log, "q", 2)
+    assert (m.id, m.retry) == (mid, 3)
+
+
 def test_renew_uses_the_current_lease_timeout(log):
     log.queue("q", lease_timeout_us=10 * S)
     log.send("q")

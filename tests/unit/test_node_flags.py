@@ -1,7 +1,9 @@
 """spooler-node refuses settings it could never honour, at start, with a clear message."""
 import pytest
 
-from node.main import parse_args
+import asyncio
+
+from node.main import _parse_peers, parse_args, serve
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -17,6 +19,18 @@ from node.main import parse_args
     (["--admin-key", "caf\u00e9"], "--admin-key must be 1..512 printable ASCII"),  # gRPC metadata cannot carry it
     (["--admin-key", "tab\tinside"], "--admin-key must be 1..512 printable ASCII"),
     (["--failover-timeout", "0"], "--failover-timeout must be > 0"),
+    # nan and inf passed the "> 0" check and then failed with a traceback
+    (["--failover-timeout", "nan"], "--failover-timeout must be 0.1..3600 seconds"),
+    (["--failover-timeout", "inf"], "--failover-timeout must be 0.1..3600 seconds"),
+    (["--failover-timeout", "1e-9"], "--failover-timeout must be 0.1..3600 seconds"),
+    (["--failover-timeout", "3600.5"], "--failover-timeout must be 0.1..3600 seconds"),
+    # an id names the node in --peers (ID=HOST:PORT,...) and in /v1/cluster
+    (["--id", ""], "--id must match [A-Za-z0-9._-]{1,64}"),
+    (["--id", "bad id"], "--id must match [A-Za-z0-9._-]{1,64}"),
+    (["--id", "n=1"], "--id must match [A-Za-z0-9._-]{1,64}"),
+    (["--id", "n" * 65], "--id must match [A-Za-z0-9._-]{1,64}"),
+    (["--log-level", "LOUD"], "--log-level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+    (["--data", ""], "--data must name a directory"),
     # a replacement with no cluster named would serve as a lone primary at once
     (["--join"], "--join (SPOOLER_JOIN) replaces a member of a cluster"),
     (["--join", "--peers", "n1=127.0.0.1:1"], "--join (SPOOLER_JOIN) replaces a member of a cluster"),
@@ -28,12 +42,39 @@ def test_a_setting_out_of_range_stops_the_node_at_start(argv, words, capsys):
     assert words in capsys.readouterr().err
 
 
+def test_a_data_path_that_is_a_file_stops_the_node_at_start(tmp_path, capsys):
+    f = tmp_path / "afile"
+    f.write_text("")
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--data", str(f)])
+    assert e.value.code == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+
+
+def test_a_data_directory_that_cannot_be_made_is_one_line_not_a_traceback(tmp_path):
+    (tmp_path / "afile").write_text("")
+    args = parse_args(["--data", str(tmp_path / "afile" / "sub"), "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0",
+                       "--admin-key", "k"])
+    with pytest.raises(SystemExit) as e:
+        asyncio.run(serve(args))
+    assert str(e.value).startswith("spooler-node: cannot make the data directory")
+
+
+def test_a_peer_id_that_could_not_be_a_node_id_is_refused():
+    with pytest.raises(SystemExit) as e:
+        _parse_peers("n1=127.0.0.1:1,bad id=127.0.0.1:2", "n1")
+    assert "--peers ids must match" in str(e.value)
+
+
 def test_the_edges_of_those_ranges_are_accepted(monkeypatch):
     monkeypatch.delenv("SPOOLER_ADMIN_KEY", raising=False)
     a = parse_args(["--max-body-bytes", "8388608", "--log-keep-records", "1", "--log-keep-bytes", "0",
                     "--admin-key", "k" * 512, "--admin-key", "two words"])
     assert (a.max_body_bytes, a.log_keep_records, a.log_keep_bytes, a.admin_key) == (
         8388608, 1, 0, ["k" * 512, "two words"])
+    for ft in ("0.1", "3600"):
+        assert parse_args(["--failover-timeout", ft]).failover_timeout == float(ft)
+    assert parse_args(["--id", "A-z.0_" + "n" * 58, "--log-level", "debug"]).id == "A-z.0_" + "n" * 58
 
 
 def test_admin_keys_from_the_environment_are_checked_too(monkeypatch, capsys):
