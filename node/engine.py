@@ -710,9 +710,7 @@ class Engine:
                 log.info("gave back %d expired lease(s) of receives forwarded by a node that lost contact",
                          self.core.spared - spared)
             if due:
-                rec = log_pb2.Record()
-                for queue, mid in due:
-                    rec.settle.entries.add(kind=log_pb2.EXPIRE, queue=queue, id=mid)
+                rec = self.core.expiry_record(due)
                 try:
                     nobody_waits(self.propose(rec, internal=True))
                 except errors.SpoolerError:

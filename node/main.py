@@ -81,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="this node replaces a member whose data is lost: on an empty --data it neither "
                         "votes nor stands for election until it holds what the cluster committed (SPOOLER_JOIN=1)")
     p.add_argument("--log-level", default=_env("SPOOLER_LOG_LEVEL", "INFO"),
-                   help="DEBUG, INFO, WARNING or ERROR (SPOOLER_LOG_LEVEL, default INFO)")
+                   help="DEBUG, INFO, WARNING, ERROR or CRITICAL (SPOOLER_LOG_LEVEL, default INFO)")
     a = p.parse_args(argv)
     if a.admin_key is None:
         a.admin_key = [k for k in _env("SPOOLER_ADMIN_KEY", "").split(",") if k]

@@ -35,6 +35,7 @@ US = 1_000_000
 #   send ──> READY | DELAYED;  DELAYED ──time──> READY;  READY ──receive──> LEASED
 #   LEASED ──ack──> (gone)     LEASED ──nack/expiry──> READY | DELAYED | failure queue | (gone: retention)
 #   LEASED ──primary change──> READY (retry count unchanged)
+#   READY, past a lowered maxRetries ──receive──> LEASED (lease over already) ──expiry──> failure queue
 #   READY|DELAYED ──retention──> (gone)     any ──redrive/move──> READY in another queue
 READY, DELAYED, LEASED = "ready", "delayed", "leased"
 
@@ -48,6 +49,13 @@ DEFAULT_SETTINGS = {
     "failure_queue": "",  # "" = "{queue}.failed"
 }
 
+
+# A lease's ``via`` for a message a receive found past its queue's maxRetries:
+# nobody holds it, and its expiry moves the message (Core.receive)
+PAST_RETRIES = ("past_retries",)
+# such leases one receive call makes at most (the rest wait for the next call):
+# a receive never stalls over a long run of them, nor fills a huge expiry record
+PAST_RETRIES_PER_RECEIVE = 100
 
 # the longest name a failure queue derived from its queue's name may have
 DERIVED_NAME_CHARS_MAX = 255
@@ -469,7 +477,14 @@ class Core:
                     self.dirty.queues.add(q.name)
                     out.append(True)
                     continue
+                if e.past_retries:  # (retry count 0 inside a segment: never past maxRetries)
+                    out.append(False)
+                    continue
                 m = self._take(q, *s)
+            if e.past_retries and e.kind == log_pb2.EXPIRE:
+                out.append(self._expire_past_retries(q, m, ts))
+                self.dirty.queues.add(q.name)
+                continue
             self._detach(q, m, "settled" if e.kind != log_pb2.EXPIRE else "expired")
             if e.kind == ACK:
                 q.counters["acked"] += 1
@@ -485,6 +500,22 @@ class Core:
             if q is not None:
                 self._tidy(q)
         return out
+
+    def _expire_past_retries(self, q: Queue, m: Msg, ts: int) -> bool:
+        """A Settle(EXPIRE, past_retries) entry: the message moves to the failure queue
+        if it is still past maxRetries (as an expiry would move it, retention
+        permitting); else maxRetries was raised again since the receive found it,
+        and it stays, visible, its count kept. Either way no lease expiry is counted:
+        nobody held that lease. True if it moved."""
+        self.woken.add(q.name)  # messages behind it may be delivered now: wake the long polls
+        if m.retry > q.settings["max_retries"] and self._fails_elsewhere(q):
+            self._detach(q, m, "expired")
+            self._retry_or_fail(q, m, ts, 0)  # (retry + 1 > maxRetries: the failure queue)
+            return True
+        lease = self.leases.get(m.lease) if m.state == LEASED else None
+        if lease is not None and lease.via is PAST_RETRIES:
+            self._give_back(lease, ts)  # (on a replica, which holds no leases, it is visible already)
+        return False
 
     def _apply_drop(self, op, ts):
         q = self.queues.get(op.queue)
@@ -730,6 +761,7 @@ class Core:
         nonces, k0 = b"", 0  # one draw of randomness for the leases of this call
         sh = q.seg_ready
         room = bytes_max
+        past = 0  # leases for messages past maxRetries (below)
         while (h or sh) and len(out) < max_n and q.n_leased < leases_max:
             if sh and (not h or sh[0][0] < h[0][0]):
                 # the oldest visible message sits in a segment: take it out
@@ -758,13 +790,18 @@ class Core:
                     continue
                 if m.retry > q.settings["max_retries"] and self._fails_elsewhere(q):
                     # Past a maxRetries lowered since its last delivery: never
-                    # delivered again. It gets a lease that is over already, so the
-                    # lease timer's next Settle(EXPIRE) moves it to the failure queue
-                    # (apply: retry + 1 > maxRetries), the way every node moves a
-                    # message without a consumer. Should that record not commit, the
-                    # lease is retried on a later tick, or ends with this primary and
-                    # the next one finds the message here again.
-                    self._lease(q, m, Lease(self.next_lease_id, self.rand(8), q.name, m.id, self.epoch, now))
+                    # delivered again. It gets a lease that is over already and held
+                    # by nobody, so the lease timer's next tick proposes its move
+                    # (due_expiries, a Settle(EXPIRE) entry marked past_retries; every
+                    # node applies it alike). Should that record not commit, the
+                    # lease is tried again on a later tick, or ends with this primary
+                    # and the next one finds the message here again.
+                    if past >= PAST_RETRIES_PER_RECEIVE:
+                        heapq.heappush(h, (seq, gen, mid))  # the next call's (woken when these move)
+                        break
+                    past += 1
+                    self._lease(q, m, Lease(self.next_lease_id, self.rand(8), q.name, m.id, self.epoch, now,
+                                            PAST_RETRIES))
                     continue
                 if out and m.size > room:
                     heapq.heappush(h, (seq, gen, mid))  # the answer is full: back where it was
@@ -839,6 +876,21 @@ class Core:
         self._push_lease(lease)
         return lease.expires_at
 
+    def expiry_record(self, due: list):
+        """The Settle(EXPIRE) record for ``due_expiries``' leases; those of messages
+        past maxRetries (Core.receive) are marked so."""
+        rec = log_pb2.Record()
+        add = rec.settle.entries.add
+        for queue, mid in due:
+            q = self.queues.get(queue)
+            m = q.msgs.get(mid) if q is not None else None
+            lease = self.leases.get(m.lease) if m is not None and m.state == LEASED else None
+            if lease is not None and lease.via is PAST_RETRIES:
+                add(kind=log_pb2.EXPIRE, queue=queue, id=mid, past_retries=True)
+            else:
+                add(kind=log_pb2.EXPIRE, queue=queue, id=mid)
+        return rec
+
     def abort_expiries(self, due: list) -> None:
         """The Settle(EXPIRE) for these could not be proposed: expire them on a later tick."""
         for queue, mid in due:
@@ -863,7 +915,13 @@ class Core:
             lease = self.leases.get(lid)
             if lease is None or lease.state != ACTIVE or lease.expires_at != exp:
                 continue
-            if spare is not None and lease.via is not None and spare(lease.via):
+            if lease.via is PAST_RETRIES:
+                q = self.queues.get(lease.queue)
+                m = q.msgs.get(lease.msg_id) if q is not None else None
+                if m is not None and m.retry <= q.settings["max_retries"] and self._give_back(lease, now):
+                    self.woken.add(q.name)  # maxRetries was raised again: it may be delivered
+                    continue
+            elif spare is not None and lease.via is not None and spare(lease.via):
                 if self._give_back(lease, now):
                     self.spared += 1
                     continue

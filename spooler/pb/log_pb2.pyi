@@ -83,16 +83,18 @@ class Send(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[SendEntry, _Mapping]]] = ..., run_queue: _Optional[str] = ..., run_id_prefix: _Optional[str] = ..., run_id_first: _Optional[int] = ..., run_delay_us: _Optional[int] = ..., run_bodies: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SettleEntry(_message.Message):
-    __slots__ = ("kind", "queue", "id", "delay_us")
+    __slots__ = ("kind", "queue", "id", "delay_us", "past_retries")
     KIND_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     DELAY_US_FIELD_NUMBER: _ClassVar[int]
+    PAST_RETRIES_FIELD_NUMBER: _ClassVar[int]
     kind: SettleKind
     queue: str
     id: str
     delay_us: int
-    def __init__(self, kind: _Optional[_Union[SettleKind, str]] = ..., queue: _Optional[str] = ..., id: _Optional[str] = ..., delay_us: _Optional[int] = ...) -> None: ...
+    past_retries: bool
+    def __init__(self, kind: _Optional[_Union[SettleKind, str]] = ..., queue: _Optional[str] = ..., id: _Optional[str] = ..., delay_us: _Optional[int] = ..., past_retries: _Optional[bool] = ...) -> None: ...
 
 class Settle(_message.Message):
     __slots__ = ("entries",)

@@ -47,8 +47,8 @@ class Log:
 
     def expire_due(self, now):
         due = self.core.due_expiries(now)
-        for queue, mid in due:
-            self.settle(log_pb2.EXPIRE, queue, mid, now)
+        if due:  # one record, as the lease timer makes it
+            self.commit(self.core.expiry_record(due), now)
         return due
 
 
@@ -190,11 +190,92 @@ def test_lowering_max_retries_stops_deliveries_past_the_new_limit(log):
     log.queue("q", at=1, max_retries=1)
     assert recv(log, "q", 2) == []
     assert log.core.stats("q", 2)["visible"] == 0
+    log.core.woken.clear()  # (the engine drains it after each apply)
     assert log.expire_due(2) == [("q", mid)]  # due on the very next tick
+    assert "q" in log.core.woken  # long polls on q look again: what waited behind it may go now
     st = log.core.stats("q", 2)
-    assert (st["visible"], st["leased"], st["failedTotal"]) == (0, 0, 1)
+    # moved, and counted as failed only: nobody held that lease
+    assert (st["visible"], st["leased"], st["failedTotal"], st["leaseExpiredTotal"]) == (0, 0, 1, 0)
     [(f, _)] = recv(log, "q.failed", 2)
     assert (f.id, f.retry) == (mid, 0)
+
+
+def _lowered(log, retries=3, to=1):
+    """A message nacked ``retries`` times under maxRetries 5, then maxRetries ``to``."""
+    log.queue("q", max_retries=5)
+    mid = _nacked(log, "q", retries)
+    log.queue("q", at=1, max_retries=to)
+    return mid
+
+
+def test_max_retries_raised_again_before_the_move_is_proposed_delivers_it_uncounted(log):
+    mid = _lowered(log)
+    assert recv(log, "q", 2) == []
+    log.queue("q", at=2, max_retries=3)  # one more delivery allowed again
+    assert log.expire_due(2) == []       # given back instead
+    [(m, _)] = recv(log, "q", 2)
+    st = log.core.stats("q", 2)
+    assert (m.id, m.retry, st["failedTotal"], st["leaseExpiredTotal"]) == (mid, 3, 0, 0)
+
+
+def test_max_retries_raised_again_before_the_move_commits_delivers_it_uncounted(log):
+    """The move's record was made, then maxRetries raised before it applied: every
+    node leaves the message visible, its count kept, nothing counted."""
+    mid = _lowered(log)
+    assert recv(log, "q", 2) == []
+    due = log.core.due_expiries(2)
+    rec = log.core.expiry_record(due)
+    assert [e.past_retries for e in rec.settle.entries] == [True]
+    log.queue("q", at=2, max_retries=3)
+    replica = Log()  # a node that applies the same records, and never leased anything
+    for r in log.records:
+        replica.core.apply(log_pb2.Record.FromString(r))
+    log.commit(rec, 3)
+    replica.core.apply(log_pb2.Record.FromString(log.records[-1]))
+    for core in (log.core, replica.core):
+        st = core.stats("q", 3)
+        assert (st["visible"], st["leased"], st["failedTotal"], st["leaseExpiredTotal"]) == (1, 0, 0, 0)
+        assert core.queues["q"].msgs[mid].retry == 3
+    [(m, _)] = recv(log, "q", 3)
+    assert (m.id, m.retry) == (mid, 3)
+
+
+def test_a_run_of_messages_past_max_retries_is_moved_a_bounded_number_per_receive(log):
+    from node.core.spool import PAST_RETRIES_PER_RECEIVE as CAP
+    log.queue("q", max_retries=5)
+    held = []
+    for _ in range(CAP + 50):  # each nacked once, then held so that the next one is received alone
+        mid = _nacked(log, "q", 1)
+        [(_, lease)] = recv(log, "q", 0)
+        held.append(lease)
+    for lease in held:
+        assert log.core.release(lease.id, lease.nonce, 0)
+    good, _ = log.send("q", at=0)
+    log.queue("q", at=1, max_retries=0)
+    assert recv(log, "q", 2) == []              # the first CAP only: the call returns
+    assert len(log.expire_due(2)) == CAP
+    [(m, _)] = recv(log, "q", 2)                # the other 50 are leased to move, and the good one delivered
+    assert (m.id, m.retry) == (good, 0)
+    assert len(log.expire_due(2)) == 50
+    assert log.core.stats("q", 2)["failedTotal"] == CAP + 50
+
+
+def test_a_primary_change_before_the_move_leaves_it_to_the_next_primary(log):
+    mid = _lowered(log)
+    assert recv(log, "q", 2) == []
+    log.new_epoch(3)  # the lease ends with the primary; the message is visible again, its count kept
+    assert log.core.queues["q"].msgs[mid].retry == 3
+    assert recv(log, "q", 4) == []
+    assert log.expire_due(4) == [("q", mid)]
+    assert log.core.stats("q", 4)["failedTotal"] == 1
+
+
+def test_a_message_past_max_retries_is_delivered_when_no_failure_queue_can_be_made(log, monkeypatch):
+    import node.core.spool as spool
+    mid = _lowered(log)
+    monkeypatch.setattr(spool, "QUEUES_MAX", len(log.core.queues))  # no room for q.failed
+    [(m, _)] = recv(log, "q", 2)
+    assert (m.id, m.retry) == (mid, 3)
 
 
 def test_lowering_max_retries_spares_messages_within_the_new_limit(log):
