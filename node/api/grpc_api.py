@@ -61,8 +61,17 @@ def _delivery_pb(d) -> api_pb2.Delivery:
                             lease_expires_at=d.expires_at, queue=d.queue, lease_seconds_left=d.left_s)
 
 
-def _send_args(req) -> tuple:
+def _at_most(svc: Service, n: int, what: str) -> None:
+    """A batch's size, checked before its items are read out of the request (Service
+    checks it again): a 16 MiB request of millions of empty items is refused at once
+    instead of after seconds of building them into lists, with the node's loop held."""
+    if n > svc.limits.batch_entries_max:
+        raise errors.InvalidArgument(f"at most {svc.limits.batch_entries_max} {what} in a batch")
+
+
+def _send_args(svc: Service, req) -> tuple:
     """A SendBatchRequest -> Service.send's (entries, run)."""
+    _at_most(svc, len(req.entries) + len(req.bodies), "messages")
     return ([(e.queue, e.body, e.delay_seconds, e.dedup_key) for e in req.entries],
             (req.queue, req.bodies, req.delay_seconds) if req.bodies else None)
 
@@ -107,7 +116,7 @@ def _fill_entries(out: api_pb2.SendBatchResponse, triples: list) -> None:
 
 async def _send_batch(svc: Service, p, req, out=None) -> api_pb2.SendBatchResponse:
     """``out``: the message to fill (a Session answer's field: no copy), else a new one."""
-    res = await svc.send(p, *_send_args(req))
+    res = await svc.send(p, *_send_args(svc, req))
     return _fill_send(api_pb2.SendBatchResponse() if out is None else out, len(req.bodies), res)
 
 
@@ -133,6 +142,7 @@ async def _receive_batch(svc: Service, p, req, out=None) -> api_pb2.ReceiveRespo
 
 
 async def _settle_batch(svc: Service, p, req, out=None) -> api_pb2.SettleBatchResponse:
+    _at_most(svc, len(req.items), "items")
     items = [(it.token, _ACTIONS.get(it.action) or f"number {it.action}", it.delay_seconds) for it in req.items]
     res = await svc.settle(p, items, per_item_errors=True)
     out = api_pb2.SettleBatchResponse() if out is None else out
@@ -228,11 +238,20 @@ def rpc(method):
             return resp
         except errors.SpoolerError as e:
             self.metrics.http_errors.labels(e.kind).inc()
+            # The abort raised below carries ``e`` (its context), and with it ``e``'s
+            # frames, which hold the request: a reference cycle that kept every
+            # refused request (hundreds of MB for a 16 MiB one of many small items)
+            # until a full collection, rare with this node's GC thresholds
+            # (node/main.py). Let go of both first.
+            request = None
+            e.__traceback__ = None
             await _abort(self.svc, context, e)
         except Exception as e:
             if isinstance(e, grpc.aio.AbortError) or type(e).__name__ == "AbortError":
                 raise
             log.exception("unexpected error in %s", method.__name__)
+            request = None  # (as above)
+            e.__traceback__ = None
             await _abort(self.svc, context, errors.Internal("internal error"))
 
     return wrapper
@@ -437,7 +456,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
             if which == "send_batch" and not svc.forwards():
                 reply = Reply(functools.partial(sent, rid, req.compact_run_ids))
                 try:
-                    begun = svc.send_begin(svc.authenticate(auth, forwarded, memo), *_send_args(req), reply=reply)
+                    begun = svc.send_begin(svc.authenticate(auth, forwarded, memo), *_send_args(svc, req), reply=reply)
                 except Exception as e:
                     answer(failed(rid, which, e))
                     return
