@@ -166,7 +166,7 @@ class Engine:
                  checkpoint_interval_s: float = 1.0,
                  synchronous: str = "FULL", peers: Optional[dict] = None, failover_timeout_s: float = 2.0,
                  grpc_options=(), tls=None, log_keep_records: int = 100_000, log_keep_bytes: int = 256 << 20,
-                 join: bool = False):
+                 join: bool = False, cluster_key: str = ""):
         """peers: member id -> gRPC address, this node included (None: a cluster of one).
         ``join``: a replacement member; if its store is empty, it joins without a vote
         until it holds the cluster's history (Replication.joining)."""
@@ -208,6 +208,7 @@ class Engine:
         peers = peers or {node_id: ""}
         self.cluster = len(peers) > 1
         self.tls = tls
+        self.cluster_key = cluster_key  # (node/tls.py: CLUSTER_KEY_MD)
         self.repl = Driver(self, node_id, peers, failover_timeout_s, grpc_options, tls, join=join and self.cluster)
         self._wake: Optional[asyncio.Event] = None
         self._events: dict[str, asyncio.Event] = {}

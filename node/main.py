@@ -62,6 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ID=HOST:PORT,... every member's gRPC address, this node included (SPOOLER_PEERS)")
     p.add_argument("--admin-key", action="append", default=None,
                    help="bootstrap admin API key, repeatable (SPOOLER_ADMIN_KEY, comma-separated)")
+    p.add_argument("--cluster-key", default=_env("SPOOLER_CLUSTER_KEY", ""),
+                   help="a secret every member of the cluster is given: members' calls to each other carry it, "
+                        "and replication calls without it are refused (SPOOLER_CLUSTER_KEY; without it any caller "
+                        "that reaches the gRPC port can act as a member)")
     p.add_argument("--failover-timeout", type=float, default=_env("SPOOLER_FAILOVER_TIMEOUT", "2"),
                    help="seconds replicas wait for a silent primary (SPOOLER_FAILOVER_TIMEOUT, default 2)")
     p.add_argument("--max-body-bytes", type=int, default=_env("SPOOLER_MAX_BODY_BYTES", str(256 * 1024)),
@@ -112,11 +116,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--log-keep-records must be >= 1")
     if a.log_keep_bytes < 0:
         p.error("--log-keep-bytes must be >= 0")
-    bad = [k for k in a.admin_key if not 1 <= len(k) <= KEY_CHARS_MAX or k != k.strip()
-           or any(not 32 <= ord(ch) < 127 for ch in k)]
-    if bad:  # such a key could never be presented in an Authorization header, or
-        # carried in gRPC metadata (the SDK's calls, a replica's forwarded ones)
+    def bad_key(k: str) -> bool:
+        # such a key could never be presented in an Authorization header, or carried
+        # in gRPC metadata (the SDK's calls, a replica's forwarded ones)
+        return not 1 <= len(k) <= KEY_CHARS_MAX or k != k.strip() or any(not 32 <= ord(ch) < 127 for ch in k)
+
+    if any(bad_key(k) for k in a.admin_key):
         p.error(f"--admin-key must be 1..{KEY_CHARS_MAX} printable ASCII characters, without spaces "
+                "at either end")
+    if a.cluster_key and bad_key(a.cluster_key):
+        p.error(f"--cluster-key must be 1..{KEY_CHARS_MAX} printable ASCII characters, without spaces "
                 "at either end")
     return a
 
@@ -306,7 +315,7 @@ async def serve(args) -> int:
     engine = Engine(args.data, node_id=args.id, limits=Limits(body_bytes_max=args.max_body_bytes),
                     peers=peers, failover_timeout_s=args.failover_timeout, grpc_options=grpc_api.GRPC_OPTIONS,
                     tls=tls, vfs=vfs_from_env(), log_keep_records=args.log_keep_records,
-                    log_keep_bytes=args.log_keep_bytes, join=args.join,
+                    log_keep_bytes=args.log_keep_bytes, join=args.join, cluster_key=args.cluster_key,
                     synchronous=os.environ.get("SPOOLER_TEST_SYNCHRONOUS", "FULL"))  # tests' control runs only
     stop = asyncio.Event()
     exit_code = 0

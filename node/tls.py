@@ -1,4 +1,5 @@
-"""Optional mTLS for the gRPC port (node-to-node traffic and gRPC clients alike).
+"""Trust between members: optional mTLS for the gRPC port (node-to-node traffic
+and gRPC clients alike), and the cluster's key.
 
 With --tls-cert, --tls-key and --tls-ca every gRPC connection must present a
 certificate signed by that CA (client auth required), and this node's own
@@ -7,10 +8,32 @@ A node or client with an unknown certificate fails the handshake.
 """
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 from typing import Optional
 
 import grpc
+
+# The cluster's key (--cluster-key): every call one member makes to another
+# carries it in this metadata (replication streams, votes, TimeoutNow, snapshots,
+# forwarded client calls); a member given a key refuses replication calls without
+# it, and takes a call's claim to be forwarded only with it.
+CLUSTER_KEY_MD = "spooler-cluster-key"
+
+
+def peer_metadata(cluster_key: str) -> tuple:
+    """What this node adds to its calls to other members."""
+    return ((CLUSTER_KEY_MD, cluster_key),) if cluster_key else ()
+
+
+def from_a_member(metadata, cluster_key: str) -> bool:
+    """Does a call with ``metadata`` come from a member? Without a cluster key
+    configured nothing can tell, and every caller is taken for one (DESIGN.md,
+    "Trust between nodes"); with one, the call must carry it, once."""
+    if not cluster_key:
+        return True
+    got = [v for k, v in metadata or () if k == CLUSTER_KEY_MD]
+    return len(got) == 1 and hmac.compare_digest(str(got[0]).encode(), cluster_key.encode())
 
 
 @dataclass

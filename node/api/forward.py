@@ -62,7 +62,7 @@ CHANGE_POLL_S = 0.05  # how often a forwarded call looks for a new primary witho
 
 class Forwarder:
     def __init__(self, timeout_s: float = 10.0, tls=None, current_primary=None, releases_max: int = 1024,
-                 node_id: str = "1", pending: Optional[dict] = None, primary_changes=None):
+                 node_id: str = "1", pending: Optional[dict] = None, primary_changes=None, peer_md: tuple = ()):
         """current_primary: callable -> the address this node now takes for the primary's
         (a forwarded call to a primary that was replaced meanwhile is cut short).
         primary_changes: callable -> a future resolved at the next change of the
@@ -70,6 +70,7 @@ class Forwarder:
         looks every CHANGE_POLL_S."""
         self.timeout_s = timeout_s
         self.tls = tls
+        self.peer_md = peer_md  # the cluster's key (node/tls.py), on every forwarded call
         self.current_primary = current_primary or (lambda: None)
         self.primary_changes = primary_changes
         self._stubs: dict = {}
@@ -99,7 +100,7 @@ class Forwarder:
         (and leaves none known for a moment), and its answer is on the way. That
         answer is waited for ``handover_grace_s`` at most from the change (a
         paused old primary never sends it)."""
-        md = ((FORWARDED, self.node_id),) + ((("authorization", auth),) if auth else ())
+        md = ((FORWARDED, self.node_id),) + self.peer_md + ((("authorization", auth),) if auth else ())
         call = getattr(self.stub(address), method)(
             req, metadata=md, timeout=(self.timeout_s if timeout_s is None else timeout_s) + extra_s)
         task = asyncio.ensure_future(call)

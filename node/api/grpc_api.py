@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from spooler import errors
 from spooler.pb import api_pb2, api_pb2_grpc
 from node.api.forward import FORWARDED
+from node.tls import from_a_member
 from node.api.service import SETTINGS, Service
 from node.engine import Reply
 
@@ -159,18 +160,23 @@ async def _settle_batch(svc: Service, p, req, out=None) -> api_pb2.SettleBatchRe
 _SESSION_CALLS = {"send_batch": _send_batch, "receive": _receive_batch, "settle_batch": _settle_batch}
 
 
-def _caller(context) -> tuple:
+def _caller(context, cluster_key: str = "") -> tuple:
     """-> (Authorization, forwarded): forwarded is "" for a call from a client, else
-    the forwarding node's id ("1" from a node that does not say). Authorization
-    given twice is ambiguous: invalid_argument, as over HTTP."""
+    the forwarding node's id ("1" from a node that does not say). With a cluster
+    key (--cluster-key), a call is taken for forwarded only if it carries the key:
+    any other is a client's, whatever it claims. Authorization given twice is
+    ambiguous: invalid_argument, as over HTTP."""
     auth, forwarded = None, ""
-    for k, v in context.invocation_metadata() or ():
+    md = context.invocation_metadata() or ()
+    for k, v in md:
         if k == "authorization":
             if auth is not None:
                 raise errors.InvalidArgument("authorization given more than once; give it once")
             auth = v
         elif k == FORWARDED:
             forwarded = v or "1"
+    if forwarded and not from_a_member(md, cluster_key):
+        forwarded = ""
     return auth, forwarded
 
 
@@ -228,7 +234,7 @@ def rpc(method):
         # the epoch trailer is read when the answer goes out (a promote's answer
         # names the epoch it made, and so does its trailer)
         try:
-            p = self.svc.authenticate(*_caller(context))
+            p = self.svc.authenticate(*_caller(context, self.svc.cluster_key))
             if self.svc.unknown_here(p):
                 await self.svc.verified(p)
             if isinstance(request, Malformed):
@@ -381,7 +387,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
         refused = None  # an error of the call itself (its metadata), given to every request
         auth, forwarded = None, ""
         try:
-            auth, forwarded = _caller(context)
+            auth, forwarded = _caller(context, svc.cluster_key)
         except errors.SpoolerError as e:
             refused = e
         # Ended once idle for session_refused_idle_s (nothing in flight: no write of

@@ -144,7 +144,10 @@ class Service:
         self.limits = engine.limits
         self._admin = [hashlib.sha256(k.encode()).digest() for k in admin_keys if k]
         from node.api.forward import Forwarder
-        self.fwd = Forwarder(tls=engine.tls, current_primary=self._primary_address,
+        from node.tls import peer_metadata
+        self.cluster_key = getattr(engine, "cluster_key", "")  # --cluster-key (node/tls.py)
+        self.fwd = Forwarder(tls=engine.tls, peer_md=peer_metadata(self.cluster_key),
+                             current_primary=self._primary_address,
                              releases_max=engine.limits.releases_in_flight_max, node_id=engine.node_id,
                              pending=engine.pending_releases,
                              primary_changes=getattr(engine, "role_changes", None))

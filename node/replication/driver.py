@@ -78,6 +78,8 @@ class Driver:
         """peers: id -> gRPC address, this node included. ``join``: see load()."""
         self.engine = engine
         self.join = join
+        from node.tls import peer_metadata
+        self._peer_md = peer_metadata(getattr(engine, "cluster_key", ""))  # on every call to a member
         self.id = node_id
         self.addresses = dict(peers)
         self.core = R.Replication(node_id, list(peers), failover_timeout_us=int(failover_timeout_s * 1e6),
@@ -461,7 +463,7 @@ class Driver:
 
         while not self.stopped:
             try:
-                call = self._stubs[peer].Stream(frames(q))
+                call = self._stubs[peer].Stream(frames(q), metadata=self._peer_md)
                 async for ack in call:
                     if ack.releases and self.engine.release_hook is not None:
                         self.engine.release_hook(list(ack.releases))
@@ -499,7 +501,7 @@ class Driver:
                             return
 
             log.info("sending a snapshot to %s", peer)
-            ack = await self._stubs[peer].InstallSnapshot(chunks(), timeout=120)
+            ack = await self._stubs[peer].InstallSnapshot(chunks(), timeout=120, metadata=self._peer_md)
             if ack.ok:
                 async with self.lock:
                     if self.core.role == R.PRIMARY and self.core.epoch == epoch:
@@ -587,7 +589,8 @@ class Driver:
         try:
             r = await self._stubs[peer].Vote(pb.VoteRequest(
                 epoch=m.epoch, candidate=m.candidate, last_epoch=m.last_epoch, last_lsn=m.last_lsn,
-                pre=m.pre, transfer=m.transfer, lease_us=m.lease_us), timeout=self.core.timeout / 1e6)
+                pre=m.pre, transfer=m.transfer, lease_us=m.lease_us), timeout=self.core.timeout / 1e6,
+                metadata=self._peer_md)
         except grpc.RpcError:
             return
         async with self.lock:
@@ -598,7 +601,7 @@ class Driver:
     async def _timeout_now(self, peer: str, m: R.TimeoutNow) -> None:
         try:
             await self._stubs[peer].TimeoutNow(pb.TimeoutNowRequest(epoch=m.epoch, primary=m.primary),
-                                               timeout=self.core.timeout / 1e6)
+                                               timeout=self.core.timeout / 1e6, metadata=self._peer_md)
         except grpc.RpcError as e:
             # FAILED_PRECONDITION is the target's own refusal (serve_timeout_now: it
             # is stopping, and did not act on it); any other failure may have
@@ -903,6 +906,12 @@ class ReplicationServicer(pb_grpc.ReplicationServicer):
         self.d = driver
 
     async def _loaded(self, context) -> None:
+        from node.tls import from_a_member
+        key = getattr(self.d.engine, "cluster_key", "")
+        if key and not from_a_member(context.invocation_metadata(), key):
+            # (before anything else: an outsider learns nothing, not even whether we are loaded)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "replication calls need this cluster's key (--cluster-key)")
         if not self.d.core.started:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self.d.id!r} is still loading its store")
 

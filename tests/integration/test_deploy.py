@@ -29,6 +29,7 @@ from spooler.http import HttpClient
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 KEY = "deploy-test-admin-key"
+CLUSTER_KEY = "deploy-test-cluster-key"
 
 
 def dockerfile_env() -> dict:
@@ -66,7 +67,8 @@ def services_of(compose_file: str) -> dict:
     out = {}
     for name, svc in doc["services"].items():
         env = dict(image_env)
-        env.update({k: interpolate(str(v), {"SPOOLER_ADMIN_KEY": KEY}) for k, v in svc["environment"].items()})
+        env.update({k: interpolate(str(v), {"SPOOLER_ADMIN_KEY": KEY, "SPOOLER_CLUSTER_KEY": CLUSTER_KEY})
+                    for k, v in svc["environment"].items()})
         out[name] = (env, svc)
     return out
 
@@ -78,6 +80,8 @@ def check_layout(services: dict) -> None:
     for name, (env, svc) in services.items():
         peers = dict(p.split("=", 1) for p in env["SPOOLER_PEERS"].split(","))
         assert set(peers) == set(ids), f"{name}: SPOOLER_PEERS names {sorted(peers)}, the services are {sorted(ids)}"
+        # every member holds the cluster's key (a member without it could not replicate)
+        assert env.get("SPOOLER_CLUSTER_KEY") == CLUSTER_KEY, f"{name}: no SPOOLER_CLUSTER_KEY"
         for nid, addr in peers.items():
             host, port = hostport(addr)
             target_env = services[ids[nid]][0]

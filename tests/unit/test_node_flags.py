@@ -18,6 +18,8 @@ from node.main import _parse_peers, parse_args, serve
     (["--admin-key", "bell\x07"], "--admin-key must be 1..512 printable ASCII"),
     (["--admin-key", "caf\u00e9"], "--admin-key must be 1..512 printable ASCII"),  # gRPC metadata cannot carry it
     (["--admin-key", "tab\tinside"], "--admin-key must be 1..512 printable ASCII"),
+    (["--cluster-key", " padded"], "--cluster-key must be 1..512 printable ASCII"),
+    (["--cluster-key", "k" * 513], "--cluster-key must be 1..512 printable ASCII"),
     (["--failover-timeout", "0"], "--failover-timeout must be > 0"),
     # nan and inf passed the "> 0" check and then failed with a traceback
     (["--failover-timeout", "nan"], "--failover-timeout must be 0.1..3600 seconds"),

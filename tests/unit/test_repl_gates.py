@@ -414,7 +414,7 @@ def test_a_primary_serves_again_only_when_its_target_refuses_timeout_now(tmp_pat
         def __init__(self, code):
             self.code = code
 
-        async def TimeoutNow(self, req, timeout=None):
+        async def TimeoutNow(self, req, timeout=None, metadata=()):
             raise Failed(self.code)
 
     async def main():

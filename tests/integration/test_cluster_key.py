@@ -1,0 +1,72 @@
+"""--cluster-key: members' calls to each other carry the cluster's key, and a
+member refuses replication calls without it (DESIGN.md, "Trust between nodes").
+Without a key any caller that reaches the gRPC port could force an election
+with one TimeoutNow naming the current epoch and primary, or feed a replica
+frames as its primary."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from integration.test_cluster import client, primary_of, send_until_ok, until_ok
+from nodeproc import start_cluster, wait_until
+from spooler.pb import api_pb2, api_pb2_grpc, replication_pb2, replication_pb2_grpc
+
+KEY = "the-cluster-key"
+
+
+@pytest.fixture
+def keyed(tmp_path):
+    nodes = start_cluster(str(tmp_path), 3, 1.0, extra_args=["--cluster-key", KEY])
+    try:
+        yield nodes
+    finally:
+        for n in nodes.values():
+            n.kill()
+
+
+def test_a_keyed_cluster_replicates_and_refuses_replication_calls_without_its_key(keyed):
+    nodes = keyed
+    p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    c = client(nodes[p])
+    until_ok(lambda: c.put_queue("k"))
+    send_until_ok(c, "k", b"x")
+    replica = next(i for i in nodes if i != p)
+    # the members' own calls carry the key: a replica's forwarded read, and its log
+    assert client(nodes[replica]).get_queue("k")["stats"]["sentTotal"] == 1
+
+    ch = grpc.insecure_channel(nodes[replica].grpc_target)
+    try:
+        stub = replication_pb2_grpc.ReplicationStub(ch)
+        for md in ((), (("spooler-cluster-key", "not-the-key"),)):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.TimeoutNow(replication_pb2.TimeoutNowRequest(epoch=epoch, primary=p), metadata=md, timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Vote(replication_pb2.VoteRequest(epoch=epoch + 1, candidate=replica, last_epoch=epoch,
+                                                      last_lsn=10 ** 9, pre=False), metadata=md, timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Stream(iter([replication_pb2.AppendFrame(epoch=epoch, primary=p)]), metadata=md, timeout=5))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
+    finally:
+        ch.close()
+    assert primary_of(nodes) == (p, epoch)  # nothing above reached the replication core
+
+
+def test_a_claim_to_be_forwarded_without_the_key_is_a_clients_call(keyed):
+    """A caller that says it is a member forwarding a call (spooler-forwarded) but
+    lacks the key is served as the client it is: the replica forwards its call to
+    the primary as any other, instead of taking it for one a member sent."""
+    nodes = keyed
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    until_ok(lambda: client(nodes[p]).put_queue("f"))
+    replica = next(i for i in nodes if i != p)
+    ch = grpc.insecure_channel(nodes[replica].grpc_target)
+    try:
+        stub = api_pb2_grpc.SpoolerStub(ch)
+        md = (("authorization", f"Bearer {nodes[replica].admin_key}"), ("spooler-forwarded", p))
+        doc = stub.GetQueue(api_pb2.QueueRequest(name="f"), metadata=md, timeout=10)
+        assert doc.name == "f"
+    finally:
+        ch.close()
