@@ -1017,7 +1017,7 @@ class Service:
     async def promote(self, p: Principal, node: str) -> dict:
         e = self.engine
         if not isinstance(node, str) or not node:  # checked before forwarding, as in create_key
-            raise errors.InvalidArgument("body must be {\"node\": \"<id>\"}")
+            raise errors.InvalidArgument("promote needs the id of the node to take over (\"node\")")
         if node not in e.repl.addresses:  # every member has the same --peers
             raise errors.InvalidArgument(f"unknown node {node}")
         if (a := self._remote(p)):
