@@ -389,6 +389,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
         try:
             auth, forwarded = _caller(context, svc.cluster_key)
         except errors.SpoolerError as e:
+            e.__traceback__ = None  # (kept for the stream's life: no cycle through this frame)
             refused = e
         # Ended once idle for session_refused_idle_s (nothing in flight: no write of
         # the client's to race), so that streams nobody can use hold no call slots
@@ -398,6 +399,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
             try:
                 svc.authenticate(auth, forwarded)
             except errors.SpoolerError as e:
+                e.__traceback__ = None
                 refused_at_open = e
         idle_s = svc.limits.session_refused_idle_s if refused_at_open is not None else None
         if svc.stopping:
@@ -479,24 +481,34 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
             control holds the client."""
             nonlocal reading
             try:
-                async for r in requests:
+                # context.read(), not ``async for r in requests``: grpc's request
+                # iterator holds the message it last gave while it waits for the next
+                while (r := await context.read()) is not grpc.aio.EOF:
                     while len(tasks) + len(answers) >= in_flight_max:
                         room.clear()
                         await room.wait()
-                    if isinstance(r, Malformed):  # no id to answer by: id 0, and the stream goes on
-                        answer(api_pb2.SessionResponse(id=0, error=errors.to_detail(r.error())))
-                        continue
-                    which = r.WhichOneof("call")
-                    if refused is not None:
-                        answer(failed(r.id, which or "session", refused))
-                    elif which is None:
-                        answer(api_pb2.SessionResponse(id=r.id, error=errors.to_detail(
-                            errors.InvalidArgument("session request names no call"))))
-                    else:
-                        start(r.id, which, getattr(r, which))
+                    dispatch(r)
+                    # let go of it while the next one is awaited: an idle stream would
+                    # hold its last request (a refused one of 16 MiB too) for as long
+                    # as it stays open, and a cancelled reader's traceback after that
+                    r = None
             finally:
+                r = None
                 reading = False
                 wake.set()
+
+        def dispatch(r) -> None:
+            if isinstance(r, Malformed):  # no id to answer by: id 0, and the stream goes on
+                answer(api_pb2.SessionResponse(id=0, error=errors.to_detail(r.error())))
+                return
+            which = r.WhichOneof("call")
+            if refused is not None:
+                answer(failed(r.id, which or "session", refused))
+            elif which is None:
+                answer(api_pb2.SessionResponse(id=r.id, error=errors.to_detail(
+                    errors.InvalidArgument("session request names no call"))))
+            else:
+                start(r.id, which, getattr(r, which))
 
         reader = asyncio.ensure_future(read())
         try:

@@ -476,6 +476,9 @@ class Driver:
             except asyncio.CancelledError:
                 raise
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    warn_key_once(log, ("refused by", peer), "%s refuses this node's replication stream: "
+                                  "the members' --cluster-key differ (%s)", peer, e.details())
                 log.debug("stream to %s broke: %s", peer, e.code())
             q.put_nowait(None)  # ends this attempt's iterator, wherever gRPC left it
             q = self._outbox[peer] = asyncio.Queue()
@@ -894,6 +897,20 @@ def _resume(coro, waiting_on):
                 return done.value
 
 
+_KEY_WARNED: dict = {}  # what warn_key_once last said -> when (time.monotonic())
+
+
+def warn_key_once(logger, what: tuple, msg: str, *args) -> None:
+    """A cluster-key mismatch, logged at most once a minute for each ``what``
+    (a refused member retries every few milliseconds)."""
+    now = time.monotonic()
+    if now - _KEY_WARNED.get(what, -1e9) >= 60:
+        if len(_KEY_WARNED) > 1000:
+            _KEY_WARNED.clear()
+        _KEY_WARNED[what] = now
+        logger.warning(msg, *args)
+
+
 class ReplicationServicer(pb_grpc.ReplicationServicer):
     """The peers' RPCs. The gRPC server starts before the node has loaded its
     store (node/main.py), and until the replication core holds this node's
@@ -906,12 +923,20 @@ class ReplicationServicer(pb_grpc.ReplicationServicer):
         self.d = driver
 
     async def _loaded(self, context) -> None:
-        from node.tls import from_a_member
+        from node.tls import CLUSTER_KEY_MD, from_a_member
         key = getattr(self.d.engine, "cluster_key", "")
         if key and not from_a_member(context.invocation_metadata(), key):
             # (before anything else: an outsider learns nothing, not even whether we are loaded)
+            warn_key_once(log, ("refused", context.peer()), "refused a replication call from %s without "
+                          "this cluster's key (--cluster-key): a member given another key or none, or not "
+                          "a member", context.peer())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "replication calls need this cluster's key (--cluster-key)")
+        if not key and any(k == CLUSTER_KEY_MD for k, _ in context.invocation_metadata() or ()):
+            # the others hold a key and this node none: it takes part, and anyone who
+            # reaches its gRPC port can act as a member through it
+            warn_key_once(log, ("unkeyed",), "the other members send a cluster key and this node has "
+                          "none: give it theirs (--cluster-key), or the cluster is open through this node")
         if not self.d.core.started:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self.d.id!r} is still loading its store")
 

@@ -52,6 +52,22 @@ def test_a_keyed_cluster_replicates_and_refuses_replication_calls_without_its_ke
     finally:
         ch.close()
     assert primary_of(nodes) == (p, epoch)  # nothing above reached the replication core
+    wait_until(lambda: "refused a replication call" in nodes[replica].read_log(), 10,
+               what="the refusal in the replica's log")
+
+
+def test_a_member_without_the_key_among_keyed_ones_says_so(tmp_path):
+    """A member started without the key still follows a keyed primary (it checks
+    nothing), and the cluster is open through it: it says so in its log."""
+    nodes = start_cluster(str(tmp_path), 3, 1.0,
+                          per_node_args=lambda i: [] if i == "n3" else ["--cluster-key", KEY])
+    try:
+        p, _ = wait_until(lambda: primary_of(nodes, exclude=("n3",)), 15, what="a keyed primary")
+        until_ok(lambda: client(nodes[p]).put_queue("u"))
+        wait_until(lambda: "this node has none" in nodes["n3"].read_log(), 10, what="n3's warning")
+    finally:
+        for n in nodes.values():
+            n.kill()
 
 
 def test_a_claim_to_be_forwarded_without_the_key_is_a_clients_call(keyed):

@@ -682,3 +682,44 @@ def test_a_batch_over_the_cap_is_refused_before_its_items_are_read():
         asyncio.run(grpc_api._settle_batch(Svc(), None, Req()))
     with pytest.raises(InvalidArgument, match="at most 1000 messages in a batch"):
         grpc_api._send_args(Svc(), Req())
+
+
+def _varint(n: int) -> bytes:
+    out = b""
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out += bytes([b | (0x80 if n else 0)])
+        if not n:
+            return out
+
+
+def test_an_open_session_lets_go_of_a_refused_request_of_millions_of_items(node):
+    """A Session stream's reader held its last request while it waited for the next:
+    an idle stream kept a refused 8 MB settle_batch of 4,000,000 empty items (about
+    200 MB parsed) for as long as it stayed open. Four such streams, held open."""
+    items = b"\x0a\x00" * 4_000_000
+    settle = b"\x22" + _varint(len(items)) + items            # SessionRequest.settle_batch (field 4)
+    request = b"\x08\x01" + settle                             # id 1
+    ch = grpc.insecure_channel(node.grpc_target, options=[("grpc.max_send_message_length", 32 << 20)])
+    session = ch.stream_stream("/spooler.v1.Spooler/Session", request_serializer=lambda b: b,
+                               response_deserializer=api_pb2.SessionResponse.FromString)
+    md = (("authorization", f"Bearer {node.admin_key}"),)
+    hold, calls, after = threading.Event(), [], []
+
+    def requests():
+        yield request
+        hold.wait(60)  # the stream stays open, idle
+
+    try:
+        for _ in range(4):
+            call = session(requests(), metadata=md, timeout=60)
+            calls.append(call)
+            answer = next(call)
+            assert answer.id == 1 and answer.error.kind == "invalid_argument", answer
+            after.append(_rss_mib(node.pid))
+    finally:
+        hold.set()
+        for call in calls:
+            call.cancel()
+        ch.close()
+    assert after[-1] - after[0] < 150, after
