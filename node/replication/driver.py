@@ -927,9 +927,10 @@ class ReplicationServicer(pb_grpc.ReplicationServicer):
         key = getattr(self.d.engine, "cluster_key", "")
         if key and not from_a_member(context.invocation_metadata(), key):
             # (before anything else: an outsider learns nothing, not even whether we are loaded)
-            warn_key_once(log, ("refused", context.peer()), "refused a replication call from %s without "
-                          "this cluster's key (--cluster-key): a member given another key or none, or not "
-                          "a member", context.peer())
+            peer = context.peer() or ""
+            warn_key_once(log, ("refused", peer.rpartition(":")[0]), "refused a replication call from %s "
+                          "without this cluster's key (--cluster-key): a member given another key or none, or "
+                          "not a member", peer)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "replication calls need this cluster's key (--cluster-key)")
         if not key and any(k == CLUSTER_KEY_MD for k, _ in context.invocation_metadata() or ()):

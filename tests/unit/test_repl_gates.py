@@ -30,6 +30,12 @@ class Ctx:
         self.code = code
         raise Aborted(details)
 
+    def invocation_metadata(self):
+        return ()
+
+    def peer(self):
+        return "ipv4:127.0.0.1:1"
+
 
 def _voted(tmp_path, **kw) -> Engine:
     """n3's store: epoch 7, its vote cast for n1, a record of epoch 7."""
