@@ -508,7 +508,10 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                 answer(api_pb2.SessionResponse(id=r.id, error=errors.to_detail(
                     errors.InvalidArgument("session request names no call"))))
             else:
-                start(r.id, which, getattr(r, which))
+                try:
+                    start(r.id, which, getattr(r, which))
+                except Exception as e:  # answered, logged: the reader (and the stream) go on
+                    answer(failed(r.id, which, e))
 
         reader = asyncio.ensure_future(read())
         try:

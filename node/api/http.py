@@ -166,9 +166,25 @@ async def _read_json(request: web.Request):
     if not data.strip():
         return {}
     try:
-        return json.loads(data)
+        return json.loads(data, object_pairs_hook=_no_repeats)
+    except _Repeated as e:
+        raise errors.InvalidArgument(f"field {e.args[0]!r} given {e.args[1]} times") from None
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise errors.InvalidArgument("body is not valid JSON") from None
+
+
+class _Repeated(Exception):
+    pass
+
+
+def _no_repeats(pairs: list) -> dict:
+    """A JSON object whose field is given twice is ambiguous (which maxRetries?), as a
+    header given twice is: refused, not the last one taken silently."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        k = next(k for k in out if sum(1 for p in pairs if p[0] == k) > 1)
+        raise _Repeated(k[:100], sum(1 for p in pairs if p[0] == k))
+    return out
 
 
 def _fields(body, known: tuple) -> dict:

@@ -623,6 +623,26 @@ def test_wait_given_twice_is_a_400_and_leases_nothing(seeded):
     assert_alive(node, api)
 
 
+@pytest.mark.parametrize("method,path,body", [
+    ("PUT", "/v1/queues/{q}", b'{"maxRetries": 1, "maxRetries": 9}'),
+    ("POST", "/v1/keys", b'{"queue": "{q}", "scopes": ["send"], "queue": "*"}'),
+    ("POST", "/v1/cluster/promote", b'{"node": "a", "node": "b"}'),
+], ids=["queue-settings", "key", "promote"])
+def test_a_json_field_given_twice_is_a_400_and_changes_nothing(seeded, method, path, body):
+    """As for a header given twice: which value was meant? Refused, never the last
+    one taken silently (Python's json would keep the last)."""
+    node, api, _, _ = seeded
+    q = "jtwice-" + uuid.uuid4().hex[:8]
+    keys = api.req("GET", "/v1/keys").json()
+    r = api.req(method, path.replace("{q}", q), body.replace(b"{q}", q.encode()),
+                {"Content-Type": "application/json"}, check=False)
+    assert r.status == 400 and r.json()["kind"] == "invalid_argument", r
+    assert "given 2 times" in r.json()["message"], r.json()
+    assert api.req("GET", f"/v1/queues/{q}", check=False).status == 404
+    assert api.req("GET", "/v1/keys").json() == keys
+    assert_alive(node, api)
+
+
 def test_error_kinds_table_is_what_we_check():
     assert "internal" not in KINDS
 

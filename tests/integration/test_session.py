@@ -397,6 +397,48 @@ def test_a_full_session_holds_the_client_back_instead_of_failing(tmp_path):
     asyncio.run(main())
 
 
+def test_a_request_that_fails_oddly_as_it_starts_is_answered_and_the_stream_goes_on(tmp_path):
+    """An unexpected error while a request is being started (outside any call's
+    own error handling) is answered as ``internal`` for that request; the stream
+    reads and answers the next ones. It used to end the reader: the stream closed
+    OK with later requests never answered and nothing logged."""
+    from node.api import grpc_api
+    from node.api.metrics import Metrics
+    from node.api.service import Principal, Service
+    from node.engine import Engine
+
+    async def main():
+        eng = Engine(str(tmp_path / "n"))
+        await eng.start()
+        svc = Service(eng, ["k"])
+        await svc.put_queue(Principal(admin=True), "q", {})
+        forwards, calls = svc.forwards, []
+
+        def odd_once():
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("odd")
+            return forwards()
+
+        svc.forwards = odd_once
+        server, _, port = await grpc_api.build_server(svc, Metrics(eng), "127.0.0.1:0")
+        await server.start()
+        try:
+            node = type("N", (), {"grpc_target": f"127.0.0.1:{port}"})
+            send = api_pb2.SendBatchRequest(entries=[api_pb2.SendRequest(queue="q", body=b"m")])
+            got = await _session(node, "k", [api_pb2.SessionRequest(id=i, send_batch=send) for i in (1, 2)])
+            stats = await svc.get_queue(Principal(admin=True), "q")
+        finally:
+            await server.stop(None)
+            await eng.stop()
+        assert sorted(got) == [1, 2]
+        assert got[1].error.kind == "internal"
+        assert got[2].WhichOneof("result") == "send_batch" and len(got[2].send_batch.results) == 1
+        assert stats["stats"]["visible"] == 1
+
+    asyncio.run(main())
+
+
 def test_moving_to_another_node_keeps_the_old_streams_answers(node):
     """When the client moves on (another node, after an 'unavailable'), requests
     already written to the old stream still get their own answers."""
