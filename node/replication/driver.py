@@ -52,6 +52,12 @@ CONTACT_ACKS = os.environ.get("SPOOLER_TEST_CONTACT_ACKS", "1") != "0"
 # last chunk held back that long.
 SNAPSHOT_HEARTBEATS = os.environ.get("SPOOLER_TEST_SNAPSHOT_HEARTBEATS", "1") != "0"
 SNAPSHOT_DELAY_S = float(os.environ.get("SPOOLER_TEST_SNAPSHOT_DELAY", "0") or 0)
+# A copy of the whole store is made only for a replica that answers (it heard
+# one of our frames within this many heartbeats), and after a failed one the
+# next waits 0.25 s, doubling up to SNAPSHOT_RETRY_MAX_S: a replica that is down,
+# still loading, or not started yet is not sent copy after copy of the store.
+SNAPSHOT_HEARD_HEARTBEATS = 3
+SNAPSHOT_RETRY_MAX_S = 10.0
 
 
 def frame_parts(msg: "R.AppendReq", data: list, limit: int = FRAME_BYTES_MAX) -> list:
@@ -107,6 +113,7 @@ class Driver:
         self._timeout_warned: set = set()  # candidates found to run with another --failover-timeout
         self._vote_reply = None
         self._snapshots: dict = {}
+        self._snapshot_retry: dict = {}  # peer -> (failures in a row, monotonic time of the next try)
         self.stopped = False
         # a stop: the streams primaries keep open to this node are ended, and new
         # ones refused (end_inbound); the gRPC server's stop would wait them out
@@ -412,7 +419,7 @@ class Driver:
         if isinstance(msg, R.AppendReq) and msg.prev_epoch == -1:
             # what this replica needs was compacted away: send it a snapshot instead
             t = self._snapshots.get(to)
-            if t is None or t.done():
+            if (t is None or t.done()) and self._snapshot_due(to):
                 self._snapshots[to] = asyncio.create_task(self._send_snapshot(to, msg.epoch), name=f"snapshot-{to}")
             # ... and the frame itself, which holds no records (the core sends such a
             # frame at most once a heartbeat): the replica answers it as any frame
@@ -486,9 +493,21 @@ class Driver:
             async with self.lock:
                 await self._run(self.core.replica_stream_lost(peer, mono_us()))
 
+    def _snapshot_due(self, peer: str) -> bool:
+        """Is a copy of the store worth making for ``peer`` now? Only if it answers
+        (a copy for a replica that is down fails once it is made: the whole store
+        written for nothing, ten times a second while the stream retries), and
+        not before the backoff after a failed one."""
+        now = mono_us()
+        heard = self.core.acked_sent.get(peer, -1 << 62)
+        if now - heard > SNAPSHOT_HEARD_HEARTBEATS * self.core.heartbeat:
+            return False
+        return time.monotonic() >= self._snapshot_retry.get(peer, (0, 0.0))[1]
+
     async def _send_snapshot(self, peer: str, epoch: int) -> None:
         e = self.engine
         path = os.path.join(e.data_dir, f"snapshot-for-{peer}.db")
+        ok = False
         try:
             await e.snapshot_to(path)   # in slices: commits go on meanwhile
 
@@ -505,6 +524,7 @@ class Driver:
 
             log.info("sending a snapshot to %s", peer)
             ack = await self._stubs[peer].InstallSnapshot(chunks(), timeout=120, metadata=self._peer_md)
+            ok = ack.ok
             if ack.ok:
                 async with self.lock:
                     if self.core.role == R.PRIMARY and self.core.epoch == epoch:
@@ -516,6 +536,11 @@ class Driver:
         finally:
             if os.path.exists(path):
                 os.remove(path)
+            if ok:
+                self._snapshot_retry.pop(peer, None)
+            else:
+                n = self._snapshot_retry.get(peer, (0, 0.0))[0] + 1
+                self._snapshot_retry[peer] = (n, time.monotonic() + min(SNAPSHOT_RETRY_MAX_S, 0.25 * 2 ** min(n - 1, 8)))
 
     async def serve_snapshot(self, request_iterator, context):
         """Replica: replace our store with the primary's copy, then follow it.

@@ -137,3 +137,43 @@ def test_a_primary_keeps_the_member_it_needs_while_it_sends_that_member_a_snapsh
     finally:
         for n in nodes.values():
             n.kill()
+
+
+def test_a_replica_that_is_down_is_not_sent_copy_after_copy_of_the_store(tmp_path):
+    """A primary whose replica is down, and behind the kept log, made a whole copy
+    of its store for it about ten times a second (each failed once made: the
+    stream's retries asked for it again), for as long as the replica stayed
+    down. A copy is made only for a replica that answers, with a backoff after
+    a failed one; the replica, once back, still catches up from one."""
+    import time
+
+    ids = ["n1", "n2", "n3"]
+    nodes = start_cluster(str(tmp_path), 3, 1.0, extra_args=["--log-keep-records", "10"])
+    try:
+        p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+        c = HttpClient(nodes[p].http_url, nodes[p].admin_key)
+        until_ok(lambda: c.put_queue("q"))
+        down = next(i for i in ids if i != p)
+        nodes[down].kill()
+        for i in range(60):
+            send_until_ok(c, "q", f"m{i}".encode())
+        top = view(nodes[p])["appliedLsn"]
+        wait_until(lambda: _compacted(nodes[p], top), 15, what="the primary to compact its log")
+
+        def attempts():
+            return nodes[p].read_log().count(f"sending a snapshot to {down}")
+
+        # the window: three seconds once the log is compacted, in which the old
+        # code made about thirty copies; failing as soon as there are a few
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            assert attempts() <= 2, f"{attempts()} copies of the store made for a replica that is down"
+            time.sleep(0.1)
+        assert attempts() <= 2
+        nodes[down].start()
+        wait_until(lambda: (view(nodes[down]) or {}).get("appliedLsn", -1) >= top, 30,
+                   what="the replica, back, to catch up")
+        wait_until(lambda: "installed a snapshot" in nodes[down].read_log(), 5, what="the snapshot log line")
+    finally:
+        for n in nodes.values():
+            n.kill()
