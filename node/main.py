@@ -47,12 +47,45 @@ NODE_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+def tls_files_problem(cert: str, key: str, ca: str) -> str:
+    """Why these PEM files cannot serve mTLS, or "". Checked before anything is
+    made: gRPC itself only says it could not bind the port (a key that does not
+    match its certificate) or fails on a missing file with a traceback."""
+    import ssl
+
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key), ("--tls-ca", ca)):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            return f"{flag} {path!r} cannot be read: {e.strerror or e}"
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (ssl.SSLError, ValueError) as e:
+        return f"--tls-cert and --tls-key are not a certificate and its private key in PEM ({e})"
+    try:
+        ctx.load_verify_locations(ca)
+    except (ssl.SSLError, ValueError) as e:
+        return f"--tls-ca {ca!r} holds no PEM certificate ({e})"
+    return ""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """A bad flag is one line (argparse would print the whole usage first)."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+JOIN_ON, JOIN_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def _env(name, default=None):
     return os.environ.get(name, default)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="spooler-node", description="Spooler node")
+    p = _Parser(prog="spooler-node", description="Spooler node")
     p.add_argument("--version", action="version", version=f"spooler-node {__version__}")
     p.add_argument("--id", default=_env("SPOOLER_ID", "n1"), help="node id (SPOOLER_ID)")
     p.add_argument("--data", default=_env("SPOOLER_DATA", "./var"), help="data directory (SPOOLER_DATA)")
@@ -81,12 +114,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-keep-bytes", type=int, default=_env("SPOOLER_LOG_KEEP_BYTES", str(256 << 20)),
                    help="bytes of log records kept behind a checkpoint, the same tail bounded by size "
                         "(SPOOLER_LOG_KEEP_BYTES, default 268435456)")
-    p.add_argument("--join", action="store_true", default=_env("SPOOLER_JOIN", "") not in ("", "0"),
+    p.add_argument("--join", action="store_true", default=_env("SPOOLER_JOIN", "").strip().lower() in JOIN_ON,
                    help="this node replaces a member whose data is lost: on an empty --data it neither "
                         "votes nor stands for election until it holds what the cluster committed (SPOOLER_JOIN=1)")
     p.add_argument("--log-level", default=_env("SPOOLER_LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING, ERROR or CRITICAL (SPOOLER_LOG_LEVEL, default INFO)")
     a = p.parse_args(argv)
+    join_env = _env("SPOOLER_JOIN", "").strip().lower()
+    if join_env not in JOIN_ON + JOIN_OFF:
+        # SPOOLER_JOIN=false once meant "join": any value but empty or 0 did
+        p.error(f"SPOOLER_JOIN must be one of 1, true, yes, on (join) or 0, false, no, off, empty (not), "
+                f"not {join_env[:40]!r}")
     if a.admin_key is None:
         a.admin_key = [k for k in _env("SPOOLER_ADMIN_KEY", "").split(",") if k]
     if a.failover_timeout <= 0:
@@ -109,6 +147,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--max-body-bytes must be 1..{Limits().batch_bytes_max}")
     if any((a.tls_cert, a.tls_key, a.tls_ca)) and not all((a.tls_cert, a.tls_key, a.tls_ca)):
         p.error("--tls-cert, --tls-key and --tls-ca go together")
+    if a.tls_cert:
+        why = tls_files_problem(a.tls_cert, a.tls_key, a.tls_ca)
+        if why:
+            p.error(why)
     if a.join and len([x for x in a.peers.split(",") if x.strip()]) < 2:
         # a lone node has no cluster to take its history from: it would just serve
         p.error("--join (SPOOLER_JOIN) replaces a member of a cluster: it needs --peers naming every member")
@@ -274,7 +316,9 @@ def _admin_keys(args) -> list:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(key + "\n")
-    print(f"spooler-node: no --admin-key given; using the key in {path}: {key}", file=sys.stderr, flush=True)
+    # where it is, not the secret itself: logs are read (and kept) more widely than the data directory
+    print(f"spooler-node: no --admin-key given; using the admin key in {path} (readable by this user only)",
+          file=sys.stderr, flush=True)
     return [key]
 
 

@@ -8,10 +8,14 @@ __version__ = "0.4.20"
 
 # gRPC's I/O path, settled before anything imports grpc (spooler/grpc_io.py): the SDK
 # changes nothing unless its user sets SPOOLER_GRPC_IO=legacy
+import sys  # noqa: E402
+
 from spooler import grpc_io as _grpc_io  # noqa: E402
 
 GRPC_IO = _grpc_io.prepare(default="default")
-if GRPC_IO in ("invalid", "too late"):
+# (not in a spooler-node process, whose node.process imports this package while it
+# settles the node's own choice, and refuses an invalid one with one line)
+if GRPC_IO in ("invalid", "too late") and "node.process" not in sys.modules:
     import warnings
     warnings.warn(_grpc_io.refusal() + "; grpcio's default I/O path stays" if GRPC_IO == "invalid" else
                   "SPOOLER_GRPC_IO=legacy came too late: grpc was imported before spooler, "

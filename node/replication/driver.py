@@ -483,9 +483,7 @@ class Driver:
             except asyncio.CancelledError:
                 raise
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-                    warn_key_once(log, ("refused by", peer), "%s refuses this node's replication stream: "
-                                  "the members' --cluster-key differ (%s)", peer, e.details())
+                self._note_refusal(peer, e)
                 log.debug("stream to %s broke: %s", peer, e.code())
             q.put_nowait(None)  # ends this attempt's iterator, wherever gRPC left it
             q = self._outbox[peer] = asyncio.Queue()
@@ -619,12 +617,25 @@ class Driver:
                 epoch=m.epoch, candidate=m.candidate, last_epoch=m.last_epoch, last_lsn=m.last_lsn,
                 pre=m.pre, transfer=m.transfer, lease_us=m.lease_us), timeout=self.core.timeout / 1e6,
                 metadata=self._peer_md)
-        except grpc.RpcError:
+        except grpc.RpcError as e:
+            self._note_refusal(peer, e)
             return
         async with self.lock:
             await self._run(self.core.receive(R.VoteResp(r.epoch, r.sender, r.granted, r.pre, r.since_contact_us,
                                                          r.since_vote_us, r.lease_us, r.vote_lease_us, r.voter_epoch),
                                                 mono_us()))
+
+    @staticmethod
+    def _note_refusal(peer: str, e: grpc.RpcError) -> None:
+        """Say (at most once a minute) why ``peer`` refuses this node's calls, when
+        that is something an operator must fix: each side's log then says it."""
+        code = e.code()
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            warn_once_a_minute(log, ("refused by", peer), "%s refuses this node's replication calls: the members' "
+                               "--cluster-key differ (%s)", peer, e.details())
+        elif code == grpc.StatusCode.PERMISSION_DENIED:
+            warn_once_a_minute(log, ("not a member of", peer), "%s refuses this node's replication calls: %s "
+                               "(its --peers do not name this node as they are given here)", peer, e.details())
 
     async def _timeout_now(self, peer: str, m: R.TimeoutNow) -> None:
         try:
@@ -922,12 +933,13 @@ def _resume(coro, waiting_on):
                 return done.value
 
 
-_KEY_WARNED: dict = {}  # what warn_key_once last said -> when (time.monotonic())
+_KEY_WARNED: dict = {}  # what warn_once_a_minute last said -> when (time.monotonic())
 
 
-def warn_key_once(logger, what: tuple, msg: str, *args) -> None:
-    """A cluster-key mismatch, logged at most once a minute for each ``what``
-    (a refused member retries every few milliseconds)."""
+def warn_once_a_minute(logger, what: tuple, msg: str, *args) -> None:
+    """A refusal between members (a key mismatch, a node the others do not
+    count as a member), logged at most once a minute for each ``what``: a
+    refused node retries every few milliseconds."""
     now = time.monotonic()
     if now - _KEY_WARNED.get(what, -1e9) >= 60:
         if len(_KEY_WARNED) > 1000:
@@ -953,7 +965,7 @@ class ReplicationServicer(pb_grpc.ReplicationServicer):
         if key and not from_a_member(context.invocation_metadata(), key):
             # (before anything else: an outsider learns nothing, not even whether we are loaded)
             peer = context.peer() or ""
-            warn_key_once(log, ("refused", peer.rpartition(":")[0]), "refused a replication call from %s "
+            warn_once_a_minute(log, ("refused", peer.rpartition(":")[0]), "refused a replication call from %s "
                           "without this cluster's key (--cluster-key): a member given another key or none, or "
                           "not a member", peer)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -961,8 +973,9 @@ class ReplicationServicer(pb_grpc.ReplicationServicer):
         if not key and any(k == CLUSTER_KEY_MD for k, _ in context.invocation_metadata() or ()):
             # the others hold a key and this node none: it takes part, and anyone who
             # reaches its gRPC port can act as a member through it
-            warn_key_once(log, ("unkeyed",), "the other members send a cluster key and this node has "
-                          "none: give it theirs (--cluster-key), or the cluster is open through this node")
+            peer = context.peer() or ""
+            warn_once_a_minute(log, ("unkeyed",), "a member (%s) sends a cluster key and this node has none: give "
+                          "it the cluster's key (--cluster-key), or the cluster is open through this node", peer)
         if not self.d.core.started:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self.d.id!r} is still loading its store")
 

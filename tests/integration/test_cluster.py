@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from contract_client import Api
-from nodeproc import start_cluster, wait_until
+from nodeproc import NodeProc, free_ports, start_cluster, wait_until
 from spooler import errors
 from spooler.http import HttpClient
 
@@ -912,6 +912,28 @@ def test_batches_too_large_for_one_frame_together_replicate_without_a_failover(c
     top = view(nodes[p])["appliedLsn"]
     wait_until(lambda: all_applied(nodes, top), 20, what="every node applied the batches")
     assert client(nodes[p]).get_queue("big")["stats"]["sentTotal"] == 4 * n_bodies
+
+
+def test_a_node_the_members_do_not_count_says_so_in_its_own_log(tmp_path):
+    """A fourth node started with a --peers list naming itself, where the three
+    members were not told of it: the members refuse it (and say so); its own
+    log said nothing, its /readyz just answered 503. Now it says who refuses
+    it and why."""
+    nodes = start_cluster(str(tmp_path), 3, FAILOVER_S)
+    port = free_ports(1)[0]
+    peers = next(a for a in nodes["n1"].extra_args if a.startswith("n1=")) + f",n4=127.0.0.1:{port}"
+    n4 = NodeProc(str(tmp_path / "n4"), node_id="n4", grpc_port=port,
+                  extra_args=["--peers", peers, "--failover-timeout", str(FAILOVER_S)])
+    try:
+        wait_until(lambda: primary_of(nodes), 15, what="a primary")
+        n4.start()
+        wait_until(lambda: "refuses this node's replication calls" in n4.read_log()
+                   and "not a member of the cluster" in n4.read_log(), 15, what="n4 saying it is refused")
+        assert primary_of({i: n for i, n in nodes.items()}) is not None
+    finally:
+        n4.kill()
+        for n in nodes.values():
+            n.kill()
 
 
 def test_replication_traffic_from_a_stranger_is_refused(cluster, node):

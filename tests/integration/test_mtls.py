@@ -80,3 +80,32 @@ def test_mtls_cluster_refuses_unknown_certificates(tmp_path):
     finally:
         for n in nodes.values():
             n.kill()
+
+
+def test_tls_files_that_cannot_serve_are_one_line_at_start_and_nothing_is_made(tmp_path, capsys):
+    """A key that is not the certificate's made gRPC say only that it could not
+    bind the port ("in use by another process?"); a missing file was a
+    traceback, after the data directory had been made. Both are one line now,
+    before anything is made; good files pass."""
+    from node.main import parse_args
+
+    make_ca(tmp_path, "ca")
+    make_cert(tmp_path, "ca", "n1")
+    make_cert(tmp_path, "ca", "n2")
+    data = tmp_path / "data"
+    cases = [
+        ((tmp_path / "n1.pem", tmp_path / "n2.key", tmp_path / "ca.pem"), "are not a certificate and its private key"),
+        ((tmp_path / "nope.pem", tmp_path / "n1.key", tmp_path / "ca.pem"), "--tls-cert"),
+        ((tmp_path / "n1.pem", tmp_path / "n1.key", tmp_path / "nope.pem"), "--tls-ca"),
+        ((tmp_path / "n1.pem", tmp_path / "n1.key", tmp_path / "n1.key"), "--tls-ca"),
+    ]
+    for (cert, key, ca), words in cases:
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--data", str(data), "--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(ca)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and words in err, err
+        assert err.strip().count("\n") == 0, err
+        assert not data.exists()
+    a = parse_args(["--data", str(data), "--tls-cert", str(tmp_path / "n1.pem"), "--tls-key",
+                    str(tmp_path / "n1.key"), "--tls-ca", str(tmp_path / "ca.pem")])
+    assert a.tls_cert.endswith("n1.pem")

@@ -148,3 +148,26 @@ def test_a_grpc_address_that_grpc_itself_would_take_is_not_refused(taken, grpc_h
         check_both_listenable(f"{grpc_host}:{port}", f"127.0.0.1:{other_port}")
         with pytest.raises(ListenError, match="the same address as --grpc"):
             check_both_listenable(f"{grpc_host}:{port}", f"127.0.0.1:{port}")
+
+
+def test_a_node_that_makes_its_own_admin_key_says_where_it_is_not_what_it_is(tmp_path):
+    """With no --admin-key the node makes one and keeps it in DATA/admin.key (mode
+    0600). It printed the secret itself into its log; now only where it is."""
+    env = _env()
+    env.pop("SPOOLER_ADMIN_KEY", None)
+    log = tmp_path / "node.log"
+    with open(log, "wb") as err:
+        p = subprocess.Popen([sys.executable, "-m", "node.main", "--id", "n1", "--data", str(tmp_path / "d"),
+                              "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"], stdout=subprocess.PIPE,
+                             stderr=err, env=env)
+    try:
+        ready = json.loads(p.stdout.readline() or b"{}")
+        assert ready.get("event") == "ready", log.read_text()
+        key_file = tmp_path / "d" / "admin.key"
+        key = key_file.read_text().strip()
+        assert len(key) >= 20 and oct(key_file.stat().st_mode & 0o777) == "0o600"
+        text = log.read_text()
+        assert str(key_file) in text and key not in text, text
+    finally:
+        p.kill()
+        p.wait()

@@ -44,6 +44,30 @@ def test_a_setting_out_of_range_stops_the_node_at_start(argv, words, capsys):
     assert words in capsys.readouterr().err
 
 
+def test_a_refused_setting_is_one_line_not_the_usage_block(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--failover-timeout", "0.01"])
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0, err
+    assert err.startswith("spooler-node: error: --failover-timeout must be") and "--help" in err
+
+
+@pytest.mark.parametrize("value, join", [("", False), ("0", False), ("false", False), ("No", False),
+                                         ("off", False), ("1", True), ("true", True), ("YES", True), ("on", True)])
+def test_spooler_join_reads_the_usual_words_for_yes_and_no(monkeypatch, value, join):
+    """SPOOLER_JOIN=false once turned --join on (any value but empty or 0 did): a
+    manifest saying so left a new cluster's every node unable to vote."""
+    monkeypatch.setenv("SPOOLER_JOIN", value)
+    assert parse_args(["--peers", "n1=127.0.0.1:1,n2=127.0.0.1:2"]).join is join
+
+
+def test_a_spooler_join_that_is_neither_yes_nor_no_stops_the_node(monkeypatch, capsys):
+    monkeypatch.setenv("SPOOLER_JOIN", "maybe")
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--peers", "n1=127.0.0.1:1,n2=127.0.0.1:2"])
+    assert e.value.code == 2 and "SPOOLER_JOIN must be one of" in capsys.readouterr().err
+
+
 def test_a_data_path_that_is_a_file_stops_the_node_at_start(tmp_path, capsys):
     f = tmp_path / "afile"
     f.write_text("")

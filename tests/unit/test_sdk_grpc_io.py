@@ -43,3 +43,14 @@ def test_an_ask_that_comes_after_grpcs_import_or_names_no_path_is_said_out_loud(
     assert out == ["too", "late", "-"] and "came too late" in err
     out, err = _run({"SPOOLER_GRPC_IO": "fast"})
     assert out == ["invalid", "-"] and "SPOOLER_GRPC_IO must be one of legacy, default, not 'fast'" in err
+
+
+def test_a_node_refusing_an_unknown_io_path_says_it_once_without_the_sdks_warning(tmp_path):
+    """The SDK's warning ("grpcio's default I/O path stays") was printed by a node
+    too, just before the node refused the same setting and exited."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GRPC_EXPERIMENTS", "SPOOLER_GRPC_IO")}
+    env["SPOOLER_GRPC_IO"] = "fast"
+    p = subprocess.run([sys.executable, "-m", "node.main", "--data", str(tmp_path / "d")], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1
+    assert p.stderr.strip() == "spooler-node: SPOOLER_GRPC_IO must be one of legacy, default, not 'fast'", p.stderr
