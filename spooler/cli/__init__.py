@@ -145,6 +145,21 @@ def seconds_arg(text: str) -> float:
     return v
 
 
+TIMEOUT_MAX_S = 3600.0
+
+
+def server_client(args):
+    """The HTTP client of a command that talks to the server (--server, --key,
+    --request-timeout). A --request-timeout out of range is invalid_argument, as
+    any number out of its range is."""
+    from spooler.errors import InvalidArgument
+    from spooler.http import HttpClient
+
+    if not 0 < args.request_timeout <= TIMEOUT_MAX_S:
+        raise InvalidArgument(f"--request-timeout must be more than 0 and at most {TIMEOUT_MAX_S:g} seconds")
+    return HttpClient(args.server, args.key, timeout_s=args.request_timeout)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from spooler.cli import jobs, spool
 
@@ -156,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Spooler HTTP URL (env SPOOLER_URL)")
     p.add_argument("--key", default=os.environ.get("SPOOLER_KEY", ""),
                    help="Spooler API key (env SPOOLER_KEY)")
+    p.add_argument("--request-timeout", dest="request_timeout", type=seconds_arg,
+                   default=os.environ.get("SPOOLCTL_REQUEST_TIMEOUT") or "30",
+                   help="seconds to wait for the server's answer to each request, past a receive's --wait "
+                        "(env SPOOLCTL_REQUEST_TIMEOUT, default 30): a node that is stopped or hung is given "
+                        "up on then")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     spool.register(sub)

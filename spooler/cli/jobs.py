@@ -12,7 +12,7 @@ import shlex
 import sys
 import time
 
-from spooler.cli import add_json, emit, int_arg, number_arg, warn
+from spooler.cli import add_json, emit, int_arg, number_arg, server_client, warn
 from spooler.errors import InvalidArgument, NotFound
 from spooler.jobs import knobs, states
 
@@ -128,11 +128,10 @@ def cmd_submit(args) -> int:
     command = _command_argv(args)
     cwd = _cwd()  # first: the default spool (./.spoolctl) is found through it
     if args.queue is not None:  # (--queue "" is a malformed name, not the local spool)
-        from spooler.http import HttpClient
         from spooler.jobs import remote
 
         knobs.load()   # validate the knobs everywhere, for one consistent rule
-        job = remote.submit(HttpClient(args.server, args.key), args.queue, command, args.priority,
+        job = remote.submit(server_client(args), args.queue, command, args.priority,
                             args.max_retries, args.max_crashes, args.timeout, args.idem_key, cwd)
         if job["queue_max_retries"] < job["max_retries"]:
             warn(f"queue {args.queue} has maxRetries {job['queue_max_retries']}, so this job is retried at most "
@@ -157,10 +156,9 @@ def cmd_worker(args) -> int:
     settings = _settings(args, heartbeat_interval_s=args.heartbeat_interval)
     progress = sys.stderr if (args.drain and _stderr_tty()) else None
     if args.queue is not None:
-        from spooler.http import HttpClient
         from spooler.jobs.remote import RemoteWorker
 
-        w = RemoteWorker(lambda: HttpClient(args.server, args.key), args.queue, args.spool, settings,
+        w = RemoteWorker(lambda: server_client(args), args.queue, args.spool, settings,
                          args.concurrency, args.drain, progress, server=args.server)
     else:
         from spooler.jobs.worker import Worker

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from spooler.cli import add_json, emit, int_arg, number_arg, seconds_arg
+from spooler.cli import add_json, emit, int_arg, number_arg, seconds_arg, server_client
 from spooler.errors import InvalidArgument, SpoolerError
 from spooler.http import HttpClient
 
@@ -32,7 +32,7 @@ def _listing(args, obj: dict, lines: list, empty: str) -> None:
 
 
 def _client(args) -> HttpClient:
-    return HttpClient(args.server, args.key)
+    return server_client(args)
 
 
 def _body_text(b: bytes):

@@ -370,3 +370,33 @@ def test_with_stderr_closed_nothing_meant_for_it_reaches_stdout(node):
     for argv, want in ((["keys", "list"], b""), (["receive", "errclosed", "--ack"], b"body")):
         p = subprocess.run(base + argv, stdout=subprocess.PIPE, timeout=60, env=e, preexec_fn=lambda: os.close(2))
         assert (p.returncode, p.stdout) == (0, want), (argv, p.returncode, p.stdout)
+
+
+def test_timeout_gives_up_on_a_server_that_never_answers(node):
+    """A node that is stopped (SIGSTOP) or hung accepts the connection and never
+    answers: spoolctl waited its fixed 30 s, just when an operator needed it in a
+    drill. --request-timeout (or SPOOLCTL_REQUEST_TIMEOUT) bounds each request
+    (not --timeout: submit has its own, the job's)."""
+    import time
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)  # the kernel accepts the connections; nobody ever reads or answers
+    port = srv.getsockname()[1]
+    try:
+        t = time.monotonic()
+        rc, d = run_json(node, "--request-timeout", "0.5", "cluster", "status", server=f"http://127.0.0.1:{port}")
+        took = time.monotonic() - t
+        assert rc == 1 and d["error"]["kind"] == "unavailable", d
+        assert took < 20, took  # (30 s and more without it; the process's start is most of this)
+        rc, d = run_json(node, "cluster", "status", server=f"http://127.0.0.1:{port}",
+                         env={"SPOOLER_URL": f"http://127.0.0.1:{port}", "SPOOLER_KEY": node.admin_key,
+                              "SPOOLCTL_REQUEST_TIMEOUT": "0.5"})
+        assert rc == 1 and d["error"]["kind"] == "unavailable", d
+    finally:
+        srv.close()
+    for bad in ("0", "3601"):  # a number out of its range: invalid_argument, exit 1
+        rc, d = run_json(node, "--request-timeout", bad, "queue", "list")
+        assert rc == 1 and d["error"]["kind"] == "invalid_argument", d
+    rc, d = run_json(node, "--request-timeout", "soon", "queue", "list")  # not a number: a usage error
+    assert rc == 2 and d["error"]["kind"] == "invalid_argument"
