@@ -52,6 +52,8 @@ def cluster_pb(d: dict) -> api_pb2.ClusterInfo:
                               lsn=n.get("lsn"), match_lsn=n.get("matchLsn"))  # (None: not set)
         if "lastContactMs" in n:
             pb.last_contact_ms = -1.0 if n["lastContactMs"] is None else n["lastContactMs"]
+        if "reachable" in n:
+            pb.reachable = n["reachable"]
         nodes.append(pb)
     return api_pb2.ClusterInfo(node_id=d["nodeId"], role=d["role"], epoch=d["epoch"], primary=d["primary"] or "",
                                commit_lsn=d.get("commitLsn"), applied_lsn=d.get("appliedLsn"), nodes=nodes)

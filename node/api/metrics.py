@@ -163,3 +163,39 @@ class _StateCollector:
         g = GaugeMetricFamily("spooler_receives_waiting", "Receives in a long poll on this node now")
         g.add_metric([], e.receives_waiting)
         yield g
+        if getattr(e, "loaded", False):
+            yield from _cluster_families(e.repl.status(), e.node_id)
+
+
+def _cluster_families(st: dict, me: str):
+    """The cluster as this node sees it (GET /v1/cluster's figures): what to
+    alert on without polling that route (no primary, a member out of reach, a
+    replica falling behind)."""
+    for name, doc, value in (
+            ("spooler_is_primary", "1 while this node is the primary", st["role"] == "primary"),
+            ("spooler_primary_known", "1 while this node knows a primary (itself or the one it follows)",
+             bool(st["primary"])),
+            ("spooler_commit_lsn", "Last log sequence number this node knows to be committed", st["commitLsn"])):
+        g = GaugeMetricFamily(name, doc)
+        g.add_metric([], float(value))
+        yield g
+    heard = GaugeMetricFamily("spooler_member_last_contact_seconds",
+                              "How long ago this node last heard each other member (+Inf: not since it started "
+                              "or took office)", labels=["member"])
+    up = GaugeMetricFamily("spooler_member_reachable", "1 if this node heard the member within the failover timeout",
+                           labels=["member"])
+    match = GaugeMetricFamily("spooler_member_match_lsn",
+                              "On the primary: how far each replica confirmed the log", labels=["member"])
+    for n in st["nodes"]:
+        if n["id"] == me:
+            continue
+        if "lastContactMs" in n:
+            ms = n["lastContactMs"]
+            heard.add_metric([n["id"]], float("inf") if ms is None else ms / 1e3)
+        if "reachable" in n:
+            up.add_metric([n["id"]], 1.0 if n["reachable"] else 0.0)
+        if "matchLsn" in n:
+            match.add_metric([n["id"]], float(n["matchLsn"]))
+    yield heard
+    yield up
+    yield match

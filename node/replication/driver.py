@@ -114,6 +114,12 @@ class Driver:
         self._vote_reply = None
         self._snapshots: dict = {}
         self._snapshot_retry: dict = {}  # peer -> (failures in a row, monotonic time of the next try)
+        # member -> mono_us of the last call it answered or made to this node (a frame,
+        # an acknowledgement, a vote asked or answered, a TimeoutNow): what
+        # /v1/cluster's lastContactMs and reachable say of every member, also where
+        # the replication core keeps no track (a replica of the other replicas, a
+        # node with no primary)
+        self.heard_from: dict = {}
         self.stopped = False
         # a stop: the streams primaries keep open to this node are ended, and new
         # ones refused (end_inbound); the gRPC server's stop would wait them out
@@ -222,9 +228,14 @@ class Driver:
             # primary of each replica's acknowledgements (its vote until the first
             # one), a replica of its primary; null: not heard since this node
             # started or took office
-            if m != self.id and (c.role == R.PRIMARY or m == c.primary):
-                heard = c.acked_sent.get(m) if c.role == R.PRIMARY else c.last_contact
-                d["lastContactMs"] = None if heard is None or heard < 0 else round(max(0, now - heard) / 1e3, 1)
+            if m != self.id:
+                heard = self.heard_from.get(m, -1)
+                if c.role == R.PRIMARY or m == c.primary:
+                    tracked = c.acked_sent.get(m) if c.role == R.PRIMARY else c.last_contact
+                    heard = max(heard, tracked if tracked is not None else -1)
+                d["lastContactMs"] = None if heard < 0 else round(max(0, now - heard) / 1e3, 1)
+                # answering within the failover timeout, as a primary's majority must
+                d["reachable"] = heard >= 0 and now - heard < c.timeout
             if (c.joining if m == self.id else c.role == R.PRIMARY and c.peer_joining.get(m)):
                 d["joining"] = True  # a replacement that does not vote yet
             nodes.append(d)
@@ -472,6 +483,7 @@ class Driver:
             try:
                 call = self._stubs[peer].Stream(frames(q), metadata=self._peer_md)
                 async for ack in call:
+                    self.heard_from[peer] = mono_us()
                     if ack.releases and self.engine.release_hook is not None:
                         self.engine.release_hook(list(ack.releases))
                     m = R.AppendResp(ack.epoch, ack.sender, ack.ok, ack.match_lsn, ack.sent_us, ack.joining,
@@ -620,6 +632,7 @@ class Driver:
         except grpc.RpcError as e:
             self._note_refusal(peer, e)
             return
+        self.heard_from[peer] = mono_us()
         async with self.lock:
             await self._run(self.core.receive(R.VoteResp(r.epoch, r.sender, r.granted, r.pre, r.since_contact_us,
                                                          r.since_vote_us, r.lease_us, r.vote_lease_us, r.voter_epoch),
@@ -705,6 +718,7 @@ class Driver:
                 if f.primary != sender and not self.is_member(f.primary):
                     await self._refuse(context, f.primary)
                 sender = f.primary
+                self.heard_from[sender] = mono_us()
                 # Shielded: if the primary dies mid-frame, gRPC cancels this handler;
                 # the frame's store-and-bookkeeping must still finish as one step, or
                 # the log on disk and the core's view of it would part ways.
@@ -817,6 +831,7 @@ class Driver:
     async def serve_vote(self, req, context):
         if not self.is_member(req.candidate):
             await self._refuse(context, req.candidate)
+        self.heard_from[req.candidate] = mono_us()
         if req.lease_us and req.lease_us != self.core.lease_us and req.candidate not in self._timeout_warned:
             # leases stay safe (every wait uses the lease a frame or vote states, or the
             # longest one a restarted node had answered), but a node with a much
@@ -839,6 +854,7 @@ class Driver:
     async def serve_timeout_now(self, req, context):
         if not self.is_member(req.primary):
             await self._refuse(context, req.primary)
+        self.heard_from[req.primary] = mono_us()
         if await shielded(self._timeout_now_received(req)):  # shielded: as a vote's
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"node {self.id!r} is stopping")
         return pb.ReplEmpty()

@@ -311,7 +311,7 @@ class DeleteKeyRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("id", "role", "address", "lsn", "match_lsn", "joining", "last_contact_ms")
+    __slots__ = ("id", "role", "address", "lsn", "match_lsn", "joining", "last_contact_ms", "reachable")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +319,7 @@ class NodeInfo(_message.Message):
     MATCH_LSN_FIELD_NUMBER: _ClassVar[int]
     JOINING_FIELD_NUMBER: _ClassVar[int]
     LAST_CONTACT_MS_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: str
     address: str
@@ -326,7 +327,8 @@ class NodeInfo(_message.Message):
     match_lsn: int
     joining: bool
     last_contact_ms: float
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., lsn: _Optional[int] = ..., match_lsn: _Optional[int] = ..., joining: _Optional[bool] = ..., last_contact_ms: _Optional[float] = ...) -> None: ...
+    reachable: bool
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., lsn: _Optional[int] = ..., match_lsn: _Optional[int] = ..., joining: _Optional[bool] = ..., last_contact_ms: _Optional[float] = ..., reachable: _Optional[bool] = ...) -> None: ...
 
 class ClusterInfo(_message.Message):
     __slots__ = ("node_id", "role", "epoch", "primary", "nodes", "commit_lsn", "applied_lsn")

@@ -529,7 +529,7 @@ def test_the_cluster_document_says_how_long_ago_each_member_was_heard(cluster):
         return isinstance(h, float) and h < fresh_ms
     wait_until(lambda: fresh(gone, p) and fresh(live, p), 10, what="both replicas heard by the primary")
     wait_until(lambda: fresh(p, live), 10, what="the primary heard by a replica")
-    assert heard(live, live) == "absent" and heard(gone, live) == "absent"  # a replica tracks its primary only
+    assert heard(live, live) == "absent"  # a node's own entry says nothing of contact
     nodes[gone].kill()
     def silent():
         h = heard(gone, p)  # (None while a view fails under load: poll again)
@@ -541,6 +541,49 @@ def test_the_cluster_document_says_how_long_ago_each_member_was_heard(cluster):
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if x.split()[0] == gone)
     assert float(line.split("heard ")[1].split(" s ago")[0]) >= 2 * FAILOVER_S, out.stdout
+
+
+def test_every_node_says_which_members_it_cannot_reach_in_its_document_and_metrics(cluster):
+    """After a SIGKILL of the primary the new primary listed the dead one as
+    "replica, never heard", and with no quorum the survivor listed every member
+    with no figure at all: nothing said "down". Each member's entry now says
+    whether this node heard it within the failover timeout (``reachable``, from
+    any call they exchanged), and /metrics says the same (with whether a
+    primary is known) for alerting."""
+    nodes, _ = cluster
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+
+    def reach(at):
+        v = view(nodes[at])
+        return v and {n["id"]: n.get("reachable") for n in v["nodes"]}
+
+    def metric(at, line):
+        req = urllib.request.Request(nodes[at].http_url + "/metrics",
+                                     headers={"Authorization": f"Bearer {nodes[at].admin_key}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return line in resp.read().decode().splitlines()
+
+    others = [i for i in nodes if i != p]
+    wait_until(lambda: reach(p) == {p: None, others[0]: True, others[1]: True}, 10, what="both replicas reachable")
+    assert metric(p, "spooler_is_primary 1.0") and metric(p, "spooler_primary_known 1.0")
+    assert metric(p, f'spooler_member_reachable{{member="{others[0]}"}} 1.0')
+    nodes[p].kill()
+    q, _ = wait_until(lambda: primary_of(nodes, exclude=(p,)), 15, what="a new primary")
+    wait_until(lambda: (reach(q) or {}).get(p) is False, 10, what="the new primary to call the old one unreachable")
+    assert metric(q, f'spooler_member_reachable{{member="{p}"}} 0.0')
+    r = next(i for i in others if i != q)
+    assert (reach(q) or {}).get(r) is True
+    nodes[q].kill()
+    # the survivor has no primary and no quorum: both others unreachable, no primary known
+    wait_until(lambda: (reach(r) or {}) == {p: False, q: False, r: None}, 15, what="the survivor to see both gone")
+    wait_until(lambda: metric(r, "spooler_primary_known 0.0"), 10, what="the survivor to stop naming a primary")
+    assert metric(r, "spooler_is_primary 0.0")
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "spooler", "--server", nodes[r].http_url, "--key",
+                          nodes[r].admin_key, "cluster", "status"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert sum("UNREACHABLE" in x for x in out.stdout.splitlines()) == 2, out.stdout
 
 
 def test_a_replica_left_alone_is_not_ready_and_forwards_nothing(cluster):
