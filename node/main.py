@@ -55,18 +55,22 @@ def tls_files_problem(cert: str, key: str, ca: str) -> str:
 
     for flag, path in (("--tls-cert", cert), ("--tls-key", key), ("--tls-ca", ca)):
         try:
-            with open(path, "rb"):
-                pass
+            with open(path, "rb") as f:
+                head = f.read(1 << 16)
         except OSError as e:
             return f"{flag} {path!r} cannot be read: {e.strerror or e}"
+        if flag == "--tls-key" and b"ENCRYPTED" in head:
+            return f"--tls-key {path!r} is encrypted: gRPC takes no pass phrase, give it the key unencrypted"
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    # whatever key sizes and signatures gRPC itself takes: judging them is not this check's part
+    ctx.set_ciphers("DEFAULT:@SECLEVEL=0")
     try:
-        ctx.load_cert_chain(cert, key)
-    except (ssl.SSLError, ValueError) as e:
+        ctx.load_cert_chain(cert, key, password=lambda: b"")  # (never a prompt on the terminal)
+    except (ssl.SSLError, ValueError, OSError) as e:
         return f"--tls-cert and --tls-key are not a certificate and its private key in PEM ({e})"
     try:
         ctx.load_verify_locations(ca)
-    except (ssl.SSLError, ValueError) as e:
+    except (ssl.SSLError, ValueError, OSError) as e:
         return f"--tls-ca {ca!r} holds no PEM certificate ({e})"
     return ""
 

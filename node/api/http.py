@@ -182,8 +182,11 @@ def _no_repeats(pairs: list) -> dict:
     header given twice is: refused, not the last one taken silently."""
     out = dict(pairs)
     if len(out) != len(pairs):
-        k = next(k for k in out if sum(1 for p in pairs if p[0] == k) > 1)
-        raise _Repeated(k[:100], sum(1 for p in pairs if p[0] == k))
+        seen = set()
+        for k, _ in pairs:  # (one pass: a body of many keys must not cost their square)
+            if k in seen:
+                raise _Repeated(k[:100], sum(1 for p in pairs if p[0] == k))
+            seen.add(k)
     return out
 
 

@@ -228,7 +228,11 @@ class Driver:
             # primary of each replica's acknowledgements (its vote until the first
             # one), a replica of its primary; null: not heard since this node
             # started or took office
-            if m != self.id:
+            # Where this node has traffic to judge by: the primary of every member (their
+            # acknowledgements), a replica of its primary (its frames), a node that
+            # knows no primary of every member (the votes it asks and answers). Not
+            # a replica of the other replicas: they exchange nothing while all is well.
+            if m != self.id and (c.role == R.PRIMARY or m == c.primary or c.primary is None):
                 heard = self.heard_from.get(m, -1)
                 if c.role == R.PRIMARY or m == c.primary:
                     tracked = c.acked_sent.get(m) if c.role == R.PRIMARY else c.last_contact
@@ -419,6 +423,7 @@ class Driver:
         return a.crc
 
     def _on_role(self, eff: R.Role) -> None:
+        self._snapshot_retry.clear()  # a new office: earlier failures say nothing of the copies it needs
         if eff.role != R.PRIMARY:
             for p, t in list(self._stream_tasks.items()):
                 t.cancel()
@@ -510,7 +515,9 @@ class Driver:
         not before the backoff after a failed one."""
         now = mono_us()
         heard = self.core.acked_sent.get(peer, -1 << 62)
-        if now - heard > SNAPSHOT_HEARD_HEARTBEATS * self.core.heartbeat:
+        # (with the test switch off, no empty frame goes out beside the copy, so a
+        # replica that needs one has nothing to answer: not gated then)
+        if SNAPSHOT_HEARTBEATS and now - heard > SNAPSHOT_HEARD_HEARTBEATS * self.core.heartbeat:
             return False
         return time.monotonic() >= self._snapshot_retry.get(peer, (0, 0.0))[1]
 

@@ -148,16 +148,27 @@ def seconds_arg(text: str) -> float:
 TIMEOUT_MAX_S = 3600.0
 
 
-def server_client(args):
+def server_client(args, cap=None):
     """The HTTP client of a command that talks to the server (--server, --key,
     --request-timeout). A --request-timeout out of range is invalid_argument, as
-    any number out of its range is."""
+    any number out of its range is. ``cap``: the most a caller may wait (a
+    worker's renewals must not wait longer than a lease lasts)."""
     from spooler.errors import InvalidArgument
     from spooler.http import HttpClient
 
-    if not 0 < args.request_timeout <= TIMEOUT_MAX_S:
-        raise InvalidArgument(f"--request-timeout must be more than 0 and at most {TIMEOUT_MAX_S:g} seconds")
-    return HttpClient(args.server, args.key, timeout_s=args.request_timeout)
+    t = args.request_timeout
+    if t is None:  # (read here, not at parse time: a command that never asks a server ignores it)
+        env = os.environ.get("SPOOLCTL_REQUEST_TIMEOUT") or "30"
+        try:
+            t = seconds_arg(env)
+        except argparse.ArgumentTypeError:
+            raise InvalidArgument(f"SPOOLCTL_REQUEST_TIMEOUT is not a number of seconds: {env[:40]!r}") from None
+    if not 0 < t <= TIMEOUT_MAX_S:
+        raise InvalidArgument(f"--request-timeout (SPOOLCTL_REQUEST_TIMEOUT) must be more than 0 and at most "
+                              f"{TIMEOUT_MAX_S:g} seconds")
+    if cap is not None:
+        t = min(t, cap)
+    return HttpClient(args.server, args.key, timeout_s=t)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,8 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Spooler HTTP URL (env SPOOLER_URL)")
     p.add_argument("--key", default=os.environ.get("SPOOLER_KEY", ""),
                    help="Spooler API key (env SPOOLER_KEY)")
-    p.add_argument("--request-timeout", dest="request_timeout", type=seconds_arg,
-                   default=os.environ.get("SPOOLCTL_REQUEST_TIMEOUT") or "30",
+    p.add_argument("--request-timeout", dest="request_timeout", type=seconds_arg, default=None,
                    help="seconds to wait for the server's answer to each request, past a receive's --wait "
                         "(env SPOOLCTL_REQUEST_TIMEOUT, default 30): a node that is stopped or hung is given "
                         "up on then")

@@ -151,6 +151,11 @@ def cmd_submit(args) -> int:
     return 0
 
 
+# a --queue worker's calls (renewals among them) wait at most this long, whatever
+# --request-timeout says: one hung renewal holds up the others behind it
+WORKER_REQUEST_TIMEOUT_S = 30.0
+
+
 def cmd_worker(args) -> int:
     _spool_named(args)
     settings = _settings(args, heartbeat_interval_s=args.heartbeat_interval)
@@ -158,7 +163,8 @@ def cmd_worker(args) -> int:
     if args.queue is not None:
         from spooler.jobs.remote import RemoteWorker
 
-        w = RemoteWorker(lambda: server_client(args), args.queue, args.spool, settings,
+        server_client(args)  # its settings checked before any slot starts
+        w = RemoteWorker(lambda: server_client(args, cap=WORKER_REQUEST_TIMEOUT_S), args.queue, args.spool, settings,
                          args.concurrency, args.drain, progress, server=args.server)
     else:
         from spooler.jobs.worker import Worker

@@ -529,7 +529,9 @@ def test_the_cluster_document_says_how_long_ago_each_member_was_heard(cluster):
         return isinstance(h, float) and h < fresh_ms
     wait_until(lambda: fresh(gone, p) and fresh(live, p), 10, what="both replicas heard by the primary")
     wait_until(lambda: fresh(p, live), 10, what="the primary heard by a replica")
-    assert heard(live, live) == "absent"  # a node's own entry says nothing of contact
+    # a node's own entry says nothing of contact, nor a replica's of the other replica
+    # (they exchange nothing while a primary serves: "unreachable" there would be false)
+    assert heard(live, live) == "absent" and heard(gone, live) == "absent"
     nodes[gone].kill()
     def silent():
         h = heard(gone, p)  # (None while a view fails under load: poll again)
@@ -565,6 +567,8 @@ def test_every_node_says_which_members_it_cannot_reach_in_its_document_and_metri
 
     others = [i for i in nodes if i != p]
     wait_until(lambda: reach(p) == {p: None, others[0]: True, others[1]: True}, 10, what="both replicas reachable")
+    wait_until(lambda: reach(others[0]) == {p: True, others[0]: None, others[1]: None}, 10,
+               what="a replica to judge its primary alone")
     assert metric(p, "spooler_is_primary 1.0") and metric(p, "spooler_primary_known 1.0")
     assert metric(p, f'spooler_member_reachable{{member="{others[0]}"}} 1.0')
     nodes[p].kill()

@@ -109,3 +109,18 @@ def test_tls_files_that_cannot_serve_are_one_line_at_start_and_nothing_is_made(t
     a = parse_args(["--data", str(data), "--tls-cert", str(tmp_path / "n1.pem"), "--tls-key",
                     str(tmp_path / "n1.key"), "--tls-ca", str(tmp_path / "ca.pem")])
     assert a.tls_cert.endswith("n1.pem")
+    # what gRPC itself takes is taken (a 1024-bit RSA key signed with SHA-1: Python's
+    # own TLS defaults refuse it); an encrypted key is refused, never a pass phrase prompt
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:1024", "-nodes", "-sha1", "-keyout",
+                    tmp_path / "weak.key", "-out", tmp_path / "weak.pem", "-days", "2", "-subj", "/CN=weak"],
+                   check=True, capture_output=True)
+    parse_args(["--data", str(data), "--tls-cert", str(tmp_path / "weak.pem"), "--tls-key",
+                str(tmp_path / "weak.key"), "--tls-ca", str(tmp_path / "weak.pem")])
+    subprocess.run(["openssl", "genrsa", "-aes128", "-passout", "pass:x", "-out", tmp_path / "enc.key", "2048"],
+                   check=True, capture_output=True)
+    with pytest.raises(SystemExit):
+        parse_args(["--data", str(data), "--tls-cert", str(tmp_path / "n1.pem"), "--tls-key",
+                    str(tmp_path / "enc.key"), "--tls-ca", str(tmp_path / "ca.pem")])
+    err = capsys.readouterr().err
+    assert "is encrypted" in err and err.strip().count("\n") == 0, err
+    assert not data.exists()

@@ -372,7 +372,7 @@ def test_with_stderr_closed_nothing_meant_for_it_reaches_stdout(node):
         assert (p.returncode, p.stdout) == (0, want), (argv, p.returncode, p.stdout)
 
 
-def test_timeout_gives_up_on_a_server_that_never_answers(node):
+def test_timeout_gives_up_on_a_server_that_never_answers(node, tmp_path):
     """A node that is stopped (SIGSTOP) or hung accepts the connection and never
     answers: spoolctl waited its fixed 30 s, just when an operator needed it in a
     drill. --request-timeout (or SPOOLCTL_REQUEST_TIMEOUT) bounds each request
@@ -400,3 +400,9 @@ def test_timeout_gives_up_on_a_server_that_never_answers(node):
         assert rc == 1 and d["error"]["kind"] == "invalid_argument", d
     rc, d = run_json(node, "--request-timeout", "soon", "queue", "list")  # not a number: a usage error
     assert rc == 2 and d["error"]["kind"] == "invalid_argument"
+    env = {"SPOOLER_URL": node.http_url, "SPOOLER_KEY": node.admin_key, "SPOOLCTL_REQUEST_TIMEOUT": "soon"}
+    rc, d = run_json(node, "queue", "list", env=env)
+    assert rc == 1 and "SPOOLCTL_REQUEST_TIMEOUT" in d["error"]["message"], d
+    # a command that asks no server is not held up by it (read only where it is used)
+    rc, out, err = run(node, "--spool", str(tmp_path / "spool"), "submit", "--", "true", env=env)
+    assert rc == 0, err
