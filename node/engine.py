@@ -72,6 +72,7 @@ class Limits:
         self.dedup_window_s_max = 86_400.0
         self.max_retries_max = 1000
         self.session_requests_in_flight_max = 1024  # per gRPC Session stream (then it stops reading)
+        self.receives_waiting_max = 10_000  # long polls waiting on a node at once, every transport (then 503)
         # a Session whose key was refused when it opened is ended once it has been
         # idle this long (it is answered request by request meanwhile); tests shorten it
         self.session_refused_idle_s = float(os.environ.get("SPOOLER_TEST_REFUSED_IDLE", "") or 10.0)

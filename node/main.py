@@ -22,6 +22,7 @@ from typing import Optional
 
 from aiohttp import web
 
+from node import logs
 from node.api import grpc_api
 from node.api.http import RUNNER_OPTIONS, build_app
 from node.api.metrics import Metrics
@@ -448,6 +449,7 @@ def main(argv=None, grpc_io: str = "") -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {args.id.replace('%', '%%')} %(levelname)s %(name)s %(message)s",
                         stream=sys.stderr)
+    logs.install()  # asyncio's and aiohttp's lines that clients can cause: at most one a minute
     log.info("gRPC I/O path: %s (GRPC_EXPERIMENTS=%s)", grpc_io or "not settled (node.process not run)",
              os.environ.get("GRPC_EXPERIMENTS", ""))
     try:

@@ -15,6 +15,7 @@ from typing import Optional
 
 import grpc
 
+from node import logs
 from spooler import errors
 from spooler._common import (GRPC_OPTIONS, SETTLE_ACTIONS, cluster_dict, map_rpc_error, queue_dict, read_lost,
                              send_outcomes, settings_pb, settle_outcomes, settle_request)
@@ -234,8 +235,8 @@ class Forwarder:
         no primary (it is cut off, or an election runs) the release waits: the
         primary is often still ``a`` once this node hears from it again."""
         if len(self._releases) >= self.releases_max:
-            log.warning("%d lost-answer releases already pending: this one is dropped (its leases will expire)",
-                        len(self._releases))
+            logs.throttled(log, logging.WARNING, ("releases pending",), "%d lost-answer releases already "
+                           "pending: this one is dropped (its leases will expire)", len(self._releases))
             return
         t = asyncio.ensure_future(self._release(a, auth, queue, receive_id, for_s))
         self._releases.add(t)

@@ -14,6 +14,7 @@ from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestPayloadError
 
 from spooler import errors
+from node import logs
 from node.api.service import Service
 
 log = logging.getLogger("spooler.http")
@@ -260,8 +261,15 @@ def _log_without_request_bytes(record: logging.LogRecord) -> bool:
     quotes the request's bytes: log the reason alone."""
     exc = record.exc_info[1] if record.exc_info else None
     if isinstance(exc, http_exceptions.HttpProcessingError):
-        record.msg = "refused a malformed HTTP request: %s"
+        # a client's doing, not the node's: a warning, and at most one a minute
+        # (a loop of malformed requests, no key needed, wrote a line each)
+        left_out = logs.allow(("http", "malformed"))
+        if left_out < 0:
+            return False
+        record.msg = "refused a malformed HTTP request: %s" + (
+            f" (and {left_out} more in the last minute, not logged)" if left_out else "")
         record.args = (_without_request_bytes(getattr(exc, "message", None) or exc),)
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
         record.exc_info = None
         record.exc_text = None
     return True

@@ -28,6 +28,7 @@ from spooler import errors
 from spooler._common import LeaseEnd, whole_seconds
 from spooler.ids import message_id
 from spooler.pb import log_pb2
+from node import logs
 from node.core import replication as R
 from node.core.spool import US, BadToken, StaleLeaseError, failure_queue_of
 from node.engine import Engine, Reply, mono_us
@@ -691,6 +692,11 @@ class Service:
                 left = min(left, max(0.001, (vis - self.engine.now_us()) / US))
             if not self.engine.may_lease():
                 left = min(left, 0.05)  # a new primary waits out the old one's leases
+            if self.engine.receives_waiting >= self.limits.receives_waiting_max:
+                # Session streams carry up to 1,024 polls each, past the cap on calls:
+                # this bounds the waiters (and their memory) node-wide
+                raise errors.Unavailable(f"{self.limits.receives_waiting_max} receives are waiting on this node "
+                                         "already: try again", retry_after_s=1.0)
             self.engine.receives_waiting += 1
             try:
                 await asyncio.wait_for(ev.wait(), left)
@@ -838,7 +844,9 @@ class Service:
                 n += 1
         if n:
             self.engine._wake_receivers()
-            log.info("gave back %d leased message(s) whose delivery could not be sent", n)
+            # (a client that resets its connections in a loop would write one line each)
+            logs.throttled(log, logging.INFO, ("gave back",), "gave back %d leased message(s) whose delivery "
+                           "could not be sent", n)
         return n
 
     def _live_lease(self, p: Principal, token: str, now: Optional[int] = None, serving: Optional[bool] = None):

@@ -20,6 +20,7 @@ from typing import Optional
 import apsw
 import grpc
 
+from node import logs
 from node.core import replication as R
 from node.engine import mono_us, nobody_waits
 from spooler.pb import replication_pb2 as pb
@@ -956,19 +957,11 @@ def _resume(coro, waiting_on):
                 return done.value
 
 
-_KEY_WARNED: dict = {}  # what warn_once_a_minute last said -> when (time.monotonic())
-
-
 def warn_once_a_minute(logger, what: tuple, msg: str, *args) -> None:
     """A refusal between members (a key mismatch, a node the others do not
     count as a member), logged at most once a minute for each ``what``: a
     refused node retries every few milliseconds."""
-    now = time.monotonic()
-    if now - _KEY_WARNED.get(what, -1e9) >= 60:
-        if len(_KEY_WARNED) > 1000:
-            _KEY_WARNED.clear()
-        _KEY_WARNED[what] = now
-        logger.warning(msg, *args)
+    logs.throttled(logger, logging.WARNING, ("replication",) + tuple(what), msg, *args)
 
 
 class ReplicationServicer(pb_grpc.ReplicationServicer):

@@ -389,6 +389,21 @@ def test_a_malformed_authorization_header_is_never_quoted_back_or_logged(seeded,
     assert "secret-k" not in log, log[-2000:]
 
 
+def test_malformed_requests_in_a_loop_write_at_most_a_line_a_minute(seeded):
+    """No key is needed to send a request aiohttp cannot parse: each wrote an
+    ERROR line (6,000 lines in 5 s in a review). One a minute now, as a warning."""
+    node, api, _, _ = seeded
+    at = len(node.read_log())
+    for _ in range(20):
+        with socket.create_connection(("127.0.0.1", node.http_port), timeout=10) as s:
+            s.sendall(b"GET /v1/queues HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n")
+            _one_response(s)
+    new = node.read_log()[at:]
+    assert new.count("refused a malformed HTTP request") <= 1, new[-3000:]
+    assert "ERROR aiohttp" not in new, new[-3000:]
+    assert_alive(node, api)
+
+
 def test_405_has_allow_header(seeded):
     """BUG (RFC 9110 §15.5.6): the JSON 405 drops aiohttp's Allow header."""
     node, api, _, _ = seeded

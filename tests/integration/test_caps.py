@@ -221,3 +221,32 @@ async def _three_in_the_failure_queue(svc):
     await svc.send(ADMIN, [], ("q", [b"1", b"2", b"3"], 0.0))
     got = await svc.receive(ADMIN, "q", 0, 3)
     await svc.settle(ADMIN, [(d.token, "nack", 0) for d in got])
+
+
+def test_long_polls_waiting_on_a_node_are_capped_over_every_transport(tmp_path):
+    """A Session stream carries up to 1,024 polls, past the cap on gRPC calls: a
+    review had 191,474 waiting on one node (about 5 KB each). Past
+    ``receives_waiting_max`` a receive that would wait is 503 unavailable with
+    Retry-After; one that does not wait, and the waiters, are served as before."""
+    async def main():
+        async with _node(tmp_path, receives_waiting_max=3) as (eng, svc):
+            await svc.put_queue(ADMIN, "q", {})
+            polls = [asyncio.ensure_future(svc.receive(ADMIN, "q", 10)) for _ in range(3)]
+            for _ in range(500):
+                if eng.receives_waiting == 3:
+                    break
+                await asyncio.sleep(0.01)
+            assert eng.receives_waiting == 3
+            with pytest.raises(errors.Unavailable) as e:
+                await svc.receive(ADMIN, "q", 1)
+            assert "receives are waiting" in str(e.value) and e.value.retry_after_s == 1.0
+            assert await svc.receive(ADMIN, "q", 0) == []  # no wait: answered as ever
+            await svc.send(ADMIN, [("q", b"m", 0.0, "")])
+            done, _ = await asyncio.wait(polls, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            assert [d.body for t in done for d in t.result()] == [b"m"]
+            for t in polls:
+                t.cancel()
+            await asyncio.gather(*polls, return_exceptions=True)
+            assert eng.receives_waiting == 0
+
+    asyncio.run(main())

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -169,5 +170,59 @@ def test_a_node_that_makes_its_own_admin_key_says_where_it_is_not_what_it_is(tmp
         text = log.read_text()
         assert str(key_file) in text and key not in text, text
     finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_node_out_of_file_descriptors_logs_it_once_not_a_traceback_per_attempt(tmp_path):
+    """Connections that send nothing, enough to use up the node's descriptors (no
+    key needed): asyncio logged "socket.accept() out of system resource" with a
+    traceback per attempt, thousands a second (84 MB of log in 35 s in a
+    review). Now one line a minute; the node serves again once they close."""
+    import resource
+    import socket
+
+    limit = 200
+
+    def low_fd_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+    http, grpc_port = free_ports(2)
+    log = tmp_path / "node.log"
+    with open(log, "wb") as err:
+        p = subprocess.Popen([sys.executable, "-m", "node.main", "--id", "n1", "--data", str(tmp_path / "d"),
+                              "--http", f"127.0.0.1:{http}", "--grpc", f"127.0.0.1:{grpc_port}",
+                              "--admin-key", "k"], stdout=subprocess.PIPE, stderr=err, env=_env(),
+                             preexec_fn=low_fd_limit)
+    socks = []
+    try:
+        ready = json.loads(p.stdout.readline() or b"{}")
+        assert ready.get("event") == "ready", log.read_text()
+        for _ in range(limit + 50):
+            s = socket.create_connection(("127.0.0.1", http), timeout=5)
+            socks.append(s)
+        wait_until(lambda: "out of system resource" in log.read_text(), 15, what="the node to run out")
+        # asyncio tries again every 0.1 s or so while out: a few seconds gave dozens of lines
+        start = log.read_text().count("out of system resource")
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            assert log.read_text().count("out of system resource") == start == 1, log.read_text()[-2000:]
+            time.sleep(0.2)
+        assert "Traceback" not in log.read_text()
+        for s in socks:
+            s.close()
+        socks = []
+        import urllib.request
+
+        def healthy():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http}/healthz", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+        wait_until(healthy, 15, what="the node to serve again")
+    finally:
+        for s in socks:
+            s.close()
         p.kill()
         p.wait()

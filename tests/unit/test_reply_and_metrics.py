@@ -177,3 +177,61 @@ def test_a_primary_that_steps_down_before_its_epoch_opens_logs_no_unread_failure
     seen = asyncio.run(main())
     e.store.close()
     assert not [m for m in seen if "never retrieved" in m], seen
+
+
+def test_a_costly_render_of_metrics_is_reused_for_ten_times_its_length_a_cheap_one_never(monkeypatch):
+    """/metrics needs no key, and a node with 10,000 queues took a fifth of a second
+    per render on its event loop: scrapers asking back to back held a primary's
+    loop until it lost its majority. A costly render is answered again for ten
+    times as long as it took; a cheap one is always fresh."""
+    import types
+
+    from node.api import metrics as m
+
+    clock = [100.0]
+    monkeypatch.setattr(m, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=lambda: 0.0))
+    cost = [0.2]
+
+    def render(registry):
+        clock[0] += cost[0]
+        return b"figures"
+
+    monkeypatch.setattr(m, "generate_latest", render)
+    fake = types.SimpleNamespace(on_apply=[], metrics=None)
+    metrics = m.Metrics(fake)
+    assert metrics.render() == b"figures" and metrics.renders == 1
+    for _ in range(5):  # within 2 s of it: the same answer, no render
+        clock[0] += 0.3
+        assert metrics.render() == b"figures"
+    assert metrics.renders == 1
+    clock[0] += 0.6  # past ten times its length
+    metrics.render()
+    assert metrics.renders == 2
+    cost[0] = 0.001  # a cheap render: never reused
+    clock[0] += 5
+    metrics.render()
+    metrics.render()
+    metrics.render()
+    assert metrics.renders == 5
+
+
+def test_lines_a_client_can_cause_are_logged_at_most_once_a_minute_with_a_count(monkeypatch, caplog):
+    import logging
+    import types
+
+    from node import logs
+
+    clock = [1000.0]
+    monkeypatch.setattr(logs, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(logs, "_last", {})
+    lg = logging.getLogger("throttle-test")
+    with caplog.at_level(logging.INFO, logger="throttle-test"):
+        for _ in range(500):
+            logs.throttled(lg, logging.INFO, ("k",), "gave back %d", 1)
+            clock[0] += 0.01  # 5 s in all
+        logs.throttled(lg, logging.INFO, ("other",), "another kind %d", 2)
+        clock[0] += 60
+        logs.throttled(lg, logging.INFO, ("k",), "gave back %d", 1)
+    lines = [r.getMessage() for r in caplog.records if r.name == "throttle-test"]
+    assert lines == ["gave back 1", "another kind 2",
+                     "gave back 1 (and 499 more like it in the last minute, not logged)"]
