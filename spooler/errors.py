@@ -29,6 +29,9 @@ def grpc_status_code(err: "SpoolerError"):
     return getattr(grpc.StatusCode, err.grpc_code)
 
 
+MESSAGE_CHARS_MAX = 1000
+
+
 class SpoolerError(Exception):
     kind = "internal"
     http_status = 500
@@ -37,6 +40,10 @@ class SpoolerError(Exception):
     retry_safe = False
 
     def __init__(self, message: str = "", *, reason: str = "", retry_after_s: float = 0.0):
+        if len(message) > MESSAGE_CHARS_MAX:
+            # a message may quote what the caller sent (a name, an id): past this it
+            # would not fit gRPC's trailers (16 KiB), and the answer would lose its kind
+            message = message[:MESSAGE_CHARS_MAX - 1] + "\u2026"
         super().__init__(message or self.kind)
         self.message = message or self.kind
         self.reason = reason

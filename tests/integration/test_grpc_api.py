@@ -723,3 +723,15 @@ def test_an_open_session_lets_go_of_a_refused_request_of_millions_of_items(node)
             call.cancel()
         ch.close()
     assert after[-1] - after[0] < 150, after
+
+
+def test_an_error_quoting_a_huge_argument_keeps_its_kind(client):
+    """A 100 KB key id or node name was quoted into the error's message, which
+    did not fit gRPC's trailers: the call failed RESOURCE_EXHAUSTED with no kind.
+    Messages are cut at 1,000 characters."""
+    with pytest.raises(errors.NotFound) as e:
+        client.delete_key("k" * 100_000)
+    assert len(e.value.message) <= errors.MESSAGE_CHARS_MAX
+    with pytest.raises(errors.SpoolerError) as e:
+        client.promote("n" * 100_000)
+    assert e.value.kind in ("invalid_argument", "not_found"), e.value
