@@ -73,6 +73,9 @@ class Limits:
         self.max_retries_max = 1000
         self.session_requests_in_flight_max = 1024  # per gRPC Session stream (then it stops reading)
         self.receives_waiting_max = 10_000  # long polls waiting on a node at once, every transport (then 503)
+        # sends are refused (503) while the data directory's file system has less free
+        # than this: a full disk stops a node (S9), and it could not start again on it
+        self.disk_free_bytes_min = 64 << 20
         # a Session whose key was refused when it opened is ended once it has been
         # idle this long (it is answered request by request meanwhile); tests shorten it
         self.session_refused_idle_s = float(os.environ.get("SPOOLER_TEST_REFUSED_IDLE", "") or 10.0)
@@ -214,6 +217,7 @@ class Engine:
         self._wake: Optional[asyncio.Event] = None
         self._events: dict[str, asyncio.Event] = {}
         self.receives_waiting = 0  # long polls waiting here now (a gauge in /metrics)
+        self._disk_free, self._disk_checked_at = None, -1e9  # (disk_low)
         self.stopping = False  # a graceful stop began (Service.shut_down): serve nothing new
         self.draining = False  # a graceful stop was asked for: not ready (a primary hands over first)
         self._tasks: list = []
@@ -517,6 +521,22 @@ class Engine:
                 raise RuntimeError(f"record {lsn} is neither in memory nor in the store")
             out.append(data)
         return out
+
+    def disk_low(self) -> bool:
+        """Has the data directory's file system less free space than the limit?
+        (statvfs at most once a second.)"""
+        want = self.limits.disk_free_bytes_min
+        if not want:
+            return False
+        now = time.monotonic()
+        if now >= self._disk_checked_at + 1.0:
+            try:
+                st = os.statvfs(self.data_dir)
+                self._disk_free = st.f_bavail * st.f_frsize
+            except OSError:
+                self._disk_free = None  # cannot tell: not refused on that account
+            self._disk_checked_at = now
+        return self._disk_free is not None and self._disk_free < want
 
     def apply_upto(self, lsn: int) -> None:
         """Records up to ``lsn`` are committed: apply them in order and answer."""

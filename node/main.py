@@ -122,6 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--join", action="store_true", default=_env("SPOOLER_JOIN", "").strip().lower() in JOIN_ON,
                    help="this node replaces a member whose data is lost: on an empty --data it neither "
                         "votes nor stands for election until it holds what the cluster committed (SPOOLER_JOIN=1)")
+    p.add_argument("--disk-reserve-bytes", type=int, default=_env("SPOOLER_DISK_RESERVE_BYTES", str(64 << 20)),
+                   help="sends are refused (503) while the data directory's file system has less free than this "
+                        "(SPOOLER_DISK_RESERVE_BYTES, default 67108864; 0: never)")
     p.add_argument("--log-level", default=_env("SPOOLER_LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING, ERROR or CRITICAL (SPOOLER_LOG_LEVEL, default INFO)")
     a = p.parse_args(argv)
@@ -163,6 +166,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--log-keep-records must be >= 1")
     if a.log_keep_bytes < 0:
         p.error("--log-keep-bytes must be >= 0")
+    if a.disk_reserve_bytes < 0:
+        p.error("--disk-reserve-bytes must be >= 0")
     def bad_key(k: str) -> bool:
         # such a key could never be presented in an Authorization header, or carried
         # in gRPC metadata (the SDK's calls, a replica's forwarded ones)
@@ -361,7 +366,8 @@ async def serve(args) -> int:
         from node.tls import TLS
         tls = TLS.from_files(args.tls_cert, args.tls_key, args.tls_ca)
     from node.store.testvfs import vfs_from_env
-    engine = Engine(args.data, node_id=args.id, limits=Limits(body_bytes_max=args.max_body_bytes),
+    engine = Engine(args.data, node_id=args.id, limits=Limits(body_bytes_max=args.max_body_bytes,
+                                                                 disk_free_bytes_min=args.disk_reserve_bytes),
                     peers=peers, failover_timeout_s=args.failover_timeout, grpc_options=grpc_api.GRPC_OPTIONS,
                     tls=tls, vfs=vfs_from_env(), log_keep_records=args.log_keep_records,
                     log_keep_bytes=args.log_keep_bytes, join=args.join, cluster_key=args.cluster_key,

@@ -528,6 +528,11 @@ class Service:
             return None
         if not self.engine.ready:  # (as _remote: a queue may exist that this node has not applied yet)
             raise errors.Unavailable(_not_ready(self.engine), retry_after_s=0.5)
+        if self.engine.disk_low():
+            # acks, nacks and retention go on (they make room); a send would fill the
+            # disk, and a node whose disk is full stops, and cannot start again on it
+            raise errors.Unavailable(f"the node's disk has less than {self.limits.disk_free_bytes_min} bytes free: "
+                                     "sends are refused until there is room", retry_after_s=5.0)
         rec = log_pb2.Record()
         send = rec.send_compact if run and run[1] else rec.send
         add = send.entries.add

@@ -250,3 +250,25 @@ def test_long_polls_waiting_on_a_node_are_capped_over_every_transport(tmp_path):
             assert eng.receives_waiting == 0
 
     asyncio.run(main())
+
+
+def test_sends_are_refused_while_the_disk_is_nearly_full_and_settles_go_on(tmp_path):
+    """A disk filled by sends stopped the node (S9), and it stopped again on every
+    start, the disk still full. Below ``disk_free_bytes_min`` free, sends are
+    503 unavailable; acks (which make room) are taken; sends resume with room."""
+    async def main():
+        async with _node(tmp_path) as (eng, svc):
+            await svc.put_queue(ADMIN, "q", {})
+            await svc.send(ADMIN, [("q", b"a", 0.0, ""), ("q", b"b", 0.0, "")])
+            got = await svc.receive(ADMIN, "q", 0, 2)
+            eng.limits.disk_free_bytes_min = 1 << 62  # more than any disk has free
+            with pytest.raises(errors.Unavailable) as e:
+                await svc.send(ADMIN, [("q", b"c", 0.0, "")])
+            assert "disk" in str(e.value) and e.value.retry_after_s == 5.0
+            await svc.settle(ADMIN, [(d.token, "ack", 0.0) for d in got])  # settles go on
+            assert svc.core.stats("q", eng.now_us())["visible"] == 0
+            eng.limits.disk_free_bytes_min = 0  # (0: never refused)
+            await svc.send(ADMIN, [("q", b"c", 0.0, "")])
+            assert svc.core.stats("q", eng.now_us())["visible"] == 1
+
+    asyncio.run(main())
