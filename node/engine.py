@@ -76,6 +76,10 @@ class Limits:
         # sends are refused (503) while the data directory's file system has less free
         # than this: a full disk stops a node (S9), and it could not start again on it
         self.disk_free_bytes_min = 64 << 20
+        # bodies of sends proposed and not yet stored (or refused): past it a send is
+        # 503 (an HTTP send before its body is read), so clients sending at once cannot
+        # make the node hold more than this (a review had 4,000 at once take 2.5 GB)
+        self.sending_bytes_max = 256 << 20
         # a Session whose key was refused when it opened is ended once it has been
         # idle this long (it is answered request by request meanwhile); tests shorten it
         self.session_refused_idle_s = float(os.environ.get("SPOOLER_TEST_REFUSED_IDLE", "") or 10.0)

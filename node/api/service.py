@@ -170,6 +170,7 @@ class Service:
         # check of the core alone let concurrent creates pass the cap together
         self._queues_creating: dict = {}  # name -> calls creating it (until the engine settles them)
         self._sending: dict = {}  # queue -> messages proposed to it, not yet applied or refused
+        self.sending_bytes = 0    # their bodies' bytes (Limits.sending_bytes_max)
         self._names_ok: set = set()  # names check_name_any passed (a pure check: remembered, bounded)
         self._keys_creating = 0
 
@@ -523,7 +524,7 @@ class Service:
             raise errors.InvalidArgument(f"at most {lim.batch_entries_max} messages in a batch")
         # the shape first, on every node alike (a replica before it forwards): names,
         # sizes, delays, keys; then the primary's own checks: scope, queue, room
-        self._send_shape(entries, run)
+        total = self._send_shape(entries, run)
         if self.forwards():
             return None
         if not self.engine.ready:  # (as _remote: a queue may exist that this node has not applied yet)
@@ -533,6 +534,7 @@ class Service:
             # disk, and a node whose disk is full stops, and cannot start again on it
             raise errors.Unavailable(f"the node's disk has less than {self.limits.disk_free_bytes_min} bytes free: "
                                      "sends are refused until there is room", retry_after_s=5.0)
+        self.check_sending_room(total)
         rec = log_pb2.Record()
         send = rec.send_compact if run and run[1] else rec.send
         add = send.entries.add
@@ -563,9 +565,22 @@ class Service:
                 send.run_delay_us = round(delay_s * US) if delay_s else 0
                 send.run_bodies.extend(bodies)
         # Messages on their way to a queue count against its cap (_room) until the
-        # engine settles the record: applied (then the queue's size has them) or refused.
-        return self._propose_counted(rec, functools.partial(
-            _tally, self._sending, {q: room - checked[q] for q, room in rooms.items()}), reply)
+        # engine settles the record: applied (then the queue's size has them) or refused;
+        # their bytes against sending_bytes_max.
+        tally = functools.partial(_tally, self._sending, {q: room - checked[q] for q, room in rooms.items()})
+
+        def count(sign: int) -> None:
+            tally(sign)
+            self.sending_bytes += sign * total
+
+        return self._propose_counted(rec, count, reply)
+
+    def check_sending_room(self, n_bytes: int) -> None:
+        """503 if ``n_bytes`` more of bodies would pass sending_bytes_max (one send
+        always fits when none is on its way)."""
+        if self.sending_bytes and self.sending_bytes + n_bytes > self.limits.sending_bytes_max:
+            raise errors.Unavailable(f"the node holds {self.sending_bytes} bytes of sends not yet stored: "
+                                     "try again", retry_after_s=0.5)
 
     @staticmethod
     def send_results(applied: tuple) -> list:
@@ -586,7 +601,7 @@ class Service:
         if len(key) > self.limits.dedup_key_chars_max or not key.isprintable():
             raise errors.InvalidArgument(f"dedup key: 1..{self.limits.dedup_key_chars_max} printable characters")
 
-    def _send_shape(self, entries: list, run: Optional[tuple]) -> None:
+    def _send_shape(self, entries: list, run: Optional[tuple]) -> int:
         """What a send must be whatever the queues hold (names, sizes, delays, keys),
         checked on every node before anything else. Scope and room are the primary's."""
         lim = self.limits
@@ -607,6 +622,7 @@ class Service:
             raise errors.MessageTooLarge(f"message of {biggest} bytes; the limit is {lim.body_bytes_max}")
         if total > lim.batch_bytes_max:
             raise errors.MessageTooLarge(f"batch of {total} bytes; the limit is {lim.batch_bytes_max}")
+        return total
 
     def _room(self, p: Principal, queue: str) -> int:
         """Validate a queue a batch sends to (once per batch): its name, the caller's
