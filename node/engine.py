@@ -73,6 +73,10 @@ class Limits:
         self.max_retries_max = 1000
         self.session_requests_in_flight_max = 1024  # per gRPC Session stream (then it stops reading)
         self.receives_waiting_max = 10_000  # long polls waiting on a node at once, every transport (then 503)
+        # long polls a replica forwards to the primary at once (each is a gRPC call
+        # there; a few thousand at once from the replicas cost a review's cluster its
+        # primary): past it, 503
+        self.forwarded_polls_max = 1000
         # sends are refused (503) while the data directory's file system has less free
         # than this: a full disk stops a node (S9), and it could not start again on it
         self.disk_free_bytes_min = 64 << 20

@@ -171,6 +171,7 @@ class Service:
         self._queues_creating: dict = {}  # name -> calls creating it (until the engine settles them)
         self._sending: dict = {}  # queue -> messages proposed to it, not yet applied or refused
         self.sending_bytes = 0    # their bodies' bytes (Limits.sending_bytes_max)
+        self.forwarded_polls = 0  # long polls this replica has forwarded, waiting (Limits.forwarded_polls_max)
         self._names_ok: set = set()  # names check_name_any passed (a pure check: remembered, bounded)
         self._keys_creating = 0
 
@@ -673,8 +674,15 @@ class Service:
         if self.forwards():
             if receive_id:
                 self._check_receive_id(receive_id)
-            return await self.fwd.receive(self._remote(p), p.auth, queue, wait_s, max_n, receive_id,
-                                          release_for_s=self._release_for_s(queue))
+            if wait_s and self.forwarded_polls >= self.limits.forwarded_polls_max:
+                raise errors.Unavailable(f"this node forwards {self.forwarded_polls} long polls to the primary "
+                                         "already: try again, or ask the primary", retry_after_s=1.0)
+            self.forwarded_polls += 1 if wait_s else 0
+            try:
+                return await self.fwd.receive(self._remote(p), p.auth, queue, wait_s, max_n, receive_id,
+                                              release_for_s=self._release_for_s(queue))
+            finally:
+                self.forwarded_polls -= 1 if wait_s else 0
         if not self.engine.ready:  # (as _remote: a queue may exist that this node has not applied yet)
             raise errors.Unavailable(_not_ready(self.engine), retry_after_s=0.5)
         self.authorize(p, "receive", queue)

@@ -296,3 +296,38 @@ def test_bytes_of_sends_not_yet_stored_are_capped(tmp_path):
             assert svc.core.stats("q", eng.now_us())["visible"] == 3
 
     asyncio.run(main())
+
+
+def test_a_replica_forwards_at_most_so_many_long_polls_at_once(tmp_path):
+    """Each long poll a replica forwards is a gRPC call held on the primary: 14,000
+    HTTP polls sent to two replicas cost a review's cluster its primary. Past
+    ``forwarded_polls_max`` waiting, a replica answers a poll 503 (one that does
+    not wait still goes through)."""
+    async def main():
+        async with _node(tmp_path, forwarded_polls_max=2) as (eng, svc):
+            release = asyncio.Event()
+            forwarded = []
+
+            async def fwd_receive(addr, auth, queue, wait_s, max_n, receive_id, release_for_s):
+                forwarded.append(wait_s)
+                if wait_s:
+                    await release.wait()
+                return []
+
+            svc.forwards = lambda: True
+            svc._remote = lambda p: "primary:1"
+            svc.fwd.receive = fwd_receive
+            polls = [asyncio.ensure_future(svc.receive(ADMIN, "q", 5)) for _ in range(2)]
+            for _ in range(500):
+                if svc.forwarded_polls == 2:
+                    break
+                await asyncio.sleep(0.01)
+            with pytest.raises(errors.Unavailable) as e:
+                await svc.receive(ADMIN, "q", 5)
+            assert "forwards 2 long polls" in str(e.value)
+            assert await svc.receive(ADMIN, "q", 0) == []  # no wait: forwarded as ever
+            release.set()
+            assert await asyncio.gather(*polls) == [[], []]
+            assert svc.forwarded_polls == 0 and forwarded == [5, 5, 0]
+
+    asyncio.run(main())
