@@ -415,8 +415,12 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
         in_flight_max = svc.limits.session_requests_in_flight_max
         reading = True
 
+        held = [0]  # bytes of receive answers not yet written (SESSION_ANSWER_BYTES_MAX)
+
         def answer(resp) -> None:
             resp.epoch = svc.engine.known_epoch
+            if resp.WhichOneof("result") == "receive":
+                held[0] += resp.ByteSize()
             answers.append(resp)
             wake.set()
 
@@ -486,7 +490,9 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                 # context.read(), not ``async for r in requests``: grpc's request
                 # iterator holds the message it last gave while it waits for the next
                 while (r := await context.read()) is not grpc.aio.EOF:
-                    while len(tasks) + len(answers) >= in_flight_max:
+                    # (and while the receive answers it has not written yet hold that
+                    # many bytes: a client that never reads pinned up to 1,024 of 8 MiB)
+                    while len(tasks) + len(answers) >= in_flight_max or held[0] > SESSION_ANSWER_BYTES_MAX:
                         room.clear()
                         await room.wait()
                     dispatch(r)
@@ -536,6 +542,8 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                     answers.clear()
                     for resp in batch:
                         await context.write(resp)
+                        if resp.WhichOneof("result") == "receive":
+                            held[0] -= resp.ByteSize()
                     room.set()
                 if svc.stopping:
                     # shutting down: read nothing more; once every request read so far
@@ -558,6 +566,10 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
             if lost:
                 svc.give_back(lost, auth or "")
 
+
+# Bytes of receive answers a Session stream holds unwritten (a client that does not
+# read them) before it stops reading that stream's requests
+SESSION_ANSWER_BYTES_MAX = 64 << 20
 
 GRPC_OPTIONS = [
     # one Session stream carries many batches at once: let it have more than

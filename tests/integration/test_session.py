@@ -731,3 +731,53 @@ def test_moving_on_fails_what_waits_unwritten_for_the_node_left_at_once():
             assert old.half_closed  # the old stream still delivers the answers it owes
 
     asyncio.run(main())
+
+
+def test_a_stream_that_never_reads_its_answers_stops_being_read_past_a_byte_budget(tmp_path, monkeypatch):
+    """A Session whose client sends receives and never reads the answers held up
+    to 1,024 answers of 8 MiB each (a review pinned 460 MB with one stream, every
+    message of the queue leased). Past SESSION_ANSWER_BYTES_MAX of unwritten
+    receive answers the node stops reading that stream's requests."""
+    from node.api import grpc_api
+    from node.api.metrics import Metrics
+    from node.api.service import Principal, Service
+    from node.engine import Engine
+
+    monkeypatch.setattr(grpc_api, "SESSION_ANSWER_BYTES_MAX", 1 << 20)
+    body = b"b" * (64 << 10)
+
+    async def main():
+        eng = Engine(str(tmp_path / "n"))
+        await eng.start()
+        svc = Service(eng, ["k"])
+        admin = Principal(admin=True)
+        await svc.put_queue(admin, "q", {})
+        for _ in range(8):
+            await svc.send(admin, [], ("q", [body] * 100, 0.0))  # 800 messages, 50 MiB
+        server, _, port = await grpc_api.build_server(svc, Metrics(eng), "127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                call = api_pb2_grpc.SpoolerStub(ch).Session(metadata=_md("k"), timeout=60)
+                for i in range(1, 81):
+                    await call.write(api_pb2.SessionRequest(
+                        id=i, receive=api_pb2.ReceiveRequest(queue="q", max_messages=10)))
+                # the node reads what it will and leases for it; then nothing moves
+                last, same_since = -1, asyncio.get_running_loop().time()
+                deadline = same_since + 30
+                while asyncio.get_running_loop().time() < deadline:
+                    leased = svc.core.stats("q", eng.now_us())["leased"]
+                    if leased != last:
+                        last, same_since = leased, asyncio.get_running_loop().time()
+                    elif asyncio.get_running_loop().time() - same_since > 1.0:
+                        break
+                    await asyncio.sleep(0.05)
+                call.cancel()
+        finally:
+            await server.stop(None)
+            await eng.stop()
+        # without the budget all 800 (50 MiB) are leased and held; with it, what the
+        # budget and gRPC's own buffers hold
+        assert 0 < last < 400, last
+
+    asyncio.run(main())
