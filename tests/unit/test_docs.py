@@ -22,3 +22,19 @@ def test_guarantees_name_real_tests():
     bare = set(re.findall(r"`::(test_\w+)`", text))
     lost = sorted(n for n in bare if not re.search(rf"def {n}\b", sources))
     assert not lost, f"docs/guarantees.md names tests that do not exist: {lost}"
+
+
+def test_limits_and_operations_name_real_tests():
+    """limits.md and operations.md name tests as their evidence too."""
+    sources = {f.relative_to(ROOT).as_posix(): f.read_text() for f in (ROOT / "tests").rglob("test_*.py")}
+    everything = "\n".join(sources.values())
+    missing = []
+    for doc in ("limits.md", "operations.md"):
+        text = (ROOT / "docs" / doc).read_text()
+        for path, name in set(re.findall(r"(tests/[\w/]+\.py)::(test_\w+)", text)):
+            if not re.search(rf"def {name}\b", sources.get(path, "")):
+                missing.append(f"{doc}: {path}::{name}")
+        for name in set(re.findall(r"`::(test_\w+)`", text)):
+            if not re.search(rf"def {name}\b", everything):
+                missing.append(f"{doc}: ::{name}")
+    assert not missing, missing
