@@ -1,4 +1,6 @@
 """A replica that fell behind the primary's compacted log catches up from a snapshot."""
+import contextlib
+
 import pytest
 
 from integration.test_cluster import primary_of, send_until_ok, until_ok, view
@@ -13,18 +15,7 @@ from spooler.http import HttpClient
                          ids=["records", "bytes"])
 def test_lagging_replica_catches_up_from_a_snapshot(tmp_path, keep):
     ids = ["n1", "n2", "n3"]
-    nodes = start_cluster(str(tmp_path), 3, 1.0, extra_args=keep)
-    try:
-        p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
-        c = HttpClient(nodes[p].http_url, nodes[p].admin_key)
-        until_ok(lambda: c.put_queue("q"))
-        lagging = next(i for i in ids if i != p)
-        nodes[lagging].kill()
-        sent = [send_until_ok(c, "q", f"m{i}".encode())["id"] for i in range(200)]
-        top = view(nodes[p])["appliedLsn"]
-        # wait until the primary's checkpoint compacted the log the lagging node needs
-        wait_until(lambda: _compacted(nodes[p], top), 15,
-                   what="the primary to compact its log")
+    with _a_replica_down_behind_the_kept_log(tmp_path, 200, keep) as (nodes, p, c, lagging, top):
         nodes[lagging].start()
         wait_until(lambda: (view(nodes[lagging]) or {}).get("appliedLsn", -1) >= top, 20,
                    what="the lagging replica to catch up")
@@ -38,10 +29,7 @@ def test_lagging_replica_catches_up_from_a_snapshot(tmp_path, keep):
         q, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
         c2 = HttpClient(nodes[q].http_url, nodes[q].admin_key)
         st = until_ok(lambda: c2.get_queue("q"))["stats"]
-        assert st["sentTotal"] == len(sent) == 200
-    finally:
-        for n in nodes.values():
-            n.kill()
+        assert st["sentTotal"] == 200
 
 
 def _compacted(node, top):
@@ -60,17 +48,7 @@ def test_a_replacement_that_needs_a_snapshot_joins_after_it(tmp_path):
     a snapshot, is still joining right after it, and joins once it follows the
     primary; its data is complete (it can be the primary)."""
     ids = ["n1", "n2", "n3"]
-    nodes = start_cluster(str(tmp_path), 3, 1.0, extra_args=["--log-keep-records", "10"])
-    try:
-        p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
-        c = HttpClient(nodes[p].http_url, nodes[p].admin_key)
-        until_ok(lambda: c.put_queue("q"))
-        b = next(i for i in ids if i != p)
-        nodes[b].kill()
-        for i in range(100):
-            send_until_ok(c, "q", f"m{i}".encode())
-        top = view(nodes[p])["appliedLsn"]
-        wait_until(lambda: _compacted(nodes[p], top), 15, what="the primary to compact its log")
+    with _a_replica_down_behind_the_kept_log(tmp_path, 100) as (nodes, p, c, b, top):
         nodes[b].data_dir = str(tmp_path / "replacement")  # the disk is lost
         nodes[b].extra_args.append("--join")
         nodes[b].start()
@@ -90,9 +68,6 @@ def test_a_replacement_that_needs_a_snapshot_joins_after_it(tmp_path):
         q, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
         st = until_ok(lambda: HttpClient(nodes[q].http_url, nodes[q].admin_key).get_queue("q"))["stats"]
         assert st["sentTotal"] == 100
-    finally:
-        for n in nodes.values():
-            n.kill()
 
 
 def test_a_primary_keeps_the_member_it_needs_while_it_sends_that_member_a_snapshot(tmp_path):
@@ -147,19 +122,7 @@ def test_a_replica_that_is_down_is_not_sent_copy_after_copy_of_the_store(tmp_pat
     a failed one; the replica, once back, still catches up from one."""
     import time
 
-    ids = ["n1", "n2", "n3"]
-    nodes = start_cluster(str(tmp_path), 3, 1.0, extra_args=["--log-keep-records", "10"])
-    try:
-        p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
-        c = HttpClient(nodes[p].http_url, nodes[p].admin_key)
-        until_ok(lambda: c.put_queue("q"))
-        down = next(i for i in ids if i != p)
-        nodes[down].kill()
-        for i in range(60):
-            send_until_ok(c, "q", f"m{i}".encode())
-        top = view(nodes[p])["appliedLsn"]
-        wait_until(lambda: _compacted(nodes[p], top), 15, what="the primary to compact its log")
-
+    with _a_replica_down_behind_the_kept_log(tmp_path, 60) as (nodes, p, c, down, top):
         def attempts():
             return nodes[p].read_log().count(f"sending a snapshot to {down}")
 
@@ -174,6 +137,26 @@ def test_a_replica_that_is_down_is_not_sent_copy_after_copy_of_the_store(tmp_pat
         wait_until(lambda: (view(nodes[down]) or {}).get("appliedLsn", -1) >= top, 30,
                    what="the replica, back, to catch up")
         wait_until(lambda: "installed a snapshot" in nodes[down].read_log(), 5, what="the snapshot log line")
+
+
+@contextlib.contextmanager
+def _a_replica_down_behind_the_kept_log(tmp_path, sends: int, keep=("--log-keep-records", "10")):
+    """A 3-node cluster keeping ``keep`` of log; a replica killed, then ``sends``
+    sends, and the primary's log compacted past what that replica holds. ->
+    (nodes, primary id, its client, the replica's id, the primary's applied lsn);
+    every node is killed at the end."""
+    nodes = start_cluster(str(tmp_path), 3, 1.0, extra_args=list(keep))
+    try:
+        p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+        c = HttpClient(nodes[p].http_url, nodes[p].admin_key)
+        until_ok(lambda: c.put_queue("q"))
+        down = next(i for i in nodes if i != p)
+        nodes[down].kill()
+        for i in range(sends):
+            send_until_ok(c, "q", f"m{i}".encode())
+        top = view(nodes[p])["appliedLsn"]
+        wait_until(lambda: _compacted(nodes[p], top), 15, what="the primary to compact its log")
+        yield nodes, p, c, down, top
     finally:
         for n in nodes.values():
             n.kill()
