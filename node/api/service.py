@@ -674,15 +674,16 @@ class Service:
         if self.forwards():
             if receive_id:
                 self._check_receive_id(receive_id)
-            if wait_s and self.forwarded_polls >= self.limits.forwarded_polls_max:
+            polls = 1 if wait_s else 0  # (one that does not wait is not held on the primary)
+            if polls and self.forwarded_polls >= self.limits.forwarded_polls_max:
                 raise errors.Unavailable(f"this node forwards {self.forwarded_polls} long polls to the primary "
                                          "already: try again, or ask the primary", retry_after_s=1.0)
-            self.forwarded_polls += 1 if wait_s else 0
+            self.forwarded_polls += polls
             try:
                 return await self.fwd.receive(self._remote(p), p.auth, queue, wait_s, max_n, receive_id,
                                               release_for_s=self._release_for_s(queue))
             finally:
-                self.forwarded_polls -= 1 if wait_s else 0
+                self.forwarded_polls -= polls
         if not self.engine.ready:  # (as _remote: a queue may exist that this node has not applied yet)
             raise errors.Unavailable(_not_ready(self.engine), retry_after_s=0.5)
         self.authorize(p, "receive", queue)

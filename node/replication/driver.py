@@ -558,7 +558,8 @@ class Driver:
                 self._snapshot_retry.pop(peer, None)
             else:
                 n = self._snapshot_retry.get(peer, (0, 0.0))[0] + 1
-                self._snapshot_retry[peer] = (n, time.monotonic() + min(SNAPSHOT_RETRY_MAX_S, 0.25 * 2 ** min(n - 1, 8)))
+                wait_s = min(SNAPSHOT_RETRY_MAX_S, 0.25 * 2 ** min(n - 1, 8))
+                self._snapshot_retry[peer] = (n, time.monotonic() + wait_s)
 
     async def serve_snapshot(self, request_iterator, context):
         """Replica: replace our store with the primary's copy, then follow it.
