@@ -83,7 +83,7 @@ class Limits:
         # bodies of sends proposed and not yet stored (or refused): past it a send is
         # 503 (an HTTP send before its body is read), so clients sending at once cannot
         # make the node hold more than this (a review had 4,000 at once take 2.5 GB)
-        self.sending_bytes_max = 256 << 20
+        self.sending_bytes_max = int(os.environ.get("SPOOLER_TEST_SENDING_BYTES_MAX", "") or (256 << 20))
         # a Session whose key was refused when it opened is ended once it has been
         # idle this long (it is answered request by request meanwhile); tests shorten it
         self.session_refused_idle_s = float(os.environ.get("SPOOLER_TEST_REFUSED_IDLE", "") or 10.0)
@@ -540,7 +540,9 @@ class Engine:
         if now >= self._disk_checked_at + 1.0:
             try:
                 st = os.statvfs(self.data_dir)
-                self._disk_free = st.f_bavail * st.f_frsize
+                # (a file system that reports no blocks at all, as some FUSE ones do,
+                # says nothing of its room: not refused on that account)
+                self._disk_free = st.f_bavail * st.f_frsize if st.f_blocks else None
             except OSError:
                 self._disk_free = None  # cannot tell: not refused on that account
             self._disk_checked_at = now

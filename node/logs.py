@@ -25,9 +25,10 @@ def allow(kind) -> int:
     if e is not None and now - e[0] < EVERY_S:
         e[1] += 1
         return -1
-    if len(_last) >= KINDS_MAX:
-        _last.clear()
     left_out = e[1] if e is not None else 0
+    _last.pop(kind, None)  # (kept oldest first: past KINDS_MAX the oldest kind goes)
+    if len(_last) >= KINDS_MAX:
+        _last.pop(next(iter(_last)))
     _last[kind] = [now, 0]
     return left_out
 

@@ -540,8 +540,14 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                 while answers:
                     batch = answers[:]
                     answers.clear()
-                    for resp in batch:
-                        await context.write(resp)
+                    for i, resp in enumerate(batch):
+                        try:
+                            await context.write(resp)
+                        except BaseException:
+                            # what was not written goes back: the stream's end gives
+                            # back the leases of receive answers nobody got
+                            answers[:0] = batch[i:]
+                            raise
                         if resp.WhichOneof("result") == "receive":
                             held[0] -= resp.ByteSize()
                     room.set()

@@ -333,13 +333,19 @@ def build_app(svc: Service, metrics) -> web.Application:
         key = _header(request, "Spooler-Dedup-Key")
         if key is not None and (not key or len(key) > lim.dedup_key_chars_max):
             raise errors.InvalidArgument(f"Spooler-Dedup-Key: 1..{lim.dedup_key_chars_max} characters")
-        if n is not None and svc.sending_bytes:
+        reserved = 0
+        if n is not None:
             try:
                 svc.check_sending_room(n)  # before the body is read: refused, it is never held
             except errors.Unavailable:
                 request[CLOSE] = True  # (its body stays unread)
                 raise
-        body = await _read(request)
+            svc.sending_bytes += n  # held while it is read (then counted as the send's own)
+            reserved = n
+        try:
+            body = await _read(request)
+        finally:
+            svc.sending_bytes -= reserved
         if len(body) > lim.body_bytes_max:  # chunked, or larger once decoded
             raise errors.MessageTooLarge(f"message of {len(body)} bytes; the limit is {lim.body_bytes_max}")
         [(mid, dup, err)] = await svc.send(p, [(queue, body, delay, key or "")])

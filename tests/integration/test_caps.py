@@ -331,3 +331,56 @@ def test_a_replica_forwards_at_most_so_many_long_polls_at_once(tmp_path):
             assert svc.forwarded_polls == 0 and forwarded == [5, 5, 0]
 
     asyncio.run(main())
+
+
+def test_http_sends_are_refused_before_their_bodies_are_read_past_the_byte_budget(tmp_path):
+    """Sends arriving together each had their body read before any was counted: the
+    budget on bytes of sends held nothing back. A send's Content-Length is held
+    against it while its body is read; past it the send is 503 at once, its body
+    never read, its connection closed; the others are stored."""
+    import json
+    import select
+    import socket
+    import time
+
+    from nodeproc import NodeProc
+
+    node = NodeProc(str(tmp_path / "n"), env={"SPOOLER_TEST_SENDING_BYTES_MAX": "1000000"}).start()
+    socks = []
+    try:
+        assert node.get("/healthz")[0] == 200
+        import urllib.request
+        req = urllib.request.Request(node.http_url + "/v1/queues/q", data=b"{}", method="PUT",
+                                     headers={"Authorization": f"Bearer {node.admin_key}"})
+        urllib.request.urlopen(req, timeout=10).read()
+        head = (b"POST /v1/queues/q/messages HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                + node.admin_key.encode() + b"\r\nContent-Length: 200000\r\n\r\n")
+        refused = []
+        for _ in range(8):  # headers only: each waits for its body
+            s = socket.create_connection(("127.0.0.1", node.http_port), timeout=10)
+            s.sendall(head)
+            socks.append(s)
+        # five fit in 1,000,000 bytes (whichever the node reads first); the other
+        # three are answered at once, their bodies never sent
+        answered: list = []
+        deadline = time.monotonic() + 15
+        while len(answered) < 3 and time.monotonic() < deadline:
+            ready, _, _ = select.select([s for s in socks if s not in answered], [], [], 0.1)
+            answered.extend(ready)
+        for s in answered:
+            data = s.recv(65536)
+            body = json.loads(data.partition(b"\r\n\r\n")[2])
+            refused.append((int(data.split(b" ", 2)[1]), body["kind"], b"onnection: close" in data))
+        assert refused == [(503, "unavailable", True)] * 3, refused
+        for s in socks:
+            if s not in answered:
+                s.sendall(b"b" * 200_000)
+                assert int(s.recv(65536).split(b" ", 2)[1]) == 201
+        stats = json.loads(urllib.request.urlopen(urllib.request.Request(
+            node.http_url + "/v1/queues/q", headers={"Authorization": f"Bearer {node.admin_key}"}),
+            timeout=10).read())["stats"]
+        assert stats["visible"] == 5
+    finally:
+        for s in socks:
+            s.close()
+        node.kill()
