@@ -410,7 +410,7 @@ class Engine:
         if self.role != "primary" or (not internal and not self.serving()):
             raise errors.Unavailable("not the primary, or no quorum", retry_after_s=0.5)
         if not internal and len(self._pending) >= self.limits.pending_records_max:
-            raise errors.Unavailable("write queue full", retry_after_s=0.5)
+            raise errors.Unavailable("write queue full", retry_after_s=0.5, reason=errors.OVERLOADED)
         fut = asyncio.get_running_loop().create_future() if reply is None else reply
         self._pending.append((rec, fut))
         self._wake.set()

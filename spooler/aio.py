@@ -126,7 +126,7 @@ class _Session:
             return getattr(resp, which)
         if kind == "error":
             err = errors.from_detail(resp.error)
-            if isinstance(err, errors.Unavailable):
+            if isinstance(err, errors.Unavailable) and not errors.stay_on(err):
                 self.c._next_target(w.chan)
             raise err
         return getattr(resp, kind)
@@ -328,7 +328,7 @@ class AsyncClient(Nodes):
             return await rpc(req, metadata=self.md, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as e:
             err = map_rpc_error(e, write=write)
-            if e.code() in MOVE_ON:
+            if e.code() in MOVE_ON and not errors.stay_on(err):
                 self._next_target(ch)
             raise err from None
         except asyncio.CancelledError:

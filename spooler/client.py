@@ -98,10 +98,11 @@ class Client(Nodes):
     def _failed(self, e: grpc.RpcError, write: bool, ch) -> errors.SpoolerError:
         """The SpoolerError for a failed call on channel ``ch``; moves on to the next
         node when that one was unreachable or did not answer in time."""
-        if e.code() in MOVE_ON:
+        err = map_rpc_error(e, write=write)
+        if e.code() in MOVE_ON and not errors.stay_on(err):
             with self._lock:
                 self._next_target(ch)
-        return map_rpc_error(e, write=write)
+        return err
 
     # ------------------------------------------------------------- queues
     def put_queue(self, name: str, **settings) -> dict:

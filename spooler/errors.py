@@ -29,6 +29,19 @@ def grpc_status_code(err: "SpoolerError"):
     return getattr(grpc.StatusCode, err.grpc_code)
 
 
+# ``reason`` of an ``unavailable`` that the primary itself gave for its own load
+# or room: another node would forward to the same primary and hear the same, so a
+# client stays where it is and tries again after Retry-After (it moves on for
+# any other ``unavailable``: no primary there, a node stopping, not reachable)
+OVERLOADED, QUEUE_FULL, DISK_LOW = "overloaded", "queue_full", "disk_low"
+PRIMARY_REFUSALS = (OVERLOADED, QUEUE_FULL, DISK_LOW)
+
+
+def stay_on(err) -> bool:
+    """Is ``err`` an answer the primary gave for its own load or room (see above)?"""
+    return isinstance(err, Unavailable) and err.reason in PRIMARY_REFUSALS
+
+
 MESSAGE_CHARS_MAX = 1000
 
 

@@ -534,7 +534,8 @@ class Service:
             # acks, nacks and retention go on (they make room); a send would fill the
             # disk, and a node whose disk is full stops, and cannot start again on it
             raise errors.Unavailable(f"the node's disk has less than {self.limits.disk_free_bytes_min} bytes free: "
-                                     "sends are refused until there is room", retry_after_s=5.0)
+                                     "sends are refused until there is room", retry_after_s=5.0,
+                                     reason=errors.DISK_LOW)
         self.check_sending_room(total)
         rec = log_pb2.Record()
         send = rec.send_compact if run and run[1] else rec.send
@@ -581,7 +582,7 @@ class Service:
         always fits when none is on its way)."""
         if self.sending_bytes and self.sending_bytes + n_bytes > self.limits.sending_bytes_max:
             raise errors.Unavailable(f"the node holds {self.sending_bytes} bytes of sends not yet stored: "
-                                     "try again", retry_after_s=0.5)
+                                     "try again", retry_after_s=0.5, reason=errors.OVERLOADED)
 
     @staticmethod
     def send_results(applied: tuple) -> list:
@@ -634,7 +635,7 @@ class Service:
 
     def _full(self, queue: str) -> errors.SpoolerError:
         return errors.Unavailable(f"queue {queue} holds its maximum of {self.limits.messages_per_queue_max} messages",
-                                  retry_after_s=1.0)
+                                  retry_after_s=1.0, reason=errors.QUEUE_FULL)
 
     def _next_id(self) -> str:
         """Message ids: a random per-process prefix and a counter (unique across
@@ -726,7 +727,7 @@ class Service:
                 # Session streams carry up to 1,024 polls each, past the cap on calls:
                 # this bounds the waiters (and their memory) node-wide
                 raise errors.Unavailable(f"{self.limits.receives_waiting_max} receives are waiting on this node "
-                                         "already: try again", retry_after_s=1.0)
+                                         "already: try again", retry_after_s=1.0, reason=errors.OVERLOADED)
             self.engine.receives_waiting += 1
             try:
                 await asyncio.wait_for(ev.wait(), left)

@@ -781,3 +781,62 @@ def test_a_stream_that_never_reads_its_answers_stops_being_read_past_a_byte_budg
         assert 0 < last < 400, last
 
     asyncio.run(main())
+
+
+class _RefusingServer:
+    """A node stand-in whose every answer is ``err``: on the Session stream as the
+    request's error, and on unary SendBatch as the call's status and trailers."""
+
+    def __init__(self, err):
+        self.err = err
+
+    async def start(self):
+        err = self.err
+
+        async def session(requests, ctx):
+            async for r in requests:
+                yield api_pb2.SessionResponse(id=r.id, error=errors.to_detail(err))
+
+        async def send_batch(req, ctx):
+            await ctx.abort(errors.grpc_status_code(err), err.message, trailing_metadata=errors.grpc_trailers(err))
+
+        self.server, self.port = await _fake_node(
+            Session=_session_handler(session),
+            SendBatch=grpc.unary_unary_rpc_method_handler(
+                send_batch, request_deserializer=api_pb2.SendBatchRequest.FromString,
+                response_serializer=api_pb2.SendBatchResponse.SerializeToString))
+        return self
+
+
+@pytest.mark.parametrize("reason, moves", [("overloaded", False), ("queue_full", False), ("disk_low", False),
+                                           ("", True)])
+def test_a_primary_refusing_for_its_own_load_keeps_the_client_where_it_is(reason, moves):
+    """Every other node would forward to the same primary and hear the same 503:
+    a client that moved on for it only churned between nodes. An unavailable with
+    one of the primary's reasons keeps the client where it is (both clients, on
+    the Session and on unary calls); any other still moves it on."""
+    async def main():
+        err = errors.Unavailable("busy", retry_after_s=0.1, reason=reason)
+        a, b = await _RefusingServer(err).start(), await _RefusingServer(err).start()
+        try:
+            targets = f"127.0.0.1:{a.port},127.0.0.1:{b.port}"
+            async with AsyncClient(targets, "k", retry_attempts=1) as c:
+                with pytest.raises(errors.Unavailable) as e:
+                    await c.send_batch("q", [b"x"])
+                assert e.value.reason == reason
+                assert c.target_now() == f"127.0.0.1:{(b if moves else a).port}"
+
+            def sync_client():
+                from spooler import Client
+                with Client(targets, "k", retry_attempts=1) as sc:
+                    with pytest.raises(errors.Unavailable):
+                        sc.send_batch("q", [b"x"])
+                    return sc.target_now()
+
+            now = await asyncio.get_running_loop().run_in_executor(None, sync_client)
+            assert now == f"127.0.0.1:{(b if moves else a).port}"
+        finally:
+            await a.server.stop(None)
+            await b.server.stop(None)
+
+    asyncio.run(main())
