@@ -415,12 +415,15 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
         in_flight_max = svc.limits.session_requests_in_flight_max
         reading = True
 
-        held = [0]  # bytes of receive answers not yet written (SESSION_ANSWER_BYTES_MAX)
+        # bytes of receive answers not yet written (SESSION_ANSWER_BYTES_MAX): in all,
+        # and each answer's (by id(), while it is held), each measured once
+        held, sizes = [0], {}
 
         def answer(resp) -> None:
             resp.epoch = svc.engine.known_epoch
             if resp.WhichOneof("result") == "receive":
-                held[0] += resp.ByteSize()
+                sizes[id(resp)] = n = resp.ByteSize()
+                held[0] += n
             answers.append(resp)
             wake.set()
 
@@ -548,8 +551,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                             # back the leases of receive answers nobody got
                             answers[:0] = batch[i:]
                             raise
-                        if resp.WhichOneof("result") == "receive":
-                            held[0] -= resp.ByteSize()
+                        held[0] -= sizes.pop(id(resp), 0)
                     room.set()
                 if svc.stopping:
                     # shutting down: read nothing more; once every request read so far
