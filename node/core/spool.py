@@ -459,12 +459,41 @@ class Core:
         """Per entry: True if it changed a message, False if the message was gone."""
         out = []
         ACK = log_pb2.ACK
-        for e in op.entries:
+        entries = op.entries
+        n, k = len(entries), 0
+        acked = None  # (Queue, how many) for the run of acks of leased messages under way
+        tidy, last = set(), None  # the queues named (swept at the end)
+        while k < n:
+            e = entries[k]
+            k += 1
             q = self.queues.get(e.queue)
             if q is None:
                 out.append(False)
                 continue
+            if q is not last:
+                tidy.add(q)
+                last = q
             m = q.msgs.get(e.id)
+            if m is not None and e.kind == ACK and m.state == LEASED:
+                # the usual case on the primary: an ack of a leased message (what
+                # _detach, _end_lease and _remove do for it, inline)
+                q.n_leased -= 1
+                lease = self.leases.pop(m.lease, None)
+                if lease is not None:
+                    self.ended[lease.id] = "settled"
+                m.gen += 1
+                m.state = None
+                del q.msgs[m.id]
+                m.removed = True
+                self.dirty.msgs[m.id] = m
+                if acked is not None and acked[0] is q:
+                    acked[1] += 1
+                else:
+                    if acked is not None:
+                        self._count_acks(*acked)
+                    acked = [q, 1]
+                out.append(True)
+                continue
             if m is None:
                 s = self._seg_of(q, e.id)
                 if s is None:
@@ -472,10 +501,13 @@ class Core:
                     continue
                 if e.kind == ACK:
                     # the usual case on a replica (receives are not logged): the
-                    # message goes without ever becoming an Msg of its own
-                    self._ack_untaken(q, *s)
+                    # message goes without ever becoming an Msg of its own, and so
+                    # do those of the acks after it that name the next messages of
+                    # the same segment (a receive hands them out oldest first)
+                    j = self._ack_untaken_run(q, *s, entries, k - 1)
                     self.dirty.queues.add(q.name)
-                    out.append(True)
+                    out.extend([True] * (j - k + 1))
+                    k = j
                     continue
                 if e.past_retries:  # (retry count 0 inside a segment: never past maxRetries)
                     out.append(False)
@@ -495,11 +527,56 @@ class Core:
                 self._retry_or_fail(q, m, ts, delay)
             self.dirty.queues.add(q.name)
             out.append(True)
-        for name in {e.queue for e in op.entries}:
-            q = self.queues.get(name)
-            if q is not None:
+        if acked is not None:
+            self._count_acks(*acked)
+        ended = self.ended
+        while len(ended) > self.ended_leases_max:
+            ended.popitem(last=False)
+        for q in tidy:
+            if self.queues.get(q.name) is q:
                 self._tidy(q)
         return out
+
+    def _count_acks(self, q: Queue, n: int) -> None:
+        q.counters["acked"] += n
+        self.dirty.queues.add(q.name)
+
+    def _ack_untaken_run(self, q: Queue, seg: Segment, i: int, entries, k: int) -> int:
+        """Entry ``k`` acks message ``i``, untaken in ``seg``: that message and those
+        of the entries after it that ack the next messages of ``seg`` in order
+        (untaken, each id checked) leave it as gone, as ``_ack_untaken`` has each
+        leave, in one pass. -> the index of the first entry not taken."""
+        ACK, name = log_pb2.ACK, q.name
+        taken = seg.taken
+        most = min(seg.n - i, len(entries) - k)
+        ids = run_ids(seg.prefix, seg.first + i, most) if most > 1 else None
+        j = 1
+        while j < most and not taken[i + j]:
+            e = entries[k + j]
+            if e.id != ids[j] or e.kind != ACK or e.queue != name:
+                break
+            j += 1
+        ones = b"\x01" * j
+        taken[i:i + j] = ones
+        seg.gone[i:i + j] = ones
+        seg.n_gone += j
+        seg.left -= j
+        if i == seg.cur:
+            c = taken.find(0, i)
+            seg.cur = seg.n if c < 0 else c
+        if not seg.left:
+            lst = q.segs.get(seg.prefix)
+            if lst is not None:
+                lst.remove(seg)
+                if not lst:
+                    del q.segs[seg.prefix]
+        if seg.state == READY:
+            q.n_ready -= j
+        else:
+            q.n_delayed -= j
+        q.counters["acked"] += j
+        self.dirty.segs[seg.seq0] = seg
+        return k + j
 
     def _expire_past_retries(self, q: Queue, m: Msg, ts: int) -> bool:
         """A Settle(EXPIRE, past_retries) entry: the message moves to the failure queue
@@ -772,14 +849,24 @@ class Core:
                 if seq != seg.seq0 + seg.cur:  # its head was taken meanwhile (a drop, a settle)
                     heapq.heapreplace(sh, (seg.seq0 + seg.cur, gen, seg))
                     continue
-                size = seg.size_of(seg.cur)
-                if out and size > room:
-                    break  # the answer is full: it stays where it is
-                m = self._take(q, seg, seg.cur, size)
+                # The oldest visible messages sit in this segment: a run of them, up to
+                # the oldest message of the ready heap (segments' seqs never interleave,
+                # so no other segment holds one older than the run's last), leased in
+                # one pass: the hot path of receive (a stale ready entry only makes
+                # the run shorter)
+                want = min(max_n - len(out), leases_max - q.n_leased)
+                run, room, full = self._take_run(q, seg, want, room, h[0][0] if h else None, bool(out))
                 if seg.left:
                     heapq.heapreplace(sh, (seg.seq0 + seg.cur, gen, seg))
                 else:
                     heapq.heappop(sh)
+                if run:
+                    if not nonces:
+                        nonces, k0 = self.rand(8 * (max_n - len(out))), len(out)
+                    self._lease_run(q, run, nonces, 8 * (len(out) - k0), now + timeout, via, out)
+                if full or not run:
+                    break  # the answer is full: the rest stay where they are
+                continue
             else:
                 seq, gen, mid = heapq.heappop(h)
                 m = q.msgs.get(mid)
@@ -814,6 +901,79 @@ class Core:
             self._lease(q, m, lease)
             out.append((m, lease))
         return out
+
+    def _take_run(self, q: Queue, seg: Segment, want: int, room: int, bound: Optional[int], have: bool):
+        """Up to ``want`` untaken messages of ``seg`` from its head, oldest first,
+        while their seq stays below ``bound`` (None: no bound) and their bodies fit
+        in ``room`` (the first always, unless ``have``: an answer holds at least one
+        message). They leave the segment as ``_take`` has one leave, in one pass.
+        -> (Msgs, room left, whether the room stopped it)."""
+        taken, n, s0 = seg.taken, seg.n, seg.seq0
+        bodies, offs = seg.bodies, seg.offs
+        stop = n if bound is None else min(n, bound - s0)
+        picked = []
+        full = False
+        i = seg.cur
+        while i < stop and len(picked) < want:
+            if not taken[i]:
+                size = len(bodies[i]) if bodies is not None else offs[i + 1] - offs[i]
+                if (have or picked) and size > room:
+                    full = True
+                    break
+                room -= size
+                picked.append((i, size))
+            i += 1
+        if not picked:
+            return picked, room, full
+        i0 = picked[0][0]
+        ids = run_ids(seg.prefix, seg.first + i0, picked[-1][0] - i0 + 1)
+        name, vis, exp, state = q.name, seg.visible_at, seg.expires_at, seg.state
+        msgs, retention = q.msgs, q.retention
+        push = heapq.heappush
+        out = []
+        for i, size in picked:
+            taken[i] = 1
+            m = Msg(ids[i - i0], name, s0 + i, bodies[i] if bodies is not None else None, 0, vis, exp, size)
+            m.state = state
+            m.gen = 1
+            m.src = (seg, i)
+            msgs[m.id] = m
+            push(retention, (exp, s0 + i, m.id))  # its segment's entry no longer covers it
+            out.append(m)
+        seg.left -= len(picked)
+        c = taken.find(0, seg.cur)
+        seg.cur = n if c < 0 else c
+        if not seg.left:
+            lst = q.segs.get(seg.prefix)
+            if lst is not None:
+                lst.remove(seg)
+                if not lst:
+                    del q.segs[seg.prefix]
+        return out, room, full
+
+    def _lease_run(self, q: Queue, run: list, nonces: bytes, k: int, expires_at: int, via, out: list) -> None:
+        """Lease ``run``'s ready Msgs (out of every heap) until ``expires_at``, their
+        nonces read from ``nonces`` at ``k``: ``_lease`` for each, in one pass.
+        Appends (Msg, Lease) to ``out``."""
+        leases, lh, name, epoch = self.leases, self.lease_heap, q.name, self.epoch
+        push = heapq.heappush
+        lid = self.next_lease_id
+        for m in run:
+            lease = Lease(lid, nonces[k:k + 8], name, m.id, epoch, expires_at, via)
+            leases[lid] = lease
+            push(lh, (expires_at, lid))
+            m.gen += 1
+            m.state = LEASED
+            m.lease = lid
+            out.append((m, lease))
+            lid += 1
+            k += 8
+        self.next_lease_id = lid
+        q.n_ready -= len(run)
+        q.n_leased += len(run)
+        if len(lh) > 2 * len(leases) + 1024:  # as _push_lease
+            lh[:] = [(x.expires_at, x.id) for x in leases.values() if x.state == ACTIVE]
+            heapq.heapify(lh)
 
     def _lease(self, q: Queue, m: Msg, lease: Lease) -> None:
         """``m``, ready and out of the ready heap, is leased by ``lease``."""

@@ -5,7 +5,7 @@ epoch, lsn and time and applies them, like the engine does after fsync.
 """
 import pytest
 
-from node.core.spool import US, Core, StaleLeaseError
+from node.core.spool import DEFAULT_SETTINGS, US, Core, StaleLeaseError
 from spooler.pb import log_pb2
 
 S = US  # one second in core units
@@ -510,13 +510,13 @@ def test_log_gap_is_refused(log):
         log.core.apply(rec)
 
 
-def _run(log, queue, bodies, at, delay=0, entries=(), prefix="p"):
+def _run(log, queue, bodies, at, delay=0, entries=(), prefix="p", first=0x1f):
     rec = log_pb2.Record()
     send = rec.send_compact
     for q, body in entries:
         log.ids += 1
         send.entries.add(queue=q, id=f"m{log.ids}", body=body)
-    send.run_queue, send.run_id_prefix, send.run_id_first = queue, prefix, 0x1f
+    send.run_queue, send.run_id_prefix, send.run_id_first = queue, prefix, first
     send.run_delay_us = delay
     send.run_bodies.extend(bodies)
     return log.commit(rec, at)
@@ -720,6 +720,81 @@ def test_redrive_and_delete_reach_messages_inside_segments(log):
     # the emptied segment ends with its messages (each goes at the next checkpoint); the other with its queue
     segs = [seg for seg in log.core.dirty.segs.values() if seg.queue == "q.failed"]
     assert [(seg.left, seg.removed) for seg in segs] == [(0, False), (1, True)]
+
+
+def test_a_receive_takes_a_segment_run_only_up_to_an_older_message_outside_it():
+    """A receive leases a segment's messages as a run (Core._take_run), but never
+    past an older message outside the segment: here message 3 of a stored segment
+    has a row of its own (it was leased and nacked before a restart), so the
+    oldest-first order is 0, 1, 2, then it, then 4... and the run also stops at
+    the answer's byte budget and the queue's lease cap, leaving the rest in place."""
+    core = Core(rand=lambda n: b"\x03" * n)
+    core.load_queue("q", dict(DEFAULT_SETTINGS), {})
+    offs = [10 * i for i in range(11)]  # ten bodies of 10 bytes each, in the store
+    gone = bytearray(10)
+    gone[3] = 1
+    core.load_segment("q", 100, "p", 0, 10, 0, 10**12, offs, gone, 1)
+    core.load_message("q", "p00000003", 103, 1, 0, 10**12, 1, size=10)
+    got = core.receive("q", 2, 6)
+    assert [(m.id, m.retry) for m, _ in got] == [("p00000000", 0), ("p00000001", 0), ("p00000002", 0),
+                                                  ("p00000003", 1), ("p00000004", 0), ("p00000005", 0)]
+    assert len({lease.id for _, lease in got}) == 6 and [lease.msg_id for _, lease in got] == [m.id for m, _ in got]
+    got = core.receive("q", 2, 10, bytes_max=25)  # two bodies fit; the third waits
+    assert [m.id for m, _ in got] == ["p00000006", "p00000007"]
+    got = core.receive("q", 2, 10, leases_max=9)  # one more lease allowed
+    assert [m.id for m, _ in got] == ["p00000008"]
+    assert [m.id for m, _ in core.receive("q", 2, 10)] == ["p00000009"]
+    st = core.stats("q", 2)
+    assert (st["visible"], st["leased"]) == (0, 10)
+
+
+def test_acks_a_replica_applies_as_a_run_end_as_one_by_one():
+    """A replica holds the messages a primary leased still inside their segments and
+    applies a record's acks of consecutive messages in one pass (Core._ack_untaken_run):
+    for records of every shape (runs, gaps, repeats, unknown ids, other queues, nacks
+    in between, ids past a segment's end) it must end exactly as applying the same
+    entries one record each does: the same answers, messages, counters."""
+    import random
+    rnd = random.Random(7)
+    for trial in range(40):
+        cores = []
+        for _ in range(2):
+            lg = Log(Core(rand=lambda n: b"\x04" * n))
+            lg.new_epoch(0)
+            lg.queue("q")
+            lg.queue("r")
+            _run(lg, "q", [b"a"] * 50, at=1)
+            _run(lg, "q", [b"b"] * 50, at=1, first=0x1f + 50)  # the next segment, its ids following on
+            _run(lg, "q", [b"b"] * 20, at=1, prefix="o")
+            _run(lg, "r", [b"c"] * 30, at=1, prefix="s")
+            cores.append(lg)
+        ids = [m[0] for m in cores[0].core.messages("q")] + ["p000000ff", "x1", "p0000001F", "p0000001f0"]
+        entries = []
+        i = rnd.randrange(40)
+        for _ in range(rnd.randrange(1, 120)):
+            roll = rnd.random()
+            if roll < 0.75:
+                i += 1  # the next one
+            elif roll < 0.85:
+                i += rnd.randrange(-3, 4)  # a gap, a step back, a repeat
+            else:
+                i = rnd.randrange(len(ids))
+            i = max(0, min(i, len(ids) - 1))
+            queue = "q" if rnd.random() < 0.95 else "r"
+            kind = log_pb2.ACK if rnd.random() < 0.9 else log_pb2.NACK
+            entries.append((kind, queue, ids[i]))
+        whole, one_by_one = cores
+        rec = log_pb2.Record()
+        for kind, queue, mid in entries:
+            rec.settle.entries.add(kind=kind, queue=queue, id=mid)
+        got = whole.commit(rec, 2)
+        each = [one_by_one.settle(kind, queue, mid, 2) for kind, queue, mid in entries]
+        assert got == each, trial
+        for name in ("q", "r"):
+            assert whole.core.messages(name) == one_by_one.core.messages(name), trial
+            assert whole.core.stats(name, 3) == one_by_one.core.stats(name, 3), trial
+        assert ({k: (s.left, s.cur, bytes(s.gone)) for k, s in whole.core.dirty.segs.items()}
+                == {k: (s.left, s.cur, bytes(s.gone)) for k, s in one_by_one.core.dirty.segs.items()}), trial
 
 
 def test_a_replica_heaps_stay_bounded(log):
