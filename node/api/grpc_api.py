@@ -17,7 +17,7 @@ from spooler import errors
 from spooler.pb import api_pb2, api_pb2_grpc
 from node.api.forward import FORWARDED
 from node.tls import from_a_member
-from node.api.service import SETTINGS, Service
+from node.api.service import SCOPES, SETTINGS, Service
 from node.engine import Reply
 
 log = logging.getLogger("spooler.grpc")
@@ -62,6 +62,11 @@ def cluster_pb(d: dict) -> api_pb2.ClusterInfo:
 def _delivery_pb(d) -> api_pb2.Delivery:
     return api_pb2.Delivery(id=d.id, body=d.body, lease_token=d.token, retry_count=d.retry_count,
                             lease_expires_at=d.expires_at, queue=d.queue, lease_seconds_left=d.left_s)
+
+
+# a key's scopes are a few names (repeats allowed): a request naming more is refused
+# before millions of them become a list
+SCOPES_IN_A_REQUEST_MAX = 64
 
 
 def _at_most(svc: Service, n: int, what: str) -> None:
@@ -350,6 +355,9 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
 
     @rpc
     async def CreateKey(self, p, req, ctx):
+        if len(req.scopes) > SCOPES_IN_A_REQUEST_MAX:  # before they are read out (as _at_most)
+            raise errors.InvalidArgument(f"scopes: at most {SCOPES_IN_A_REQUEST_MAX}, each one of "
+                                         + ", ".join(SCOPES))
         d = await self.svc.create_key(p, req.queue, list(req.scopes))
         return api_pb2.KeyInfo(id=d["id"], queue=d["queue"], scopes=d["scopes"], key=d["key"])
 

@@ -684,6 +684,23 @@ def test_a_batch_over_the_cap_is_refused_before_its_items_are_read():
         grpc_api._send_args(Svc(), Req())
 
 
+def test_a_create_key_naming_too_many_scopes_is_refused_before_they_are_read(node):
+    """CreateKey takes repeats of a scope (a key's scopes are a set), so only the
+    count bounds what becomes a list: more than 64 names, 4 MB of empty ones
+    among them, are refused as invalid_argument; 64 repeats still make a key."""
+    with grpc.insecure_channel(node.grpc_target) as ch:
+        stub = api_pb2_grpc.SpoolerStub(ch)
+        md = (("authorization", f"Bearer {node.admin_key}"),)
+        key = stub.CreateKey(api_pb2.CreateKeyRequest(queue="*", scopes=["send"] * 64), metadata=md, timeout=10)
+        assert list(key.scopes) == ["send"]
+        for scopes in (["send"] * 65, [""] * 2_000_000):
+            with pytest.raises(grpc.RpcError) as ei:
+                stub.CreateKey(api_pb2.CreateKeyRequest(queue="*", scopes=scopes), metadata=md, timeout=10)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert dict(ei.value.trailing_metadata())["spooler-error-kind"] == "invalid_argument"
+            assert "at most 64" in ei.value.details()
+
+
 def _varint(n: int) -> bytes:
     out = b""
     while True:
