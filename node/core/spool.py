@@ -546,14 +546,16 @@ class Core:
         of the entries after it that ack the next messages of ``seg`` in order
         (untaken, each id checked) leave it as gone, as ``_ack_untaken`` has each
         leave, in one pass. -> the index of the first entry not taken."""
-        ACK, name = log_pb2.ACK, q.name
+        ACK, name, msgs = log_pb2.ACK, q.name, q.msgs
         taken = seg.taken
         most = min(seg.n - i, len(entries) - k)
         ids = run_ids(seg.prefix, seg.first + i, most) if most > 1 else None
         j = 1
         while j < most and not taken[i + j]:
             e = entries[k + j]
-            if e.id != ids[j] or e.kind != ACK or e.queue != name:
+            # (an Msg of the same id would be the one acked one by one: ids are unique
+            # by construction, but apply takes the lookup's order, not a guess)
+            if e.id != ids[j] or e.kind != ACK or e.queue != name or e.id in msgs:
                 break
             j += 1
         ones = b"\x01" * j

@@ -767,6 +767,12 @@ def test_acks_a_replica_applies_as_a_run_end_as_one_by_one():
             _run(lg, "q", [b"b"] * 50, at=1, first=0x1f + 50)  # the next segment, its ids following on
             _run(lg, "q", [b"b"] * 20, at=1, prefix="o")
             _run(lg, "r", [b"c"] * 30, at=1, prefix="s")
+            if trial % 4 == 0:
+                # an id twice in a queue (the service never makes one): a plain message
+                # named as one inside a segment is the one an ack finds first
+                rec = log_pb2.Record()
+                rec.send.entries.add(queue="q", id=f"p{0x1f + 5 + trial:08x}", body=b"dup")
+                lg.commit(rec, 1)
             cores.append(lg)
         ids = [m[0] for m in cores[0].core.messages("q")] + ["p000000ff", "x1", "p0000001F", "p0000001f0"]
         entries = []
