@@ -427,11 +427,16 @@ class Core:
         """Message ``i`` is no longer inside ``seg`` (taken or acked)."""
         seg.taken[i] = 1
         seg.left -= 1
+        self._moved_on(q, seg, i)
+
+    @staticmethod
+    def _moved_on(q: Queue, seg: Segment, i: int) -> None:
+        """Messages left ``seg`` from index ``i`` on (their ``taken`` flags set, ``left``
+        counted down): its head moves past them, and a segment with none left is no
+        longer indexed."""
         if i == seg.cur:
-            taken, n, c = seg.taken, seg.n, i + 1
-            while c < n and taken[c]:
-                c += 1
-            seg.cur = c
+            c = seg.taken.find(0, i)
+            seg.cur = seg.n if c < 0 else c
         if not seg.left:
             lst = q.segs.get(seg.prefix)
             if lst is not None:
@@ -563,15 +568,7 @@ class Core:
         seg.gone[i:i + j] = ones
         seg.n_gone += j
         seg.left -= j
-        if i == seg.cur:
-            c = taken.find(0, i)
-            seg.cur = seg.n if c < 0 else c
-        if not seg.left:
-            lst = q.segs.get(seg.prefix)
-            if lst is not None:
-                lst.remove(seg)
-                if not lst:
-                    del q.segs[seg.prefix]
+        self._moved_on(q, seg, i)
         if seg.state == READY:
             q.n_ready -= j
         else:
@@ -943,14 +940,7 @@ class Core:
             push(retention, (exp, s0 + i, m.id))  # its segment's entry no longer covers it
             out.append(m)
         seg.left -= len(picked)
-        c = taken.find(0, seg.cur)
-        seg.cur = n if c < 0 else c
-        if not seg.left:
-            lst = q.segs.get(seg.prefix)
-            if lst is not None:
-                lst.remove(seg)
-                if not lst:
-                    del q.segs[seg.prefix]
+        self._moved_on(q, seg, i0)  # (i0 is the head: the first untaken one)
         return out, room, full
 
     def _lease_run(self, q: Queue, run: list, nonces: bytes, k: int, expires_at: int, via, out: list) -> None:
