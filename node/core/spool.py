@@ -411,18 +411,6 @@ class Core:
                 return seg, i
         return None
 
-    def _ack_untaken(self, q: Queue, seg: Segment, i: int) -> None:
-        """An ack of a message still inside its segment: it leaves as gone (no row)."""
-        self._leave(q, seg, i)
-        if seg.state == READY:
-            q.n_ready -= 1
-        else:
-            q.n_delayed -= 1
-        q.counters["acked"] += 1
-        seg.gone[i] = 1
-        seg.n_gone += 1
-        self.dirty.segs[seg.seq0] = seg
-
     def _leave(self, q: Queue, seg: Segment, i: int) -> None:
         """Message ``i`` is no longer inside ``seg`` (taken or acked)."""
         seg.taken[i] = 1
@@ -549,8 +537,8 @@ class Core:
     def _ack_untaken_run(self, q: Queue, seg: Segment, i: int, entries, k: int) -> int:
         """Entry ``k`` acks message ``i``, untaken in ``seg``: that message and those
         of the entries after it that ack the next messages of ``seg`` in order
-        (untaken, each id checked) leave it as gone, as ``_ack_untaken`` has each
-        leave, in one pass. -> the index of the first entry not taken."""
+        (untaken, each id checked) leave it as gone, without an Msg of their own,
+        in one pass. -> the index of the first entry not taken."""
         ACK, name, msgs = log_pb2.ACK, q.name, q.msgs
         taken = seg.taken
         most = min(seg.n - i, len(entries) - k)
@@ -963,9 +951,7 @@ class Core:
         self.next_lease_id = lid
         q.n_ready -= len(run)
         q.n_leased += len(run)
-        if len(lh) > 2 * len(leases) + 1024:  # as _push_lease
-            lh[:] = [(x.expires_at, x.id) for x in leases.values() if x.state == ACTIVE]
-            heapq.heapify(lh)
+        self._bound_lease_heap()
 
     def _lease(self, q: Queue, m: Msg, lease: Lease) -> None:
         """``m``, ready and out of the ready heap, is leased by ``lease``."""
@@ -1016,8 +1002,11 @@ class Core:
         (ack) or moves on (renew) and are only skipped when they come due, up to a
         lease timeout (12 h) later: so the heap is rebuilt from the live leases
         once it holds over twice their number (amortised O(1) per push)."""
+        heapq.heappush(self.lease_heap, (lease.expires_at, lease.id))
+        self._bound_lease_heap()
+
+    def _bound_lease_heap(self) -> None:
         h = self.lease_heap
-        heapq.heappush(h, (lease.expires_at, lease.id))
         if len(h) > 2 * len(self.leases) + 1024:
             h[:] = [(x.expires_at, x.id) for x in self.leases.values() if x.state == ACTIVE]
             heapq.heapify(h)
