@@ -454,7 +454,6 @@ class Core:
         ACK = log_pb2.ACK
         entries = op.entries
         n, k = len(entries), 0
-        acked = None  # (Queue, how many) for the run of acks of leased messages under way
         tidy, last = set(), None  # the queues named (swept at the end)
         while k < n:
             e = entries[k]
@@ -479,12 +478,8 @@ class Core:
                 del q.msgs[m.id]
                 m.removed = True
                 self.dirty.msgs[m.id] = m
-                if acked is not None and acked[0] is q:
-                    acked[1] += 1
-                else:
-                    if acked is not None:
-                        self._count_acks(*acked)
-                    acked = [q, 1]
+                q.counters["acked"] += 1
+                self.dirty.queues.add(q.name)
                 out.append(True)
                 continue
             if m is None:
@@ -520,8 +515,6 @@ class Core:
                 self._retry_or_fail(q, m, ts, delay)
             self.dirty.queues.add(q.name)
             out.append(True)
-        if acked is not None:
-            self._count_acks(*acked)
         ended = self.ended
         while len(ended) > self.ended_leases_max:
             ended.popitem(last=False)
@@ -529,10 +522,6 @@ class Core:
             if self.queues.get(q.name) is q:
                 self._tidy(q)
         return out
-
-    def _count_acks(self, q: Queue, n: int) -> None:
-        q.counters["acked"] += n
-        self.dirty.queues.add(q.name)
 
     def _ack_untaken_run(self, q: Queue, seg: Segment, i: int, entries, k: int) -> int:
         """Entry ``k`` acks message ``i``, untaken in ``seg``: that message and those
