@@ -108,7 +108,7 @@ class Segment:
     offsets and the ``gone`` flags; the row goes when every message is gone."""
 
     __slots__ = ("seq0", "queue", "prefix", "first", "n", "visible_at", "expires_at", "bodies", "offs",
-                 "taken", "left", "cur", "state", "gen", "gone", "n_gone", "persisted", "removed")
+                 "taken", "left", "cur", "state", "gen", "gone", "n_gone", "persisted", "removed", "lsn", "pos")
 
     def __init__(self, seq0, queue, prefix, first, n, visible_at, expires_at, bodies):
         self.seq0 = seq0
@@ -129,6 +129,11 @@ class Segment:
         self.n_gone = 0
         self.persisted = False     # its row exists in the store
         self.removed = False       # its queue was deleted
+        self.lsn = 0               # the record that sent it (0: not known, a segment loaded from the store)
+        # where its bodies are while its row points at that record's stored bytes
+        # instead of holding them (body i at pos[i], offs[i + 1] - offs[i] long;
+        # the edge's business, see Engine._take_checkpoint); None: in its row, or in memory
+        self.pos = None
 
     def id_of(self, i: int) -> str:
         return message_id(self.prefix, self.first + i)
@@ -211,6 +216,9 @@ class Dirty:
     dedup: set = field(default_factory=set)      # (queue, key)
     keys: set = field(default_factory=set)       # key ids
     segs: dict = field(default_factory=dict)     # seq0 -> Segment (new, gone flags, or removed)
+    # bodies sent since the last checkpoint, in bytes: about what the next one
+    # writes (the edge checkpoints early when it grows, see Engine._checkpoint_loop)
+    body_bytes: int = 0
 
     def __len__(self):
         return len(self.msgs) + len(self.queues) + len(self.dedup) + len(self.keys) + len(self.segs)
@@ -315,6 +323,7 @@ class Core:
             visible_at = ts + e.delay_us if e.delay_us > 0 else ts
             m = Msg(mid, q.name, self.next_seq, e.body, 0, visible_at, visible_at + q.settings["retention_us"])
             self.next_seq += 1
+            self.dirty.body_bytes += len(e.body)
             q.msgs[mid] = m
             q.counters["sent"] += 1
             self._make_available(q, m, ts)
@@ -339,9 +348,11 @@ class Core:
         visible_at = ts + op.run_delay_us if op.run_delay_us > 0 else ts
         seg = Segment(self.next_seq, name, prefix, first, n, visible_at,
                       visible_at + q.settings["retention_us"], bodies)
+        seg.lsn = self.lsn
         self.next_seq += n
         self._add_segment(q, seg, ts)
         self.dirty.segs[seg.seq0] = seg
+        self.dirty.body_bytes += sum(map(len, bodies))
         q.counters["sent"] += n
         self.dirty.queues.add(name)
         self._tidy(q)
@@ -1122,11 +1133,13 @@ class Core:
         heapq.heappush(q.retention, (expires_at, seq, id))
         self.next_seq = max(self.next_seq, seq + 1)
 
-    def load_segment(self, queue, seq0, prefix, first, n, visible_at, expires_at, offs, gone, now) -> None:
+    def load_segment(self, queue, seq0, prefix, first, n, visible_at, expires_at, offs, gone, now,
+                     lsn: int = 0, pos=None) -> Segment:
         """A stored segment: bodies stay in the store; ``gone`` ones have rows of their own or none."""
         q = self.queues[queue]
         seg = Segment(seq0, queue, prefix, first, n, visible_at, expires_at, None)
         seg.offs = offs
+        seg.lsn, seg.pos = lsn, pos
         seg.gone[:] = gone
         seg.taken[:] = gone
         seg.n_gone = seg.n - seg.gone.count(0)
@@ -1136,6 +1149,7 @@ class Core:
         if seg.left:
             self._add_segment(q, seg, now)
         self.next_seq = max(self.next_seq, seq0 + n)
+        return seg
 
     def messages(self, queue: str):
         """Every message of a queue as (id, seq, retry, visible_at, expires_at), in

@@ -17,7 +17,9 @@ Every statement here is IO; the decisions are in ``node/core``.
 """
 from __future__ import annotations
 
+import itertools
 import json
+from operator import add, sub
 import os
 import sys
 import zlib
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import apsw
+
+from spooler.pb import log_pb2
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v) WITHOUT ROWID;
@@ -42,7 +46,7 @@ CREATE TABLE IF NOT EXISTS dedup(queue TEXT NOT NULL, key TEXT NOT NULL, msg_id 
 CREATE TABLE IF NOT EXISTS segments(seq0 INTEGER PRIMARY KEY, queue TEXT NOT NULL, prefix TEXT NOT NULL,
                                     first INTEGER NOT NULL, n INTEGER NOT NULL, visible_at INTEGER NOT NULL,
                                     expires_at INTEGER NOT NULL, offs BLOB NOT NULL, gone BLOB NOT NULL,
-                                    bodies BLOB NOT NULL);
+                                    bodies BLOB NOT NULL, lsn INTEGER, pos BLOB);
 CREATE TABLE IF NOT EXISTS keys(id TEXT PRIMARY KEY, sha256 BLOB NOT NULL, queue TEXT NOT NULL,
                                 scopes TEXT NOT NULL) WITHOUT ROWID;
 """
@@ -51,13 +55,95 @@ CREATE TABLE IF NOT EXISTS keys(id TEXT PRIMARY KEY, sha256 BLOB NOT NULL, queue
 # SQLite's cycle of 1,000 frames of a 4 KiB page and its 24-byte header
 WAL_PREFILL_BYTES = 1100 * (4096 + 24) + 32
 
-# 2 added the segments table; a store of version 1 simply has none yet
-SCHEMA_VERSION = 2
+# 2 added the segments table (a store of version 1 simply has none yet); 3 its
+# columns lsn and pos: a row whose bodies are still in that log record's bytes
+SCHEMA_VERSION = 3
 
 
 def chain(crc: int, data: bytes) -> int:
     """The log checksum: crc32 over every record so far (a position's third part)."""
     return zlib.crc32(data, crc)
+
+
+def _varint(b: bytes, i: int) -> tuple:
+    x = shift = 0
+    while True:
+        c = b[i]
+        i += 1
+        x |= (c & 0x7F) << shift
+        if c < 0x80:
+            return x, i
+        shift += 7
+
+
+def _fields(b: bytes, i: int, end: int):
+    """(field number, wire type, value start, value end) of each protobuf field in b[i:end]."""
+    while i < end:
+        key, i = _varint(b, i)
+        wt = key & 7
+        if wt == 0:
+            j = _varint(b, i)[1]
+        elif wt == 1:
+            j = i + 8
+        elif wt == 5:
+            j = i + 4
+        elif wt == 2:
+            n, i = _varint(b, i)
+            j = i + n
+        else:
+            raise ValueError(f"wire type {wt}")
+        if j > end:
+            raise ValueError("field past the end")
+        yield key >> 3, wt, i, j
+        i = j
+
+
+SEND_COMPACT = log_pb2.Record.DESCRIPTOR.fields_by_name["send_compact"].number
+RUN_BODIES = log_pb2.Send.DESCRIPTOR.fields_by_name["run_bodies"].number
+_RUN_TAG = bytes([RUN_BODIES << 3 | 2])
+
+
+def run_body_positions(rec: bytes, offs: array) -> Optional[array]:
+    """Where each body of the run in an encoded ``Record.send_compact`` starts, given
+    the bodies' offsets as a segment keeps them (n + 1, body i is offs[i + 1] -
+    offs[i] long); None if the record holds no such run. A repeated bytes field is
+    encoded element after element (tag, length, bytes), and ``run_bodies`` is the
+    last field of a Send, so the run ends where the Send does: checked, as is the
+    tag before the last body."""
+    try:
+        for f, wt, a, z in _fields(rec, 0, len(rec)):
+            if f == SEND_COMPACT and wt == 2:
+                break
+        else:
+            return None
+        for f, wt, start, _ in _fields(rec, a, z):
+            if f == RUN_BODIES and wt == 2:
+                break
+        else:
+            return None
+    except (ValueError, IndexError):
+        return None
+    n = len(offs) - 1
+    if n < 1:
+        return None
+    lens = list(map(sub, offs[1:], offs[:-1]))
+    # From body i's start to body i + 1's: its length, the tag (one byte), the
+    # next length's varint. Mostly every length's varint is as long (bodies of
+    # one size class): then body i starts at start + offs[i] + i * (1 + that).
+    v = _varint_size(min(lens))
+    if v == _varint_size(max(lens)):
+        pos = array("I", map(add, offs[:-1], range(start, start + n * (1 + v), 1 + v)))
+    else:
+        heads = [1 + _varint_size(x) for x in lens]
+        pos = array("I", itertools.accumulate(map(add, lens[:-1], heads[1:]), initial=start))
+    last = lens[-1]
+    if pos[-1] + last != z or rec[pos[-1] - 1 - _varint_size(last)] != _RUN_TAG[0]:
+        return None
+    return pos
+
+
+def _varint_size(x: int) -> int:
+    return (x.bit_length() + 6) // 7 or 1
 
 
 def offsets_from_blob(blob: bytes) -> array:
@@ -93,9 +179,10 @@ class CheckpointData:
     next_seq: int
     queues: list      # (name, settings json, counters json) or (name, None, None) = deleted
     msgs_put: list    # (id, queue, seq, retry, visible_at, expires_at, body): bytes, None = keep,
-                      # or (seq0, offset, length) = copy it out of that segment's row
+                      # or (table, rowid, offset, length) = copy it out of that segment row or log record (Store._blob)
     msgs_del: list    # ids
-    segs_put: list    # (seq0, queue, prefix, first, n, visible_at, expires_at, offs array, gone, bodies)
+    segs_put: list    # (seq0, queue, prefix, first, n, visible_at, expires_at, offs array, gone, bodies list,
+                      #  lsn of the record whose run they are, or 0): see Store.checkpoint
     segs_gone: list   # (gone, seq0): messages that left these segments
     segs_del: list    # seq0s
     dedup: list       # (queue, key, msg_id or None = deleted, until)
@@ -122,10 +209,16 @@ class Store:
         self._reader: Optional[apsw.Connection] = None
         self.db.execute(SCHEMA)
         v = self.get_meta("schema_version")
-        if v is None or int(v) == 1:
-            self.set_meta("schema_version", SCHEMA_VERSION)
-        elif int(v) != SCHEMA_VERSION:
+        if v is not None and int(v) not in (1, 2, SCHEMA_VERSION):
             raise RuntimeError(f"store schema {v} is not {SCHEMA_VERSION}")
+        if v is None or int(v) != SCHEMA_VERSION:
+            with self.db:
+                have = {r[1] for r in self.db.execute("PRAGMA table_info(segments)")}
+                if "lsn" not in have:  # a version 2 store: its rows all hold their bodies
+                    self.db.execute("ALTER TABLE segments ADD COLUMN lsn INTEGER")
+                    self.db.execute("ALTER TABLE segments ADD COLUMN pos BLOB")
+                self.set_meta("schema_version", SCHEMA_VERSION)
+        self.db.execute("CREATE INDEX IF NOT EXISTS segments_by_record ON segments(lsn) WHERE lsn IS NOT NULL")
         if prefill_wal:
             self._prefill_wal()
         # The log's record sizes as running totals, for compaction by bytes: the
@@ -213,7 +306,11 @@ class Store:
             sums.append(total)
 
     def truncate_log(self, after_lsn: int) -> None:
-        """Drop the records after ``after_lsn`` (never committed by a quorum)."""
+        """Drop the records after ``after_lsn`` (never committed by a quorum). Never
+        an applied one: segment rows may name those for their bodies."""
+        applied = self.applied_position().lsn
+        if after_lsn < applied:
+            raise RuntimeError(f"truncating the log to {after_lsn}, behind the checkpoint at {applied}")
         with self.db:
             self.db.execute("DELETE FROM log WHERE lsn > ?", (after_lsn,))
         del self._log_sum[max(1, after_lsn - self._log_first + 2):]
@@ -255,8 +352,11 @@ class Store:
                                (lsn, limit)))
 
     # ---------------------------------------------------------- checkpoint
-    def checkpoint(self, c: CheckpointData) -> None:
+    def checkpoint(self, c: CheckpointData) -> dict:
+        """Write ``c`` in one transaction; -> {seq0: positions} of the new segment rows
+        that point at their record instead of holding their bodies (_segment_rows)."""
         db = self.db
+        by_record: dict = {}
         with db:
             for name, settings, counters in c.queues:
                 if settings is None:
@@ -269,8 +369,8 @@ class Store:
                 db.executemany("DELETE FROM messages WHERE id=?", ((i,) for i in c.msgs_del))
             new = [r for r in c.msgs_put if r[6] is not None]
             upd = [r[:6] for r in c.msgs_put if r[6] is None]
-            if any(type(r[6]) is tuple for r in new):  # bodies still in their segment's row
-                new = [r[:6] + (self._seg_body(db, *r[6]),) if type(r[6]) is tuple else r for r in new]
+            if any(type(r[6]) is tuple for r in new):  # bodies still in their segment's row, or its record
+                new = [r[:6] + (self._blob(db, *r[6]),) if type(r[6]) is tuple else r for r in new]
             if new:
                 db.executemany("INSERT OR REPLACE INTO messages(id, queue, seq, retry, visible_at, expires_at, body) "
                                "VALUES(?, ?, ?, ?, ?, ?, ?)", new)
@@ -280,8 +380,8 @@ class Store:
             # after the messages: a row copied a body out of a segment deleted here
             if c.segs_put:
                 db.executemany("INSERT INTO segments(seq0, queue, prefix, first, n, visible_at, expires_at, offs, "
-                               "gone, bodies) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                               (r[:7] + (offsets_to_blob(r[7]),) + r[8:] for r in c.segs_put))
+                               "gone, bodies, lsn, pos) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                               self._segment_rows(db, c.segs_put, c.compact_upto, by_record))
             if c.segs_gone:
                 db.executemany("UPDATE segments SET gone=? WHERE seq0=?", c.segs_gone)
             if c.segs_del:
@@ -304,14 +404,51 @@ class Store:
             # Bounded growth: the log keeps only a tail behind the checkpoint, in
             # records and in bytes (replicas that fall further behind get a
             # snapshot instead). The engine compacted its view of the log to the
-            # same point before this ran.
+            # same point before this ran. Segment rows whose bodies are still in
+            # records about to go take them into themselves first, in this
+            # transaction: this is the one place that deletes applied records.
             cut = c.compact_upto
+            for seq0, lsn, offs, pos in db.execute("SELECT seq0, lsn, offs, pos FROM segments "
+                                                   "WHERE lsn IS NOT NULL AND lsn <= ?", (cut,)).fetchall():
+                offs, pos = offsets_from_blob(offs), offsets_from_blob(pos)
+                rec = self._blob(db, "log", lsn, 0, -1)
+                bodies = b"".join([rec[p:p + offs[i + 1] - offs[i]] for i, p in enumerate(pos)])
+                if len(pos) + 1 != len(offs) or len(bodies) != offs[-1]:
+                    raise RuntimeError(f"segment {seq0}: record {lsn} does not hold its bodies")
+                db.execute("UPDATE segments SET bodies=?, lsn=NULL, pos=NULL WHERE seq0=?", (bodies, seq0))
             db.execute("DELETE FROM log WHERE lsn <= ?", (cut,))
         if len(self._log_sum) > 1 and cut >= self._log_first:
             # never the base total: at most every record there is
             k = min(cut - self._log_first + 1, len(self._log_sum) - 1)
             del self._log_sum[:k]
             self._log_first += k
+        return by_record
+
+    def _segment_rows(self, db: apsw.Connection, segs: list, cut: int, by_record: dict):
+        """Rows for new segments. A segment's bodies are already stored once, as the
+        run of the log record that sent it: while that record stays in the log (it
+        is past ``cut``), the row points at it (lsn, and where each body starts in
+        the record's bytes) instead of writing every body a second time. Compaction
+        copies them into the row before the record goes (checkpoint). Where the
+        record is not found, or does not hold these bodies, the row holds them."""
+        for r in segs:
+            seq0, offs, bodies, lsn = r[0], r[7], r[9], r[10]
+            pos = None
+            if lsn > cut:
+                try:
+                    rec = self._blob(db, "log", lsn, 0, -1)
+                except apsw.SQLError:
+                    rec = None
+                if rec is not None:
+                    pos = run_body_positions(rec, offs)
+                    if pos is not None and (rec[pos[0]:pos[0] + offs[1]] != bodies[0]
+                                            or rec[pos[-1]:pos[-1] + offs[-1] - offs[-2]] != bodies[-1]):
+                        pos = None
+            if pos is None:
+                yield r[:7] + (offsets_to_blob(offs), r[8], b"".join(bodies), None, None)
+            else:
+                by_record[seq0] = pos
+                yield r[:7] + (offsets_to_blob(offs), r[8], b"", lsn, offsets_to_blob(pos))
 
     # ------------------------------------------------------------- loading
     def load_queues(self) -> Iterable:
@@ -323,10 +460,12 @@ class Store:
                                "ORDER BY seq")
 
     def load_segments(self) -> Iterable:
-        """(queue, seq0, prefix, first, n, visible_at, expires_at, offsets array, gone bytes)"""
-        for row in self.db.execute("SELECT queue, seq0, prefix, first, n, visible_at, expires_at, offs, gone "
-                                   "FROM segments ORDER BY seq0"):
-            yield row[:7] + (offsets_from_blob(row[7]), bytes(row[8]))
+        """(queue, seq0, prefix, first, n, visible_at, expires_at, offsets array, gone bytes, lsn, pos
+        array): lsn and pos None for a row holding its bodies, else where they are in that record"""
+        for row in self.db.execute("SELECT queue, seq0, prefix, first, n, visible_at, expires_at, offs, gone, "
+                                   "lsn, pos FROM segments ORDER BY seq0"):
+            yield row[:7] + (offsets_from_blob(row[7]), bytes(row[8]), row[9],
+                             None if row[10] is None else offsets_from_blob(row[10]))
 
     def load_dedup(self) -> Iterable:
         return self.db.execute("SELECT queue, key, msg_id, until FROM dedup")
@@ -352,25 +491,31 @@ class Store:
                 out[mid] = bytes(body)
         return out
 
-    @staticmethod
-    def _seg_body(db: apsw.Connection, seq0: int, off: int, length: int) -> bytes:
-        """Bytes ``off`` to ``off + length`` of a segment row's bodies (incremental blob
-        I/O: only those pages are read). apsw.SQLError if the row is gone."""
-        with db.blob_open("main", "segments", "bodies", seq0, False) as blob:
+    BLOB_COLUMNS = {"segments": "bodies", "log": "rec"}
+
+    @classmethod
+    def _blob(cls, db: apsw.Connection, table: str, rowid: int, off: int, length: int) -> bytes:
+        """Bytes ``off`` to ``off + length`` (-1: to the end) of a segment row's bodies
+        (table "segments", rowid seq0) or of a log record (table "log", rowid lsn), by
+        incremental blob I/O: only those pages are read. apsw.SQLError if the row is gone."""
+        with db.blob_open("main", table, cls.BLOB_COLUMNS[table], rowid, False) as blob:
             blob.seek(off)
             return blob.read(length)
 
     def read_segment_bodies(self, spans: list) -> list:
-        """Bodies out of segment rows: spans are (seq0, [(offset, length)]); -> a list of
-        lists of bytes (None where the row is gone). One blob read per segment."""
+        """Bodies of segments: spans are ((table, rowid), [(offset, length)]), where a
+        segment's bodies are (see _blob); -> a list of lists of bytes (None where the
+        row is gone, or holds no bodies any more). One blob read per span."""
         db = self._read_db()
         out = []
-        for seq0, parts in spans:
+        for (table, rowid), parts in spans:
             lo = min(o for o, _ in parts)
             hi = max(o + n for o, n in parts)
             try:
-                data = self._seg_body(db, seq0, lo, hi - lo)
-            except apsw.SQLError:  # no such row (any more)
+                data = self._blob(db, table, rowid, lo, hi - lo)
+            except (apsw.SQLError, ValueError):  # no such row (any more), or its bodies are elsewhere
+                data = b""
+            if len(data) < hi - lo:  # a row whose bodies are elsewhere now
                 out.append([None] * len(parts))
                 continue
             out.append([data[o - lo:o - lo + n] for o, n in parts])

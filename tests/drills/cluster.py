@@ -322,11 +322,18 @@ def _messages_of(db) -> list:
     (which of the two holds a message differs between nodes; the message does not)."""
     from node.store.sqlite import offsets_from_blob
     out = [tuple(r) for r in db.execute("SELECT id, queue, seq, retry, visible_at, expires_at, body FROM messages")]
-    for queue, seq0, prefix, first, n, vis, exp, offs, gone, bodies in db.execute(
-            "SELECT queue, seq0, prefix, first, n, visible_at, expires_at, offs, gone, bodies FROM segments"):
+    for queue, seq0, prefix, first, n, vis, exp, offs, gone, bodies, lsn, pos in db.execute(
+            "SELECT queue, seq0, prefix, first, n, visible_at, expires_at, offs, gone, bodies, lsn, pos FROM segments"):
         o = offsets_from_blob(offs)
-        out.extend((f"{prefix}{first + i:08x}", queue, seq0 + i, 0, vis, exp, bytes(bodies[o[i]:o[i + 1]]))
-                   for i in range(n) if not gone[i])
+        if lsn is None:  # the row holds its bodies
+            at = o
+        else:  # they are in the log record that sent them
+            [(bodies,)] = db.execute("SELECT rec FROM log WHERE lsn = ?", (lsn,)).fetchall() or [(None,)]
+            if bodies is None:
+                raise KeyError(f"segment {seq0}: its record {lsn} is not in the log")
+            at = offsets_from_blob(pos)
+        out.extend((f"{prefix}{first + i:08x}", queue, seq0 + i, 0, vis, exp,
+                    bytes(bodies[at[i]:at[i] + o[i + 1] - o[i]])) for i in range(n) if not gone[i])
     out.sort(key=lambda r: r[0])
     return out
 

@@ -143,7 +143,7 @@ class Drill:
     def __init__(self, seed: int, duration_s: float, nodes: int, workdir: str, producers: int = 3,
                  consumers: int = 2, send_pause_s: float = 0.05, failover_timeout_s: float = 1.0,
                  log=print, power_loss: bool = False, partitions: bool = False, cascades: bool = False,
-                 disk_loss: bool = False, graceful: bool = False, faults: tuple = ()):
+                 disk_loss: bool = False, graceful: bool = False, faults: tuple = (), node_args: tuple = ()):
         unknown = [f for f in faults if f not in FAULT_KINDS]
         if unknown:
             raise ValueError(f"unknown fault kinds {unknown}; known: {sorted(FAULT_KINDS)}")
@@ -173,7 +173,7 @@ class Drill:
         self.graceful = graceful
         self.cluster = Cluster(os.path.join(self.workdir, "nodes"), nodes=nodes,
                                failover_timeout_s=failover_timeout_s, power_loss=power_loss,
-                               partitions=partitions)
+                               partitions=partitions, extra_args=node_args)
         self.stop_load = threading.Event()
         self.stop_observer = threading.Event()
         self.thread_errors: list[str] = []

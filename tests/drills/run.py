@@ -10,6 +10,7 @@ seeds' directories are removed unless --keep.
 from __future__ import annotations
 
 import argparse
+import shlex
 import json
 import os
 import shutil
@@ -124,6 +125,9 @@ def main(argv=None) -> int:
                     help="comma-separated fault kinds each seed's nemesis makes first, in order "
                          "(e.g. kill_primary_twice,replace_replica); the load runs on until they are over")
     ap.add_argument("--json", default=None, help="also write every report (JSON lines) to this file")
+    ap.add_argument("--node-args", default="",
+                    help="more flags for every node, e.g. '--log-keep-records 50' (a short log tail: "
+                         "compaction, segment rows taking their bodies in, snapshots for lagging replicas)")
     args = ap.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the running drill's finally blocks end its nodes by pid
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -137,7 +141,8 @@ def main(argv=None) -> int:
     print(f"drills: seeds {args.seeds} ({len(seeds)}), {args.duration:g}s each, {args.nodes} nodes"
           f"{', power loss' if args.power_loss else ''}{', partitions' if args.partitions else ''}"
           f"{', cascades' if args.cascades else ''}{', disk loss' if args.disk_loss else ''}"
-          f"{', graceful stops' if args.graceful else ''}, in {root}",
+          f"{', graceful stops' if args.graceful else ''}"
+          f"{', node flags ' + repr(args.node_args) if args.node_args else ''}, in {root}",
           flush=True)
     reports = []
     for seed in seeds:
@@ -148,7 +153,7 @@ def main(argv=None) -> int:
         try:
             r = run_drill(seed, args.duration, nodes=args.nodes, workdir=wd, power_loss=args.power_loss,
                           partitions=args.partitions, cascades=args.cascades, disk_loss=args.disk_loss,
-                          graceful=args.graceful, faults=faults)
+                          graceful=args.graceful, faults=faults, node_args=tuple(shlex.split(args.node_args)))
         except Exception as e:  # noqa: BLE001 - a drill that cannot finish is a failing seed
             import traceback
             traceback.print_exc()

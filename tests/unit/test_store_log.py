@@ -80,6 +80,14 @@ def test_a_truncation_leaves_the_sizes_in_step(store):
     _checkpoint(store, 25)
     # behind 25: 10 records of 2,000 bytes would be 20,000; 5 of them fit
     assert _log(store) == (21, 25, 10_000, 5)
+    # never behind the checkpoint: applied records stay (segment rows may name them)
+    with pytest.raises(RuntimeError, match="behind the checkpoint at 25"):
+        store.truncate_log(24)
+    assert _log(store) == (21, 25, 10_000, 5) and store.log_bytes() == 10_000
+
+
+def test_a_truncation_to_the_start_empties_a_log_never_checkpointed(store):
+    _append(store, 1, 20, 1000)
     store.truncate_log(0)  # everything (a resync back to the start)
     assert store.log_bytes() == 0 and _log(store)[3] == 0
     _append(store, 1, 3, 100)
