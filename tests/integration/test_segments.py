@@ -103,27 +103,31 @@ def test_a_batch_consumed_between_checkpoints_leaves_no_bodies_in_memory(tmp_pat
     asyncio.run(main())
 
 
-def test_a_checkpoint_comes_early_once_enough_bodies_wait_for_it(tmp_path):
-    """Bodies sent since the last checkpoint bring the next one forward, long before
-    its interval is up: no commit waits behind one large checkpoint
-    (Engine._checkpoint_loop, woken by Engine.apply_upto)."""
+def test_a_checkpoint_comes_early_once_it_has_enough_to_write(tmp_path):
+    """What the next checkpoint has to write of the sends since the last one brings
+    it forward, long before its interval is up: no commit waits behind one large
+    checkpoint (Engine._checkpoint_loop, woken by Engine.apply_upto). A plain
+    message counts its body; a batch's message its share of the segment's row, as
+    its body stays in the log record (Store._segment_rows)."""
     async def main():
         eng = Engine(str(tmp_path / "n"), checkpoint_interval_s=3600, checkpoint_bytes=64 * 1024)
         await eng.start()
         try:
             svc = Service(eng, ["k"])
             await svc.put_queue(ADMIN, "q", {})
-            await svc.send(ADMIN, [], ("q", [b"x" * 1000] * 10, 0.0))  # 10 KB: not enough
+            await svc.send(ADMIN, [], ("q", [b"x" * 1000] * 1000, 0.0))  # a batch: its row, 9 KB
+            await svc.send(ADMIN, [("q", b"y" * 1000, 0.0, "")] * 10, None)  # 10 KB of plain messages
             for _ in range(20):
                 await asyncio.sleep(0)
-            assert _segment_rows(eng) == [] and eng.core.dirty.body_bytes == 10_000
-            await svc.send(ADMIN, [], ("q", [b"y" * 1000] * 60, 0.0))  # 70 KB in all
+            assert _segment_rows(eng) == [] and eng.core.dirty.write_bytes == 9_000 + 10_000
+            await svc.send(ADMIN, [("q", b"z" * 1000, 0.0, "")] * 50, None)  # 69 KB in all
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 10
-            while len(_segment_rows(eng)) < 2 and loop.time() < deadline:
+            while not _segment_rows(eng) and loop.time() < deadline:
                 await asyncio.sleep(0.01)
-            assert [n for _, n, _ in _segment_rows(eng)] == [10, 60]
-            assert eng.core.dirty.body_bytes == 0
+            assert [n for _, n, _ in _segment_rows(eng)] == [1000]
+            assert eng.store.db.execute("SELECT count(*) FROM messages").fetchall() == [(60,)]
+            assert eng.core.dirty.write_bytes == 0
         finally:
             await eng.stop()
     asyncio.run(main())
