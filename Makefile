@@ -38,7 +38,8 @@ DURATION ?= 30
 drill: $(STAMP)
 	$(BIN)/python -m tests.drills.run --seeds $(SEEDS) --duration $(DURATION) $(if $(POWER_LOSS),--power-loss,) \
 		$(if $(PARTITIONS),--partitions,) $(if $(CASCADES),--cascades,) $(if $(DISK_LOSS),--disk-loss,) \
-		$(if $(GRACEFUL),--graceful,) $(if $(NODES),--nodes $(NODES),) $(if $(FAULTS),--faults $(FAULTS),)
+		$(if $(GRACEFUL),--graceful,) $(if $(NODES),--nodes $(NODES),) $(if $(FAULTS),--faults $(FAULTS),) \
+		$(if $(NODE_ARGS),--node-args "$(NODE_ARGS)",)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run

@@ -804,7 +804,8 @@ class Engine:
         soon = self._checkpoint_soon
         while True:
             soon.clear()
-            if self.core.dirty.write_bytes < self.checkpoint_bytes:
+            # (while a snapshot is installed no checkpoint is taken: wait, never spin)
+            if self.installing or self.core.dirty.write_bytes < self.checkpoint_bytes:
                 try:
                     await asyncio.wait_for(soon.wait(), self.checkpoint_interval_s)
                 except asyncio.TimeoutError:
@@ -843,19 +844,23 @@ class Engine:
         # the caller is cancelled (a stop cancels the checkpoint loop); a write
         # dropped from the writer thread's queue would lose them for good.
         self._checkpoint_write = w = asyncio.ensure_future(self.store_io(self._checkpoint_now_sync, c))
-        by_record = await asyncio.shield(w)
+        # What the write changed is noted in memory as soon as it is done, also
+        # when this task is cancelled meanwhile: a row that took its bodies in
+        # must not be read through its record any more.
+        w.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None
+                            else self._checkpoint_written(c, f.result()))
+        await asyncio.shield(w)
         if self.metrics:
             self.metrics.checkpoint_seconds.observe(time.perf_counter() - t)
-        self._checkpoint_written(c, by_record)
 
     def _checkpoint_written(self, c: CheckpointData, by_record: Optional[dict]) -> None:
-        """Bodies now live in the store: drop them from memory, and note where they are."""
-        if by_record is None or self.installing or c.generation != self.store_generation:
-            # not written (taken from a core a snapshot has replaced), or a snapshot
-            # is replacing the core these objects belong to (on the writer thread)
-            return
+        """Bodies now live in the store: drop them from memory, and note where they
+        are. Only objects of the core ``c`` was taken from are touched (a snapshot
+        may be replacing it meanwhile, on the writer thread)."""
+        if by_record is None:
+            return  # not written: taken from a core a snapshot has replaced
         # rows that took their bodies out of records compacted away (Store.checkpoint)
-        refs = self._by_record
+        refs = c.by_record
         while refs:
             seq0 = next(iter(refs))
             if refs[seq0].lsn > c.compact_upto:
@@ -901,7 +906,7 @@ class Engine:
                     out_of_segs.append(m)
                 if body is None and not m.persisted:
                     size = seg.offs[i + 1] - seg.offs[i]
-                    body = (("log", seg.lsn, seg.pos[i], size) if seg.pos is not None
+                    body = (("log", seg.lsn, seg.pos[i], size, seg.seq0, seg.offs[i]) if seg.pos is not None
                             else ("segments", seg.seq0, seg.offs[i], size))
             if m.removed:
                 if m.persisted:
@@ -947,6 +952,7 @@ class Engine:
         c.out_of_segments = out_of_segs
         c.persisted_segs = persisted_segs
         c.generation = self.store_generation
+        c.by_record = self._by_record
         return c
 
     def _checkpoint_now_sync(self, c: CheckpointData) -> Optional[dict]:

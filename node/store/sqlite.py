@@ -179,7 +179,7 @@ class CheckpointData:
     next_seq: int
     queues: list      # (name, settings json, counters json) or (name, None, None) = deleted
     msgs_put: list    # (id, queue, seq, retry, visible_at, expires_at, body): bytes, None = keep,
-                      # or (table, rowid, offset, length) = copy it out of that segment row or log record (Store._blob)
+                      # or a tuple = copy it out of that segment row or log record (Store._body)
     msgs_del: list    # ids
     segs_put: list    # (seq0, queue, prefix, first, n, visible_at, expires_at, offs array, gone, bodies list,
                       #  lsn of the record whose run they are, or 0): see Store.checkpoint
@@ -370,7 +370,7 @@ class Store:
             new = [r for r in c.msgs_put if r[6] is not None]
             upd = [r[:6] for r in c.msgs_put if r[6] is None]
             if any(type(r[6]) is tuple for r in new):  # bodies still in their segment's row, or its record
-                new = [r[:6] + (self._blob(db, *r[6]),) if type(r[6]) is tuple else r for r in new]
+                new = [r[:6] + (self._body(db, r[6]),) if type(r[6]) is tuple else r for r in new]
             if new:
                 db.executemany("INSERT OR REPLACE INTO messages(id, queue, seq, retry, visible_at, expires_at, body) "
                                "VALUES(?, ?, ?, ?, ?, ?, ?)", new)
@@ -492,6 +492,24 @@ class Store:
         return out
 
     BLOB_COLUMNS = {"segments": "bodies", "log": "rec"}
+
+    @classmethod
+    def _body(cls, db: apsw.Connection, where: tuple) -> bytes:
+        """A body out of where its segment keeps it: ("segments", seq0, offset, length),
+        or ("log", lsn, offset, length, seq0, offset in the row) = in the record, or in
+        the row once the record was compacted (the row took its bodies in first)."""
+        if where[0] == "log":
+            try:
+                body = cls._blob(db, "log", where[1], where[2], where[3])
+                if len(body) == where[3]:
+                    return body
+            except (apsw.SQLError, ValueError):
+                pass
+            where = ("segments", where[4], where[5], where[3])
+        body = cls._blob(db, *where)
+        if len(body) != where[3]:
+            raise RuntimeError(f"segment {where[1]}: no body at {where[2]}")
+        return body
 
     @classmethod
     def _blob(cls, db: apsw.Connection, table: str, rowid: int, off: int, length: int) -> bytes:

@@ -2,6 +2,7 @@
 restart rebuilds exactly the messages that were there (in-process engine)."""
 import asyncio
 import contextlib
+import threading
 
 from node.api.service import Principal, Service
 from node.engine import Engine
@@ -206,3 +207,64 @@ def test_a_read_racing_compaction_finds_the_bodies_in_the_row(tmp_path):
             got = await svc.receive(ADMIN, "q", 0, 3)
             assert [d.body for d in got] == [b"x" * 10, b"y" * 20, b"z" * 30]
     asyncio.run(main())
+
+
+def test_a_checkpoint_whose_caller_is_cancelled_still_notes_what_it_wrote(tmp_path):
+    """A stop cancels the checkpoint loop while its write goes on (shielded): when
+    the write is done, the rows that took their bodies in are noted all the same,
+    so nothing reads them through a record compacted away."""
+    async def main():
+        async with _node(tmp_path) as (eng, svc):
+            await svc.put_queue(ADMIN, "q", {})
+            await svc.send(ADMIN, [], ("q", [b"a" * 10, b"b" * 20], 0.0))
+            await eng.checkpoint_now()
+            [seg] = [e[2] for e in eng.core.queues["q"].seg_retention]
+            assert seg.pos is not None
+            [got] = await svc.receive(ADMIN, "q", 0, 1)
+            eng.store.log_keep_records = 1
+            await svc.put_queue(ADMIN, "other", {})
+            task = asyncio.ensure_future(eng.checkpoint_now())
+            await asyncio.sleep(0)  # on its way: the write is on the writer thread
+            task.cancel()
+            w = eng._checkpoint_write
+            await asyncio.wait_for(asyncio.shield(w), 10)
+            await asyncio.sleep(0)  # the write's done-callback
+            assert _segment_refs(eng)[0][1] is None and seg.pos is None
+            await svc.nack(ADMIN, got.token)  # its own row, its body copied out of the segment's row
+            await eng.checkpoint_now()
+            assert eng.store.db.execute("SELECT body FROM messages").fetchall() == [(b"a" * 10,)]
+    asyncio.run(main())
+
+
+def test_the_checkpoint_loop_waits_while_a_snapshot_is_installed(tmp_path):
+    """While a snapshot is installed no checkpoint is taken. With enough to write
+    waiting, the loop must still wait for its interval instead of spinning on the
+    event loop, which would hold it (no heartbeats, no answers; for good, if the
+    install then failed)."""
+    out = {}
+
+    async def main():
+        eng = Engine(str(tmp_path / "n"), checkpoint_interval_s=0.05, checkpoint_bytes=1000)
+        await eng.start()
+        try:
+            svc = Service(eng, ["k"])
+            await svc.put_queue(ADMIN, "q", {})
+            eng.installing = True
+            await svc.send(ADMIN, [("q", b"x" * 5000, 0.0, "")], None)
+            await asyncio.sleep(0.3)  # the loop serves meanwhile
+            out["rows"] = eng.store.db.execute("SELECT count(*) FROM messages").fetchall()
+            eng.installing = False
+        finally:
+            await eng.stop()
+
+    def run():
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # noqa: BLE001 - reported below
+            out["error"] = e
+    t = threading.Thread(target=run, daemon=True)  # a spinning loop never ends: daemon, judged by join
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the event loop was held"
+    assert "error" not in out, out.get("error")
+    assert out["rows"] == [(0,)]  # and no checkpoint was taken

@@ -106,3 +106,22 @@ def test_a_schema_2_store_opens_with_its_rows_holding_their_bodies(tmp_path):
     db.close()
     with pytest.raises(RuntimeError, match="schema 4"):
         Store(path)
+
+
+def test_a_body_named_by_a_record_compacted_away_is_read_from_the_row(tmp_path):
+    """A message leaving a segment gets its own row with its body copied out of
+    where the segment keeps it; if the record is gone, the row took the bodies in."""
+    st = Store(os.path.join(str(tmp_path), "spool.db"))
+    try:
+        bodies = [b"x" * 50, b"y" * 60]
+        st.append([(1, 1, 0, _record(bodies, lsn=1)), (2, 1, 0, _record([b"z"], lsn=2))])
+        seg = (1, "q", "p-", 16, 2, 0, 1 << 60, _offs(bodies), bytes(2), bodies, 1)
+        pos = _checkpoint(st, 2, [seg])[1]
+        assert st._body(st.db, ("log", 1, pos[1], 60, 1, 50)) == bodies[1]
+        _checkpoint(st, 2, [], cut=1)  # the record goes, the row takes the bodies in
+        assert st._body(st.db, ("log", 1, pos[1], 60, 1, 50)) == bodies[1]
+        assert st._body(st.db, ("segments", 1, 0, 50)) == bodies[0]
+        with pytest.raises(RuntimeError, match="no body"):
+            st._body(st.db, ("segments", 1, 100, 60))
+    finally:
+        st.close()
