@@ -248,8 +248,11 @@ class Engine:
         # core (_take_checkpoint): stop() waits for it, it is never cancelled
         self._checkpoint_write: Optional[asyncio.Future] = None
         # seq0 -> a live segment whose row points at its record for its bodies, in lsn
-        # order (Store._segment_rows); its row holds them once compaction passed it
-        self._by_record: dict = {}
+        # order (Store._segment_rows); its row holds them once compaction passed it.
+        # Ordered: taken from the front as compaction passes (a dict's first key is
+        # found past every key deleted before it: 50,000 such takes from 100,000
+        # entries took 822 ms here, against 14 ms)
+        self._by_record: collections.OrderedDict = collections.OrderedDict()
         self.role = "replica"
         self.primary_id: Optional[str] = None
         self._epoch_begin_lsn = 0
@@ -269,7 +272,7 @@ class Engine:
         now = self.now_us()
         for name, settings, counters in st.load_queues():
             core.load_queue(name, settings, counters)
-        self._by_record = refs = {}
+        self._by_record = refs = collections.OrderedDict()
         for queue, seq0, prefix, first, n, vis, exp, offs, gone, lsn, pos in st.load_segments():
             seg = core.load_segment(queue, seq0, prefix, first, n, vis, exp, offs, gone, now, lsn or 0, pos)
             if pos is not None:
