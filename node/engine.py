@@ -908,9 +908,7 @@ class Engine:
                     segs[seg.seq0] = seg
                     out_of_segs.append(m)
                 if body is None and not m.persisted:
-                    size = seg.offs[i + 1] - seg.offs[i]
-                    body = (("log", seg.lsn, seg.pos[i], size, seg.seq0, seg.offs[i]) if seg.pos is not None
-                            else ("segments", seg.seq0, seg.offs[i], size))
+                    body = self._body_at(seg, i)
             if m.removed:
                 if m.persisted:
                     dele.append(mid)
@@ -1045,29 +1043,25 @@ class Engine:
         self.store_generation += 1
 
     # -------------------------------------------------------------- reading
+    @staticmethod
+    def _body_at(seg, i: int) -> tuple:
+        """Where message ``i`` of a stored segment keeps its body (Store._read_at):
+        in the record that sent it while the row names it, else in the row."""
+        off, size = seg.offs[i], seg.offs[i + 1] - seg.offs[i]
+        if seg.pos is not None:
+            return ("log", seg.lsn, seg.pos[i], size, seg.seq0, off)
+        return ("segments", seg.seq0, off, size)
+
     def bodies_of(self, msgs: list) -> list:
         """Bodies of messages: from memory, else from the store: out of their
         segment's row (one read per segment) or from their own rows (one query)."""
         got = {}
-        spans: dict = {}
-        for m in msgs:
-            if m.body is None and m.src is not None and m.src[0].offs is not None:
-                seg, i = m.src
-                offs, size = seg.offs, seg.offs[i + 1] - seg.offs[i]
-                if seg.pos is not None:  # in its record (a checkpoint may be moving them into its row)
-                    spans.setdefault(("log", seg.lsn), []).append((m.id, seg.pos[i], size, seg.seq0, offs[i]))
-                else:
-                    spans.setdefault(("segments", seg.seq0), []).append((m.id, offs[i], size, seg.seq0, offs[i]))
-        while spans:
-            read = self.store.read_segment_bodies([(k, [(o, n) for _, o, n, _, _ in v]) for k, v in spans.items()])
-            again: dict = {}
-            for (table, _), parts, bodies in zip(spans, spans.values(), read):
-                for (mid, _, size, seq0, off), body in zip(parts, bodies):
-                    if body is not None:
-                        got[mid] = body
-                    elif table == "log":  # compacted away meanwhile: its row has them now
-                        again.setdefault(("segments", seq0), []).append((mid, off, size, seq0, off))
-            spans = again
+        wheres = {m.id: self._body_at(*m.src) for m in msgs
+                  if m.body is None and m.src is not None and m.src[0].offs is not None}
+        if wheres:
+            for mid, body in zip(wheres, self.store.read_segment_bodies(list(wheres.values()))):
+                if body is not None:
+                    got[mid] = body
         # own rows; also a message whose segment row a checkpoint has just replaced by its own
         missing = [m.id for m in msgs if m.body is None and m.id not in got]
         if missing:

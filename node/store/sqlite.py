@@ -494,24 +494,6 @@ class Store:
     BLOB_COLUMNS = {"segments": "bodies", "log": "rec"}
 
     @classmethod
-    def _body(cls, db: apsw.Connection, where: tuple) -> bytes:
-        """A body out of where its segment keeps it: ("segments", seq0, offset, length),
-        or ("log", lsn, offset, length, seq0, offset in the row) = in the record, or in
-        the row once the record was compacted (the row took its bodies in first)."""
-        if where[0] == "log":
-            try:
-                body = cls._blob(db, "log", where[1], where[2], where[3])
-                if len(body) == where[3]:
-                    return body
-            except (apsw.SQLError, ValueError):
-                pass
-            where = ("segments", where[4], where[5], where[3])
-        body = cls._blob(db, *where)
-        if len(body) != where[3]:
-            raise RuntimeError(f"segment {where[1]}: no body at {where[2]}")
-        return body
-
-    @classmethod
     def _blob(cls, db: apsw.Connection, table: str, rowid: int, off: int, length: int) -> bytes:
         """Bytes ``off`` to ``off + length`` (-1: to the end) of a segment row's bodies
         (table "segments", rowid seq0) or of a log record (table "log", rowid lsn), by
@@ -520,24 +502,47 @@ class Store:
             blob.seek(off)
             return blob.read(length)
 
-    def read_segment_bodies(self, spans: list) -> list:
-        """Bodies of segments: spans are ((table, rowid), [(offset, length)]), where a
-        segment's bodies are (see _blob); -> a list of lists of bytes (None where the
-        row is gone, or holds no bodies any more). One blob read per span."""
-        db = self._read_db()
-        out = []
-        for (table, rowid), parts in spans:
-            lo = min(o for o, _ in parts)
-            hi = max(o + n for o, n in parts)
-            try:
-                data = self._blob(db, table, rowid, lo, hi - lo)
-            except (apsw.SQLError, ValueError):  # no such row (any more), or its bodies are elsewhere
-                data = b""
-            if len(data) < hi - lo:  # a row whose bodies are elsewhere now
-                out.append([None] * len(parts))
-                continue
-            out.append([data[o - lo:o - lo + n] for o, n in parts])
+    @classmethod
+    def _read_at(cls, db: apsw.Connection, wheres: list) -> list:
+        """Bodies of segments' messages, each given where it is: ("segments", seq0,
+        offset, length, ...) in its row, or ("log", lsn, offset, length, seq0, offset
+        in the row) in the record that sent it. -> bytes for each, None where its row
+        is gone. One blob read per row or record; a body whose record was compacted
+        away meanwhile is read from its row, which took the bodies in first
+        (checkpoint), so the caller's note of where it is may be late."""
+        out = [None] * len(wheres)
+        todo = list(enumerate(wheres))
+        while todo:
+            groups: dict = {}
+            for k, w in todo:
+                groups.setdefault((w[0], w[1]), []).append((k, w))
+            todo = []
+            for (table, rowid), parts in groups.items():
+                lo = min(w[2] for _, w in parts)
+                hi = max(w[2] + w[3] for _, w in parts)
+                try:
+                    data = cls._blob(db, table, rowid, lo, hi - lo)
+                except (apsw.SQLError, ValueError):  # no such row (any more), or its bodies are elsewhere
+                    data = b""
+                if len(data) < hi - lo:
+                    if table == "log":
+                        todo += [(k, ("segments", w[4], w[5], w[3])) for k, w in parts]
+                    continue
+                for k, w in parts:
+                    out[k] = data[w[2] - lo:w[2] - lo + w[3]]
         return out
+
+    @classmethod
+    def _body(cls, db: apsw.Connection, where: tuple) -> bytes:
+        """One body (see _read_at) that must be there: a checkpoint copying it out."""
+        [body] = cls._read_at(db, [where])
+        if body is None:
+            raise RuntimeError(f"segment body {where} is not in the store")
+        return body
+
+    def read_segment_bodies(self, wheres: list) -> list:
+        """_read_at, from the event loop (the read connection)."""
+        return self._read_at(self._read_db(), wheres)
 
     def integrity_check(self) -> str:
         return "; ".join(r[0] for r in self.db.execute("PRAGMA integrity_check"))

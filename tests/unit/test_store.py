@@ -67,13 +67,15 @@ def test_a_row_points_at_its_record_only_when_the_record_holds_its_bodies(tmp_pa
         rows = st.db.execute("SELECT seq0, lsn, bodies FROM segments ORDER BY seq0").fetchall()
         assert rows == [(1, 1, b""), (3, None, b"".join(bodies)), (5, None, b"".join(bodies))]
         # read back from the record, then copied into the row when the record goes
-        assert st.read_segment_bodies([(("log", 1), [(p, 50 + 10 * i) for i, p in enumerate(by_record[1])])]) \
-            == [bodies]
+        assert st.read_segment_bodies([("log", 1, p, 50 + 10 * i, 1, 50 * i) for i, p in enumerate(by_record[1])]) \
+            == bodies
         _checkpoint(st, 2, [], cut=1)
         assert st.db.execute("SELECT lsn, bodies, pos FROM segments WHERE seq0 = 1").fetchall() == [
             (None, b"".join(bodies), None)]
-        assert st.read_segment_bodies([(("log", 1), [(by_record[1][0], 50)])]) == [[None]]
-        assert st.read_segment_bodies([(("segments", 1), [(0, 50), (50, 60)])]) == [bodies]
+        # the record is gone: a read aimed at it finds the row instead
+        assert st.read_segment_bodies([("log", 1, by_record[1][0], 50, 1, 0)]) == [bodies[0]]
+        assert st.read_segment_bodies([("segments", 1, 0, 50), ("segments", 1, 50, 60)]) == bodies
+        assert st.read_segment_bodies([("segments", 7, 0, 50)]) == [None]  # no such row
     finally:
         st.close()
 
@@ -98,7 +100,7 @@ def test_a_schema_2_store_opens_with_its_rows_holding_their_bodies(tmp_path):
         assert int(st.get_meta("schema_version")) == SCHEMA_VERSION == 3
         [row] = st.load_segments()
         assert row[7].tolist() == offs.tolist() and row[9:] == (None, None)
-        assert st.read_segment_bodies([(("segments", 1), [(0, 2), (2, 3)])]) == [[b"ab", b"cde"]]
+        assert st.read_segment_bodies([("segments", 1, 0, 2), ("segments", 1, 2, 3)]) == [b"ab", b"cde"]
     finally:
         st.close()
     db = apsw.Connection(path)
@@ -121,7 +123,7 @@ def test_a_body_named_by_a_record_compacted_away_is_read_from_the_row(tmp_path):
         _checkpoint(st, 2, [], cut=1)  # the record goes, the row takes the bodies in
         assert st._body(st.db, ("log", 1, pos[1], 60, 1, 50)) == bodies[1]
         assert st._body(st.db, ("segments", 1, 0, 50)) == bodies[0]
-        with pytest.raises(RuntimeError, match="no body"):
+        with pytest.raises(RuntimeError, match="not in the store"):
             st._body(st.db, ("segments", 1, 100, 60))
     finally:
         st.close()
