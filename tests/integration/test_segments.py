@@ -134,6 +134,55 @@ def test_a_checkpoint_comes_early_once_it_has_enough_to_write(tmp_path):
     asyncio.run(main())
 
 
+def test_a_checkpoint_comes_early_once_compaction_has_enough_bodies_to_copy(tmp_path):
+    """A backlog older than the log's tail: the checkpoint that compacts a record
+    copies its bodies into the rows of the segments still naming it (Store.checkpoint).
+    Those copies bring the checkpoint forward too (Engine._checkpoint_due), so none
+    copies a second of batched sends at once. A segment whose messages all left has
+    no row to copy into, and counts nothing."""
+    async def main():
+        eng = Engine(str(tmp_path / "n"), checkpoint_interval_s=3600, checkpoint_bytes=64 * 1024,
+                     log_keep_records=6)
+        await eng.start()
+        try:
+            svc = Service(eng, ["k"])
+            await svc.put_queue(ADMIN, "q", {})
+            await svc.put_queue(ADMIN, "gone", {})
+            await svc.send(ADMIN, [], ("gone", [b"g" * 100_000], 0.0))  # consumed below
+            a = eng.core.lsn
+            await svc.send(ADMIN, [], ("q", [b"x" * 1000] * 40, 0.0))   # a backlog of 40 KB
+            await svc.send(ADMIN, [], ("q", [b"y" * 1000] * 40, 0.0))   # and 40 KB more
+            await eng.checkpoint_now()
+            assert [(lsn, size) for _, lsn, size in _segment_refs(eng)] == [(a, 0), (a + 1, 0), (a + 2, 0)]
+            [d] = await svc.receive(ADMIN, "gone", 0, 1)
+            await svc.ack(ADMIN, d.token)
+            await eng.checkpoint_now()  # its segment's row goes
+            assert [lsn for _, lsn, _ in _segment_refs(eng)] == [a + 1, a + 2]
+
+            async def settle():
+                for _ in range(20):
+                    await asyncio.sleep(0)
+
+            last = eng._checkpoint_write  # (the write of the last checkpoint taken)
+            while eng.store.compaction_point(eng.core.lsn) < a + 1:
+                await svc.send(ADMIN, [("q", b"z", 0.0, "")], None)
+            await settle()
+            # records a and a + 1 are due to go: 40 KB to copy (not the consumed 100 KB)
+            assert eng._checkpoint_write is last, "a checkpoint came early"
+            assert not eng._checkpoint_due()
+            await svc.send(ADMIN, [("q", b"z", 0.0, "")], None)  # a + 2 due too: 80 KB
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while [lsn for _, lsn, _ in _segment_refs(eng)] != [None, None] and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            assert [(lsn, size) for _, lsn, size in _segment_refs(eng)] == [(None, 40_000), (None, 40_000)]
+            got = await svc.receive(ADMIN, "q", 0, 100)
+            assert [d.body for d in got] == [b"x" * 1000] * 40 + [b"y" * 1000] * 40 + [b"z"] * (len(got) - 80)
+        finally:
+            await eng.stop()
+    asyncio.run(main())
+
+
 def _segment_refs(eng):
     return [(seq0, lsn, len(bodies)) for seq0, lsn, bodies in
             eng.store.db.execute("SELECT seq0, lsn, bodies FROM segments ORDER BY seq0")]
