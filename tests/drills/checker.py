@@ -329,6 +329,9 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         chains[d.id].append(d)
     causes = {c: 0 for c in DUPLICATE_CAUSES}
     dup_details: list = []
+    # every redelivery put down to no cause, with what the checker knew of the lease
+    # before it: enough to explain one after the run, when its history is gone
+    other_examples: list = []
     overlapping = 0
     overlap_details: list = []
     retry_incr = 0
@@ -442,6 +445,14 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
                 cause = "other"
             causes[cause] += 1
             _keep(dup_details, {**d.brief(), "cause": cause, "previous": prev.brief()})
+            if cause == "other":
+                # e.g. granted within the slack before the earlier lease's end (neither
+                # an expiry nor an overlap): to_previous_end_s says how close
+                _keep(other_examples, {
+                    **d.brief(), "previous": prev.brief(), "previous_end": expiry,
+                    "to_previous_end_s": None if expiry is None else expiry - d.ok_t,
+                    "previous_settles": [{"f": op.f, "outcome": op.outcome, "invoked": op.inv_t,
+                                          "done": op.done_t} for op in settles.get(prev.token, ())]})
 
             # Retry count: +1 at most per lease settled by its consumer (nack) or expiring;
             # a primary change adds nothing. Leases of unknown receives may add one each.
@@ -551,6 +562,7 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         "ids_delivered_more_than_once": ids_delivered_more_than_once,
         "duplicate_deliveries": causes,
         "duplicate_details": dup_details,
+        "duplicate_other_examples": other_examples,
         "acked_then_redelivered": acked_then_redelivered,
         "acked_then_redelivered_details": atr_details,
         "overlapping_leases": overlapping,

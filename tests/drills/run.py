@@ -169,6 +169,8 @@ def main(argv=None) -> int:
         print(format_table(r))
         for x in r.get("unexpected_exits") or ():
             print(f"UNEXPECTED EXIT: node {x['node']} exited with {x['returncode']} at t={x['t']:.3f}")
+        for x in r.get("duplicate_other_examples") or ():
+            print(f"duplicate without a cause: {json.dumps(x, default=str)}")
         for n in r.get("notes") or ():
             print(f"note: {n}")
         for t in r.get("thread_errors") or ():

@@ -222,6 +222,28 @@ def test_overlapping_leases_in_one_epoch():
     assert_only(r, overlapping_leases=1)
     assert r["duplicate_deliveries"]["other"] == 1
     assert r["overlapping_leases_details"][0]["overlap_s"] == pytest.approx(9.1)
+    [x] = r["duplicate_other_examples"]
+    assert (x["id"], x["previous"]["received_at"]) == ("m1", 1.11)
+    assert x["to_previous_end_s"] == pytest.approx(9.1)
+
+
+def test_a_redelivery_within_the_slack_of_the_lease_end_is_other_and_says_how_close():
+    """Granted again just before the earlier lease's end as the client saw it: neither an
+    expiry nor an overlap (the slack allows for the two clocks), so its cause is
+    ``other``; the example it leaves says how close to the end it came, and which
+    settles the earlier lease had."""
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.1, 1.11, "m1", "b1", "t1")  # lease until 11.11
+    s.settle("renew", 3.0, 3.01, "m1", "t1", outcome="fail", error="unavailable")
+    s.recv(11.1, 11.1095, "m1", "b1", "t2")
+    s.settle("ack", 11.2, 11.21, "m1", "t2")
+    r = s.check()
+    assert_only(r)
+    assert r["duplicate_deliveries"]["other"] == 1
+    [x] = r["duplicate_other_examples"]
+    assert x["to_previous_end_s"] == pytest.approx(0.0005)
+    assert [(o["f"], o["outcome"]) for o in x["previous_settles"]] == [("renew", "fail")]
 
 
 def test_redelivery_after_lease_expiry_is_not_overlapping():
