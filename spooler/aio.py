@@ -274,6 +274,45 @@ def _fail_all(batch: list, e: BaseException) -> None:
 
 class AsyncClient(Nodes):
     _grpc = grpc.aio
+    # The event loop its channels, Session stream and tasks belong to (gRPC's asyncio
+    # channels work on the loop they were made on only). A client made outside a
+    # running loop makes them on first use; one whose loop has ended (a second
+    # ``asyncio.run()``) makes them afresh on the next (_here).
+    _loop: Optional[asyncio.AbstractEventLoop] = None
+
+    def _open(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None or (self._loop is not None and loop is not self._loop):
+            self._current = (None, None)  # made on first use, on the loop that uses it (_here)
+            self.channel = self.stub = None
+            return
+        self._loop = loop
+        super()._open()
+
+    def _busy_elsewhere(self) -> None:
+        if self._loop is not None and self._loop.is_running():
+            raise RuntimeError("this AsyncClient is in use on another event loop: make one client per event loop")
+
+    def _here(self) -> None:
+        """Called first by every public coroutine: the client works on the running
+        loop. Once the loop it was used on has ended (or stands still), what it
+        held there (its channels, its Session stream, sends not yet sent) is gone
+        with it, and it starts afresh here; a client closed there stays closed."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return
+        self._busy_elsewhere()
+        closed, closing = getattr(self, "_closed", False), getattr(self, "_closing", False)
+        self._loop = loop
+        self._channels, self._channels_closed = {}, closed
+        self._pending, self._in_flight = [], 0
+        self._init_client()
+        self._closed, self._closing = closed, closing
+        if not closed:
+            self._open()
 
     def _init_client(self) -> None:
         self._flushes: set = set()   # the flush tasks running
@@ -301,6 +340,13 @@ class AsyncClient(Nodes):
         """Sends already handed to the client still go out, and acks, nacks and
         settle_batches already called get their answers (within its timeout);
         then the channels close. (An ack cut off here would cost its message a redelivery.)"""
+        if self._loop is not asyncio.get_running_loop():
+            self._busy_elsewhere()
+            # never used on this loop: nothing of it runs here, and channels made on
+            # a loop that has ended cannot be closed from this one
+            self._closing = self._closed = self._channels_closed = True
+            self._channels, self.channel, self.stub = {}, None, None
+            return
         self._closing = True  # no new sends from here on
         if self._flushes or self._settling:
             await asyncio.wait(list(self._flushes) + list(self._settling), timeout=self.timeout_s)
@@ -362,26 +408,32 @@ class AsyncClient(Nodes):
 
     # ------------------------------------------------------------- queues
     async def put_queue(self, name: str, **settings) -> dict:
+        self._here()
         r = await self._retried("PutQueue", api_pb2.PutQueueRequest(name=name, settings=settings_pb(settings)),
                              write=True)
         return {**queue_dict(r.queue), "created": r.created}
 
     async def get_queue(self, name: str) -> dict:
+        self._here()
         return queue_dict(await self._retried("GetQueue", api_pb2.QueueRequest(name=name), write=False))
 
     async def list_queues(self) -> list:
+        self._here()
         r = await self._retried("ListQueues", api_pb2.ListQueuesRequest(), write=False)
         return [queue_dict(q) for q in r.queues]
 
     async def delete_queue(self, name: str) -> None:
+        self._here()
         await self._retried("DeleteQueue", api_pb2.QueueRequest(name=name), write=True)
 
     async def redrive(self, name: str) -> int:
+        self._here()
         return (await self._retried("Redrive", api_pb2.QueueRequest(name=name), write=True)).moved
 
     # ----------------------------------------------------------- sending
     async def send(self, queue: str, body: bytes, *, delay_s: float = 0.0, dedup_key: str = "") -> SendResult:
         """Auto-batched send. Retried only where a retry is safe (see _common._policy)."""
+        self._here()
         # checked here, so that a wrong type fails this caller alone, not the batch it would join
         check_send_types(queue, body, delay_s, dedup_key)
         if self._closing:
@@ -497,6 +549,7 @@ class AsyncClient(Nodes):
     async def send_batch(self, queue: str, bodies: list, *, delay_s: float = 0.0) -> list:
         """One RPC, one log record: all stored or none. Tried again after
         ``unavailable`` only (known not stored)."""
+        self._here()
         bodies = list(bodies)
         check_batch(queue, bodies, delay_s)
         sends = [(queue, b, delay_s, "") for b in bodies]
@@ -522,6 +575,7 @@ class AsyncClient(Nodes):
     async def receive(self, queue: str, *, wait_s: float = 0.0, max_messages: int = 1) -> list:
         """Tried again after ``unavailable`` (each attempt a receive of its own name:
         one that may have leased something is given back first)."""
+        self._here()
         return await self._receive(queue, wait_s, max_messages)
 
     async def _receive(self, queue: str, wait_s: float, max_messages: int, names: Optional[list] = None) -> list:
@@ -639,18 +693,22 @@ class AsyncClient(Nodes):
         return await call_with_retries(once, self.retry_attempts, settle=True, stop_when=self._gone)
 
     async def ack(self, token: str) -> None:
+        self._here()
         await self._settle("ack", token)
 
     async def nack(self, token: str, *, delay_s: float = 0.0) -> None:
+        self._here()
         if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)):
             raise TypeError(f"delay_s must be a number, not {type(delay_s).__name__}")
         await self._settle("nack", token, delay_s)
 
     async def renew(self, token: str) -> str:
+        self._here()
         return await self._settle("renew", token)
 
     async def settle_batch(self, items: list) -> list:
         """items: [(token, "ack"|"nack"|"renew"[, delay_s])] -> per item None / expiresAt / SpoolerError."""
+        self._here()
         req = settle_request(items)
         started = time.monotonic()
         # after unavailable only: the per-item answers are final
@@ -671,6 +729,7 @@ class AsyncClient(Nodes):
         or nack that cannot be confirmed (the lease went stale, or the cluster
         stayed unreachable past the retries) is logged, and the message may be
         delivered again. Any other error ends consume, and all its workers."""
+        self._here()
         stop = stop or asyncio.Event()
 
         async def worker():
@@ -770,19 +829,24 @@ class AsyncClient(Nodes):
 
     # ----------------------------------------------------------- cluster
     async def cluster(self) -> api_pb2.ClusterInfo:
+        self._here()
         return await self._retried("GetCluster", api_pb2.Empty(), write=False)
 
     async def create_key(self, queue: str = "*", scopes=("send", "receive")) -> api_pb2.KeyInfo:
+        self._here()
         return await self._retried("CreateKey", key_request(queue, scopes),
                                 write=True)
 
     async def list_keys(self) -> list:
         """The scoped keys (KeyInfo, without their secrets)."""
+        self._here()
         return list((await self._retried("ListKeys", api_pb2.Empty(), write=False)).keys)
 
     async def delete_key(self, key_id: str) -> None:
+        self._here()
         await self._retried("DeleteKey", api_pb2.DeleteKeyRequest(id=key_id), write=True)
 
     async def promote(self, node: str) -> api_pb2.ClusterInfo:
         """Planned switchover to ``node``; the cluster as it is afterwards."""
+        self._here()
         return await self._retried("Promote", api_pb2.PromoteRequest(node=node), write=True)

@@ -1014,3 +1014,71 @@ def test_long_polls_past_the_session_share_and_the_unary_share_wait_their_turn(n
             got = await asyncio.wait_for(asyncio.gather(*polls), 30)
             assert sorted(m.body for ms in got for m in ms) == [f"m{i}".encode() for i in range(6)]
     asyncio.run(asyncio.wait_for(main(), 90))
+
+
+def test_an_async_client_works_across_event_loops_one_after_the_other(node):
+    """gRPC's asyncio channels work only on the loop they were made on. An
+    AsyncClient made outside any loop makes them on first use; once the loop it
+    was used on has ended (a second ``asyncio.run()``), it makes them afresh on
+    the next (AsyncClient._here). A lease taken on one loop is acked on the next;
+    a client closed on one loop stays closed on the next."""
+    c = AsyncClient(node.grpc_target, node.admin_key)  # no loop runs here
+
+    async def first():
+        await c.put_queue("loops")
+        await c.send("loops", b"a")
+        await c.send_batch("loops", [b"b", b"c"])
+        got = await c.receive("loops", max_messages=2)
+        # an answer after the receive's on the same stream: the node has finished
+        # writing that one (a stream cut while a receive answer is still being
+        # written gives its leases back, and this run ends by cutting it)
+        await c.send("loops", b"d")
+        return got
+
+    got = asyncio.run(first())
+    assert [m.body for m in got] == [b"a", b"b"]
+
+    async def second():
+        await c.ack(got[0].token)
+        [m] = await c.receive("loops")
+        assert m.body == b"c"
+        assert await c.settle_batch([(got[1].token, "ack"), (m.token, "ack")]) == [None, None]
+        st = (await c.get_queue("loops"))["stats"]
+        assert (st["ackedTotal"], st["visible"]) == (3, 1)
+        await c.close()
+
+    asyncio.run(second())
+
+    async def third():
+        with pytest.raises(RuntimeError, match="closed"):
+            await c.send("loops", b"d")
+
+    asyncio.run(third())
+
+
+def test_an_async_client_in_use_on_a_running_loop_is_refused_on_another(node):
+    """One client, one loop at a time: used from a second loop while the first
+    still runs (another thread), it says so instead of failing inside gRPC."""
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        async def make():
+            c = AsyncClient(node.grpc_target, node.admin_key)
+            await c.put_queue("elsewhere")
+            return c
+
+        c = asyncio.run_coroutine_threadsafe(make(), loop).result(30)
+
+        async def other():
+            with pytest.raises(RuntimeError, match="another event loop"):
+                await c.send("elsewhere", b"x")
+            with pytest.raises(RuntimeError, match="another event loop"):
+                await c.close()
+
+        asyncio.run(other())
+        asyncio.run_coroutine_threadsafe(c.close(), loop).result(30)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)
+        loop.close()
