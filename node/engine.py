@@ -821,7 +821,10 @@ class Engine:
                     await asyncio.wait_for(soon.wait(), self.checkpoint_interval_s)
                 except asyncio.TimeoutError:
                     pass
-            if not len(self.core.dirty):
+            # (nothing changed, but records whose bodies rows still name passed the
+            # log's cut: a checkpoint that only compacts. Never ``continue`` when due:
+            # the loop would spin without awaiting, and hold the event loop for good)
+            if not len(self.core.dirty) and not self._copies_due:
                 continue
             try:
                 await self.checkpoint_now()
@@ -847,6 +850,11 @@ class Engine:
             return True
         order = self._ref_order
         if not order or order[0][0] >= self.core.lsn:  # (compaction keeps the last applied record)
+            return False
+        w = self._checkpoint_write
+        if w is not None and not w.done():
+            # the writer thread may be trimming the log's sizes (Store.checkpoint), which
+            # compaction_point reads: counted on the first commit after that write
             return False
         cut = self.store.compaction_point(self.core.lsn)
         refs = self._by_record

@@ -293,14 +293,20 @@ class AsyncClient(Nodes):
         super()._open()
 
     def _busy_elsewhere(self) -> None:
-        if self._loop is not None and self._loop.is_running():
-            raise RuntimeError("this AsyncClient is in use on another event loop: make one client per event loop")
+        """Refuse to move while the loop it was used on is not over: tasks of its
+        own may still run there (a flush, a release) and would meet the state
+        made for the new loop."""
+        old = self._loop
+        if old is not None and not old.is_closed():
+            raise RuntimeError("this AsyncClient was used on another event loop, which is "
+                               f"{'running' if old.is_running() else 'not closed'}: make one client per event loop")
 
     def _here(self) -> None:
         """Called first by every public coroutine: the client works on the running
-        loop. Once the loop it was used on has ended (or stands still), what it
-        held there (its channels, its Session stream, sends not yet sent) is gone
-        with it, and it starts afresh here; a client closed there stays closed."""
+        loop. Once the loop it was used on is closed (the end of an
+        ``asyncio.run()``), what it held there (its channels, its Session stream,
+        sends not yet sent) is gone with it, and it starts afresh here; a client
+        closed there stays closed."""
         loop = asyncio.get_running_loop()
         if loop is self._loop:
             return

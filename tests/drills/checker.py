@@ -452,7 +452,8 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
                     **d.brief(), "previous": prev.brief(), "previous_end": expiry,
                     "to_previous_end_s": None if expiry is None else expiry - d.ok_t,
                     "previous_settles": [{"f": op.f, "outcome": op.outcome, "invoked": op.inv_t,
-                                          "done": op.done_t} for op in settles.get(prev.token, ())]})
+                                          "done": None if op.done_t == INF else op.done_t}  # (None: no answer)
+                                         for op in settles.get(prev.token, ())]})
 
             # Retry count: +1 at most per lease settled by its consumer (nack) or expiring;
             # a primary change adds nothing. Leases of unknown receives may add one each.

@@ -243,7 +243,7 @@ def test_a_redelivery_within_the_slack_of_the_lease_end_is_other_and_says_how_cl
     assert r["duplicate_deliveries"]["other"] == 1
     [x] = r["duplicate_other_examples"]
     assert x["to_previous_end_s"] == pytest.approx(0.0005)
-    assert [(o["f"], o["outcome"]) for o in x["previous_settles"]] == [("renew", "fail")]
+    assert [(o["f"], o["outcome"], o["done"]) for o in x["previous_settles"]] == [("renew", "fail", 3.01)]
 
 
 def test_redelivery_after_lease_expiry_is_not_overlapping():

@@ -1058,7 +1058,8 @@ def test_an_async_client_works_across_event_loops_one_after_the_other(node):
 
 def test_an_async_client_in_use_on_a_running_loop_is_refused_on_another(node):
     """One client, one loop at a time: used from a second loop while the first
-    still runs (another thread), it says so instead of failing inside gRPC."""
+    still runs (another thread), or is stopped but not closed, it says so instead
+    of failing inside gRPC."""
     loop = asyncio.new_event_loop()
     t = threading.Thread(target=loop.run_forever, daemon=True)
     t.start()
@@ -1071,14 +1072,24 @@ def test_an_async_client_in_use_on_a_running_loop_is_refused_on_another(node):
         c = asyncio.run_coroutine_threadsafe(make(), loop).result(30)
 
         async def other():
-            with pytest.raises(RuntimeError, match="another event loop"):
+            with pytest.raises(RuntimeError, match="another event loop, which is running"):
                 await c.send("elsewhere", b"x")
-            with pytest.raises(RuntimeError, match="another event loop"):
+            with pytest.raises(RuntimeError, match="another event loop, which is running"):
                 await c.close()
 
         asyncio.run(other())
-        asyncio.run_coroutine_threadsafe(c.close(), loop).result(30)
-    finally:
+        # stopped but not closed: tasks of the client's own may still be waiting there
         loop.call_soon_threadsafe(loop.stop)
         t.join(10)
+        with pytest.raises(RuntimeError, match="another event loop, which is not closed"):
+            asyncio.run(other_again(c))
+        loop.run_until_complete(c.close())
+    finally:
+        if t.is_alive():
+            loop.call_soon_threadsafe(loop.stop)
+            t.join(10)
         loop.close()
+
+
+async def other_again(c):
+    await c.send("elsewhere", b"x")

@@ -183,6 +183,59 @@ def test_a_checkpoint_comes_early_once_compaction_has_enough_bodies_to_copy(tmp_
     asyncio.run(main())
 
 
+def test_copies_due_with_nothing_else_changed_compact_and_never_hold_the_loop(tmp_path):
+    """A restart whose log's cut passes a batch still in its queue: the copies are
+    due while nothing else changed since the last checkpoint. The loop takes a
+    checkpoint that only compacts; it must never go round without awaiting (it
+    held the event loop for good in a first version of Engine._checkpoint_due)."""
+    out = {}
+
+    async def first():
+        eng = Engine(str(tmp_path / "n"), checkpoint_interval_s=3600, log_keep_records=6)
+        await eng.start()
+        try:
+            svc = Service(eng, ["k"])
+            await svc.put_queue(ADMIN, "q", {})
+            await svc.send(ADMIN, [], ("q", [b"x" * 100_000], 0.0))
+            out["lsn"] = eng.core.lsn
+            for _ in range(3):
+                await svc.send(ADMIN, [("q", b"y", 0.0, "")], None)
+            await eng.checkpoint_now()
+        finally:
+            await eng.stop()
+
+    async def again():
+        # fewer records kept: the cut passes the batch's record as soon as it loads
+        eng = Engine(str(tmp_path / "n"), checkpoint_interval_s=3600, checkpoint_bytes=64 * 1024,
+                     log_keep_records=1)
+        await eng.start()
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while _segment_refs(eng) != [(_segment_refs(eng)[0][0], None, 100_000)] and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            out["rows"] = [(lsn, size) for _, lsn, size in _segment_refs(eng)]
+            got = await Service(eng, ["k"]).receive(ADMIN, "q", 0, 10)
+            out["bodies"] = [d.body for d in got]
+        finally:
+            await eng.stop()
+
+    def run():
+        try:
+            asyncio.run(first())
+            out["before"] = "restart"
+            asyncio.run(again())
+        except BaseException as e:  # noqa: BLE001 - reported below
+            out["error"] = e
+    t = threading.Thread(target=run, daemon=True)  # a spinning loop never ends: daemon, judged by join
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the event loop was held"
+    assert "error" not in out, out.get("error")
+    assert out["rows"] == [(None, 100_000)]  # the row took its bodies in
+    assert out["bodies"] == [b"x" * 100_000, b"y", b"y", b"y"]
+
+
 def _segment_refs(eng):
     return [(seq0, lsn, len(bodies)) for seq0, lsn, bodies in
             eng.store.db.execute("SELECT seq0, lsn, bodies FROM segments ORDER BY seq0")]
