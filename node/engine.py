@@ -37,6 +37,7 @@ from spooler.pb import log_pb2
 from node.core.spool import QUEUES_MAX, Core
 from node.process import release_memory
 from node.store.sqlite import CheckpointData, Store, chain
+from node.waits import wait_event
 
 log = logging.getLogger("spooler.engine")
 
@@ -202,7 +203,7 @@ class Engine:
         self.core = Core(rand=os.urandom)
         self.checkpoint_interval_s = checkpoint_interval_s
         # a checkpoint comes early once it has this many bytes to write (_checkpoint_loop)
-        self.checkpoint_bytes = checkpoint_bytes
+        self.checkpoint_bytes = max(1, int(checkpoint_bytes))  # (0 would make every pass due)
         self._checkpoint_soon = asyncio.Event()
         # memory that checkpoints let go of is handed back to the OS at most this often
         self.release_interval_s = float(os.environ.get("SPOOLER_RELEASE_MEMORY_INTERVAL", "5"))
@@ -816,11 +817,9 @@ class Engine:
         while True:
             soon.clear()
             # (while a snapshot is installed no checkpoint is taken: wait, never spin)
-            if self.installing or not self._checkpoint_due():
-                try:
-                    await asyncio.wait_for(soon.wait(), self.checkpoint_interval_s)
-                except asyncio.TimeoutError:
-                    pass
+            if (self.installing or not self._checkpoint_due()
+                    or (not len(self.core.dirty) and not self._copies_due)):  # nothing to write: wait
+                await wait_event(soon, self.checkpoint_interval_s)
             # (nothing changed, but records whose bodies rows still name passed the
             # log's cut: a checkpoint that only compacts. Never ``continue`` when due:
             # the loop would spin without awaiting, and hold the event loop for good)
@@ -871,6 +870,13 @@ class Engine:
         store replacing it (the next checkpoint takes the new core's changes)."""
         if self.installing:
             return
+        w = self._checkpoint_write
+        if w is not None and not w.done():
+            # one checkpoint at a time (the loop's, a test's, a stop's): the cut below
+            # reads the log's sizes, which the writer thread trims in the one before
+            await asyncio.wait([w])
+            if self.installing:
+                return
         c = self._take_checkpoint(self.store.compaction_point(self.core.lsn))
         # The replication core's view of the log forgets first what the store is
         # about to delete: a replica that needs those records gets a snapshot, and

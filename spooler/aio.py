@@ -347,9 +347,11 @@ class AsyncClient(Nodes):
         settle_batches already called get their answers (within its timeout);
         then the channels close. (An ack cut off here would cost its message a redelivery.)"""
         if self._loop is not asyncio.get_running_loop():
-            self._busy_elsewhere()
+            if self._loop is not None and self._loop.is_running():
+                self._busy_elsewhere()  # raises
             # never used on this loop: nothing of it runs here, and channels made on
-            # a loop that has ended cannot be closed from this one
+            # a loop that has ended or stands still cannot be closed from this one
+            # (nothing is made for this loop either: closed, it stays closed)
             self._closing = self._closed = self._channels_closed = True
             self._channels, self.channel, self.stub = {}, None, None
             return

@@ -19,6 +19,7 @@ from node.api.forward import FORWARDED
 from node.tls import from_a_member
 from node.api.service import SCOPES, SETTINGS, Service
 from node.engine import Reply
+from node.waits import wait_event
 
 log = logging.getLogger("spooler.grpc")
 
@@ -538,9 +539,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                 if idle_s is None:
                     await wake.wait()
                 else:
-                    try:
-                        await asyncio.wait_for(wake.wait(), idle_s)
-                    except asyncio.TimeoutError:
+                    if not await wait_event(wake, idle_s):
                         if memo:  # a request's key has passed since (a node done loading): kept
                             idle_s = None
                         elif reading and not tasks and not answers:

@@ -32,6 +32,7 @@ from node import logs
 from node.core import replication as R
 from node.core.spool import US, BadToken, StaleLeaseError, failure_queue_of
 from node.engine import Engine, Reply, mono_us
+from node.waits import wait_event
 
 log = logging.getLogger("spooler.service")
 
@@ -730,9 +731,7 @@ class Service:
                                          "already: try again", retry_after_s=1.0, reason=errors.OVERLOADED)
             self.engine.receives_waiting += 1
             try:
-                await asyncio.wait_for(ev.wait(), left)
-            except asyncio.TimeoutError:
-                pass
+                await wait_event(ev, left)
             finally:
                 self.engine.receives_waiting -= 1
             if queue not in self.core.queues:

@@ -1083,7 +1083,9 @@ def test_an_async_client_in_use_on_a_running_loop_is_refused_on_another(node):
         t.join(10)
         with pytest.raises(RuntimeError, match="another event loop, which is not closed"):
             asyncio.run(other_again(c))
-        loop.run_until_complete(c.close())
+        asyncio.run(c.close())  # closing it from here is allowed: it is then closed everywhere
+        with pytest.raises(RuntimeError, match="closed"):
+            loop.run_until_complete(other_again(c))
     finally:
         if t.is_alive():
             loop.call_soon_threadsafe(loop.stop)

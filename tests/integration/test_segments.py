@@ -236,6 +236,40 @@ def test_copies_due_with_nothing_else_changed_compact_and_never_hold_the_loop(tm
     assert out["bodies"] == [b"x" * 100_000, b"y", b"y", b"y"]
 
 
+def test_an_idle_node_with_a_zero_checkpoint_threshold_does_not_hold_the_loop(tmp_path):
+    """Nothing to write: the checkpoint loop waits out its interval whatever
+    ``checkpoint_bytes`` says (0 made every pass of it due). And a stop right
+    after a send that brings a checkpoint forward ends: the loop's wait for that
+    wake-up used asyncio.wait_for, which on Python 3.11 lost the stop's
+    cancellation when both came in one turn, and the stop waited for ever
+    (node/waits.py)."""
+    out = {}
+
+    async def main():
+        eng = Engine(str(tmp_path / "n"), checkpoint_interval_s=0.05, checkpoint_bytes=0)
+        await eng.start()
+        try:
+            svc = Service(eng, ["k"])
+            await svc.put_queue(ADMIN, "q", {})
+            await asyncio.sleep(0.3)  # idle: the loop serves meanwhile
+            await svc.send(ADMIN, [("q", b"x", 0.0, "")], None)
+            out["sent"] = True
+        finally:
+            await eng.stop()
+
+    def run():
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # noqa: BLE001 - reported below
+            out["error"] = e
+    t = threading.Thread(target=run, daemon=True)  # a spinning loop never ends: daemon, judged by join
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the event loop was held"
+    assert "error" not in out, out.get("error")
+    assert out["sent"]
+
+
 def _segment_refs(eng):
     return [(seq0, lsn, len(bodies)) for seq0, lsn, bodies in
             eng.store.db.execute("SELECT seq0, lsn, bodies FROM segments ORDER BY seq0")]
