@@ -25,6 +25,26 @@ def _segment_rows(eng):
     return [tuple(r) for r in eng.store.db.execute("SELECT seq0, n, gone FROM segments")]
 
 
+def _run_judged_by_join(*mains, timeout_s: float = 30) -> dict:
+    """Run each coroutine function in ``mains`` with asyncio.run, one after the other,
+    in a daemon thread: a node whose event loop spins never ends, so the test judges
+    it by the join (and reports any error the runs raised)."""
+    out: dict = {}
+
+    def run():
+        try:
+            for main in mains:
+                asyncio.run(main())
+        except BaseException as e:  # noqa: BLE001 - reported below
+            out["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), "the event loop was held"
+    assert "error" not in out, out.get("error")
+    return out
+
+
 def test_segment_rows_survive_a_restart_with_every_change_that_left_them(tmp_path):
     bodies = [f"body-{i}".encode() * (i + 1) for i in range(10)]
 
@@ -220,18 +240,7 @@ def test_copies_due_with_nothing_else_changed_compact_and_never_hold_the_loop(tm
         finally:
             await eng.stop()
 
-    def run():
-        try:
-            asyncio.run(first())
-            out["before"] = "restart"
-            asyncio.run(again())
-        except BaseException as e:  # noqa: BLE001 - reported below
-            out["error"] = e
-    t = threading.Thread(target=run, daemon=True)  # a spinning loop never ends: daemon, judged by join
-    t.start()
-    t.join(60)
-    assert not t.is_alive(), "the event loop was held"
-    assert "error" not in out, out.get("error")
+    _run_judged_by_join(first, again, timeout_s=60)
     assert out["rows"] == [(None, 100_000)]  # the row took its bodies in
     assert out["bodies"] == [b"x" * 100_000, b"y", b"y", b"y"]
 
@@ -257,16 +266,7 @@ def test_an_idle_node_with_a_zero_checkpoint_threshold_does_not_hold_the_loop(tm
         finally:
             await eng.stop()
 
-    def run():
-        try:
-            asyncio.run(main())
-        except BaseException as e:  # noqa: BLE001 - reported below
-            out["error"] = e
-    t = threading.Thread(target=run, daemon=True)  # a spinning loop never ends: daemon, judged by join
-    t.start()
-    t.join(30)
-    assert not t.is_alive(), "the event loop was held"
-    assert "error" not in out, out.get("error")
+    _run_judged_by_join(main)
     assert out["sent"]
 
 
@@ -393,14 +393,5 @@ def test_the_checkpoint_loop_waits_while_a_snapshot_is_installed(tmp_path):
         finally:
             await eng.stop()
 
-    def run():
-        try:
-            asyncio.run(main())
-        except BaseException as e:  # noqa: BLE001 - reported below
-            out["error"] = e
-    t = threading.Thread(target=run, daemon=True)  # a spinning loop never ends: daemon, judged by join
-    t.start()
-    t.join(30)
-    assert not t.is_alive(), "the event loop was held"
-    assert "error" not in out, out.get("error")
+    _run_judged_by_join(main)
     assert out["rows"] == [(0,)]  # and no checkpoint was taken
