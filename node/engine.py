@@ -872,8 +872,8 @@ class Engine:
             return
         w = self._checkpoint_write
         if w is not None and not w.done():
-            # one checkpoint at a time (the loop's, a test's, a stop's): the cut below
-            # reads the log's sizes, which the writer thread trims in the one before
+            # one checkpoint at a time (the loop's, or one asked for meanwhile): the cut
+            # below reads the log's sizes, which the writer thread trims in the one before
             await asyncio.wait([w])
             if self.installing:
                 return

@@ -311,7 +311,7 @@ class AsyncClient(Nodes):
         if loop is self._loop:
             return
         self._busy_elsewhere()
-        closed, closing = getattr(self, "_closed", False), getattr(self, "_closing", False)
+        closed, closing = self._closed, self._closing
         self._loop = loop
         self._channels, self._channels_closed = {}, closed
         self._pending, self._in_flight = [], 0
