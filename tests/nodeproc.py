@@ -128,6 +128,16 @@ class NodeProc:
             return r.status, json.loads(r.read() or b"null")
 
 
+def sh_then(script: str, argv) -> list:
+    """``argv`` run by ``sh`` after ``script`` (e.g. ``exec 0<&-`` to start it with
+    stdin closed, ``ulimit -n 200``), instead of ``preexec_fn``. A ``preexec_fn``
+    makes subprocess fork rather than vfork, and in a test process that has grpc
+    loaded, gRPC's fork handlers start a poller in the child whose descriptor
+    subprocess then closes before the exec: the child dies of SIGABRT, now and then
+    ("epoll_wait error: Bad file descriptor")."""
+    return ["sh", "-c", script + '; exec "$@"', "sh", *argv]
+
+
 def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.02, what: str = "condition"):
     """Poll ``pred`` until it returns a truthy value or the deadline passes."""
     deadline = time.monotonic() + timeout_s

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import pty
+import shlex
 import subprocess
 
 import pytest
 
 from jobs_helpers import cli_inprocess, spool, spoolctl_argv  # noqa: F401
+from nodeproc import sh_then
 from spooler.jobs import knobs
 
 JOB_KEYS = {"id", "state", "priority", "attempts", "crash_count", "failure_reason"}
@@ -146,8 +148,8 @@ def test_a_spoolctl_started_with_its_stdout_closed_still_says_what_happened(spoo
     j = ["--json"] if as_json else []
 
     def closed(*args):
-        return subprocess.run([*spoolctl_argv(), "--spool", spool.path, *args], stderr=subprocess.PIPE,
-                              cwd=spool.cwd, env=spool.env, timeout=60, preexec_fn=lambda: os.close(1))
+        return subprocess.run(sh_then("exec 1>&-", [*spoolctl_argv(), "--spool", spool.path, *args]),
+                              stderr=subprocess.PIPE, cwd=spool.cwd, env=spool.env, timeout=60)
     r = closed("status", *j, "nosuch")
     assert r.returncode == 1 and b"not_found" in r.stderr and b"Traceback" not in r.stderr, r.stderr
     r = closed("submit", *j, "--", "true")
@@ -170,9 +172,9 @@ def test_a_submit_from_a_removed_directory_is_invalid_argument_not_a_broken_spoo
     gone = tmp_path / "gone"
     gone.mkdir()
     where = ["--spool", spool.path] if named else []
-    p = subprocess.Popen([*spoolctl_argv(), *where, "submit", "--json", "--", "true"],
-                         cwd=gone, env=spool.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         preexec_fn=lambda: os.rmdir(gone))
+    p = subprocess.Popen(sh_then(f"rmdir -- {shlex.quote(str(gone))}",
+                                 [*spoolctl_argv(), *where, "submit", "--json", "--", "true"]),
+                         cwd=gone, env=spool.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 1, err
     e = json.loads(out)["error"]

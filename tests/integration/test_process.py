@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from nodeproc import NodeProc, free_ports, wait_until
+from nodeproc import NodeProc, free_ports, sh_then, wait_until
 from node.process import GRPC_IO_LEGACY
 
 LINE = f"gRPC I/O path: legacy (GRPC_EXPERIMENTS={GRPC_IO_LEGACY})"
@@ -179,21 +179,17 @@ def test_a_node_out_of_file_descriptors_logs_it_once_not_a_traceback_per_attempt
     key needed): asyncio logged "socket.accept() out of system resource" with a
     traceback per attempt, thousands a second (84 MB of log in 35 s in a
     review). Now one line a minute; the node serves again once they close."""
-    import resource
     import socket
 
     limit = 200
 
-    def low_fd_limit():
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-
     http, grpc_port = free_ports(2)
     log = tmp_path / "node.log"
     with open(log, "wb") as err:
-        p = subprocess.Popen([sys.executable, "-m", "node.main", "--id", "n1", "--data", str(tmp_path / "d"),
-                              "--http", f"127.0.0.1:{http}", "--grpc", f"127.0.0.1:{grpc_port}",
-                              "--admin-key", "k"], stdout=subprocess.PIPE, stderr=err, env=_env(),
-                             preexec_fn=low_fd_limit)
+        p = subprocess.Popen(sh_then(f"ulimit -n {limit}", [sys.executable, "-m", "node.main", "--id", "n1",
+                                                             "--data", str(tmp_path / "d"), "--http", f"127.0.0.1:{http}",
+                                                             "--grpc", f"127.0.0.1:{grpc_port}", "--admin-key", "k"]),
+                             stdout=subprocess.PIPE, stderr=err, env=_env())
     socks = []
     try:
         ready = json.loads(p.stdout.readline() or b"{}")

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from nodeproc import free_ports
+from nodeproc import free_ports, sh_then
 
 BODY = bytes(range(256)) * 4  # every byte value, no trailing newline
 
@@ -337,9 +337,9 @@ def test_send_from_a_closed_stdin_is_invalid_argument_not_a_traceback(node):
     assert run(node, "queue", "create", "nostdin")[0] == 0
     e = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLER_")}
     for extra in ([], ["--json"]):
-        p = subprocess.run([sys.executable, "-m", "spooler", "--server", node.http_url, "--key", node.admin_key,
-                            "send", "nostdin", "-", *extra], capture_output=False, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, timeout=60, env=e, preexec_fn=lambda: os.close(0))
+        p = subprocess.run(sh_then("exec 0<&-", [sys.executable, "-m", "spooler", "--server", node.http_url,
+                                                 "--key", node.admin_key, "send", "nostdin", "-", *extra]),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60, env=e)
         err = p.stderr.decode()
         assert p.returncode == 1 and "invalid_argument" in err and "standard input is closed" in err, err
         assert "Traceback" not in err, err
@@ -368,7 +368,7 @@ def test_with_stderr_closed_nothing_meant_for_it_reaches_stdout(node):
     e = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLER_")}
     base = [sys.executable, "-m", "spooler", "--server", node.http_url, "--key", node.admin_key]
     for argv, want in ((["keys", "list"], b""), (["receive", "errclosed", "--ack"], b"body")):
-        p = subprocess.run(base + argv, stdout=subprocess.PIPE, timeout=60, env=e, preexec_fn=lambda: os.close(2))
+        p = subprocess.run(sh_then("exec 2>&-", base + argv), stdout=subprocess.PIPE, timeout=60, env=e)
         assert (p.returncode, p.stdout) == (0, want), (argv, p.returncode, p.stdout)
 
 
