@@ -830,9 +830,10 @@ class AsyncClient(Nodes):
     async def _give_back(self, m: Message) -> None:
         """A nack of a message whose handler was cut short (cancelled, or interrupted);
         failures are logged only (the lease then runs out as it would have)."""
-        try:
-            await asyncio.wait_for(self._settle_one("nack", m.token, 0.0), RELEASE_TIMEOUT_S)
-        except (errors.SpoolerError, RuntimeError, asyncio.TimeoutError) as e:
+        try:  # (asyncio.timeout, not wait_for, which on 3.11 can lose a cancellation: node/waits.py)
+            async with asyncio.timeout(RELEASE_TIMEOUT_S):
+                await self._settle_one("nack", m.token, 0.0)
+        except (errors.SpoolerError, RuntimeError, TimeoutError) as e:
             log.info("could not give back %s after its handler was cancelled: %r", m.id, e)
 
     # ----------------------------------------------------------- cluster
