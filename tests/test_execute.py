@@ -310,10 +310,15 @@ def test_worker_sigterm_stops_running_job_and_requeues_it(spool, tmp_path):
             os.kill(int(started.read_text()), signal.SIGKILL)
 
 
-def test_a_job_signalled_with_its_stopping_worker_is_requeued_as_stopped(spool, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL],
+                         ids=lambda s: signal.Signals(s).name)
+def test_a_job_signalled_with_its_stopping_worker_is_requeued_as_stopped(spool, tmp_path, sig):
     """A service manager's stop signals every process of the unit: the job's
-    process may die of the SIGTERM before the worker kills its group. That
-    is the stop, not the job's failure: no retry is spent, even the last."""
+    process may die of the stop's signal (any of the four) before the worker
+    kills its group, and before the worker's own signal arrives. That is the
+    stop, not the job's failure: no retry is spent, even the last. The worker's
+    signal comes only once the worker has collected the dead job, so it is
+    judged while the worker waits (up to half a second) for its own stop."""
     started = tmp_path / "started"
     job_id = spool.submit("sh", "-c", f"echo $$ > {started}.tmp; mv {started}.tmp {started}; exec sleep 300",
                           opts=("--max-retries", "0"))
@@ -321,7 +326,9 @@ def test_a_job_signalled_with_its_stopping_worker_is_requeued_as_stopped(spool, 
     try:
         wait_until(started.exists, 15, what="job started")
         job_pid = int(started.read_text())
-        os.kill(job_pid, signal.SIGTERM)  # the job first, as a unit-wide stop may deliver it
+        os.kill(job_pid, sig)  # the job first, as a unit-wide stop may deliver it
+        # gone from /proc, not a zombie: its worker has collected it and judges it now
+        wait_until(lambda: not os.path.exists(f"/proc/{job_pid}"), 10, 0.005, what="the worker to collect the job")
         w.send_signal(signal.SIGTERM)
         rc, _, _ = stop_worker(w)
         assert rc == 0

@@ -506,8 +506,13 @@ def test_a_hung_worker_is_reaped_once_its_heartbeat_was_watched_standing_still(s
         orphan = int(first.read_text())
         wait_until(lambda: spool.job(job_id)["attempts"][0]["pid"], 10, what="attempt pid recorded")
         w1.send_signal(signal.SIGSTOP)
+        began = time.monotonic()
         r = spool.run("worker", "--drain", "--json", env={"SPOOLCTL_TEST_REAP_THRESHOLD": "0.3"}, timeout_s=60)
+        took = time.monotonic() - began
         assert json.loads(r.stdout)["reaped"] == 1, r
+        # not before its heartbeat stood still for ten thresholds (a lower bound only:
+        # a slow machine makes it later, never earlier)
+        assert took >= 10 * 0.3, took
         job = spool.job(job_id)
         assert job["state"] == "succeeded" and job["crash_count"] == 1, job
         a1, a2 = job["attempts"]
