@@ -468,8 +468,12 @@ def test_a_heartbeat_that_fails_for_good_stops_its_worker(tmp_path, capfd):
 # --- the whole cycle with real processes ---------------------------------------------
 
 def test_sigkilled_worker_job_is_reaped_and_rerun(spool, tmp_path):
+    """J2, and J6: what the first attempt wrote before its worker died is kept in
+    that attempt's files (the command writes them itself, nothing is held in the
+    worker)."""
     first = tmp_path / "first.pid"
-    script = (f'if [ "$SPOOLCTL_ATTEMPT" = 1 ]; then echo $$ > {first}; sleep 300; fi; echo attempt $SPOOLCTL_ATTEMPT')
+    script = (f'if [ "$SPOOLCTL_ATTEMPT" = 1 ]; then echo before-crash; echo on-stderr >&2; echo $$ > {first}; '
+              f'sleep 300; fi; echo attempt $SPOOLCTL_ATTEMPT')
     job_id = spool.submit("sh", "-c", script)
     w1 = spool.start_worker()
     wait_until(lambda: first.exists() and first.read_text().strip(), 15, what="attempt 1 running")
@@ -486,7 +490,8 @@ def test_sigkilled_worker_job_is_reaped_and_rerun(spool, tmp_path):
     assert a1["failure_reason"] == "worker_crashed" and a1["exit_code"] is None
     assert a2["exit_code"] == 0
     assert spool.run("output", job_id).stdout == b"attempt 2\n"
-    assert spool.run("output", job_id, "--attempt", "1").stdout == b""
+    assert spool.run("output", job_id, "--attempt", "1").stdout == b"before-crash\n"
+    assert spool.run("output", job_id, "--attempt", "1", "--stderr").stdout == b"on-stderr\n"
     wait_until(lambda: pid_gone(orphan), 5, what="orphaned attempt killed by the reaper")
 
 

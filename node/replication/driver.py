@@ -53,6 +53,9 @@ CONTACT_ACKS = os.environ.get("SPOOLER_TEST_CONTACT_ACKS", "1") != "0"
 # last chunk held back that long.
 SNAPSHOT_HEARTBEATS = os.environ.get("SPOOLER_TEST_SNAPSHOT_HEARTBEATS", "1") != "0"
 SNAPSHOT_DELAY_S = float(os.environ.get("SPOOLER_TEST_SNAPSHOT_DELAY", "0") or 0)
+# SPOOLER_TEST_SNAPSHOT_REFUSE=1: a test's replica whose every install fails (it
+# answers frames, and refuses each copy once received), to see the primary back off
+SNAPSHOT_REFUSE = os.environ.get("SPOOLER_TEST_SNAPSHOT_REFUSE", "") == "1"
 # A copy of the whole store is made only for a replica that answers (it heard
 # one of our frames within this many heartbeats), and after a failed one the
 # next waits 0.25 s, doubling up to SNAPSHOT_RETRY_MAX_S: a replica that is down,
@@ -619,6 +622,9 @@ class Driver:
         e = self.engine
         async with self.lock:
             if epoch < self.core.epoch or self.core.role == R.PRIMARY or self.core.join_quiet(mono_us()):
+                return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
+            if SNAPSHOT_REFUSE:
+                log.warning("refused a snapshot from %s (SPOOLER_TEST_SNAPSHOT_REFUSE)", primary)
                 return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
             e.installing = True
             try:

@@ -468,6 +468,22 @@ def test_an_expectation_other_than_100_continue_is_a_json_400(seeded):
     assert_alive(node, api)
 
 
+@pytest.mark.parametrize("coding", [b"", b"Content-Encoding: gzip\r\n"], ids=["plain", "gzip"])
+def test_a_body_too_large_by_its_content_length_is_refused_before_it_is_read(seeded, coding):
+    """limits.md: a send whose Content-Length is over the body limit is a 413 at
+    once, judged by its head alone (a compressed one past what could decode to the
+    limit): only the head is sent here, so a node that waited to read the body
+    would not answer at all (the socket's timeout), and nothing is stored."""
+    node, api, _, _ = seeded
+    q = "cl-" + uuid.uuid4().hex[:8]
+    assert api.put_queue(q, {}).status == 201
+    status, head, body, _ = _raw(node, b"POST /v1/queues/" + q.encode() + b"/messages HTTP/1.1\r\nHost: x\r\n"
+                                 + _auth() + coding + b"Content-Length: %d\r\n\r\n" % (4 * 262144), close_within_s=0.01)
+    assert status == 413 and json.loads(body)["kind"] == "message_too_large", (head, body)
+    assert api.stats(q)["visible"] == 0
+    assert_alive(node, api)
+
+
 def test_a_body_that_does_not_decode_is_a_400_and_the_connection_closes(seeded):
     """A body declared gzip that is not: 400 invalid_argument, nothing stored, and
     the connection closes right behind the answer (its answer said so; the rest of

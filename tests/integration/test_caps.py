@@ -323,7 +323,8 @@ def test_a_replica_forwards_at_most_so_many_long_polls_at_once(tmp_path):
                     break
                 await asyncio.sleep(0.01)
             with pytest.raises(errors.Unavailable) as e:
-                await svc.receive(ADMIN, "q", 5)
+                async with asyncio.timeout(10):  # without the cap it would wait on the fake forward for ever
+                    await svc.receive(ADMIN, "q", 5)
             assert "forwards 2 long polls" in str(e.value)
             assert await svc.receive(ADMIN, "q", 0) == []  # no wait: forwarded as ever
             release.set()

@@ -507,6 +507,9 @@ def test_a_minority_confirms_nothing(cluster):
             c.send("q", b"during")
     with pytest.raises(errors.Unavailable):
         c.receive("q")  # and it hands out no leases
+    # and it steps down: no longer primary by its own account (not only refusing)
+    wait_until(lambda: (v := view(nodes[p])) and v["role"] != "primary", 15, what="the lone primary to step down")
+    assert primary_of(nodes) is None
 
 
 def test_the_cluster_document_says_how_long_ago_each_member_was_heard(cluster):

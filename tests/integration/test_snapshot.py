@@ -139,6 +139,29 @@ def test_a_replica_that_is_down_is_not_sent_copy_after_copy_of_the_store(tmp_pat
         wait_until(lambda: "installed a snapshot" in nodes[down].read_log(), 5, what="the snapshot log line")
 
 
+def test_a_replica_whose_installs_fail_is_sent_copies_with_a_growing_pause(tmp_path):
+    """The backoff after a failed copy (0.25 s, doubling up to 10 s): a replica that
+    answers frames but fails every install (SPOOLER_TEST_SNAPSHOT_REFUSE) is sent
+    a few copies in three seconds, not one per heartbeat (dozens), and still more
+    later (the primary goes on trying)."""
+    import time
+
+    with _a_replica_down_behind_the_kept_log(tmp_path, 60) as (nodes, p, c, down, top):
+        def attempts():
+            return nodes[p].read_log().count(f"sending a snapshot to {down}")
+
+        nodes[down].env = {"SPOOLER_TEST_SNAPSHOT_REFUSE": "1"}
+        nodes[down].start()
+        wait_until(lambda: "refused a snapshot" in nodes[down].read_log(), 30, what="the first copy refused")
+        first = attempts()
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            # with no backoff: one per heartbeat (0.1 s here); with it, 0.25 + 0.5 + 1 + 2 s apart
+            assert attempts() - first <= 4, f"{attempts() - first} more copies in 3 s for a replica that fails them"
+            time.sleep(0.1)
+        wait_until(lambda: attempts() - first >= 3, 30, what="the primary to try again after its pauses")
+
+
 @contextlib.contextmanager
 def _a_replica_down_behind_the_kept_log(tmp_path, sends: int, keep=("--log-keep-records", "10")):
     """A 3-node cluster keeping ``keep`` of log; a replica killed, then ``sends``

@@ -583,6 +583,15 @@ def test_pre_vote_grants_that_arrive_after_a_primary_was_heard_start_no_election
         out += c.receive(R.VoteResp(2, v, True, True, 10 * T, 10 * T), retry + 80_000)
     assert not any(isinstance(e, R.Send) and isinstance(e.msg, R.VoteReq) for e in out)
     assert (c.role, c.epoch, c.primary) == (R.REPLICA, 1, "n5")
+    # later still, past a failover timeout without n5 (so "heard recently" no longer
+    # stops them), two more grants of that old round: following n5 ended the round,
+    # so they add up to no majority (this node's own grant went with it)
+    late = retry + 40_000 + T + 1
+    out = []
+    for v in ("n1", "n2"):
+        out += c.receive(R.VoteResp(2, v, True, True, 10 * T, 10 * T), late)
+    assert not any(isinstance(e, R.Send) and isinstance(e.msg, R.VoteReq) for e in out), out
+    assert (c.role, c.epoch) == (R.REPLICA, 1)
 
 
 def test_pre_vote_grants_that_arrive_after_the_same_primary_is_heard_again_start_no_election():
@@ -643,6 +652,11 @@ def test_a_primary_stops_serving_once_its_majority_is_a_failover_timeout_old():
     c.receive(R.AppendResp(1, "n3", True, 1, 40, False), 40)
     assert c.serving(50)
     assert not c.serving(40 + T + 1) and not c.may_lease(40 + T + 1)
+    # ...and its timer steps it down: the engine fails the writes it still holds on
+    # that Role (a primary that only refused would hold them until they timed out)
+    c.tick(40 + T - 1)
+    assert c.role == R.PRIMARY
+    assert R.Role(R.REPLICA, 1, None) in c.tick(40 + T + 1) and c.role == R.REPLICA
 
 
 def test_a_switchover_waits_for_a_joining_target_and_is_refused_while_it_says_so():
