@@ -278,6 +278,22 @@ def test_a_replica_releases_given_back_tokens_on_the_primary_by_its_names():
     assert svc.give_back(["t1"]) == 0 and calls == []  # without the caller's key: nothing to send it with
 
 
+def test_a_replica_remembers_forwarded_leases_names_up_to_a_bound_oldest_forgotten_first():
+    """limits.md, "forwarded leases whose receive's name a forwarding node
+    remembers": the map from a forwarded lease to its receive's name keeps at most
+    NAMES_MAX entries, dropping the oldest (whose lease then just expires)."""
+    from collections import OrderedDict
+
+    from node.api.forward import NAMES_MAX, _put
+
+    d = OrderedDict()
+    for i in range(NAMES_MAX + 3):
+        _put(d, f"t{i}", ("q", f"r{i}"), NAMES_MAX)
+    assert len(d) == NAMES_MAX
+    assert "t0" not in d and "t2" not in d and d["t3"] == ("q", "r3") and f"t{NAMES_MAX + 2}" in d
+    assert next(iter(d)) == "t3"
+
+
 def test_async_sdk_releases_a_receive_its_caller_cancelled(node):
     """A receive cancelled by its caller (asyncio.wait_for) whose answer is on its way:
     the SDK releases it in the background; close() waits for that."""
@@ -395,6 +411,17 @@ def test_receipts_stay_within_their_bounds_and_count_exactly():
         ages = [clock["us"] - at for _, at in svc._receipts.values()]
         assert max(ages) <= 5_000_000
         assert ages == sorted(ages, reverse=True)  # oldest first, so trimming drops the oldest
+    # the age bound on its own (the steps above are too short for it to bind before
+    # the counts do): a receive older than the age is forgotten, releasing it gives
+    # nothing back, and one younger is still released
+    clock["us"] += 10_000_000
+    svc._note_receipt([(svc._caller(p), "q", "old")], [SimpleNamespace(token="t-old")])
+    clock["us"] += 4_000_000
+    svc._note_receipt([(svc._caller(p), "q", "young")], [SimpleNamespace(token="t-young")])
+    clock["us"] += 2_000_000  # "old" is 6 s old, "young" 2 s
+    svc._note_receipt([(svc._caller(p), "q", "now")], [SimpleNamespace(token="t-now")])
+    assert asyncio.run(svc.release_receive(p, "q", "old")) == 0
+    assert asyncio.run(svc.release_receive(p, "q", "young")) == 1
 
 
 def test_sdk_stops_releasing_at_a_node_without_release_and_keeps_the_receive_error():

@@ -103,6 +103,30 @@ def test_ack_removes_for_good(log):
     assert e.value.reason == "settled"
 
 
+@pytest.mark.parametrize("kind", [log_pb2.ACK, log_pb2.NACK])
+def test_ended_leases_are_remembered_up_to_their_bound_oldest_forgotten_first(kind):
+    """limits.md, "ended leases remembered": a stale token says ``settled`` while its
+    lease's end is remembered, ``expired`` once it is forgotten (oldest first), and
+    the memory stays within ``ended_leases_max``."""
+    lg = Log(Core(rand=lambda n: b"\x01" * n, ended_leases_max=3))
+    lg.new_epoch(0)
+    lg.queue("q")
+    leases = []
+    for i in range(5):
+        mid, _ = lg.send("q", at=i)
+        [(m, lease)] = recv(lg, "q", i)
+        lg.core.begin_settle(lease)
+        assert lg.settle(kind, "q", m.id, i) is True
+        leases.append(lease)
+        assert len(lg.core.ended) <= 3
+    reasons = []
+    for lease in leases:
+        with pytest.raises(StaleLeaseError) as e:
+            lg.core.check_lease(lease.epoch, lease.id, lease.nonce, 10)
+        reasons.append(e.value.reason)
+    assert reasons == ["expired", "expired", "settled", "settled", "settled"]
+
+
 def test_settling_lease_is_fenced_from_expiry_and_second_settle(log):
     log.queue("q", lease_timeout_us=1 * S)
     log.send("q")

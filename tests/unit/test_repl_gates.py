@@ -102,6 +102,22 @@ def test_once_loaded_the_same_vote_is_refused_for_what_the_store_says(tmp_path):
     e.store.close()
 
 
+def test_a_restart_stands_in_with_the_longest_lease_on_disk_not_its_own_timeout(tmp_path):
+    """R2 (DESIGN, "Serving and leasing"): the longest lease this node acknowledged
+    (``lease_seen_us``, written by test_cluster.py::test_replicas_persist_the_longest_
+    lease_they_acknowledged) is read back at start: the restart counts as a contact
+    and a vote that may be leased on for that long, here longer than this node's own
+    failover timeout (a primary with a longer one), not for its own timeout."""
+    e = _voted(tmp_path)
+    own = e.repl.core.timeout
+    with e.store.db:
+        e.store.set_meta("lease_seen_us", 3 * own)
+    d = _loaded(e)
+    assert d.core.lease_seen == 3 * own
+    assert d.core.contact_lease == 3 * own and d.core.votes_granted[""][1] == 3 * own
+    e.store.close()
+
+
 def test_a_replacement_that_hears_a_vote_before_it_loads_still_joins(tmp_path):
     e = Engine(str(tmp_path), node_id="n3", peers=PEERS, join=True)
     with pytest.raises(Aborted):
