@@ -252,6 +252,36 @@ def test_sigstop_primary_is_replaced_and_steps_down(cluster):
     assert client(nodes[q]).get_queue("q")["stats"]["sentTotal"] == 3
 
 
+def test_a_deposed_primary_that_rejoins_ends_its_own_leases_with_the_count_kept(cluster):
+    """R3 on the old primary itself: its leases live in its memory alone, and the
+    new epoch's first record, applied once it rejoins, ends them. Promoted back,
+    it hands the message out again at once with its retry count unchanged, not
+    after the old lease's 60 s with the count raised; the old token is stale
+    (primary_changed)."""
+    nodes, stopped = cluster
+    p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    c = client(nodes[p])
+    until_ok(lambda: c.put_queue("r3", leaseTimeoutSeconds=60))
+    send_until_ok(c, "r3", b"held")
+    held = until_ok(lambda: c.receive("r3"), what="the lease on the first primary")
+    os.kill(nodes[p].pid, signal.SIGSTOP)
+    stopped.add(p)
+    q, epoch2 = wait_until(lambda: primary_of(nodes, exclude=(p,)), 15, what="a new primary")
+    os.kill(nodes[p].pid, signal.SIGCONT)
+    stopped.discard(p)
+    wait_until(lambda: (v := view(nodes[p])) and v["role"] == "replica" and v["epoch"] == epoch2, 15,
+               what="the old primary to follow the new one")
+    top = view(nodes[q])["appliedLsn"]
+    wait_until(lambda: (view(nodes[p]) or {}).get("appliedLsn", -1) >= top, 15, what="the old primary to catch up")
+    until_ok(lambda: client(nodes[q]).promote(p), what="the switch back")
+    wait_until(lambda: (primary_of(nodes) or ("",))[0] == p, 15, what="the old primary to lead again")
+    again = until_ok(lambda: client(nodes[p]).receive("r3"), 20, what="the message handed out again")
+    assert (again.id, again.body, again.retry_count) == (held.id, b"held", 0), again
+    with pytest.raises(errors.StaleLease) as e:
+        client(nodes[p]).ack(held.token)
+    assert e.value.reason == errors.StaleLease.PRIMARY_CHANGED
+
+
 def test_planned_switchover(cluster):
     nodes, _ = cluster
     p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
