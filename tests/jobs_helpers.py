@@ -58,7 +58,7 @@ class Spool:
         self.env = {**os.environ, "PYTHONPATH": REPO, **FAST_KNOBS, **(env or {})}
         self.env.pop("SPOOLCTL_DIR", None)
         self.procs: list = []
-        self.extra_pids: list = []
+        self.extra_procs: list = []  # other processes a test started (Popen), ended at cleanup
 
     def run(self, *args, env: Optional[dict] = None, check: bool = True, timeout_s: float = 60.0,
             global_args=()):
@@ -97,11 +97,13 @@ class Spool:
         return p
 
     def attempt_pgids(self) -> list:
+        """(process group id, the attempt's token) of every attempt that had one."""
         try:
             import apsw
             c = apsw.Connection(os.path.join(self.path, "spool.db"), flags=apsw.SQLITE_OPEN_READONLY)
             try:
-                return [r[0] for r in c.execute("SELECT pid FROM attempts WHERE pid IS NOT NULL")]
+                return [(pid, f"{job}:{n}") for pid, job, n in
+                        c.execute("SELECT pid, job_id, n FROM attempts WHERE pid IS NOT NULL")]
             finally:
                 c.close()
         except Exception:
@@ -119,11 +121,19 @@ class Spool:
             for s in (p.stdout, p.stderr):
                 if s:
                     s.close()
-        for pgid in self.attempt_pgids() + self.extra_pids:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        # a job's group only while a member still carries its attempt's token: an id
+        # of a group long gone may be another process's by now
+        from spooler.jobs.executor import group_carries
+        for pgid, token in self.attempt_pgids():
+            if group_carries(pgid, token):
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for p in self.extra_procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -48,23 +49,29 @@ class NodeProc:
                     "--grpc", f"127.0.0.1:{self.grpc_port}", "--admin-key", self.admin_key, *self.extra_args]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, env=env)
+        # the ready line, read with the deadline (a blocking readline would wait for
+        # ever on a node that hangs before it prints anything): the raw descriptor,
+        # with select; nothing else reads this pipe
         deadline = time.monotonic() + timeout_s
-        line = b""
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            if ev.get("event") == "ready":
-                self.http_url = "http://" + ev["http"]
-                self.grpc_target = ev["grpc"]
-                self.http_port = int(ev["http"].rpartition(":")[2])
-                self.grpc_port = int(ev["grpc"].rpartition(":")[2])
-                self.epoch = ev["epoch"]
-                return self
+        fd, buf = self.proc.stdout.fileno(), b""
+        while (left := deadline - time.monotonic()) > 0 and select.select([fd], [], [], left)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break  # it exited
+            buf += chunk
+            while b"\n" in buf:
+                line, _, buf = buf.partition(b"\n")
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(ev, dict) and ev.get("event") == "ready":
+                    self.http_url = "http://" + ev["http"]
+                    self.grpc_target = ev["grpc"]
+                    self.http_port = int(ev["http"].rpartition(":")[2])
+                    self.grpc_port = int(ev["grpc"].rpartition(":")[2])
+                    self.epoch = ev["epoch"]
+                    return self
         self.kill()
         raise RuntimeError(f"node {self.node_id} did not become ready; log:\n{self.read_log()}")
 

@@ -26,6 +26,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -59,8 +60,7 @@ class Cluster:
         self.procs: dict[str, NodeProc] = {}
         self.stopped: set[str] = set()   # SIGSTOPped, not yet SIGCONTed
         self.lock = threading.RLock()
-        self._pids: set[int] = set()      # every pid this cluster ever started
-        self._started_pids: dict[str, int] = {}
+        self._popens: list = []           # every process this cluster ever started
         self.partitions = partitions
         self.proxy: Optional[FaultProxy] = None
 
@@ -113,7 +113,7 @@ class Cluster:
         finally:
             if p.proc is not None:
                 with self.lock:
-                    self._pids.add(p.proc.pid)
+                    self._popens.append(p.proc)
 
     def close(self) -> None:
         """SIGCONT the stopped nodes, then SIGKILL every process this cluster started; then
@@ -134,15 +134,15 @@ class Cluster:
                     p.kill()
                 except Exception:  # noqa: BLE001
                     pass
-            for pid in list(self._pids):  # belt and braces: pids of earlier incarnations
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                try:
-                    os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
+            # belt and braces: earlier incarnations, by their Popen (poll() reaps a dead
+            # one), never by a bare pid, which may be another process's by now
+            for proc in self._popens:
+                if proc.poll() is None:
+                    proc.kill()
+                    try:
+                        proc.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        pass
 
     def __enter__(self) -> "Cluster":
         try:

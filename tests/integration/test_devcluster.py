@@ -37,12 +37,18 @@ def _consecutive_free(n: int) -> int:
     raise AssertionError("no free run of ports")
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, data: str) -> bool:
+    """Is ``pid`` still one of this test's nodes (a node.main whose arguments name
+    its data directory, not a zombie)? Once gone, its pid may be another process's."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
         return False
-    return True
+    zombie = stat[stat.rfind(b")") + 2:].split()[0] == b"Z"
+    return not zombie and b"node.main" in args and any(data.encode() in a for a in args)
 
 
 def test_make_cluster_runs_three_nodes_reports_an_exit_once_and_stops_them_all(tmp_path):
@@ -105,10 +111,10 @@ def test_make_cluster_runs_three_nodes_reports_an_exit_once_and_stops_them_all(t
             p.kill()
             rc = p.wait()
         for pid in node_pids:  # the devcluster ends its nodes; anything left is ended here
-            if _alive(pid):
+            if _alive(pid, str(tmp_path)):
                 os.kill(pid, signal.SIGKILL)
     assert rc == 0
-    assert not [pid for pid in node_pids if _alive(pid)]
+    assert not [pid for pid in node_pids if _alive(pid, str(tmp_path))]
 
 
 def test_help_prints_what_it_does_and_starts_nothing(tmp_path):
