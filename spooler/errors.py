@@ -211,7 +211,10 @@ def from_grpc_trailers(code, details: str, trailers) -> SpoolerError:
 
     for key, value in trailers or ():
         if key == DETAILS_TRAILER:
-            status = api_pb2.Status.FromString(value)
+            try:
+                status = api_pb2.Status.FromString(value)
+            except Exception:  # (DecodeError) a detail that cannot be read: the code alone says
+                break
             for anyd in status.details:
                 d = api_pb2.ErrorDetail()
                 if anyd.Unpack(d):

@@ -172,10 +172,10 @@ def test_a_submit_from_a_removed_directory_is_invalid_argument_not_a_broken_spoo
     gone = tmp_path / "gone"
     gone.mkdir()
     where = ["--spool", spool.path] if named else []
-    p = subprocess.Popen(sh_then(f"rmdir -- {shlex.quote(str(gone))}",
-                                 [*spoolctl_argv(), *where, "submit", "--json", "--", "true"]),
-                         cwd=gone, env=spool.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = p.communicate(timeout=60)
+    p = subprocess.run(sh_then(f"rmdir -- {shlex.quote(str(gone))}",
+                               [*spoolctl_argv(), *where, "submit", "--json", "--", "true"]),
+                       cwd=gone, env=spool.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+    out, err = p.stdout, p.stderr
     assert p.returncode == 1, err
     e = json.loads(out)["error"]
     assert e["kind"] == "invalid_argument" and "working directory" in e["message"], e

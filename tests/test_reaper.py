@@ -451,7 +451,8 @@ def test_a_heartbeat_that_fails_for_good_stops_its_worker(tmp_path, capfd):
             t.join(timeout=15)
             ran_on = t.is_alive()
             w.stop()
-            t.join()
+            t.join(timeout=30)
+            assert not t.is_alive(), "the worker did not end once told to stop"
         finally:
             Store.heartbeat = real
         assert not ran_on, "the worker ran on without heartbeats"

@@ -1000,18 +1000,20 @@ def test_a_node_the_members_do_not_count_says_so_in_its_own_log(tmp_path):
     log said nothing, its /readyz just answered 503. Now it says who refuses
     it and why."""
     nodes = start_cluster(str(tmp_path), 3, FAILOVER_S)
-    port = free_ports(1)[0]
-    peers = next(a for a in nodes["n1"].extra_args if a.startswith("n1=")) + f",n4=127.0.0.1:{port}"
-    n4 = NodeProc(str(tmp_path / "n4"), node_id="n4", grpc_port=port,
-                  extra_args=["--peers", peers, "--failover-timeout", str(FAILOVER_S)])
-    try:
+    n4 = None
+    try:  # (from here: the three are ended also if what follows fails)
+        port = free_ports(1)[0]
+        peers = next(a for a in nodes["n1"].extra_args if a.startswith("n1=")) + f",n4=127.0.0.1:{port}"
+        n4 = NodeProc(str(tmp_path / "n4"), node_id="n4", grpc_port=port,
+                      extra_args=["--peers", peers, "--failover-timeout", str(FAILOVER_S)])
         wait_until(lambda: primary_of(nodes), 15, what="a primary")
         n4.start()
         wait_until(lambda: "refuses this node's replication calls" in n4.read_log()
                    and "not a member of the cluster" in n4.read_log(), 15, what="n4 saying it is refused")
         assert primary_of({i: n for i, n in nodes.items()}) is not None
     finally:
-        n4.kill()
+        if n4 is not None:
+            n4.kill()
         for n in nodes.values():
             n.kill()
 

@@ -367,21 +367,24 @@ def test_long_poll_waits_then_204(api, queue):
     assert 0.5 <= time.monotonic() - t0 < 5
 
 
-def test_long_poll_returns_early_on_send(api, queue):
+def test_long_poll_returns_early_on_send(api, shared_node, queue):
     out = {}
-    started = threading.Event()
 
     def consumer():
-        started.set()
         t = time.monotonic()
         out["resp"] = api.receive(queue, wait=15)
         out["elapsed"] = time.monotonic() - t
 
+    before = shared_node.metric("spooler_receives_waiting")
     th = threading.Thread(target=consumer)
     th.start()
-    assert started.wait(5)
-    mid = api.send(queue, b"wake").json()["id"]
-    th.join(20)
+    try:
+        # the send only once the node holds the receive waiting (else the receive
+        # could find the message at once, and no long poll would be woken)
+        wait_until(lambda: shared_node.metric("spooler_receives_waiting") > before, 10, what="the receive to wait")
+        mid = api.send(queue, b"wake").json()["id"]
+    finally:
+        th.join(20)
     assert not th.is_alive()
     r = out["resp"]
     assert r.status == 200 and r.h("Spooler-Message-Id") == mid

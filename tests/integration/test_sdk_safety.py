@@ -271,6 +271,7 @@ def test_async_consume_returns_soon_after_stop_during_a_long_poll(node):
             polling, restore = _note_receive(c)
             task = asyncio.ensure_future(c.consume("idle", lambda m: asyncio.sleep(0), wait_s=20, stop=stop))
             await asyncio.wait_for(polling.wait(), 5)  # the worker is in its 20 s long poll
+            await _node_holds_polls(node, 1)  # ...which has reached the node
             restore()
             stop.set()
             await asyncio.wait_for(task, 5)  # not 20 s
@@ -289,6 +290,7 @@ def test_cancelling_consume_takes_its_long_poll_with_it(node):
             polling, restore = _note_receive(c)
             task = asyncio.ensure_future(c.consume("cancelled", lambda m: asyncio.sleep(0), wait_s=20))
             await asyncio.wait_for(polling.wait(), 5)  # inside its 20 s long poll
+            await _node_holds_polls(node, 1)  # ...which has reached the node
             restore()
             task.cancel()
             await asyncio.wait({task})
@@ -617,17 +619,18 @@ def test_async_consume_rides_out_an_outage_longer_than_its_retries(node, caplog)
         async with AsyncClient(node.grpc_target, node.admin_key, timeout_s=2) as c:
             await c.put_queue("ride")
             first = (await c.send("ride", b"first")).id
-            seen, started, stop = [], asyncio.Event(), asyncio.Event()
+            seen, started, killed, stop = [], asyncio.Event(), asyncio.Event(), asyncio.Event()
 
             async def handler(m):
                 seen.append(m.id)
                 if len(seen) == 1:
                     started.set()
-                    await asyncio.sleep(0.5)  # the node is killed meanwhile
+                    await killed.wait()  # the node is killed meanwhile
 
             task = asyncio.ensure_future(c.consume("ride", handler, concurrency=3, wait_s=1, stop=stop))
             await asyncio.wait_for(started.wait(), 10)
             node.kill()
+            killed.set()
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 20
             while "ack of" not in caplog.text and loop.time() < deadline:
@@ -962,14 +965,19 @@ def test_sync_failure_is_charged_to_the_node_the_call_went_to(node):
         c.close()
 
 
+async def _node_holds_polls(node, n: int) -> None:
+    """Until ``n`` long polls wait on the node (its metric), with a deadline."""
+    deadline = time.monotonic() + 20
+    while (waiting := await asyncio.to_thread(node.metric, "spooler_receives_waiting")) < n:
+        assert time.monotonic() < deadline, f"{waiting} long polls wait on the node, not {n}"
+        await asyncio.sleep(0.05)
+
+
 async def _polls_waiting(c, node, queue: str, n: int, on_node: int) -> list:
     """Start ``n`` long polls of ``queue`` on client ``c``; returns their tasks once
     ``on_node`` of them wait on the node."""
     polls = [asyncio.ensure_future(c.receive(queue, wait_s=20)) for _ in range(n)]
-    deadline = time.monotonic() + 20
-    while (waiting := await asyncio.to_thread(node.metric, "spooler_receives_waiting")) < on_node:
-        assert time.monotonic() < deadline, f"{waiting} long polls wait on the node, not {on_node}"
-        await asyncio.sleep(0.1)
+    await _node_holds_polls(node, on_node)
     return polls
 
 

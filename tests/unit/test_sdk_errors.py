@@ -325,3 +325,12 @@ def test_a_keyed_send_cut_off_by_close_is_not_a_runtime_error(monkeypatch):
         await a.close()
         assert await a._dedup_window_s("q") == 0.0
     asyncio.run(run_async())
+
+
+def test_an_error_detail_that_cannot_be_read_is_judged_by_its_code():
+    """A garbled grpc-status-details-bin (a proxy's, a corrupted trailer) raised
+    protobuf's DecodeError to the caller instead of an error of the table."""
+    garbled = ((errors.DETAILS_TRAILER, b"\xff\xfe not a status"),)
+    e = errors.from_grpc_trailers(grpc.StatusCode.NOT_FOUND, "garbled", garbled)
+    assert isinstance(e, errors.SpoolerError) and e.message == "garbled", e
+    assert isinstance(errors.from_grpc_trailers(grpc.StatusCode.UNAVAILABLE, "x", garbled), errors.Unavailable)

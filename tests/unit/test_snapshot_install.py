@@ -175,12 +175,12 @@ def test_a_checkpoint_taken_while_a_snapshot_is_installed_is_not_written_into_it
                                         queue_put=log_pb2.QueuePut(name="stale")))
             assert "stale" in r.core.dirty.queues
             real = engine_mod.Store
-            installing = threading.Event()
+            installing, go = threading.Event(), threading.Event()
 
             def slow(path, *a, **kw):
                 if path.endswith("spool.db"):
                     installing.set()
-                    time.sleep(0.3)
+                    go.wait(10)  # held until the checkpoint below is on its way (or declined)
                 return real(path, *a, **kw)
 
             monkeypatch.setattr(engine_mod, "Store", slow)
@@ -190,6 +190,13 @@ def test_a_checkpoint_taken_while_a_snapshot_is_installed_is_not_written_into_it
                 inst = asyncio.ensure_future(r.store_io(r.install_snapshot_sync, snap))
             assert await asyncio.to_thread(installing.wait, 10)  # the install is under way
             ckpt = asyncio.ensure_future(r.checkpoint_now())
+            # the window held open: until the checkpoint's write waits behind the
+            # install on the writer thread (a bare install), or it declined (the driver's)
+            deadline = time.monotonic() + 10
+            while not ckpt.done() and r._io_jobs < 2:
+                assert time.monotonic() < deadline, "the checkpoint neither queued nor declined"
+                await asyncio.sleep(0.005)
+            go.set()
             await inst
             await ckpt
             monkeypatch.setattr(engine_mod, "Store", real)
