@@ -207,18 +207,19 @@ def grpc_trailers(err: SpoolerError) -> tuple:
 
 
 def from_grpc_trailers(code, details: str, trailers) -> SpoolerError:
+    from google.protobuf.message import DecodeError
+
     from spooler.pb import api_pb2
 
     for key, value in trailers or ():
         if key == DETAILS_TRAILER:
             try:
-                status = api_pb2.Status.FromString(value)
-            except Exception:  # (DecodeError) a detail that cannot be read: the code alone says
+                for anyd in api_pb2.Status.FromString(value).details:
+                    d = api_pb2.ErrorDetail()
+                    if anyd.Unpack(d):
+                        return make(d.kind, d.message, d.reason, d.retry_after_seconds)
+            except DecodeError:  # a detail that cannot be read (garbled): the code alone says
                 break
-            for anyd in status.details:
-                d = api_pb2.ErrorDetail()
-                if anyd.Unpack(d):
-                    return make(d.kind, d.message, d.reason, d.retry_after_seconds)
     # No detail: a transport failure. UNAVAILABLE before the call reached a
     # node is retry-safe; DEADLINE_EXCEEDED after it left is outcome-unknown.
     name = getattr(code, "name", str(code))

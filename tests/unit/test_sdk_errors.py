@@ -334,3 +334,9 @@ def test_an_error_detail_that_cannot_be_read_is_judged_by_its_code():
     e = errors.from_grpc_trailers(grpc.StatusCode.NOT_FOUND, "garbled", garbled)
     assert isinstance(e, errors.SpoolerError) and e.message == "garbled", e
     assert isinstance(errors.from_grpc_trailers(grpc.StatusCode.UNAVAILABLE, "x", garbled), errors.Unavailable)
+    # a Status that parses, whose detail inside does not
+    st = api_pb2.Status(code=5, message="m")
+    st.details.add().Pack(api_pb2.ErrorDetail(kind="queue_not_found"))
+    st.details[0].value = b"\xff\xfe"
+    e = errors.from_grpc_trailers(grpc.StatusCode.NOT_FOUND, "inner", ((errors.DETAILS_TRAILER, st.SerializeToString()),))
+    assert isinstance(e, errors.SpoolerError) and e.message == "inner", e
