@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+from jobs_helpers import pid_gone
 from nodeproc import _ephemeral_low, wait_until
 
 
@@ -43,12 +44,9 @@ def _alive(pid: int, data: str) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             args = f.read().split(b"\0")
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
     except (FileNotFoundError, ProcessLookupError):
         return False
-    zombie = stat[stat.rfind(b")") + 2:].split()[0] == b"Z"
-    return not zombie and b"node.main" in args and any(data.encode() in a for a in args)
+    return not pid_gone(pid) and b"node.main" in args and any(data.encode() in a for a in args)
 
 
 def test_make_cluster_runs_three_nodes_reports_an_exit_once_and_stops_them_all(tmp_path):
