@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run cluster test test-all bench drill proto install clean
+.PHONY: run cluster test test-fast test-all bench drill proto install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,11 @@ cluster: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The fast tier: no node process (the core, the simulation, the SDK against fakes,
+# the job runner on its own), about 2 minutes.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m 'not slow and not integration'
 
 # Everything, the slow drills included.
 test-all: $(STAMP)

@@ -5,7 +5,26 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import nodeproc  # noqa: E402
 from nodeproc import ADMIN_KEY, NodeProc  # noqa: E402
+
+INTEGRATION_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration") + os.sep
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tiers: every test under tests/integration/ starts real processes of the
+    product and carries the ``integration`` marker; elsewhere a test that starts a
+    node says so itself (``pytestmark``). ``-m 'not integration and not slow'`` is
+    the fast tier: the core, the simulation, the SDK against fakes."""
+    for item in items:
+        if str(item.path).startswith(INTEGRATION_DIR):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # before any fixture of this test (a module's shared node included) is set up
+    nodeproc.may_start_nodes = item.get_closest_marker("integration") is not None
 
 
 @pytest.fixture

@@ -17,6 +17,17 @@ from typing import Optional
 
 ADMIN_KEY = "test-admin-key"
 
+# Whether the test now running may start a node: tests/conftest.py sets it before
+# each test's setup (True when the test carries pytest's ``integration`` marker),
+# so a node started by a test outside that tier fails the test instead of
+# slipping into ``-m 'not integration'``. None outside pytest (the benchmark, the
+# drills' runner): no check.
+may_start_nodes: Optional[bool] = None
+
+
+class UnmarkedNodeStart(AssertionError):
+    """A test without the ``integration`` marker started a node."""
+
 
 class NodeProc:
     def __init__(self, data_dir: str, node_id: str = "n1", admin_key: str = ADMIN_KEY, extra_args=(),
@@ -39,6 +50,9 @@ class NodeProc:
         self.epoch = 0
 
     def start(self, timeout_s: float = 20.0) -> "NodeProc":
+        if may_start_nodes is False:
+            raise UnmarkedNodeStart("this test starts a spooler-node: mark it integration "
+                                    "(every test under tests/integration/ is)")
         os.makedirs(self.data_dir, exist_ok=True)
         cmd = [sys.executable, "-m", "node.main"]
         env = {**os.environ, **(self.env or {})}

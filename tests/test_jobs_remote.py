@@ -14,6 +14,8 @@ import pytest
 
 from jobs_helpers import REPO, pid_gone, spool, wait_until  # noqa: F401
 
+pytestmark = pytest.mark.integration  # each test runs against a real spooler-node
+
 if not os.path.exists(os.path.join(REPO, "node", "main.py")):
     pytest.skip("spooler-node (node/main.py) is not there yet", allow_module_level=True)
 
