@@ -46,6 +46,8 @@ EXIT_CANNOT_LISTEN = 1   # an address in --http or --grpc cannot be bound (taken
 FAILOVER_TIMEOUT_MIN_S, FAILOVER_TIMEOUT_MAX_S = 0.1, 3600
 NODE_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# --max-messages at most: a hundred times the default (some 150 GB of memory)
+MESSAGES_MAX_MAX = 1_000_000_000
 
 
 def tls_files_problem(cert: str, key: str, ca: str) -> str:
@@ -108,6 +110,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds replicas wait for a silent primary (SPOOLER_FAILOVER_TIMEOUT, default 2)")
     p.add_argument("--max-body-bytes", type=int, default=_env("SPOOLER_MAX_BODY_BYTES", str(256 * 1024)),
                    help="largest message body (SPOOLER_MAX_BODY_BYTES, default 262144)")
+    p.add_argument("--max-messages", type=int, default=_env("SPOOLER_MAX_MESSAGES", str(Limits().messages_max)),
+                   help="messages the node holds, every queue together; past it sends are refused (503) "
+                        f"(SPOOLER_MAX_MESSAGES, default {Limits().messages_max}; each takes about 150 bytes "
+                        "of memory)")
     p.add_argument("--tls-cert", default=_env("SPOOLER_TLS_CERT", ""),
                    help="PEM certificate of this node: enables mTLS on the gRPC port (SPOOLER_TLS_CERT)")
     p.add_argument("--tls-key", default=_env("SPOOLER_TLS_KEY", ""), help="PEM private key (SPOOLER_TLS_KEY)")
@@ -153,6 +159,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     # (Limits.batch_bytes_max), and answered in one gRPC message of at most 16 MiB
     if not 1 <= a.max_body_bytes <= Limits().batch_bytes_max:
         p.error(f"--max-body-bytes must be 1..{Limits().batch_bytes_max}")
+    if not 1 <= a.max_messages <= MESSAGES_MAX_MAX:
+        p.error(f"--max-messages must be 1..{MESSAGES_MAX_MAX}")
     if any((a.tls_cert, a.tls_key, a.tls_ca)) and not all((a.tls_cert, a.tls_key, a.tls_ca)):
         p.error("--tls-cert, --tls-key and --tls-ca go together")
     if a.tls_cert:
@@ -367,7 +375,8 @@ async def serve(args) -> int:
         tls = TLS.from_files(args.tls_cert, args.tls_key, args.tls_ca)
     from node.store.testvfs import vfs_from_env
     engine = Engine(args.data, node_id=args.id, limits=Limits(body_bytes_max=args.max_body_bytes,
-                                                                 disk_free_bytes_min=args.disk_reserve_bytes),
+                                                                 disk_free_bytes_min=args.disk_reserve_bytes,
+                                                                 messages_max=args.max_messages),
                     peers=peers, failover_timeout_s=args.failover_timeout, grpc_options=grpc_api.GRPC_OPTIONS,
                     tls=tls, vfs=vfs_from_env(), log_keep_records=args.log_keep_records,
                     log_keep_bytes=args.log_keep_bytes, join=args.join, cluster_key=args.cluster_key,

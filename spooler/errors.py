@@ -33,8 +33,8 @@ def grpc_status_code(err: "SpoolerError"):
 # or room: another node would forward to the same primary and hear the same, so a
 # client stays where it is and tries again after Retry-After (it moves on for
 # any other ``unavailable``: no primary there, a node stopping, not reachable)
-OVERLOADED, QUEUE_FULL, DISK_LOW = "overloaded", "queue_full", "disk_low"
-PRIMARY_REFUSALS = (OVERLOADED, QUEUE_FULL, DISK_LOW)
+OVERLOADED, QUEUE_FULL, DISK_LOW, NODE_FULL = "overloaded", "queue_full", "disk_low", "node_full"
+PRIMARY_REFUSALS = (OVERLOADED, QUEUE_FULL, DISK_LOW, NODE_FULL)
 
 
 def stay_on(err) -> bool:

@@ -171,6 +171,12 @@ class Service:
         # check of the core alone let concurrent creates pass the cap together
         self._queues_creating: dict = {}  # name -> calls creating it (until the engine settles them)
         self._sending: dict = {}  # queue -> messages proposed to it, not yet applied or refused
+        # The node-wide cap on messages (Limits.messages_max, _node_room): what the
+        # core held when last counted, the messages of sends settled since then (as
+        # if all were stored: a refused one counts until the next count), and the
+        # core's position, core and epoch at that count.
+        self._held = self._held_since = self._held_lsn = 0
+        self._held_of = None
         self.sending_bytes = 0    # their bodies' bytes (Limits.sending_bytes_max)
         self.forwarded_polls = 0  # long polls this replica has forwarded, waiting (Limits.forwarded_polls_max)
         self._names_ok: set = set()  # names check_name_any passed (a pure check: remembered, bounded)
@@ -552,6 +558,9 @@ class Service:
             checked[queue] = room - 1
             add(queue=queue, id=self._next_id(), body=body, delay_us=round(delay_s * US) if delay_s else 0,
                 dedup_key=key or "")
+        if not self._node_room(n):
+            raise errors.Unavailable(f"the node holds its maximum of {lim.messages_max} messages, "
+                                     "every queue together", retry_after_s=1.0, reason=errors.NODE_FULL)
         if run:
             queue, bodies, delay_s = run
             room = checked.get(queue)
@@ -575,8 +584,34 @@ class Service:
         def count(sign: int) -> None:
             tally(sign)
             self.sending_bytes += sign * total
+            if sign < 0:
+                self._held_since += n
 
         return self._propose_counted(rec, count, reply)
+
+    def _node_room(self, n: int) -> bool:
+        """May ``n`` more messages come in, every queue together, within
+        Limits.messages_max? Counted as what the core held when last counted, plus
+        the messages of sends settled since, plus those on their way (_sending,
+        redrives included): never less than what the node holds (acks and expiries
+        since the count only make it larger), so the cap is never passed. Counting
+        every queue costs O(queues), so it is done afresh only when the node has a
+        new core or epoch (as a replica it applied others' sends), and before a
+        refusal if anything was applied or settled since the last count (acks may
+        have made room): a client refused over and over costs no count."""
+        core = self.core
+        of = (id(core), core.epoch)
+        if of != self._held_of:
+            self._recount(core, of)
+        cap, on_way = self.limits.messages_max, sum(self._sending.values())
+        if self._held + self._held_since + on_way + n <= cap:
+            return True
+        if core.lsn != self._held_lsn or self._held_since:  # (a send refused unstored counts there too)
+            self._recount(core, of)
+        return self._held + self._held_since + on_way + n <= cap
+
+    def _recount(self, core, of) -> None:
+        self._held, self._held_since, self._held_lsn, self._held_of = core.messages_held(), 0, core.lsn, of
 
     def check_sending_room(self, n_bytes: int) -> None:
         """503 if ``n_bytes`` more of bodies would pass sending_bytes_max (one send

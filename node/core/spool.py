@@ -1115,6 +1115,11 @@ class Core:
                     heapq.heappush(q.seg_retention, (s[0].expires_at, s[0].seq0, s[0]))
 
     # ------------------------------------------------------------- reading
+    def messages_held(self) -> int:
+        """Messages in every queue together (O(queues): the node-wide cap reads it
+        seldom, see Service._node_room)."""
+        return sum(q.size for q in self.queues.values())
+
     def stats(self, queue: str, now: int) -> dict:
         q = self.queues[queue]
         self.promote(q, now)

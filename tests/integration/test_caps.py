@@ -385,3 +385,65 @@ def test_http_sends_are_refused_before_their_bodies_are_read_past_the_byte_budge
         for s in socks:
             s.close()
         node.kill()
+
+
+def test_the_node_wide_message_cap_counts_every_queue_and_refuses_whole_batches(tmp_path):
+    """Limits.messages_max bounds the messages of every queue together (each holds
+    memory): a send that would pass it is refused whole, 503 node_full, storing
+    nothing; acks make room again; sends on their way count."""
+    async def main():
+        async with _node(tmp_path, messages_max=10) as (eng, svc):
+            for q in ("a", "b"):
+                await svc.put_queue(ADMIN, q, {})
+            await svc.send(ADMIN, [], ("a", [b"x"] * 6, 0.0))
+            await svc.send(ADMIN, [("b", b"y", 0.0, "")] * 3)
+            with pytest.raises(errors.Unavailable) as e:  # 9 held, 2 more would be 11
+                await svc.send(ADMIN, [("b", b"y", 0.0, "")], ("a", [b"x"], 0.0))
+            assert e.value.reason == errors.NODE_FULL and e.value.retry_after_s == 1.0
+            assert errors.stay_on(e.value)  # the primary's own room: a client stays where it is
+            assert (eng.core.queues["a"].size, eng.core.queues["b"].size) == (6, 3)  # nothing of it stored
+            # concurrent sends of one message each: one fits
+            ok, refused = await _outcomes([svc.send(ADMIN, [("b", b"z", 0.0, "")]) for _ in range(5)])
+            assert len(ok) == 1 and len(refused) == 4
+            assert eng.core.messages_held() == 10
+            got = await svc.receive(ADMIN, "a", 0, 4)
+            await svc.settle(ADMIN, [(d.token, "ack", 0) for d in got])
+            # acked just now: the refusal counts the queues again before it refuses
+            await svc.send(ADMIN, [], ("b", [b"w"] * 4, 0.0))
+            assert eng.core.messages_held() == 10 and eng.core.queues["b"].size == 8
+            with pytest.raises(errors.Unavailable):
+                await svc.send(ADMIN, [("a", b"v", 0.0, "")])
+    asyncio.run(main())
+
+
+def test_the_node_wide_cap_counts_what_another_path_stored_since_it_last_counted(tmp_path):
+    """Between two counts of every queue, the sends the node settled are added as
+    they settle: a count taken before a burst cannot let the burst pass the cap."""
+    async def main():
+        async with _node(tmp_path, messages_max=50) as (eng, svc):
+            await svc.put_queue(ADMIN, "q", {})
+            await svc.send(ADMIN, [("q", b"x", 0.0, "")])  # counted here (held 1)
+            for _ in range(7):  # each settles before the next: 7 x 7 = 49 more
+                await svc.send(ADMIN, [], ("q", [b"x"] * 7, 0.0))
+            assert eng.core.messages_held() == 50
+            with pytest.raises(errors.Unavailable) as e:
+                await svc.send(ADMIN, [("q", b"x", 0.0, "")])
+            assert e.value.reason == errors.NODE_FULL
+    asyncio.run(main())
+
+
+def test_a_node_counts_what_it_holds_before_its_first_send(tmp_path):
+    """A node just started (or newly primary, or with a snapshot's core) counts
+    every queue before it takes a send: what it holds came in by no send of its own."""
+    async def main():
+        async with _node(tmp_path, messages_max=10) as (eng, svc):
+            await svc.put_queue(ADMIN, "q", {})
+            await svc.send(ADMIN, [], ("q", [b"x"] * 8, 0.0))
+        async with _node(tmp_path, messages_max=10) as (eng, svc):
+            assert eng.core.messages_held() == 8
+            with pytest.raises(errors.Unavailable) as e:
+                await svc.send(ADMIN, [], ("q", [b"x"] * 3, 0.0))
+            assert e.value.reason == errors.NODE_FULL
+            await svc.send(ADMIN, [], ("q", [b"x"] * 2, 0.0))
+            assert eng.core.messages_held() == 10
+    asyncio.run(main())

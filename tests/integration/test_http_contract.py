@@ -1039,6 +1039,32 @@ def test_a_small_body_limit_bounds_messages_not_the_json_of_other_routes(tmp_pat
         n.kill()
 
 
+def test_max_messages_bounds_every_queue_together_over_http_and_grpc(tmp_path):
+    """--max-messages: past it a send is 503 unavailable with Retry-After and the
+    reason node_full, over HTTP and through the SDK's gRPC; what is stored stays."""
+    from nodeproc import NodeProc
+    from spooler import errors
+    from spooler.client import Client
+
+    n = NodeProc(str(tmp_path / "capped"), extra_args=["--max-messages", "3"]).start()
+    try:
+        api = Api(n.http_url, n.admin_key)
+        for name in ("one", "two"):
+            assert api.put_queue(name, {}).status == 201
+        assert [api.send("one", b"x").status for _ in range(2)] == [201, 201]
+        assert api.send("two", b"y").status == 201
+        r = api.send("two", b"z")
+        assert r.status == 503 and r.json()["kind"] == "unavailable" and r.json()["reason"] == "node_full", r
+        assert int(r.h("Retry-After")) >= 1
+        with Client(n.grpc_target, key=n.admin_key, retry_attempts=1) as c:
+            with pytest.raises(errors.Unavailable) as e:
+                c.send("one", b"w")
+            assert e.value.reason == errors.NODE_FULL
+        assert (api.stats("one")["sentTotal"], api.stats("two")["sentTotal"]) == (2, 1)
+    finally:
+        n.kill()
+
+
 def test_a_range_error_names_its_bounds_in_plain_digits(api):
     r = api.put_queue("plain-bounds", json.dumps({"retentionSeconds": 2_000_000}).encode(), check=False)
     assert r.status == 400 and r.json()["kind"] == "invalid_argument", r

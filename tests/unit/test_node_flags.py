@@ -11,6 +11,8 @@ from node.main import _parse_peers, parse_args, serve
     # a body is one log record of at most 8 MiB; more could never be sent
     (["--max-body-bytes", "8388609"], "--max-body-bytes must be 1..8388608"),
     (["--log-keep-records", "0"], "--log-keep-records must be >= 1"),
+    (["--max-messages", "0"], "--max-messages must be 1..1000000000"),
+    (["--max-messages", "1000000001"], "--max-messages must be 1..1000000000"),
     (["--log-keep-bytes", "-1"], "--log-keep-bytes must be >= 0"),
     # a key no Authorization header can carry (over 512 characters, or with a space)
     (["--admin-key", "k" * 513], "--admin-key must be 1..512 printable ASCII"),
@@ -100,6 +102,10 @@ def test_the_edges_of_those_ranges_are_accepted(monkeypatch):
         8388608, 1, 0, ["k" * 512, "two words"])
     for ft in ("0.1", "3600"):
         assert parse_args(["--failover-timeout", ft]).failover_timeout == float(ft)
+    for m in ("1", "1000000000"):
+        assert parse_args(["--max-messages", m]).max_messages == int(m)
+    monkeypatch.setenv("SPOOLER_MAX_MESSAGES", "123")
+    assert parse_args([]).max_messages == 123
     assert parse_args(["--id", "A-z.0_" + "n" * 58, "--log-level", "debug"]).id == "A-z.0_" + "n" * 58
 
 
