@@ -62,6 +62,7 @@ class Limits:
         self.batch_entries_max = 1000
         self.batch_bytes_max = 8 * 1024 * 1024
         self.leases_per_queue_max = 100_000
+        self.leases_max = 1_000_000  # every queue together (each about 1.2 KB of memory)
         self.messages_per_queue_max = 2_000_000
         # every queue together (each message holds about 150 bytes of the node's
         # memory while it exists: docs/limits.md); --max-messages

@@ -684,6 +684,9 @@ class Service:
         so that one expiring after that node lost contact is given back, not counted
         (Engine._lost_contact)."""
         now = self.engine.now_us()
+        max_n = min(max_n, self.limits.leases_max - len(self.core.leases))  # the node-wide bound
+        if max_n <= 0:
+            return []
         # at most batch_bytes_max of bodies: an answer stays well under gRPC's
         # 16 MiB message limit (the rest stay visible for the next receive)
         got = self.core.receive(queue, now, max_n, self.limits.leases_per_queue_max,

@@ -447,3 +447,25 @@ def test_a_node_counts_what_it_holds_before_its_first_send(tmp_path):
             await svc.send(ADMIN, [], ("q", [b"x"] * 2, 0.0))
             assert eng.core.messages_held() == 10
     asyncio.run(main())
+
+
+def test_leases_in_flight_are_capped_per_queue_and_on_the_node(tmp_path):
+    """A receive leases no further past its queue's cap of leases in flight, or
+    past the node's, every queue together: it answers what fits, then nothing,
+    and the rest stay visible, untouched; a lease ended makes room again."""
+    async def main():
+        async with _node(tmp_path, leases_per_queue_max=3, leases_max=5) as (eng, svc):
+            for q in ("a", "b"):
+                await svc.put_queue(ADMIN, q, {})
+                await svc.send(ADMIN, [], (q, [b"x"] * 6, 0.0))
+            assert len(await svc.receive(ADMIN, "a", 0, 10)) == 3  # the queue's cap
+            assert await svc.receive(ADMIN, "a", 0, 10) == []
+            got_b = await svc.receive(ADMIN, "b", 0, 10)
+            assert len(got_b) == 2  # the node's: 3 + 2
+            assert await svc.receive(ADMIN, "b", 0, 10) == []
+            assert len(eng.core.leases) == 5
+            assert svc.core.stats("b", eng.now_us())["visible"] == 4  # the rest untouched, visible
+            await svc.settle(ADMIN, [(got_b[0].token, "ack", 0)])
+            assert len(await svc.receive(ADMIN, "b", 0, 10)) == 1
+            assert len(eng.core.leases) == 5
+    asyncio.run(main())
