@@ -64,9 +64,9 @@ class Limits:
         self.leases_per_queue_max = 100_000
         self.leases_max = 1_000_000  # every queue together (each about 1.2 KB of memory)
         self.messages_per_queue_max = 2_000_000
-        # every queue together (each message holds about 150 bytes of the node's
+        # every queue together (each message holds 150 to 950 bytes of the node's
         # memory while it exists: docs/limits.md); --max-messages
-        self.messages_max = 10_000_000
+        self.messages_max = 5_000_000
         self.queues_max = QUEUES_MAX  # the core's: it also bounds failure queues made on demand
         self.keys_max = 10_000
         self.commit_records_max = 4096       # records in one group commit

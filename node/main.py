@@ -46,7 +46,7 @@ EXIT_CANNOT_LISTEN = 1   # an address in --http or --grpc cannot be bound (taken
 FAILOVER_TIMEOUT_MIN_S, FAILOVER_TIMEOUT_MAX_S = 0.1, 3600
 NODE_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-# --max-messages at most: a hundred times the default (some 150 GB of memory)
+# --max-messages at most: two hundred times the default (150 GB of memory and more)
 MESSAGES_MAX_MAX = 1_000_000_000
 
 
@@ -112,7 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="largest message body (SPOOLER_MAX_BODY_BYTES, default 262144)")
     p.add_argument("--max-messages", type=int, default=_env("SPOOLER_MAX_MESSAGES", str(Limits().messages_max)),
                    help="messages the node holds, every queue together; past it sends are refused (503) "
-                        f"(SPOOLER_MAX_MESSAGES, default {Limits().messages_max}; each takes about 150 bytes "
+                        f"(SPOOLER_MAX_MESSAGES, default {Limits().messages_max}; each takes 150 to 950 bytes "
                         "of memory)")
     p.add_argument("--tls-cert", default=_env("SPOOLER_TLS_CERT", ""),
                    help="PEM certificate of this node: enables mTLS on the gRPC port (SPOOLER_TLS_CERT)")
