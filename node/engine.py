@@ -67,6 +67,9 @@ class Limits:
         # every queue together (each message holds 150 to 950 bytes of the node's
         # memory while it exists: docs/limits.md); --max-messages
         self.messages_max = 5_000_000
+        # dedup keys remembered, every queue together (each for its queue's window,
+        # at most a day); --max-dedup-keys
+        self.dedup_keys_max = 1_000_000
         self.queues_max = QUEUES_MAX  # the core's: it also bounds failure queues made on demand
         self.keys_max = 10_000
         self.commit_records_max = 4096       # records in one group commit

@@ -114,6 +114,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="messages the node holds, every queue together; past it sends are refused (503) "
                         f"(SPOOLER_MAX_MESSAGES, default {Limits().messages_max}; each takes 150 to 950 bytes "
                         "of memory)")
+    p.add_argument("--max-dedup-keys", type=int, default=_env("SPOOLER_MAX_DEDUP_KEYS", str(Limits().dedup_keys_max)),
+                   help="dedup keys the node remembers, every queue together; past it sends with a new key "
+                        f"are refused (503) (SPOOLER_MAX_DEDUP_KEYS, default {Limits().dedup_keys_max})")
     p.add_argument("--tls-cert", default=_env("SPOOLER_TLS_CERT", ""),
                    help="PEM certificate of this node: enables mTLS on the gRPC port (SPOOLER_TLS_CERT)")
     p.add_argument("--tls-key", default=_env("SPOOLER_TLS_KEY", ""), help="PEM private key (SPOOLER_TLS_KEY)")
@@ -161,6 +164,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--max-body-bytes must be 1..{Limits().batch_bytes_max}")
     if not 1 <= a.max_messages <= MESSAGES_MAX_MAX:
         p.error(f"--max-messages must be 1..{MESSAGES_MAX_MAX}")
+    if not 1 <= a.max_dedup_keys <= MESSAGES_MAX_MAX:
+        p.error(f"--max-dedup-keys must be 1..{MESSAGES_MAX_MAX}")
     if any((a.tls_cert, a.tls_key, a.tls_ca)) and not all((a.tls_cert, a.tls_key, a.tls_ca)):
         p.error("--tls-cert, --tls-key and --tls-ca go together")
     if a.tls_cert:
@@ -376,7 +381,8 @@ async def serve(args) -> int:
     from node.store.testvfs import vfs_from_env
     engine = Engine(args.data, node_id=args.id, limits=Limits(body_bytes_max=args.max_body_bytes,
                                                                  disk_free_bytes_min=args.disk_reserve_bytes,
-                                                                 messages_max=args.max_messages),
+                                                                 messages_max=args.max_messages,
+                                                                 dedup_keys_max=args.max_dedup_keys),
                     peers=peers, failover_timeout_s=args.failover_timeout, grpc_options=grpc_api.GRPC_OPTIONS,
                     tls=tls, vfs=vfs_from_env(), log_keep_records=args.log_keep_records,
                     log_keep_bytes=args.log_keep_bytes, join=args.join, cluster_key=args.cluster_key,

@@ -177,6 +177,7 @@ class Service:
         # core's position, core and epoch at that count.
         self._held = self._held_since = self._held_lsn = 0
         self._held_of = None
+        self._keys_on_way = 0  # new dedup keys of sends on their way (Limits.dedup_keys_max)
         self.sending_bytes = 0    # their bodies' bytes (Limits.sending_bytes_max)
         self.forwarded_polls = 0  # long polls this replica has forwarded, waiting (Limits.forwarded_polls_max)
         self._names_ok: set = set()  # names check_name_any passed (a pure check: remembered, bounded)
@@ -549,6 +550,7 @@ class Service:
         add = send.entries.add
         checked: dict = {}  # queue -> room left; each queue is validated once per batch
         rooms: dict = {}    # queue -> its room before this batch
+        keyed = 0           # dedup keys this batch would add to what the node remembers
         for queue, body, delay_s, key in entries:
             room = checked.get(queue)
             if room is None:
@@ -556,11 +558,20 @@ class Service:
             if room <= 0:
                 raise self._full(queue)
             checked[queue] = room - 1
+            if key:
+                q = self.core.queues[queue]
+                if q.settings["dedup_window_us"] and key not in q.dedup:
+                    keyed += 1
             add(queue=queue, id=self._next_id(), body=body, delay_us=round(delay_s * US) if delay_s else 0,
                 dedup_key=key or "")
         if not self._node_room(n):
             raise errors.Unavailable(f"the node holds its maximum of {lim.messages_max} messages, "
                                      "every queue together", retry_after_s=1.0, reason=errors.NODE_FULL)
+        if keyed and self.core.dedup_n + self._keys_on_way + keyed > lim.dedup_keys_max:
+            # (a resend of a key it remembers is not counted: it is answered as ever)
+            raise errors.Unavailable(f"the node remembers its maximum of {lim.dedup_keys_max} dedup keys, every "
+                                     "queue together: sends with a new key wait until older keys' windows end",
+                                     retry_after_s=1.0, reason=errors.NODE_FULL)
         if run:
             queue, bodies, delay_s = run
             room = checked.get(queue)
@@ -584,6 +595,7 @@ class Service:
         def count(sign: int) -> None:
             tally(sign)
             self.sending_bytes += sign * total
+            self._keys_on_way += sign * keyed
             if sign < 0:
                 self._held_since += n
 

@@ -193,8 +193,7 @@ class Queue:
         self.n_ready = self.n_delayed = self.n_leased = 0
         self.counters = {"sent": 0, "acked": 0, "failed": 0, "expired": 0, "nacked": 0,
                          "lease_expired": 0}
-        self.dedup: dict[str, tuple] = {}  # key -> (message id, until_us)
-        self.dedup_heap: list = []         # (until_us, key)
+        self.dedup: dict[str, tuple] = {}  # key -> (message id, until_us); Core.dedup_exp ends them
         # segments (see Segment): their untaken messages count in n_ready/n_delayed
         self.seg_ready: list = []          # (seq of its next untaken message, gen, Segment)
         self.seg_delayed: list = []        # (visible_at, seq0, gen, Segment)
@@ -247,6 +246,12 @@ class Core:
         self.ended_leases_max = ended_leases_max
         self.dirty = Dirty()
         self.woken: set = set()          # queues that gained ready messages since last drained
+        # Dedup keys remembered, every queue together (Limits.dedup_keys_max), and
+        # when each ends: (until_us, queue, key), a heap for all queues, so that a
+        # key is forgotten once its window is over whether or not its queue gets
+        # another keyed send (each record's time ends them, on every node alike).
+        self.dedup_n = 0
+        self.dedup_exp: list = []
 
     # ------------------------------------------------------------------ apply
     def apply(self, rec) -> object:
@@ -257,7 +262,10 @@ class Core:
             raise ValueError(f"record {rec.lsn} holds an operation this node does not know (an older build?)")
         self.lsn = rec.lsn
         self.epoch = rec.epoch
-        return getattr(self, "_apply_" + op)(getattr(rec, op), rec.ts_us)
+        ts = rec.ts_us
+        if self.dedup_exp and self.dedup_exp[0][0] <= ts:
+            self._prune_dedup(ts)
+        return getattr(self, "_apply_" + op)(getattr(rec, op), ts)
 
     def _apply_epoch_begin(self, op, ts):
         # A primary change: every lease of an older epoch is gone; its message
@@ -299,6 +307,7 @@ class Core:
                 self.dirty.segs[seg.seq0] = seg
         for key in q.dedup:
             self.dirty.dedup.add((q.name, key))
+        self.dedup_n -= len(q.dedup)  # (their entries in dedup_exp find no queue, or a new one's own keys)
         self.dirty.queues.add(op.name)
         self.woken.add(op.name)  # its long polls answer queue_not_found now, not at their deadline
         return True
@@ -318,13 +327,14 @@ class Core:
             if key:
                 window = q.settings["dedup_window_us"]
                 if window > 0:
-                    self._prune_dedup(q, ts)
-                    hit = q.dedup.get(key)
+                    hit = q.dedup.get(key)  # (apply ended every key whose window is over)
                     if hit is not None and ts < hit[1]:
                         out.append((hit[0], True))
                         continue
+                    if hit is None:
+                        self.dedup_n += 1
                     q.dedup[key] = (mid, ts + window)
-                    heapq.heappush(q.dedup_heap, (ts + window, key))
+                    heapq.heappush(self.dedup_exp, (ts + window, q.name, key))
                     self.dirty.dedup.add((q.name, key))
             visible_at = ts + e.delay_us if e.delay_us > 0 else ts
             m = Msg(mid, q.name, self.next_seq, e.body, 0, visible_at, visible_at + q.settings["retention_us"])
@@ -726,14 +736,17 @@ class Core:
             self.dirty.queues.add(name)
         return q
 
-    def _prune_dedup(self, q: Queue, ts: int) -> None:
-        h = q.dedup_heap
+    def _prune_dedup(self, ts: int) -> None:
+        """Forget every dedup key whose window ended by ``ts`` (a record's time)."""
+        h, queues = self.dedup_exp, self.queues
         while h and h[0][0] <= ts:
-            until, key = heapq.heappop(h)
-            hit = q.dedup.get(key)
+            until, name, key = heapq.heappop(h)
+            q = queues.get(name)
+            hit = q.dedup.get(key) if q is not None else None
             if hit is not None and hit[1] == until:
                 del q.dedup[key]
-                self.dirty.dedup.add((q.name, key))
+                self.dedup_n -= 1
+                self.dirty.dedup.add((name, key))
 
     def release(self, lease_id: int, nonce: bytes, now: int) -> bool:
         """Give a leased message back as if it had never been received: visible at
@@ -1174,8 +1187,10 @@ class Core:
 
     def load_dedup(self, queue, key, msg_id, until) -> None:
         q = self.queues[queue]
+        if key not in q.dedup:
+            self.dedup_n += 1
         q.dedup[key] = (msg_id, until)
-        heapq.heappush(q.dedup_heap, (until, key))
+        heapq.heappush(self.dedup_exp, (until, queue, key))
 
 
 class StaleLeaseError(Exception):

@@ -469,3 +469,29 @@ def test_leases_in_flight_are_capped_per_queue_and_on_the_node(tmp_path):
             assert len(await svc.receive(ADMIN, "b", 0, 10)) == 1
             assert len(eng.core.leases) == 5
     asyncio.run(main())
+
+
+def test_dedup_keys_remembered_on_the_node_are_capped_and_a_repeat_is_still_answered(tmp_path):
+    """Limits.dedup_keys_max bounds the keys the node remembers, every queue
+    together (each for up to a day): a send with a new key past it is 503
+    node_full, storing nothing; a repeat of a remembered key is answered as ever
+    (the first id); sends without a key, or to a queue with no window, go on;
+    new keys on their way count."""
+    async def main():
+        async with _node(tmp_path, dedup_keys_max=3) as (eng, svc):
+            await svc.put_queue(ADMIN, "q", {"dedupWindowSeconds": 3600})
+            await svc.put_queue(ADMIN, "r", {"dedupWindowSeconds": 3600})
+            await svc.put_queue(ADMIN, "plain", {})
+            [(first, dup, _)] = await svc.send(ADMIN, [("q", b"a", 0.0, "k1")])
+            await svc.send(ADMIN, [("r", b"b", 0.0, "k2")])
+            with pytest.raises(errors.Unavailable) as e:  # 2 remembered, 2 new would be 4
+                await svc.send(ADMIN, [("q", b"c", 0.0, "k3"), ("r", b"d", 0.0, "k4")])
+            assert e.value.reason == errors.NODE_FULL and "dedup keys" in str(e.value)
+            assert eng.core.dedup_n == 2 and eng.core.messages_held() == 2  # nothing of it stored
+            ok, refused = await _outcomes([svc.send(ADMIN, [("q", b"e", 0.0, f"n{i}")]) for i in range(4)])
+            assert len(ok) == 1 and len(refused) == 3 and eng.core.dedup_n == 3  # on their way, they counted
+            assert await svc.send(ADMIN, [("q", b"a", 0.0, "k1")]) == [(first, True, None)]  # a repeat
+            await svc.send(ADMIN, [("q", b"f", 0.0, "")])  # no key
+            await svc.send(ADMIN, [("plain", b"g", 0.0, "k5")])  # no window: the key is not remembered
+            assert eng.core.dedup_n == 3 and eng.core.messages_held() == 5
+    asyncio.run(main())

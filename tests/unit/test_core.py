@@ -466,6 +466,45 @@ def test_dedup_window(log):
     assert b[1] is False and b[0] != a[0]
 
 
+def test_dedup_keys_are_forgotten_when_their_window_ends_whatever_record_comes_next(log):
+    """A key is remembered for its window only: the next record of any kind after
+    it ends (here a send to another queue, unkeyed) forgets it, and marks it for
+    the checkpoint to delete; the node-wide count follows every add, end and
+    queue delete."""
+    log.queue("q", dedup_window_us=10 * S)
+    log.queue("other")
+    for i in range(3):
+        log.send("q", at=i, key=f"k{i}")
+    assert log.core.dedup_n == 3 and len(log.core.queues["q"].dedup) == 3
+    log.send("q", at=5, key="k0")  # a repeat: remembered once
+    assert log.core.dedup_n == 3
+    log.core.dirty.dedup.clear()
+    log.send("other", at=10 * S + 1)  # k0 and k1 end (at 10 s and 10 s + 1 us); k2 at 10 s + 2 us
+    assert sorted(log.core.queues["q"].dedup) == ["k2"] and log.core.dedup_n == 1
+    assert log.core.dirty.dedup == {("q", "k0"), ("q", "k1")}
+    log.send("q", at=10 * S + 3, key="k9")
+    assert log.core.dedup_n == 1  # k2 ended as that record applied, k9 came
+    log.commit(log_pb2.Record(queue_delete=log_pb2.QueueDelete(name="q")), 10 * S + 4)
+    assert log.core.dedup_n == 0
+    log.queue("q", at=10 * S + 5, dedup_window_us=10 * S)  # the same name again: none of the old keys
+    log.send("other", at=30 * S)  # (the old keys' ends, due now, find nothing to forget)
+    assert log.core.dedup_n == 0 and log.core.queues["q"].dedup == {}
+
+
+def test_a_restart_counts_the_dedup_keys_it_loads_and_forgets_the_ended_ones(log):
+    log.queue("q", dedup_window_us=10 * S)
+    core = Core(rand=lambda n: b"\x01" * n)
+    for data in log.records:
+        core.apply(log_pb2.Record.FromString(data))
+    core.load_dedup("q", "old", "m1", 5 * S)   # as the engine loads the store's rows
+    core.load_dedup("q", "new", "m2", 50 * S)
+    assert core.dedup_n == 2
+    again = Log(core)
+    again.epoch = log.epoch
+    again.queue("x", at=6 * S)  # the first record applied after the restart
+    assert list(core.queues["q"].dedup) == ["new"] and core.dedup_n == 1
+
+
 def test_dedup_off_when_window_zero(log):
     log.queue("q")
     a = log.send("q", key="k")

@@ -13,6 +13,7 @@ from node.main import _parse_peers, parse_args, serve
     (["--log-keep-records", "0"], "--log-keep-records must be >= 1"),
     (["--max-messages", "0"], "--max-messages must be 1..1000000000"),
     (["--max-messages", "1000000001"], "--max-messages must be 1..1000000000"),
+    (["--max-dedup-keys", "0"], "--max-dedup-keys must be 1..1000000000"),
     (["--log-keep-bytes", "-1"], "--log-keep-bytes must be >= 0"),
     # a key no Authorization header can carry (over 512 characters, or with a space)
     (["--admin-key", "k" * 513], "--admin-key must be 1..512 printable ASCII"),
@@ -106,6 +107,8 @@ def test_the_edges_of_those_ranges_are_accepted(monkeypatch):
         assert parse_args(["--max-messages", m]).max_messages == int(m)
     monkeypatch.setenv("SPOOLER_MAX_MESSAGES", "123")
     assert parse_args([]).max_messages == 123
+    monkeypatch.setenv("SPOOLER_MAX_DEDUP_KEYS", "45")
+    assert parse_args([]).max_dedup_keys == 45
     assert parse_args(["--id", "A-z.0_" + "n" * 58, "--log-level", "debug"]).id == "A-z.0_" + "n" * 58
 
 
