@@ -40,7 +40,8 @@ DISRUPTIVE_NEMESES = frozenset({"kill", "stop", "term", "partition", "power_loss
 DUPLICATE_CAUSES = ("nack", "lease_expired", "primary_changed", "unknown_ack", "other")
 REQUIRED_ZEROS = ("lost", "lost_after_delivery", "unexpected", "body_mismatches", "acked_then_redelivered",
                   "overlapping_leases", "settles_of_superseded_leases", "retry_count_decreases",
-                  "failover_retry_increments", "double_primaries", "leases_behind_a_newer_epoch")
+                  "failover_retry_increments", "double_primaries", "leases_behind_a_newer_epoch",
+                  "keyed_duplicates")
 # Expiry stamps come from the server's wall clock converted to the monotonic clock; the
 # two clock reads of the conversion differ by microseconds. Overlap must exceed this.
 DEFAULT_SLACK_S = 0.001
@@ -252,17 +253,23 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
     lost_ids: list = []
     unknown_sends = unknown_sends_appeared = 0
     send_oks: list[tuple[float, float]] = []  # (invoke t, ok t)
+    keyed_ids: dict[Any, set] = defaultdict(set)  # dedup key -> the message ids its sends were answered
     for op in sends:
         body = op.inv.get("body")
+        key = op.inv.get("key")
         oc = op.outcome
         body_outcomes[body].add(oc)
         body_first_send.setdefault(body, op.inv_t)
         body_send_queue.setdefault(body, op.inv.get("queue"))
         if oc == "ok":
             send_oks.append((op.inv_t, op.done_t))
-            if not op.res.get("duplicate"):
+            mid = op.res.get("id")
+            if key is not None:
+                keyed_ids[key].add(mid)
+            # a keyed resend answered "duplicate" confirms the first attempt's message
+            # (whose own answer may have been lost): counted once per id
+            if not op.res.get("duplicate") or (key is not None and mid not in body_of_id):
                 confirmed += 1
-                mid = op.res.get("id")
                 body_of_id[mid] = body
                 if mid not in delivered_ids and mid not in failed_queue_ids and mid not in expired_ids:
                     lost_ids.append(mid)
@@ -270,6 +277,19 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
             unknown_sends += 1
             if body in delivered_bodies:
                 unknown_sends_appeared += 1
+
+    # -- keyed duplicates: sends with one dedup key (all inside the queue's window) must
+    # make one message: every answer names it, and no other message carries its body
+    key_of_body = {op.inv.get("body"): op.inv["key"] for op in sends if op.inv.get("key") is not None}
+    for d in deliveries:
+        if d.body in key_of_body:
+            keyed_ids[key_of_body[d.body]].add(d.id)
+    keyed_dups = 0
+    keyed_dup_details: list = []
+    for key, ids in keyed_ids.items():
+        if len(ids) > 1:
+            keyed_dups += 1
+            _keep(keyed_dup_details, {"key": key, "ids": sorted(map(str, ids))})
 
     unexpected = 0
     unexpected_details: list = []
@@ -582,6 +602,9 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         "double_primaries_details": double,
         "body_mismatches": body_mismatches,
         "body_mismatch_details": body_mismatch_details,
+        "keyed_sends": sum(1 for op in sends if op.inv.get("key") is not None),
+        "keyed_duplicates": keyed_dups,
+        "keyed_duplicates_details": keyed_dup_details,
         "failover_unavailability": {
             "count": len(windows),
             "never_recovered": sum(1 for w in windows if w["unavailable_s"] is None),
@@ -620,7 +643,7 @@ def format_table(report: dict) -> str:
 
     for k in ("events", "sends", "confirmed_sends", "deliveries", "drain_deliveries",
               "empty_receives", "unknown_receives", "unknown_sends", "unknown_sends_appeared",
-              "ids_delivered_more_than_once"):
+              "keyed_sends", "ids_delivered_more_than_once"):
         row(k, report[k])
     for cause, n in report["duplicate_deliveries"].items():
         row(f"duplicate_deliveries.{cause}", n)

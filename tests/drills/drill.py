@@ -59,6 +59,10 @@ FAILURE_QUEUE = QUEUE + ".failed"
 LEASE_S = 2.0
 MAX_RETRIES = 50
 CLIENT_TIMEOUT_S = 3.0
+# The queue deduplicates: the keyed producer's sends carry a key, and an attempt
+# whose outcome it does not know is sent again with that key, far inside the window
+DEDUP_WINDOW_S = 3600
+KEYED_ATTEMPTS = 8
 RECEIVE_WAIT_S = 0.5
 
 PROCESS_ACTIONS = (("kill_primary", 0.4), ("stop_primary", 0.35), ("restart_replica", 0.25))
@@ -265,6 +269,43 @@ class Drill:
             if typ != "ok":
                 self.stop_load.wait(0.05 + rng.random() * 0.1)
             elif self.send_pause_s:
+                self.stop_load.wait(rng.random() * 2 * self.send_pause_s)
+
+    def keyed_producer(self, name: str = "k0"):
+        """Sends each body with a dedup key (the body itself) and, as a client with
+        idempotency keys does, sends it again with the same key after any answer
+        but a 201/200 (an unknown outcome, or a refusal), up to KEYED_ATTEMPTS
+        times. It also sends again, with its key, a body answered a while ago
+        (about one send in five, half a second to a few seconds later, so often
+        across a failover), as a client whose answer was lost would: each such
+        resend must be answered as a duplicate of the same message. The checker's
+        keyed_duplicates counts keys that made more than one message (S6)."""
+        rng = self.rng(name)
+        c = _Client(self.cluster, rng, name)
+        n = 0
+        answered: list = []  # (when, body) of sends answered, to send again later
+
+        def send(body: str) -> str:
+            typ, _ = self._call(c, "send", lambda http: http.send(QUEUE, body.encode(), dedup_key=body),
+                                {"queue": QUEUE, "body": body, "key": body},
+                                lambda v, http: {"id": v["id"], "duplicate": v.get("duplicate", False)})
+            return typ
+
+        while not self.stop_load.is_set():
+            old = [x for x in answered if time.monotonic() - x[0] > 0.5]
+            if old and rng.random() < 0.2:
+                when, body = rng.choice(old)
+                answered.remove((when, body))
+            else:
+                n += 1
+                body = f"s{self.seed}-{name}-{n}"
+            for _ in range(KEYED_ATTEMPTS):
+                if send(body) == "ok":
+                    answered.append((time.monotonic(), body))
+                    del answered[:-50]
+                    break
+                self.stop_load.wait(0.05 + rng.random() * 0.1)
+            if self.send_pause_s:
                 self.stop_load.wait(rng.random() * 2 * self.send_pause_s)
 
     def batch_producer(self, name: str = "b0"):
@@ -584,7 +625,8 @@ class Drill:
         deadline = time.monotonic() + 30
         while True:
             try:
-                c.client().put_queue(QUEUE, leaseTimeoutSeconds=LEASE_S, maxRetries=MAX_RETRIES)
+                c.client().put_queue(QUEUE, leaseTimeoutSeconds=LEASE_S, maxRetries=MAX_RETRIES,
+                                     dedupWindowSeconds=DEDUP_WINDOW_S)
                 return
             except errors.SpoolerError:
                 if time.monotonic() > deadline:
@@ -685,6 +727,7 @@ class Drill:
                 obs = self._guard("observer", self.observer)
                 load = [self._guard(f"p{i}", lambda i=i: self.producer(i)) for i in range(self.n_producers)]
                 load.append(self._guard("b0", self.batch_producer))
+                load.append(self._guard("k0", self.keyed_producer))
                 load += [self._guard(f"c{i}", lambda i=i: self.consumer(i)) for i in range(self.n_consumers)]
                 nem = self._guard("nemesis", self.nemesis)
                 self.stop_load.wait(self.duration_s)

@@ -26,9 +26,10 @@ class Sim:
         getattr(op, outcome)(**res)
         return op
 
-    def send(self, t0, t1, body, mid=None, outcome="ok", duplicate=False, error=None, queue="q"):
+    def send(self, t0, t1, body, mid=None, outcome="ok", duplicate=False, error=None, queue="q", key=None):
         res = {"id": mid, "duplicate": duplicate} if outcome == "ok" else {"error": error or "timeout"}
-        return self._call("send", t0, t1, outcome, {"queue": queue, "body": body}, res, "p1")
+        inv = {"queue": queue, "body": body} if key is None else {"queue": queue, "body": body, "key": key}
+        return self._call("send", t0, t1, outcome, inv, res, "p1")
 
     def recv(self, t0, t1, mid, body, token, retry=0, epoch=1, lease_s=LEASE_S, queue="q",
              outcome="ok", **extra):
@@ -70,7 +71,8 @@ def delivered_once(s, t, mid, body, token, epoch=1):
 
 REQUIRED = ("lost", "lost_after_delivery", "unexpected", "body_mismatches", "acked_then_redelivered",
             "overlapping_leases", "settles_of_superseded_leases", "retry_count_decreases",
-            "failover_retry_increments", "double_primaries", "leases_behind_a_newer_epoch")
+            "failover_retry_increments", "double_primaries", "leases_behind_a_newer_epoch",
+            "keyed_duplicates")
 
 
 def assert_only(report, **expected):
@@ -701,3 +703,34 @@ def test_a_history_on_the_monotonic_clock_stamps_the_wall_time_beside_it():
     ev = History().append({"type": "nemesis", "f": "kill"})
     assert before <= ev["w"] <= time.time() and isinstance(ev["t"], float)
     assert "w" not in History(clock=lambda: 5.0).append({"type": "nemesis", "f": "kill"})
+
+
+def test_two_messages_for_one_dedup_key_are_a_keyed_duplicate():
+    s = Sim()
+    s.send(0.0, 0.2, "k-body", outcome="fail", error="operation_unconfirmed", key="k1")  # it landed as m1
+    s.send(0.5, 0.6, "k-body", "m2", key="k1")  # the resend was stored again: dedup failed
+    s.recv(1.0, 1.01, "m1", "k-body", "t1")
+    s.settle("ack", 1.1, 1.11, "m1", "t1")
+    s.recv(1.2, 1.21, "m2", "k-body", "t2")
+    s.settle("ack", 1.3, 1.31, "m2", "t2")
+    s.final(drained=True)
+    r = s.check()
+    assert_only(r, keyed_duplicates=1)
+    assert r["keyed_duplicates_details"] == [{"key": "k1", "ids": ["m1", "m2"]}]
+    assert r["keyed_sends"] == 2
+
+
+def test_a_keyed_resend_answered_duplicate_confirms_the_first_message():
+    """The resend's answer (duplicate, the first id) is one message, no anomaly;
+    and it confirms that message: never delivered, it is lost."""
+    s = Sim()
+    s.send(0.0, 0.2, "a", outcome="fail", error="operation_unconfirmed", key="ka")
+    s.send(0.5, 0.6, "a", "m1", duplicate=True, key="ka")
+    s.recv(1.0, 1.01, "m1", "a", "t1")
+    s.settle("ack", 1.1, 1.11, "m1", "t1")
+    s.send(2.0, 2.2, "b", outcome="fail", error="operation_unconfirmed", key="kb")
+    s.send(2.5, 2.6, "b", "m2", duplicate=True, key="kb")  # confirmed, then never delivered
+    s.final(drained=True)
+    r = s.check()
+    assert_only(r, lost=1)
+    assert r["lost_ids"] == ["m2"] and r["confirmed_sends"] == 2

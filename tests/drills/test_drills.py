@@ -29,6 +29,7 @@ def _run(seed, duration_s, tmp_path, power_loss=False, partitions=False, cascade
     assert report["required_zeros_ok"], f"history kept in {report['history']}\n{table}"
     assert report["nodes_agree"] is True and report["integrity_ok"] is True
     assert report["confirmed_sends"] > 0 and report["deliveries"] >= report["confirmed_sends"]
+    assert report["keyed_sends"] > 0  # the keyed producer ran: keyed_duplicates judged something
     return report
 
 
