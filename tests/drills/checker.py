@@ -603,6 +603,8 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         "body_mismatches": body_mismatches,
         "body_mismatch_details": body_mismatch_details,
         "keyed_sends": sum(1 for op in sends if op.inv.get("key") is not None),
+        "keyed_answered_duplicate": sum(1 for op in sends if op.inv.get("key") is not None
+                                        and op.outcome == "ok" and op.res.get("duplicate")),
         "keyed_duplicates": keyed_dups,
         "keyed_duplicates_details": keyed_dup_details,
         "failover_unavailability": {
@@ -643,7 +645,7 @@ def format_table(report: dict) -> str:
 
     for k in ("events", "sends", "confirmed_sends", "deliveries", "drain_deliveries",
               "empty_receives", "unknown_receives", "unknown_sends", "unknown_sends_appeared",
-              "keyed_sends", "ids_delivered_more_than_once"):
+              "keyed_sends", "keyed_answered_duplicate", "ids_delivered_more_than_once"):
         row(k, report[k])
     for cause, n in report["duplicate_deliveries"].items():
         row(f"duplicate_deliveries.{cause}", n)

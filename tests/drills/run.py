@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - run as a plain script
     from drills.drill import FAULT_KINDS, run_drill  # type: ignore
 
 SUMMED = ("sends", "confirmed_sends", "deliveries", "drain_deliveries", "empty_receives", "unknown_receives",
-          "unknown_sends", "unknown_sends_appeared", "keyed_sends", "ids_delivered_more_than_once", *REQUIRED_ZEROS,
+          "unknown_sends", "unknown_sends_appeared", "keyed_sends", "keyed_answered_duplicate", "ids_delivered_more_than_once", *REQUIRED_ZEROS,
           "orphan_completions")
 
 

@@ -734,3 +734,4 @@ def test_a_keyed_resend_answered_duplicate_confirms_the_first_message():
     r = s.check()
     assert_only(r, lost=1)
     assert r["lost_ids"] == ["m2"] and r["confirmed_sends"] == 2
+    assert r["keyed_sends"] == 4 and r["keyed_answered_duplicate"] == 2
