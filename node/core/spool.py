@@ -308,6 +308,10 @@ class Core:
         for key in q.dedup:
             self.dirty.dedup.add((q.name, key))
         self.dedup_n -= len(q.dedup)  # (their entries in dedup_exp find no queue, or a new one's own keys)
+        if len(self.dedup_exp) > 2 * self.dedup_n + 1024:  # those entries would stay up to a day: drop them
+            self.dedup_exp = [(until, name, key) for name, other in self.queues.items()
+                              for key, (_, until) in other.dedup.items()]
+            heapq.heapify(self.dedup_exp)
         self.dirty.queues.add(op.name)
         self.woken.add(op.name)  # its long polls answer queue_not_found now, not at their deadline
         return True
@@ -1128,6 +1132,25 @@ class Core:
                     heapq.heappush(q.seg_retention, (s[0].expires_at, s[0].seq0, s[0]))
 
     # ------------------------------------------------------------- reading
+    def dedup_ended(self, now: int, most: int) -> int:
+        """How many remembered dedup keys have a window over by ``now`` (the next
+        record applied forgets them), counted up to ``most``. Reads only: it walks
+        the heap's entries due by ``now`` (a heap's due entries hang together from
+        its root)."""
+        h, queues, n = self.dedup_exp, self.queues, 0
+        todo = [0] if h and h[0][0] <= now else []
+        while todo and n < most:
+            i = todo.pop()
+            until, name, key = h[i]
+            q = queues.get(name)
+            hit = q.dedup.get(key) if q is not None else None
+            if hit is not None and hit[1] == until:
+                n += 1
+            for j in (2 * i + 1, 2 * i + 2):
+                if j < len(h) and h[j][0] <= now:
+                    todo.append(j)
+        return n
+
     def messages_held(self) -> int:
         """Messages in every queue together (O(queues): the node-wide cap reads it
         seldom, see Service._node_room)."""

@@ -362,8 +362,9 @@ def primaries_from_logs(workdir: str) -> dict:
 def db_digest(data_dir: str) -> dict:
     """Integrity check and a digest of the replicated state of a *stopped* node's store.
 
-    The digest covers the queues (settings and counters), the messages and the keys; the
-    log and meta tables are per node (truncation, checkpoints) and left out."""
+    The digest covers the queues (settings and counters), the messages, the dedup keys
+    remembered and the API keys; the log and meta tables are per node (truncation,
+    checkpoints) and left out."""
     import apsw
 
     path = os.path.join(data_dir, "spool.db")
@@ -375,6 +376,7 @@ def db_digest(data_dir: str) -> dict:
         counts = {}
         for table, rows in (("queues", db.execute("SELECT name, settings, counters FROM queues ORDER BY name")),
                             ("messages", _messages_of(db)),
+                            ("dedup", db.execute("SELECT queue, key, msg_id, until FROM dedup ORDER BY queue, key")),
                             ("keys", db.execute("SELECT id, sha256, queue, scopes FROM keys ORDER BY id"))):
             n = 0
             for row in rows:

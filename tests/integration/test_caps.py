@@ -495,3 +495,41 @@ def test_dedup_keys_remembered_on_the_node_are_capped_and_a_repeat_is_still_answ
             await svc.send(ADMIN, [("plain", b"g", 0.0, "k5")])  # no window: the key is not remembered
             assert eng.core.dedup_n == 3 and eng.core.messages_held() == 5
     asyncio.run(main())
+
+
+def test_keys_whose_window_ended_make_room_on_an_idle_node(tmp_path, monkeypatch):
+    """At the dedup-key cap, keys whose window is over count no more, though no
+    record has applied since to forget them: an idle node's keys would otherwise
+    refuse every new key for ever."""
+    async def main():
+        async with _node(tmp_path, dedup_keys_max=2) as (eng, svc):
+            await svc.put_queue(ADMIN, "q", {"dedupWindowSeconds": 60})
+            await svc.send(ADMIN, [("q", b"a", 0.0, "k1")])
+            await svc.send(ADMIN, [("q", b"b", 0.0, "k2")])
+            with pytest.raises(errors.Unavailable):
+                await svc.send(ADMIN, [("q", b"c", 0.0, "k3")])
+            later = eng.now_us() + 61 * 1_000_000
+            monkeypatch.setattr(eng, "now_us", lambda: later)  # the node's clock, a minute on
+            assert eng.core.dedup_n == 2  # nothing applied since: still remembered
+            [(mid, dup, _)] = await svc.send(ADMIN, [("q", b"c", 0.0, "k3")])
+            assert not dup and eng.core.dedup_n == 1  # its record forgot k1 and k2
+    asyncio.run(main())
+
+
+def test_a_resend_of_a_remembered_key_is_answered_at_every_cap(tmp_path):
+    """A repeat of a key the queue remembers stores nothing, so neither the
+    queue's cap nor the node's refuses it: the caller learns its first send's id."""
+    async def main():
+        async with _node(tmp_path, messages_max=2, messages_per_queue_max=1) as (eng, svc):
+            await svc.put_queue(ADMIN, "q", {"dedupWindowSeconds": 3600})
+            await svc.put_queue(ADMIN, "r", {})
+            await svc.put_queue(ADMIN, "s", {})
+            [(first, _, _)] = await svc.send(ADMIN, [("q", b"a", 0.0, "k1")])  # q at its cap
+            await svc.send(ADMIN, [("r", b"b", 0.0, "")])  # the node at its cap
+            for queue, reason in (("q", errors.QUEUE_FULL), ("s", errors.NODE_FULL)):
+                with pytest.raises(errors.Unavailable) as e:
+                    await svc.send(ADMIN, [(queue, b"c", 0.0, "")])
+                assert e.value.reason == reason
+            assert await svc.send(ADMIN, [("q", b"a", 0.0, "k1")]) == [(first, True, None)]
+            assert eng.core.messages_held() == 2
+    asyncio.run(main())

@@ -505,6 +505,24 @@ def test_a_restart_counts_the_dedup_keys_it_loads_and_forgets_the_ended_ones(log
     assert list(core.queues["q"].dedup) == ["new"] and core.dedup_n == 1
 
 
+def test_a_deleted_queues_dedup_keys_leave_the_expiry_heap_within_bounds(log):
+    """A deleted queue's keys are forgotten at once (the count), and their ends
+    leave the heap once it holds more than twice the keys remembered plus 1,024:
+    rounds of create, fill with keys, delete cannot pile them up for a day."""
+    at = 0
+    for _ in range(3):  # the heap: 600, then 1,200 dropped to 0, then 600
+        log.queue("q", at=at, dedup_window_us=86_400 * S)
+        for i in range(600):
+            at += 1
+            log.send("q", at=at, key=f"k{i}")
+        assert log.core.dedup_n == 600
+        at += 1
+        log.commit(log_pb2.Record(queue_delete=log_pb2.QueueDelete(name="q")), at)
+        assert log.core.dedup_n == 0
+        assert len(log.core.dedup_exp) <= 2 * log.core.dedup_n + 1024
+    assert len(log.core.dedup_exp) == 600  # the last round's: below the bound, left to end on their own
+
+
 def test_dedup_off_when_window_zero(log):
     log.queue("q")
     a = log.send("q", key="k")

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from spooler import grpc_io
 
 PROBE = ("import os, sys, warnings; warnings.simplefilter('always')\n"
@@ -45,6 +47,7 @@ def test_an_ask_that_comes_after_grpcs_import_or_names_no_path_is_said_out_loud(
     assert out == ["invalid", "-"] and "SPOOLER_GRPC_IO must be one of legacy, default, not 'fast'" in err
 
 
+@pytest.mark.integration  # (it starts a spooler-node, which stops at once)
 def test_a_node_refusing_an_unknown_io_path_says_it_once_without_the_sdks_warning(tmp_path):
     """The SDK's warning ("grpcio's default I/O path stays") was printed by a node
     too, just before the node refused the same setting and exited."""
