@@ -557,17 +557,17 @@ class Service:
             room = checked.get(queue)
             if room is None:
                 room = rooms[queue] = self._room(p, queue)
-            q = self.core.queues[queue] if key else None
-            if q is not None and q.settings["dedup_window_us"]:
-                hit = q.dedup.get(key)
-                if hit is not None and now < hit[1]:
-                    repeats += 1  # no room needed: a resend is answered even at a cap (S6)
-                else:
-                    keyed += 1
-                    q = None
-            else:
-                q = None
-            if q is None:  # a message to store
+            stores = True  # (a repeat of a key the queue remembers is answered, storing nothing)
+            if key:
+                q = self.core.queues[queue]
+                if q.settings["dedup_window_us"]:
+                    hit = q.dedup.get(key)
+                    if hit is not None and now < hit[1]:
+                        stores = False  # no room needed: a resend is answered even at a cap (S6)
+                        repeats += 1
+                    else:
+                        keyed += 1
+            if stores:
                 if room <= 0:
                     raise self._full(queue)
                 room -= 1
