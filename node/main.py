@@ -24,7 +24,8 @@ from aiohttp import web
 
 from node import logs
 from node.api import grpc_api
-from node.api.http import RUNNER_OPTIONS, build_app
+from node.api import http_conns
+from node.api.http import CLIENT_TIMEOUT_S, CONNECTIONS, RUNNER_OPTIONS, build_app
 from node.api.metrics import Metrics
 from node.api.service import KEY_CHARS_MAX, Service
 from node.engine import Engine, Limits
@@ -117,6 +118,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-dedup-keys", type=int, default=_env("SPOOLER_MAX_DEDUP_KEYS", str(Limits().dedup_keys_max)),
                    help="dedup keys the node remembers, every queue together; past it sends with a new key "
                         f"are refused (503) (SPOOLER_MAX_DEDUP_KEYS, default {Limits().dedup_keys_max})")
+    p.add_argument("--http-max-connections", type=int,
+                   default=_env("SPOOLER_HTTP_MAX_CONNECTIONS", str(http_conns.CONNECTIONS_MAX_DEFAULT)),
+                   help="HTTP connections served at once; the next are answered 503 and closed "
+                        f"(SPOOLER_HTTP_MAX_CONNECTIONS, default {http_conns.CONNECTIONS_MAX_DEFAULT})")
+    p.add_argument("--http-client-timeout", type=float,
+                   default=_env("SPOOLER_HTTP_CLIENT_TIMEOUT", f"{http_conns.CLIENT_TIMEOUT_S_DEFAULT:g}"),
+                   help="seconds an HTTP client has to send its next request's head (from its connection's "
+                        "opening or its last answer) and, apart, a request's body; past it the connection "
+                        f"closes (SPOOLER_HTTP_CLIENT_TIMEOUT, default {http_conns.CLIENT_TIMEOUT_S_DEFAULT:g})")
     p.add_argument("--tls-cert", default=_env("SPOOLER_TLS_CERT", ""),
                    help="PEM certificate of this node: enables mTLS on the gRPC port (SPOOLER_TLS_CERT)")
     p.add_argument("--tls-key", default=_env("SPOOLER_TLS_KEY", ""), help="PEM private key (SPOOLER_TLS_KEY)")
@@ -166,6 +176,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--max-messages must be 1..{MESSAGES_MAX_MAX}")
     if not 1 <= a.max_dedup_keys <= MESSAGES_MAX_MAX:
         p.error(f"--max-dedup-keys must be 1..{MESSAGES_MAX_MAX}")
+    if not 1 <= a.http_max_connections <= http_conns.CONNECTIONS_MAX_MAX:
+        p.error(f"--http-max-connections must be 1..{http_conns.CONNECTIONS_MAX_MAX}")
+    if not http_conns.CLIENT_TIMEOUT_S_MIN <= a.http_client_timeout <= http_conns.CLIENT_TIMEOUT_S_MAX:
+        p.error(f"--http-client-timeout must be {http_conns.CLIENT_TIMEOUT_S_MIN:g}.."
+                f"{http_conns.CLIENT_TIMEOUT_S_MAX:g} seconds")
     if any((a.tls_cert, a.tls_key, a.tls_ca)) and not all((a.tls_cert, a.tls_key, a.tls_ca)):
         p.error("--tls-cert, --tls-key and --tls-ca go together")
     if a.tls_cert:
@@ -366,8 +381,36 @@ def freeze_loaded_state() -> None:
     gc.freeze()  # what the store loaded lives on: no later collection walks it
 
 
+# Descriptors a node needs besides its HTTP connections: gRPC's connections and
+# threads' pipes, the store's files, the listening sockets
+FDS_BESIDE_HTTP = 1024
+
+
+def fit_fd_limit(need: int) -> Optional[int]:
+    """Raise this process's soft limit on open files toward ``need`` (as far as its
+    hard limit allows; many systems start processes at a soft 1,024 under a far
+    higher hard limit). Returns the soft limit now, or None when it is unlimited."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    if soft < need:
+        want = need if hard == resource.RLIM_INFINITY else min(hard, need)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
 async def serve(args) -> int:
     peers = _parse_peers(args.peers, args.id)
+    need = args.http_max_connections + http_conns.SPARE_DEFAULT + FDS_BESIDE_HTTP
+    soft = fit_fd_limit(need)
+    if soft is not None and soft < need:
+        log.warning("open files are limited to %d (ulimit -n) but --http-max-connections %d needs about %d: "
+                    "connections past the limit wait for one to close", soft, args.http_max_connections, need)
     (ghost, gport), (hhost, hport) = _hostport(args.grpc), _hostport(args.http)
     check_both_listenable(args.grpc, args.http)
     try:
@@ -410,13 +453,19 @@ async def serve(args) -> int:
     health = asyncio.ensure_future(grpc_api.follow_readiness(health_servicer, engine))
 
     app = build_app(svc, metrics)
-    # idle keep-alive connections close after 75 s (aiohttp's run_app default; its own is an hour).
+    guard = http_conns.ConnectionGuard(args.http_max_connections)
+    app[CONNECTIONS], app[CLIENT_TIMEOUT_S] = guard, args.http_client_timeout
+    # aiohttp's keep-alive timer closes a connection whose next request head has
+    # not come whole within it, from its opening or its last answer: an idle
+    # one, and one sending its head slowly alike (http_conns.py).
     # A client that hangs up cancels its call, as over gRPC: a long poll stops
     # waiting (its state must not outlive the connection); a write already
     # proposed still commits, its answer unread (Service is written for that).
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=75,
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=args.http_client_timeout,
                            handler_cancellation=True, **RUNNER_OPTIONS)
     await runner.setup()
+    guard.attach(runner.server)
+    metrics.registry.register(guard)
     # a graceful stop ends every call within about a second (Service.shut_down):
     # anything still open after a few is not waited for
     site = web.TCPSite(runner, hhost, hport, reuse_address=True, shutdown_timeout=3.0)

@@ -35,6 +35,9 @@ def grpc_status_code(err: "SpoolerError"):
 # any other ``unavailable``: no primary there, a node stopping, not reachable)
 OVERLOADED, QUEUE_FULL, DISK_LOW, NODE_FULL = "overloaded", "queue_full", "disk_low", "node_full"
 PRIMARY_REFUSALS = (OVERLOADED, QUEUE_FULL, DISK_LOW, NODE_FULL)
+# an HTTP connection past the node's bound (node/api/http_conns.py): about the
+# connection, not the primary; a new connection may well be served
+TOO_MANY_CONNECTIONS = "too_many_connections"
 
 
 def stay_on(err) -> bool:

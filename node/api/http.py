@@ -5,6 +5,7 @@ error is rendered from the one table in ``spooler.errors``.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -15,6 +16,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from spooler import errors
 from node import logs
+from node.api.http_conns import CLIENT_TIMEOUT_S_DEFAULT, ConnectionGuard
 from node.api.service import Service
 
 log = logging.getLogger("spooler.http")
@@ -145,7 +147,18 @@ async def _read(request: web.Request) -> bytes:
         raise errors.InvalidArgument(f"Content-Encoding {', '.join(codings)!r} is not supported: give one of gzip, "
                                      "deflate or identity, or none"[:300])
     try:
-        raw = await request.read()
+        # a client that sends its body slowly, or stops inside it, holds a
+        # connection and a handler: it has the client timeout, then 400
+        if request.content.is_eof():  # (the usual case: it came with the head)
+            raw = await request.read()
+        else:
+            async with asyncio.timeout(request.app.get(CLIENT_TIMEOUT_S, CLIENT_TIMEOUT_S_DEFAULT)):
+                raw = await request.read()
+    except TimeoutError:
+        request[CLOSE] = True
+        raise errors.InvalidArgument(f"body not received within "
+                                     f"{request.app.get(CLIENT_TIMEOUT_S, CLIENT_TIMEOUT_S_DEFAULT):g} s "
+                                     "(--http-client-timeout)") from None
     except ConnectionError:  # the client hung up inside its body: nobody to answer, nothing of ours broke
         request[CLOSE] = True
         raise errors.InvalidArgument("body could not be read: the client closed the connection") from None
@@ -202,6 +215,8 @@ def _fields(body, known: tuple) -> dict:
 
 
 BODY_CAP = web.AppKey("spooler_body_cap", int)
+CLIENT_TIMEOUT_S = web.AppKey("spooler_client_timeout_s", float)  # how long a request's body may take to arrive
+CONNECTIONS = web.AppKey("spooler_connections", ConnectionGuard)  # set where the node's runner is made
 CLOSE = "spooler_close"  # set on a request whose connection must close after the answer
 JSON_BYTES_MAX = 64 * 1024  # the JSON body of a route other than send may always be this large
 EPOCH_OF = web.AppKey("spooler_epoch_of", object)  # () -> the epoch answers name
@@ -512,6 +527,18 @@ def _errors_mw(metrics):
 
     @web.middleware
     async def mw(request, handler):
+        guard = request.app.get(CONNECTIONS)
+        if guard is not None and guard.past_bound(request):
+            # a connection past --http-max-connections: told why, then closed
+            # (http_conns.py; a probe's route is still answered, then closed)
+            request[CLOSE] = True
+            if guard.refuses(request):
+                guard.answered += 1
+                r = _counted(metrics, errors.Unavailable(
+                    f"this node serves at most {guard.most} HTTP connections; try again shortly",
+                    reason=errors.TOO_MANY_CONNECTIONS, retry_after_s=1))
+                await _answer_then_close(request, r)
+                return r
         if "Upgrade" in request.headers:
             # The node never upgrades (h2c, websocket), but aiohttp's parser takes
             # whatever follows such a request on its connection as the upgraded

@@ -15,6 +15,11 @@ from node.main import _parse_peers, parse_args, serve
     (["--max-messages", "1000000001"], "--max-messages must be 1..1000000000"),
     (["--max-dedup-keys", "0"], "--max-dedup-keys must be 1..1000000000"),
     (["--log-keep-bytes", "-1"], "--log-keep-bytes must be >= 0"),
+    (["--http-max-connections", "0"], "--http-max-connections must be 1..1000000"),
+    (["--http-max-connections", "1000001"], "--http-max-connections must be 1..1000000"),
+    (["--http-client-timeout", "0"], "--http-client-timeout must be 0.1..3600 seconds"),
+    (["--http-client-timeout", "nan"], "--http-client-timeout must be 0.1..3600 seconds"),
+    (["--http-client-timeout", "inf"], "--http-client-timeout must be 0.1..3600 seconds"),
     # a key no Authorization header can carry (over 512 characters, or with a space)
     (["--admin-key", "k" * 513], "--admin-key must be 1..512 printable ASCII"),
     (["--admin-key", " padded"], "--admin-key must be 1..512 printable ASCII"),

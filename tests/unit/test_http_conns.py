@@ -1,0 +1,111 @@
+"""The HTTP connection bound's bookkeeping (node/api/http_conns.py) against a stand-in
+for aiohttp's low-level Server; the node-level behaviour is in
+tests/integration/test_http_connections.py. And the node's open-files limit, raised
+toward what its connections need (node/main.py fit_fd_limit)."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from node.api.http_conns import ConnectionGuard
+
+
+class _Server:
+    """What ConnectionGuard.attach wraps: aiohttp's Server keeps its handlers."""
+
+    def __init__(self):
+        self.connections = {}
+
+    def connection_made(self, handler, transport):
+        self.connections[handler] = transport
+
+    def connection_lost(self, handler, exc=None):
+        self.connections.pop(handler, None)
+
+
+class _Transport:
+    def __init__(self):
+        self.aborted = False
+
+    def abort(self):
+        self.aborted = True
+
+
+class _Handler:
+    def __init__(self):
+        self.forced = False
+
+    def force_close(self):
+        self.forced = True
+
+
+class _Request:
+    def __init__(self, protocol, path="/v1/queues"):
+        self.protocol, self.path = protocol, path
+
+
+def test_within_the_bound_served_then_told_then_closed_at_once():
+    async def run():
+        server, guard = _Server(), ConnectionGuard(most=2, spare=1, grace_s=60)
+        guard.attach(server)
+        hs, ts = [_Handler() for _ in range(4)], [_Transport() for _ in range(4)]
+        for h, t in zip(hs, ts):
+            server.connection_made(h, t)
+        assert server.connections.keys() == set(hs)  # aiohttp's own bookkeeping still runs
+        # the third is told why; the fourth, past the spare too, is closed, never answered
+        assert [guard.refuses(_Request(h)) for h in hs] == [False, False, True, False]
+        assert [t.aborted for t in ts] == [False, False, False, True]  # past the spare: closed at once
+        assert guard.closed == 1
+        # probes are answered on a connection past the bound (then closed by the caller)
+        assert not guard.refuses(_Request(hs[2], "/healthz")) and guard.past_bound(_Request(hs[2], "/healthz"))
+        for h in (hs[3], hs[0]):  # one leaves: the live count falls
+            server.connection_lost(h)
+        assert len(guard.live) == 2 and hs[0] not in server.connections
+        h5, t5 = _Handler(), _Transport()
+        server.connection_made(h5, t5)  # the third live: past the bound, told
+        assert guard.refuses(_Request(h5)) and not t5.aborted
+        server.connection_lost(hs[2])
+        assert not guard.past_bound(_Request(hs[2]))  # forgotten once lost
+        fams = {f.name: f for f in guard.collect()}
+        assert fams["spooler_http_connections"].samples[0].value == 2
+    asyncio.run(run())
+
+
+def test_a_silent_connection_past_the_bound_is_closed_after_the_grace():
+    async def run():
+        server, guard = _Server(), ConnectionGuard(most=1, spare=4, grace_s=0.05)
+        guard.attach(server)
+        inside, over, gone = _Handler(), _Handler(), _Handler()
+        for h in (inside, over, gone):
+            server.connection_made(h, _Transport())
+        server.connection_lost(gone)  # left before its grace ended: nothing to close
+        await asyncio.sleep(0.2)
+        assert over.forced and not inside.forced and not gone.forced
+        assert guard.closed == 1 and not guard.past_bound(_Request(over))
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("most, spare, grace_s", [(0, 1, 1), (1, -1, 1), (1, 1, 0)])
+def test_a_bound_that_serves_nothing_is_refused(most, spare, grace_s):
+    with pytest.raises(ValueError):
+        ConnectionGuard(most, spare, grace_s)
+
+
+def test_the_open_files_limit_is_raised_toward_what_the_connections_need():
+    """Started with a soft limit of 256 under a higher hard one, the node's start
+    raises it to what it asks for (as far as the hard limit allows), and leaves a
+    higher one alone."""
+    code = ("import resource\n"
+            "from node.main import fit_fd_limit\n"
+            "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+            "want = 1000 if hard == resource.RLIM_INFINITY else min(hard, 1000)\n"
+            "assert fit_fd_limit(1000) == want, fit_fd_limit(1000)\n"
+            "assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == want\n"
+            "assert fit_fd_limit(300) == want\n"
+            "print('ok', want)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr
