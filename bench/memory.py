@@ -16,6 +16,9 @@ Two kinds of figure, both read from ``/proc/<pid>/status`` (``VmRSS``: resident 
   - ``leased``: ``n_lease_fill`` messages sent in batches, then ``n_leased`` of them received
     (100 at a time) and not acked (one lease object and one token each: ``bytes_per_lease``).
 
+* ``key_bytes()``: what a remembered dedup key takes by itself, measured in this process
+  with tracemalloc on the core alone (``dedup_key`` in the output).
+
 * ``proc_memory(pids)``: the resident size of given processes, which bench.spool,
   bench.cluster and bench.peers read at the end of each workload: the same workload's
   footprint for Spooler and for each peer's three nodes.
@@ -152,6 +155,57 @@ async def _scenario(node, kind: str, n: int, n_leased: int) -> dict:
     return out
 
 
+def key_bytes(n: int = 50_000, key_chars: int = 36) -> dict:
+    """What a remembered dedup key takes by itself, in the core's own objects
+    (tracemalloc, in this process: no node, no allocator slack): ``n`` sends of
+    256 bytes to a queue with an hour's window, every one then received and
+    acked, so the queue holds nothing but what it remembers; once with a key of
+    ``key_chars`` characters each (a UUID's 36 by default), once without. The
+    difference per send is the key's: its entry in the queue's table and in the
+    expiry heap. The store's copy of it is on disk, not counted here."""
+    import gc
+    import tracemalloc
+
+    from node.core.spool import Core
+    from spooler.pb import log_pb2
+
+    def apply(core, rec, ts):
+        rec.epoch, rec.lsn, rec.ts_us = 1, core.lsn + 1, ts
+        core.apply(rec)
+
+    def remembered(keyed: bool) -> float:
+        core = Core(rand=lambda k: b"\x01" * k)
+        apply(core, log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id="n1")), 0)
+        apply(core, log_pb2.Record(queue_put=log_pb2.QueuePut(
+            name="q", settings=log_pb2.QueueSettings(dedup_window_us=3600 * 10**6))), 0)
+        gc.collect()
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            for i in range(0, n, 100):
+                rec = log_pb2.Record()
+                for j in range(i, min(i + 100, n)):
+                    rec.send.entries.add(queue="q", id=f"m{j:025d}", body=BODY,
+                                         dedup_key=f"{j:0{key_chars}d}" if keyed else "")
+                apply(core, rec, 1 + i)
+            while got := core.receive("q", n + 1, 1000):
+                rec = log_pb2.Record()
+                for m, _ in got:
+                    rec.settle.entries.add(kind=log_pb2.ACK, queue="q", id=m.id)
+                apply(core, rec, n + 1)
+            assert core.stats("q", n + 2)["visible"] == 0 and core.dedup_n == (n if keyed else 0)
+            core.dirty.__init__()  # what the next checkpoint would write: gone once written
+            gc.collect()
+            return (tracemalloc.get_traced_memory()[0] - base) / n
+        finally:
+            tracemalloc.stop()
+
+    with_keys, without = remembered(True), remembered(False)
+    return {"keys": n, "key_chars": key_chars, "bytes_per_key": round(with_keys - without),
+            "bytes_per_acked_send_with_key": round(with_keys), "bytes_per_acked_send_without": round(without),
+            "method": "tracemalloc, in process"}
+
+
 def run(n_batch: int = 200_000, n_keyed: int = 50_000, n_lease_fill: int = 20_000, n_leased: int = 10_000,
         log=print) -> dict:
     """Each scenario on a fresh node; never raises for a node failure (that scenario's
@@ -176,6 +230,11 @@ def run(n_batch: int = 200_000, n_keyed: int = 50_000, n_lease_fill: int = 20_00
             shutil.rmtree(data_dir, ignore_errors=True)
         out["scenarios"][name] = r
         log(f"memory: {name}: {r}")
+    try:
+        out["dedup_key"] = key_bytes()
+    except Exception as e:  # noqa: BLE001 - report, never hide
+        out["dedup_key"] = {"error": f"{type(e).__name__}: {e}"}
+    log(f"memory: dedup_key: {out['dedup_key']}")
     return out
 
 

@@ -940,3 +940,14 @@ def test_a_receive_leases_within_its_byte_budget_oldest_first(log):
     assert [m.id for m, _ in log.core.receive("q", 1, 10)] == ids[5:]
     st = log.core.stats("q", 1)
     assert (st["visible"], st["leased"]) == (0, 6)
+
+
+def test_the_benchmarks_measure_of_a_dedup_keys_memory_sees_the_key():
+    """bench/memory.py ``key_bytes``, which limits.md's figure for a dedup key
+    comes from: keys remembered after their messages are acked cost memory
+    beyond the same sends without keys, and a longer key costs more."""
+    from bench.memory import key_bytes
+
+    short, long_ = key_bytes(n=2000, key_chars=8), key_bytes(n=2000, key_chars=200)
+    assert short["bytes_per_key"] > 100, short
+    assert long_["bytes_per_key"] > short["bytes_per_key"] + 150, (short, long_)
