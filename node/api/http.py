@@ -52,6 +52,9 @@ def _expect_handler(metrics):
         follow that was never read."""
         if request.version != (1, 1):
             return None
+        guard = request.app.get(CONNECTIONS)
+        if guard is not None and guard.refuses(request):
+            return None  # its body is not wanted: the 503 (the middleware's) is its only answer
         expect = request.headers.get("Expect", "")
         if expect.lower() == "100-continue":
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -532,8 +535,7 @@ def _errors_mw(metrics):
             # a connection past --http-max-connections: told why, then closed
             # (http_conns.py; a probe's route is still answered, then closed)
             request[CLOSE] = True
-            if guard.refuses(request):
-                guard.answered += 1
+            if guard.answering(request):
                 r = _counted(metrics, errors.Unavailable(
                     f"this node serves at most {guard.most} HTTP connections; try again shortly",
                     reason=errors.TOO_MANY_CONNECTIONS, retry_after_s=1))

@@ -9,7 +9,9 @@ Three rules, each with its own mechanism:
   it; one that sends no request within ``grace_s`` is closed. Past those, a
   connection is closed as soon as it is accepted. The health, readiness and
   metrics routes are answered on an over-the-bound connection as usual (a probe
-  must not read a flood of clients as a dead node), and it closes behind them.
+  that comes while the node is at its bound must not read that as a dead node),
+  and it closes behind them. A flood that holds the spare too keeps a probe's
+  connection out like any other: the gRPC health service is not behind this.
 * **How long a client may take to ask** (aiohttp's keep-alive timer, set from
   the same figure in node/main.py): a connection whose next request head has
   not arrived whole within the client timeout, counted from its opening or its
@@ -44,7 +46,9 @@ class ConnectionGuard:
             raise ValueError("most >= 1, spare >= 0, grace_s > 0")
         self.most, self.spare, self.grace_s = most, spare, grace_s
         self.live: set = set()   # every connection handler between made and lost
-        self.over: set = set()   # those accepted past the bound: answered 503, then closed
+        # those accepted past the bound (answered 503, then closed), each with the
+        # timer that closes it if it sends nothing within the grace
+        self.over: dict = {}
         self.answered = 0        # connections told 503 too_many_connections
         self.closed = 0          # connections closed unanswered (past the spare, or silent past the grace)
 
@@ -61,22 +65,35 @@ class ConnectionGuard:
                 self.closed += 1
                 transport.abort()  # connection_lost follows, on the loop's next turn
             elif n > self.most:
-                self.over.add(handler)
-                loop.call_later(self.grace_s, self._silent_past_grace, handler)
+                self.over[handler] = loop.call_later(self.grace_s, self._silent_past_grace, handler)
 
         def connection_lost(handler, exc=None):
             self.live.discard(handler)
-            self.over.discard(handler)
+            self._forget(handler)
             lost(handler, exc)
 
         server.connection_made, server.connection_lost = connection_made, connection_lost
 
+    def _forget(self, handler) -> None:
+        timer = self.over.pop(handler, None)
+        if timer is not None:
+            timer.cancel()
+
     def _silent_past_grace(self, handler) -> None:
-        if handler in self.over and handler in self.live:
-            # (a request on it is answered at once and closes it: this one sent none)
-            self.over.discard(handler)
+        # (a request on it is answered at once, which ends its timer: this one sent none)
+        if self.over.pop(handler, None) is not None:
             self.closed += 1
             handler.force_close()
+
+    def answering(self, request) -> bool:
+        """Called once a request has come whole on a connection past the bound,
+        before it is answered: ends that connection's grace (its answer closes it)
+        and says whether it is refused (503) rather than a probe's."""
+        self._forget(request.protocol)
+        refused = request.path not in UNBOUNDED_PATHS
+        if refused:
+            self.answered += 1
+        return refused
 
     def refuses(self, request) -> bool:
         """Whether ``request`` came on a connection past the bound and is not a probe:
@@ -84,6 +101,7 @@ class ConnectionGuard:
         return request.protocol in self.over and request.path not in UNBOUNDED_PATHS
 
     def past_bound(self, request) -> bool:
+        """Whether ``request`` came on a connection past the bound, not yet answered."""
         return request.protocol in self.over
 
     def collect(self):

@@ -109,3 +109,24 @@ def test_the_open_files_limit_is_raised_toward_what_the_connections_need():
             "print('ok', want)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr
+
+
+def test_a_connection_answered_or_gone_past_the_bound_ends_its_grace_timer():
+    """A request answered on a connection past the bound ends its grace (its answer
+    closes it; it is counted answered, not closed), and so does the connection's
+    end: no timer outlives its connection."""
+    async def run():
+        server, guard = _Server(), ConnectionGuard(most=1, spare=4, grace_s=0.05)
+        guard.attach(server)
+        inside, asked, probed, gone = _Handler(), _Handler(), _Handler(), _Handler()
+        for h in (inside, asked, probed, gone):
+            server.connection_made(h, _Transport())
+        timer = guard.over[gone]
+        assert guard.answering(_Request(asked)) is True   # refused: 503
+        assert guard.answering(_Request(probed, "/readyz")) is False  # a probe: answered as usual
+        server.connection_lost(gone)
+        assert timer.cancelled() and not guard.over.get(gone)
+        await asyncio.sleep(0.2)
+        assert not asked.forced and not probed.forced and not gone.forced
+        assert guard.answered == 1 and guard.closed == 0
+    asyncio.run(run())
