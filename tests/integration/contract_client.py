@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import socket
 import urllib.parse
 from datetime import datetime, timezone
 from typing import Optional
@@ -155,3 +156,20 @@ class Api:
 
 def now_utc() -> datetime:
     return datetime.now(timezone.utc)
+
+
+def one_response(s) -> bytes:
+    """Read from socket ``s`` until one whole HTTP response (head and Content-Length
+    body), EOF, a reset or the socket's timeout: the bytes read."""
+    data = b""
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+            head, sep, body = data.partition(b"\r\n\r\n")
+            if sep:
+                m = re.search(rb"\r\ncontent-length: *(\d+)", head.lower())
+                if m is None or len(body) >= int(m.group(1)):
+                    break
+    except (ConnectionResetError, socket.timeout):
+        pass
+    return data

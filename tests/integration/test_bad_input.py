@@ -30,7 +30,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from contract_client import KINDS, Api, Resp, check_invariants
+from contract_client import KINDS, Api, Resp, check_invariants, one_response
 from nodeproc import ADMIN_KEY, wait_until
 
 pytestmark = pytest.mark.integration
@@ -271,22 +271,6 @@ GARBAGE = [
 ]
 
 
-def _one_response(s) -> bytes:
-    """Read until one whole response (head and Content-Length body) or EOF."""
-    data = b""
-    try:
-        while chunk := s.recv(65536):
-            data += chunk
-            head, sep, body = data.partition(b"\r\n\r\n")
-            if sep:
-                m = re.search(rb"\r\ncontent-length: *(\d+)", head.lower())
-                if m is None or len(body) >= int(m.group(1)):
-                    break
-    except (ConnectionResetError, socket.timeout):
-        pass
-    return data
-
-
 TRUNCATED = [GARBAGE[4]]
 
 
@@ -305,7 +289,7 @@ def test_raw_socket_garbage(seeded, payload, hang_up):
         s.sendall(payload)
         if hang_up:
             s.shutdown(socket.SHUT_WR)
-        data = _one_response(s)
+        data = one_response(s)
     assert data or hang_up, "no answer to a malformed request"
     if data:
         status = int(data.split(b" ", 2)[1])
@@ -380,7 +364,7 @@ def test_a_malformed_authorization_header_is_never_quoted_back_or_logged(node, l
     be written at all, and the log would hold no key whether it was cut out or not."""
     with socket.create_connection(("127.0.0.1", node.http_port), timeout=10) as s:
         s.sendall(b"GET /v1/queues HTTP/1.1\r\nHost: x\r\n" + line + b"\r\n\r\n")
-        data = _one_response(s)
+        data = one_response(s)
     head, _, body = data.partition(b"\r\n\r\n")
     assert int(head.split(b" ", 2)[1]) == 400, head
     err = json.loads(body)
@@ -402,7 +386,7 @@ def test_malformed_requests_in_a_loop_write_at_most_a_line_a_minute(seeded):
     for _ in range(20):
         with socket.create_connection(("127.0.0.1", node.http_port), timeout=10) as s:
             s.sendall(b"GET /v1/queues HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n")
-            _one_response(s)
+            one_response(s)
     new = node.read_log()[at:]
     assert new.count("refused a malformed HTTP request") <= 1, new[-3000:]
     # ...and one is there: ours, or one within the minute before it (the node is shared)
@@ -425,7 +409,7 @@ def _raw(node, request: bytes, close_within_s: float = 5.0):
     the node closed the connection within ``close_within_s`` of its answer)."""
     with socket.create_connection(("127.0.0.1", node.http_port), timeout=10) as s:
         s.sendall(request)
-        data = _one_response(s)
+        data = one_response(s)
         s.settimeout(close_within_s)
         try:
             closed = s.recv(1) == b""
@@ -457,7 +441,7 @@ def test_an_expectation_other_than_100_continue_is_a_json_400(seeded):
             interim += s.recv(1)
         assert interim.startswith(b"HTTP/1.1 100"), interim
         s.sendall(b"hello")
-        data = _one_response(s)
+        data = one_response(s)
     assert data.startswith(b"HTTP/1.1 201"), data[:300]
     status, head, body, closed = _raw(node, b"POST /v1/queues/" + q.encode() + b"/messages HTTP/1.1\r\nHost: x\r\n"
                                       + _auth() + b"Content-Length: 5\r\nExpect: a-miracle\r\n\r\nworld")

@@ -12,28 +12,29 @@ import urllib.request
 
 import pytest
 
+from contract_client import one_response
 from nodeproc import ADMIN_KEY, NodeProc, wait_until
 
 AUTH = b"Authorization: Bearer " + ADMIN_KEY.encode() + b"\r\n"
 SPARE = 256  # http_conns.SPARE_DEFAULT, as the node runs it
 
 
-@pytest.fixture
-def bounded(tmp_path):
-    n = NodeProc(str(tmp_path / "node"), extra_args=["--http-max-connections", "3"]).start()
+def _node(tmp_path, *flags):
+    n = NodeProc(str(tmp_path / "node"), extra_args=list(flags)).start()
     try:
         yield n
     finally:
         n.kill()
+
+
+@pytest.fixture
+def bounded(tmp_path):
+    yield from _node(tmp_path, "--http-max-connections", "3")
 
 
 @pytest.fixture
 def impatient(tmp_path):
-    n = NodeProc(str(tmp_path / "node"), extra_args=["--http-client-timeout", "1"]).start()
-    try:
-        yield n
-    finally:
-        n.kill()
+    yield from _node(tmp_path, "--http-client-timeout", "1")
 
 
 def _connect(node, timeout_s: float = 10.0) -> socket.socket:
@@ -43,17 +44,7 @@ def _connect(node, timeout_s: float = 10.0) -> socket.socket:
 def _response(s) -> tuple:
     """(status, lower-case head, body) of one response read from ``s``, or (0, b"", b"")
     when the node closed the connection without one."""
-    data = b""
-    try:
-        while chunk := s.recv(65536):
-            data += chunk
-            head, sep, body = data.partition(b"\r\n\r\n")
-            if sep:
-                m = re.search(rb"\r\ncontent-length: *(\d+)", head.lower())
-                if m is None or len(body) >= int(m.group(1)):
-                    break
-    except ConnectionResetError:
-        pass
+    data = one_response(s)
     if not data:
         return 0, b"", b""
     head, _, body = data.partition(b"\r\n\r\n")
