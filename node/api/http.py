@@ -149,19 +149,18 @@ async def _read(request: web.Request) -> bytes:
         request[CLOSE] = True  # the body is not read: nothing after it can be parsed
         raise errors.InvalidArgument(f"Content-Encoding {', '.join(codings)!r} is not supported: give one of gzip, "
                                      "deflate or identity, or none"[:300])
+    # a client that sends its body slowly, or stops inside it, holds a
+    # connection and a handler: it has the client timeout, then 400
+    within_s = request.app.get(CLIENT_TIMEOUT_S, CLIENT_TIMEOUT_S_DEFAULT)
     try:
-        # a client that sends its body slowly, or stops inside it, holds a
-        # connection and a handler: it has the client timeout, then 400
         if request.content.is_eof():  # (the usual case: it came with the head)
             raw = await request.read()
         else:
-            async with asyncio.timeout(request.app.get(CLIENT_TIMEOUT_S, CLIENT_TIMEOUT_S_DEFAULT)):
+            async with asyncio.timeout(within_s):
                 raw = await request.read()
     except TimeoutError:
         request[CLOSE] = True
-        raise errors.InvalidArgument(f"body not received within "
-                                     f"{request.app.get(CLIENT_TIMEOUT_S, CLIENT_TIMEOUT_S_DEFAULT):g} s "
-                                     "(--http-client-timeout)") from None
+        raise errors.InvalidArgument(f"body not received within {within_s:g} s (--http-client-timeout)") from None
     except ConnectionError:  # the client hung up inside its body: nobody to answer, nothing of ours broke
         request[CLOSE] = True
         raise errors.InvalidArgument("body could not be read: the client closed the connection") from None

@@ -98,7 +98,7 @@ class ConnectionGuard:
     def refuses(self, request) -> bool:
         """Whether ``request`` came on a connection past the bound and is not a probe:
         it is answered 503, and its connection closes (the caller does both)."""
-        return request.protocol in self.over and request.path not in UNBOUNDED_PATHS
+        return self.past_bound(request) and request.path not in UNBOUNDED_PATHS
 
     def past_bound(self, request) -> bool:
         """Whether ``request`` came on a connection past the bound, not yet answered."""
