@@ -752,3 +752,32 @@ def test_an_error_quoting_a_huge_argument_keeps_its_kind(client):
     with pytest.raises(errors.SpoolerError) as e:
         client.promote("n" * 100_000)
     assert e.value.kind in ("invalid_argument", "not_found"), e.value
+
+
+@pytest.mark.integration
+def test_a_burst_of_3000_unary_long_polls_is_served_not_cancelled(node):
+    """3,000 unary Receive calls at once on one channel (long polls of 1 s on an
+    empty queue). gRPC core cancels calls waiting for the Python server past its
+    pending-call limits (1,000 soft, 3,000 hard, by default), before any handler
+    runs: about 500 of such a burst came back CANCELLED. With the node's limits
+    raised (grpc_api.GRPC_OPTIONS), every one is answered OK and empty."""
+    from collections import Counter
+
+    async def burst():
+        md = (("authorization", f"Bearer {node.admin_key}"),)
+        async with grpc.aio.insecure_channel(node.grpc_target) as ch:
+            stub = api_pb2_grpc.SpoolerStub(ch)
+            await stub.PutQueue(api_pb2.PutQueueRequest(name="burst"), metadata=md, timeout=10)
+
+            async def poll():
+                try:
+                    r = await stub.Receive(api_pb2.ReceiveRequest(queue="burst", wait_seconds=1),
+                                           metadata=md, timeout=60)
+                    return "ok" if not r.messages else "a message?"
+                except grpc.aio.AioRpcError as e:
+                    return e.code().name
+
+            return Counter(await asyncio.gather(*[poll() for _ in range(3000)]))
+
+    outcomes = asyncio.run(burst())
+    assert outcomes == {"ok": 3000}, outcomes
