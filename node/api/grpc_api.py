@@ -605,8 +605,7 @@ GRPC_OPTIONS = [
     # gRPC core's queue, which past 1,000 of them (its default) cancels a share of
     # new calls and past 3,000 every one, before any handler runs: a burst of
     # 3,000 unary long polls lost about 500 as CANCELLED. Room for a burst of the
-    # node's whole call budget (maximum_concurrent_rpcs, 10,000) and more; past
-    # that budget gRPC answers RESOURCE_EXHAUSTED, which a client can read.
+    # node's whole call budget (maximum_concurrent_rpcs, 10,000) and more.
     ("grpc.server.max_pending_requests", 20_000),
     ("grpc.server.max_pending_requests_hard_limit", 40_000),
 ]
