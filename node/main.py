@@ -127,6 +127,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds an HTTP client has to send its next request's head (from its connection's "
                         "opening or its last answer) and, apart, a request's body; past it the connection "
                         f"closes (SPOOLER_HTTP_CLIENT_TIMEOUT, default {http_conns.CLIENT_TIMEOUT_S_DEFAULT:g})")
+    p.add_argument("--grpc-max-connections", type=int,
+                   default=_env("SPOOLER_GRPC_MAX_CONNECTIONS", str(grpc_api.CONNECTIONS_MAX_DEFAULT)),
+                   help="gRPC connections served at once, clients' and peers' together; the next are closed "
+                        f"as soon as accepted (SPOOLER_GRPC_MAX_CONNECTIONS, default {grpc_api.CONNECTIONS_MAX_DEFAULT})")
+    p.add_argument("--grpc-handshake-timeout", type=float,
+                   default=_env("SPOOLER_GRPC_HANDSHAKE_TIMEOUT", f"{grpc_api.HANDSHAKE_TIMEOUT_S_DEFAULT:g}"),
+                   help="seconds a new gRPC connection has to finish its handshake (TLS when on, HTTP/2's "
+                        "preface); past it the connection closes (SPOOLER_GRPC_HANDSHAKE_TIMEOUT, default "
+                        f"{grpc_api.HANDSHAKE_TIMEOUT_S_DEFAULT:g})")
     p.add_argument("--tls-cert", default=_env("SPOOLER_TLS_CERT", ""),
                    help="PEM certificate of this node: enables mTLS on the gRPC port (SPOOLER_TLS_CERT)")
     p.add_argument("--tls-key", default=_env("SPOOLER_TLS_KEY", ""), help="PEM private key (SPOOLER_TLS_KEY)")
@@ -181,6 +190,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not http_conns.CLIENT_TIMEOUT_S_MIN <= a.http_client_timeout <= http_conns.CLIENT_TIMEOUT_S_MAX:
         p.error(f"--http-client-timeout must be {http_conns.CLIENT_TIMEOUT_S_MIN:g}.."
                 f"{http_conns.CLIENT_TIMEOUT_S_MAX:g} seconds")
+    if not 1 <= a.grpc_max_connections <= grpc_api.CONNECTIONS_MAX_MAX:
+        p.error(f"--grpc-max-connections must be 1..{grpc_api.CONNECTIONS_MAX_MAX}")
+    if not grpc_api.HANDSHAKE_TIMEOUT_S_MIN <= a.grpc_handshake_timeout <= grpc_api.HANDSHAKE_TIMEOUT_S_MAX:
+        p.error(f"--grpc-handshake-timeout must be {grpc_api.HANDSHAKE_TIMEOUT_S_MIN:g}.."
+                f"{grpc_api.HANDSHAKE_TIMEOUT_S_MAX:g} seconds")
     if any((a.tls_cert, a.tls_key, a.tls_ca)) and not all((a.tls_cert, a.tls_key, a.tls_ca)):
         p.error("--tls-cert, --tls-key and --tls-ca go together")
     if a.tls_cert:
@@ -381,9 +395,9 @@ def freeze_loaded_state() -> None:
     gc.freeze()  # what the store loaded lives on: no later collection walks it
 
 
-# Descriptors a node needs besides its HTTP connections: gRPC's connections and
-# threads' pipes, the store's files, the listening sockets
-FDS_BESIDE_HTTP = 1024
+# Descriptors a node needs besides its HTTP and gRPC connections: threads' pipes,
+# the store's files, the listening sockets, its channels to peers
+FDS_BESIDE_CONNECTIONS = 1024
 
 
 def fit_fd_limit(need: int) -> Optional[int]:
@@ -406,11 +420,13 @@ def fit_fd_limit(need: int) -> Optional[int]:
 
 async def serve(args) -> int:
     peers = _parse_peers(args.peers, args.id)
-    need = args.http_max_connections + http_conns.SPARE_DEFAULT + FDS_BESIDE_HTTP
+    need = (args.http_max_connections + http_conns.SPARE_DEFAULT + args.grpc_max_connections
+            + FDS_BESIDE_CONNECTIONS)
     soft = fit_fd_limit(need)
     if soft is not None and soft < need:
-        log.warning("open files are limited to %d (ulimit -n) but --http-max-connections %d needs about %d: "
-                    "connections past the limit wait for one to close", soft, args.http_max_connections, need)
+        log.warning("open files are limited to %d (ulimit -n) but --http-max-connections %d and "
+                    "--grpc-max-connections %d need about %d: connections past the limit wait for one to close",
+                    soft, args.http_max_connections, args.grpc_max_connections, need)
     (ghost, gport), (hhost, hport) = _hostport(args.grpc), _hostport(args.http)
     check_both_listenable(args.grpc, args.http)
     try:
@@ -442,7 +458,9 @@ async def serve(args) -> int:
     svc = Service(engine, _admin_keys(args))
     metrics = Metrics(engine)
 
-    server, health_servicer, gport = await grpc_api.build_server(svc, metrics, _join(ghost, gport), tls)
+    server, health_servicer, gport = await grpc_api.build_server(svc, metrics, _join(ghost, gport), tls,
+                                                                 args.grpc_max_connections,
+                                                                 args.grpc_handshake_timeout)
     engine.grpc_address = _join(ghost, gport)
     tune_gc()
     # grpcio's health service starts out SERVING: not until the node is ready

@@ -631,8 +631,32 @@ class _NoSuchMethod(grpc.GenericRpcHandler):
         return grpc.stream_stream_rpc_method_handler(refuse)
 
 
-async def build_server(svc: Service, metrics, address: str, tls=None) -> tuple:
-    server = grpc.aio.server(options=GRPC_OPTIONS, maximum_concurrent_rpcs=10_000)
+# Bounds on the gRPC port's connections (limits.md, "gRPC connections"), set as
+# gRPC core's own server arguments: a connection past ``--grpc-max-connections``
+# is closed as soon as it is accepted (core's connection quota), and one that has
+# not finished its handshake (TCP, TLS when on, HTTP/2's preface and settings)
+# within ``--grpc-handshake-timeout`` is closed and its place freed. Without
+# them, silent connections held a descriptor each for core's default 120 s, and
+# a few thousand took every descriptor the node had, HTTP's included.
+CONNECTIONS_MAX_DEFAULT = 4096
+CONNECTIONS_MAX_MAX = 1_000_000
+HANDSHAKE_TIMEOUT_S_DEFAULT = 10.0
+HANDSHAKE_TIMEOUT_S_MIN, HANDSHAKE_TIMEOUT_S_MAX = 0.1, 3600.0
+
+
+def server_options(max_connections: int = CONNECTIONS_MAX_DEFAULT,
+                   handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S_DEFAULT) -> list:
+    """The node's gRPC server arguments: GRPC_OPTIONS (shared with its channels to
+    peers) and the two bounds that only a server has."""
+    return GRPC_OPTIONS + [("grpc.max_allowed_incoming_connections", int(max_connections)),
+                           ("grpc.server_handshake_timeout_ms", max(1, round(handshake_timeout_s * 1000)))]
+
+
+async def build_server(svc: Service, metrics, address: str, tls=None,
+                       max_connections: int = CONNECTIONS_MAX_DEFAULT,
+                       handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S_DEFAULT) -> tuple:
+    server = grpc.aio.server(options=server_options(max_connections, handshake_timeout_s),
+                             maximum_concurrent_rpcs=10_000)
     add_spooler_service(SpoolerServicer(svc, metrics), server)
     from node.replication.driver import ReplicationServicer
     from spooler.pb import replication_pb2_grpc

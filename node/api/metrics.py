@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.samples import Sample
 
@@ -87,6 +87,10 @@ class Metrics:
                                   self.drops, self.commit_records, self.fsync_seconds, self.checkpoint_seconds,
                                   self.memory_released))
         r.register(_StateCollector(engine))
+        # process_open_fds beside process_max_fds: how near the node is to its
+        # descriptors (its connection bounds are sized to them; limits.md), and
+        # its resident memory and CPU
+        ProcessCollector(registry=r)
         engine.on_apply.append(self._on_apply)
         engine.metrics = self
         self._rendered = None  # (until, body) of a costly render, answered again until then

@@ -209,12 +209,13 @@ def test_a_client_slow_to_send_a_body_is_told_400_and_nothing_is_stored(impatien
 
 @pytest.mark.integration
 def test_the_node_raises_its_open_files_limit_toward_what_its_connections_need(tmp_path):
-    """Started under a soft limit of 512 open files, a node with the default bound
-    (4,096 connections, 256 more, 1,024 for the rest) raises its own soft limit to
-    that need, or to its hard limit where that is lower, and then says so in its log."""
+    """Started under a soft limit of 512 open files, a node with the default bounds
+    (4,096 HTTP connections and 256 more, 4,096 gRPC connections, 1,024 for the
+    rest) raises its own soft limit to that need, or to its hard limit where that
+    is lower, and then says so in its log."""
     import resource
 
-    need = 4096 + 256 + 1024
+    need = 4096 + 256 + 4096 + 1024
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(512, soft), hard))  # the node inherits it
     n = NodeProc(str(tmp_path / "node"))

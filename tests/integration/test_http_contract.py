@@ -846,6 +846,10 @@ def test_healthz_readyz_metrics(api, queue):
         assert found, m.body[:2000]
         return float(found.group(1))
 
+    # the process's own: descriptors held against the limit (the connection bounds are sized to it)
+    m = api.req("GET", "/metrics", key=None).body
+    fds = {k.decode(): float(v) for k, v in re.findall(rb"^process_(open_fds|max_fds) ([0-9.e+]+)$", m, re.M)}
+    assert set(fds) == {"open_fds", "max_fds"} and 0 < fds["open_fds"] < fds["max_fds"], fds
     n0, r0, a0 = total("sends"), total("receives"), total("acks")
     api.send(queue, b"x")
     api.send(queue, b"y")

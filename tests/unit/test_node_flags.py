@@ -3,6 +3,7 @@ import pytest
 
 import asyncio
 
+from node.api import grpc_api
 from node.main import _parse_peers, parse_args, serve
 
 
@@ -20,6 +21,11 @@ from node.main import _parse_peers, parse_args, serve
     (["--http-client-timeout", "0"], "--http-client-timeout must be 0.1..3600 seconds"),
     (["--http-client-timeout", "nan"], "--http-client-timeout must be 0.1..3600 seconds"),
     (["--http-client-timeout", "inf"], "--http-client-timeout must be 0.1..3600 seconds"),
+    (["--grpc-max-connections", "0"], "--grpc-max-connections must be 1..1000000"),
+    (["--grpc-max-connections", "1000001"], "--grpc-max-connections must be 1..1000000"),
+    (["--grpc-handshake-timeout", "0.05"], "--grpc-handshake-timeout must be 0.1..3600 seconds"),
+    (["--grpc-handshake-timeout", "nan"], "--grpc-handshake-timeout must be 0.1..3600 seconds"),
+    (["--grpc-handshake-timeout", "inf"], "--grpc-handshake-timeout must be 0.1..3600 seconds"),
     # a key no Authorization header can carry (over 512 characters, or with a space)
     (["--admin-key", "k" * 513], "--admin-key must be 1..512 printable ASCII"),
     (["--admin-key", " padded"], "--admin-key must be 1..512 printable ASCII"),
@@ -114,6 +120,12 @@ def test_the_edges_of_those_ranges_are_accepted(monkeypatch):
     assert parse_args([]).max_messages == 123
     monkeypatch.setenv("SPOOLER_MAX_DEDUP_KEYS", "45")
     assert parse_args([]).max_dedup_keys == 45
+    monkeypatch.setenv("SPOOLER_GRPC_MAX_CONNECTIONS", "7")
+    monkeypatch.setenv("SPOOLER_GRPC_HANDSHAKE_TIMEOUT", "0.25")
+    a = parse_args([])
+    assert (a.grpc_max_connections, a.grpc_handshake_timeout) == (7, 0.25)
+    assert ("grpc.max_allowed_incoming_connections", 7) in grpc_api.server_options(7, 0.25)
+    assert ("grpc.server_handshake_timeout_ms", 250) in grpc_api.server_options(7, 0.25)
     assert parse_args(["--id", "A-z.0_" + "n" * 58, "--log-level", "debug"]).id == "A-z.0_" + "n" * 58
 
 
