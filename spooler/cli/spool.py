@@ -223,6 +223,9 @@ def register(sub) -> None:
     p.add_argument("--dedup-key", default=None)
 
     p = cmd(sub, "receive", cmd_receive, "lease one message (body to stdout, token to stderr)")
+    p.epilog = ("exit status: 0 a message was received; 3 none came within --wait (\"(no message)\" on "
+                "stderr; with --json the answer is {\"message\": null} and the status 0); 1 an error; "
+                "2 a usage error")
     p.add_argument("queue")
     p.add_argument("--wait", type=seconds_arg, default=0.0, help="long poll up to 20 s")
     p.add_argument("--ack", action="store_true", help="ack it at once")
