@@ -750,7 +750,7 @@ class Service:
             self.forwarded_polls += polls
             try:
                 return await self.fwd.receive(self._remote(p), p.auth, queue, wait_s, max_n, receive_id,
-                                              release_for_s=self._release_for_s(queue))
+                                              release_for_s=self._release_for_s())
             finally:
                 self.forwarded_polls -= polls
         if not self.engine.ready:  # (as _remote: a queue may exist that this node has not applied yet)
@@ -762,7 +762,11 @@ class Service:
             if key in self._receipts:
                 if self._receipts[key][0] is not None:
                     raise errors.InvalidArgument("receive id already used: name every receive afresh")
-                return []  # released before it got here: its caller gave up on it
+                # released before it got here: its caller gave up on it (a request
+                # held in the network with a cut link arrives late)
+                logs.throttled(log, logging.INFO, ("released before",), "a receive released by its caller "
+                               "before it arrived leased nothing")
+                return []
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
@@ -844,13 +848,15 @@ class Service:
             raise errors.InvalidArgument("receive id must be 1-64 characters of [A-Za-z0-9._-]")
         return rid
 
-    def _release_for_s(self, queue: str) -> float:
-        """How long a forwarding node keeps trying to release a lost answer: until
-        the leases would have expired anyway, and no longer than a primary
-        remembers a receive's name."""
-        q = self.core.queues.get(queue)
-        lease_s = q.settings["lease_timeout_us"] / US if q is not None else 30.0
-        return min(lease_s, self.limits.receipt_age_s_max)
+    def _release_for_s(self) -> float:
+        """How long a forwarding node keeps trying to release a lost answer: as long
+        as a primary remembers a receive's name. Not just the lease's length from
+        the loss: the receive itself may still be on its way, held with a cut link,
+        and reach the primary (and lease) once the link is back, long after the
+        forwarding node gave up on it (drill seed 10859). The release, sent once
+        this node hears from that primary again, gives those leases back, or
+        leaves the name released so that the late receive leases nothing."""
+        return self.limits.receipt_age_s_max
 
     @staticmethod
     def _caller(p: Principal) -> str:
@@ -929,7 +935,7 @@ class Service:
         if e.cluster and e.role != "primary":
             if auth is not None and tokens and (a := self._primary_address()):
                 for queue, rid in self.fwd.names_of(tokens):
-                    self.fwd.release_soon(a, auth, queue, rid, self._release_for_s(queue))
+                    self.fwd.release_soon(a, auth, queue, rid, self._release_for_s())
             return 0
         now, n = self.engine.now_us(), 0
         for token in tokens:

@@ -536,6 +536,70 @@ def test_a_lease_forwarded_by_a_node_that_lost_contact_expires_uncounted(tmp_pat
         c.proxy.heal()
 
 
+def test_a_forwarders_release_outlasts_a_cut_that_outlasts_the_lease(tmp_path):
+    """Drill seed 10859: a replica forwards a long poll, which waits on the primary;
+    then the replica is cut off (blackhole both ways). Once it knows no primary it
+    gives up on the call (503 to its client) and keeps a release for it. A message
+    arrives; the primary leases it to the poll nobody waits for any more, and its
+    answer is held in the cut link. The cut outlasts the lease's length counted from
+    the replica's giving up, then heals before the lease expires (so the replica has
+    acknowledged the primary again, and the lost-contact rule does not apply). The
+    release used to be dropped once the lease's length had passed since the giving
+    up: the lease then expired into a retry nobody caused. Now it is still there
+    when the replica hears from the primary again, and the message comes back
+    uncounted."""
+    import threading
+    import time
+
+    from nodeproc import wait_until
+    from spooler.http import HttpClient
+    from tests.drills.cluster import Cluster
+
+    lease_s = 4.0
+    with Cluster(str(tmp_path / "c"), partitions=True) as c:
+        prim, rep, direct, forwarded = _forwarding_setup(c, "held", lease_s=lease_s, forward_timeout_s=30)
+        direct.ack(direct.receive("held").token)  # (the setup's message: out of the way)
+        poller = HttpClient(c.url(rep), c.admin_key, timeout_s=30)
+        t = threading.Thread(target=lambda: _quietly(lambda: poller.receive("held", wait_s=20)))
+        t.start()
+        wait_until(lambda: _metric(c, prim, "spooler_receives_waiting") == 1, 10,
+                   what="the forwarded long poll to wait on the primary")
+        c.proxy.isolate(rep, "blackhole")
+        t.join(15)
+        assert not t.is_alive()  # the replica gave up on the call: it knows no primary
+        gave_up_at = time.monotonic()
+        wait_until(lambda: time.monotonic() > gave_up_at + 1.0, 5, what="a second after the giving up")
+        direct.send("held", b"late")  # leased at once to the poll still waiting on the primary
+        wait_until(lambda: direct.get_queue("held")["stats"]["leased"] == 1, 5, what="the lease")
+        leased_at = time.monotonic()
+        # heal once the lease's length has passed since the giving up, a second
+        # before the lease expires
+        wait_until(lambda: time.monotonic() > gave_up_at + lease_s + 0.2, 10, what="the old release window to end")
+        assert time.monotonic() < leased_at + lease_s - 0.5, "too slow a machine for this test's timing"
+        c.proxy.heal()
+        log = c.procs[prim].read_log
+        wait_until(lambda: "gave back 1 leased message" in log() or _metric(c, prim, "spooler_lease_expiries_total"),
+                   15, what="the lease to be given back, or to expire")
+        assert _metric(c, prim, "spooler_lease_expiries_total") == 0, "the lease expired into a retry"
+        d = wait_until(lambda: direct.receive("held"), 10, what="the message to be visible")
+        assert (d.body, d.retry_count) == (b"late", 0)
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - cut off: it fails, as it should
+        pass
+
+
+def _metric(c, nid, name) -> float:
+    import re
+    import urllib.request
+    body = urllib.request.urlopen(f"{c.url(nid)}/metrics", timeout=5).read().decode()
+    m = re.search(rf"^{name} (\S+)$", body, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def test_a_release_the_forwarder_cannot_call_in_rides_on_its_replication_acks(tmp_path):
     """The primary answered a forwarded receive, then the replica's calls to the primary
     started failing (reset) while the primary's replication stream to the replica kept
