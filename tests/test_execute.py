@@ -284,6 +284,42 @@ def test_a_worker_counts_a_canceled_job_as_canceled_not_failed(spool, command):
     assert (summary["canceled"], summary["failed"], summary["succeeded"]) == (1, 0, 0), summary
 
 
+def test_a_running_job_that_cancel_cannot_recognise_is_stopped_by_its_worker_at_its_next_heartbeat(spool):
+    """J7: the owning worker learns of a cancel at its next heartbeat and kills the
+    job's group itself. The command cleared its environment (`env -i sleep`), so no
+    process carries the attempt's token: `cancel` takes its recorded group for
+    another program's and its search by token finds nothing, so it kills nothing,
+    and only the worker can stop the command. With the 0.1 s test heartbeat it is
+    gone within 2 s of the cancel (a heartbeat, a 0.1 s poll, the SIGTERM), the
+    worker still running, and the worker records the attempt's end: killed by its
+    SIGTERM, canceled. (In the other J7 tests cancel's own kill does the work, so
+    they pass without the heartbeat's part.)"""
+    job_id = spool.submit("env", "-i", "sleep", "300")
+    w = spool.start_worker()
+    pid = None
+    try:
+        pid = wait_until(lambda: (spool.job(job_id)["attempts"] or [{}])[0].get("pid"), 15,
+                         what="job running with its pid recorded")
+        # the premise: the group's only member is `sleep`, with an empty environment
+        wait_until(lambda: open(f"/proc/{pid}/cmdline", "rb").read().startswith(b"sleep\0"), 10,
+                   what="env to exec sleep")
+        assert open(f"/proc/{pid}/environ", "rb").read() == b""
+        assert executor.group_carries(pid, f"{job_id}:1") is False
+        assert spool.json("cancel", job_id)["state"] == "canceled"
+        wait_until(lambda: pid_gone(pid), 2.0, what="the worker to stop the canceled command at its heartbeat")
+        wait_until(lambda: spool.job(job_id)["attempts"][0]["exit_code"] is not None, 10,
+                   what="the worker to record the attempt's end")
+        job = spool.job(job_id)
+        assert job["state"] == "canceled" and len(job["attempts"]) == 1
+        a = job["attempts"][0]
+        assert (a["failure_reason"], a["exit_code"]) == ("canceled", -signal.SIGTERM), a
+        assert w.poll() is None, "the worker survives the cancel"
+    finally:
+        stop_worker(w)
+        if pid:
+            kill_group_of(pid)
+
+
 def test_cancel_of_a_finished_job_is_refused(spool):
     job_id = spool.submit("true")
     spool.run("worker", "--drain", timeout_s=30)
