@@ -111,6 +111,47 @@ def test_dead_job_needs_retry_force(spool):
     assert job["state"] == "dead" and len(job["attempts"]) == 2
 
 
+def test_a_job_submitted_without_budget_flags_gets_the_documented_defaults(spool, store):
+    """J4's defaults, as `spoolctl submit` with no flags sets them: max_retries 3
+    and max_crashes unbounded (null in the job's JSON). Then, on an injected clock
+    (each attempt claimed the moment its backoff ends, no real waiting), the job
+    that fails every time runs 4 times and is dead; a job whose worker dies every
+    time is requeued after each of 10 crashes, never dead. (Both fixtures use the
+    same spool.)"""
+    import socket
+    import subprocess
+
+    from spooler.jobs import reaper
+
+    host = socket.gethostname()
+    failing = spool.json("submit", "--", "false")
+    assert (failing["max_retries"], failing["max_crashes"]) == (3, None), failing
+    now = time.time() + 1
+    runs = 0
+    while store.get(failing["id"])["state"] == states.QUEUED:
+        now = max(now, store.get(failing["id"])["run_after"])
+        claim = store.claim_next(ident(), now=now)
+        assert claim is not None and (claim.job_id, claim.n) == (failing["id"], runs + 1)
+        runs += 1
+        store.finish_attempt(claim, states.NONZERO_EXIT, 1, now=now)
+        assert runs <= 10, "the job is never dead"
+    job = spool.job(failing["id"])
+    assert (job["state"], runs, len(job["attempts"]), job["failure_count"]) == ("dead", 4, 4, 4), job
+
+    crashing = spool.json("submit", "--", "true")
+    assert (crashing["max_retries"], crashing["max_crashes"]) == (3, None), crashing
+    for n in range(1, 11):
+        dead = subprocess.Popen(["true"], stdin=subprocess.DEVNULL)
+        dead.wait(timeout=10)
+        w = WorkerIdentity(f"{host}:{dead.pid}:test", dead.pid, host, 5.0)
+        assert store.claim_next(w, now=now).job_id == crashing["id"]
+        [r] = reaper.reap_pass(store, now=now + 31)
+        assert (r.job_id, r.new_state) == (crashing["id"], states.QUEUED), f"crash {n}: {r}"
+        now += 31
+    job = spool.job(crashing["id"])
+    assert (job["state"], job["crash_count"], job["failure_count"]) == ("queued", 10, 0), job
+
+
 def test_a_succeeded_job_is_retried_without_force(spool):
     """The contract asks --force for a dead job only: a succeeded job is requeued
     by a plain retry and runs again, its first attempt kept."""
