@@ -80,6 +80,44 @@ def test_a_split_vote_is_retried_soon_not_after_a_whole_timeout():
         assert n.election_at - (now + 2) <= min(T // 4, R.SPLIT_RETRY_US)
 
 
+def test_a_replica_whose_primary_hangs_campaigns_within_a_tenth_of_a_timeout_past_its_last_contact():
+    """R6, the first round's jitter. A replica whose primary hangs (no more frames,
+    its stream still open, so nothing but the replica's own timer tells it) asks for
+    pre-votes no sooner than a failover timeout after it last heard the primary,
+    and within 1.1 timeouts plus one tick of the driver (10 ms): with the default
+    2 s timeout, by 2.21 s, so a hung primary is replaced within about 2.5 s. 200
+    replicas, each with its own draws of the jitter and its primary hanging at its
+    own moment; their campaigns spread over that tenth (without a spread, two
+    replicas would campaign together every time). Before this test only `make
+    bench` measured it: a first-round jitter of half a timeout failed no test."""
+    import random
+
+    T = 2_000_000
+    TICK = 10_000   # the driver ticks the core at most every 10 ms (node/replication/driver.py)
+    HB = T // 4     # the primary's frames while it is alive
+    rng = random.Random(11)
+    delays = []
+    for _ in range(200):
+        b = R.Replication("b", ["a", "b", "c"], failover_timeout_us=T, rand=rng.random)
+        b.start(0)
+        now, hangs_at, last = 0, 2 * T + rng.randrange(2 * T), None
+        while True:
+            now += TICK
+            if now < hangs_at and (last is None or now - last >= HB):
+                b.receive(R.AppendReq(1, "a", 0, 0, 0, [], 0, now), now)
+                last = now
+                assert (b.role, b.primary, b.last_contact) == (R.REPLICA, "a", now)
+            out = b.tick(now)
+            if any(isinstance(e, R.Send) and isinstance(e.msg, R.VoteReq) and e.msg.pre for e in out):
+                break
+            assert now - last <= 2 * T, "no campaign within two failover timeouts of the last contact"
+        assert last < hangs_at <= now, "campaigned while its primary was heard"
+        delays.append(now - last)
+    assert min(delays) >= T, f"campaigned {min(delays) / 1000:.0f} ms after its last contact"
+    assert max(delays) <= T + T // 10 + TICK, f"campaigned only {max(delays) / 1000:.0f} ms after its last contact"
+    assert max(delays) - min(delays) >= T // 20, "the campaigns do not spread over the jitter"
+
+
 def test_a_replica_drops_its_primary_only_after_a_failover_timeout_without_it():
     """A broken stream makes a replica campaign early (a pre-vote, which a live primary's
     other replica refuses), but a live primary reconnects within that time: the replica
