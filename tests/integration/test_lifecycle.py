@@ -131,6 +131,47 @@ def test_a_forwarded_call_with_a_key_this_replica_does_not_know_is_not_called_un
         e.store.close()
 
 
+def test_a_replica_passes_a_key_it_has_not_applied_yet_to_the_primary(tmp_path):
+    """A client's call to a replica with a key the primary created a moment ago,
+    whose record has not reached the replica: the replica does not call it unknown
+    but has the primary judge it, and the call succeeds; a key the primary does not
+    know either gets the primary's 401. Once the replica knows no primary, nobody
+    can judge a key it does not know: 503, not 401. The replica's own stream from
+    the primary is held in the fault proxy (its calls to the primary pass), so the
+    key's record deterministically has not arrived; without the pass-on every call
+    with the new key there was a 401."""
+    from spooler.http import HttpClient
+    from nodeproc import wait_until
+    from tests.drills.cluster import Cluster
+
+    with Cluster(str(tmp_path / "c"), failover_timeout_s=3.0, partitions=True) as c:
+        prim = c.primary()
+        rep = next(n for n in c.ids if n != prim)
+        admin = HttpClient(c.url(prim), c.admin_key, timeout_s=10)
+
+        def put() -> bool:
+            try:
+                admin.put_queue("fresh")
+                return True
+            except errors.Unavailable:  # a new primary answers 503 until its epoch is open
+                return False
+        wait_until(put, 10, what="the primary to take the queue")
+        c.wait_converged()
+        c.proxy.set_link(prim, rep, "blackhole")  # nothing of the primary's reaches the replica
+        key = admin.create_key("fresh", ("send", "receive"))["key"]
+        via_replica = HttpClient(c.url(rep), key, timeout_s=10)
+        assert via_replica.send("fresh", b"with a new key")["id"]
+        with pytest.raises(errors.Unauthenticated):  # the primary's verdict on a key nobody has
+            HttpClient(c.url(rep), "spk_nope_nope", timeout_s=10).send("fresh", b"x")
+        # a failover timeout without the primary: the replica drops it (R4), and then
+        # cannot have the new key judged
+        wait_until(lambda: (v := c.info(rep)) and v.get("primary") is None, 15,
+                   what="the replica to drop the primary it no longer hears")
+        with pytest.raises(errors.Unavailable):
+            via_replica.send("fresh", b"no primary known")
+        c.proxy.heal()
+
+
 def test_a_ready_primary_calls_an_unknown_key_unknown(tmp_path):
     """The control: where the key can be judged, an unknown one is a 401."""
     async def main():
