@@ -86,3 +86,30 @@ def test_a_claim_to_be_forwarded_without_the_key_is_a_clients_call(keyed):
         assert doc.name == "f"
     finally:
         ch.close()
+
+
+def test_a_keyed_members_forwarded_call_is_taken_for_forwarded(tmp_path):
+    """On a keyed cluster the primary takes a call for one a member forwarded only
+    if it carries the key, so a member's Forwarder sends the key on every call.
+    Seen here through the lost-contact rule, which holds only for a receive the
+    primary knows a member forwarded (its lease names that member): a replica
+    forwards a receive and is then cut off (its calls reach the primary, nothing
+    comes back, the primary hears nothing from it) for longer than the lease; at
+    expiry the primary gives the lease back uncounted. A forwarded call without
+    the key is a client's call there: the lease expired into a retry instead."""
+    from integration.test_release import _forwarding_setup, _lost_receive_in_background, _metric
+    from tests.drills.cluster import Cluster
+
+    with Cluster(str(tmp_path / "c"), partitions=True, extra_args=["--cluster-key", KEY]) as c:
+        prim, rep, direct, forwarded = _forwarding_setup(c, "kcut", lease_s=2, forward_timeout_s=6)
+        c.proxy.set_links({(rep, prim): "one_way_reverse", (prim, rep): "blackhole"})
+        t = _lost_receive_in_background(forwarded, "kcut")
+        log = c.procs[prim].read_log
+        wait_until(lambda: "gave back 1 expired lease(s)" in log() or _metric(c, prim, "spooler_lease_expiries_total"),
+                   15, what="the lease to be given back, or to expire")
+        assert _metric(c, prim, "spooler_lease_expiries_total") == 0, \
+            "the lease expired into a retry: the primary took the forwarded receive for a client's"
+        d = wait_until(lambda: direct.receive("kcut"), 10, what="the message to be visible again")
+        assert (d.body, d.retry_count) == (b"m", 0)
+        t.join(10)
+        c.proxy.heal()
