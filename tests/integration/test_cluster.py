@@ -542,6 +542,57 @@ def test_a_minority_confirms_nothing(cluster):
     assert primary_of(nodes) is None
 
 
+def test_a_cut_off_primary_leases_nothing_while_the_new_one_leases(tmp_path):
+    """The primary is cut off from both replicas (fault proxy, every link reset)
+    while a client talking to it directly keeps asking it for messages. Once the
+    new primary (elected by the other two, holding the same messages) has leased,
+    and in any case past a failover timeout from the cut, every such receive is
+    refused 503 and none leases: the two never hand out leases at the same time
+    (the drills' "leases behind a newer epoch"). Then the old primary says it is
+    no longer primary. Without the majority-contact checks (serving, leasing,
+    the step-down) it went on leasing after the new primary had leased. (The
+    partition drill does not show this: no drill client need reach the old
+    primary while it is cut off.)"""
+    from tests.drills.cluster import Cluster
+
+    with Cluster(str(tmp_path / "c"), failover_timeout_s=FAILOVER_S, partitions=True) as c:
+        old = c.primary()
+        on_old = HttpClient(c.url(old), c.admin_key, timeout_s=5)
+        until_ok(lambda: on_old.put_queue("cut", leaseTimeoutSeconds=60), what="the queue")
+        for i in range(40):  # more than the old primary can lease before it stops
+            send_until_ok(on_old, "cut", b"m%d" % i)
+        c.wait_converged()
+        c.proxy.isolate(old, "drop")
+        cut_at = time.monotonic()  # (the links are reset when isolate returns)
+        answers: list = []  # (asked, s after the cut; the old primary's answer; asked after the new one leased)
+        new: dict = {}      # when the new primary first leased
+
+        def step():
+            asked = time.monotonic()
+            try:
+                d = on_old.receive("cut")
+                got = f"leased {d.id}" if d else "nothing"
+            except errors.Unavailable:
+                got = "unavailable"
+            except errors.SpoolerError as e:
+                got = type(e).__name__
+            answers.append((round(asked - cut_at, 2), got, asked > new.get("leased", float("inf"))))
+            if "leased" not in new:
+                cp = c.current_primary(timeout_s=0.5)
+                if cp and cp[0] != old:
+                    try:  # (it waits out the old primary's leases first: 503 meanwhile)
+                        if HttpClient(c.url(cp[0]), c.admin_key, timeout_s=5).receive("cut"):
+                            new["leased"] = time.monotonic()
+                    except errors.Unavailable:
+                        pass
+            return "leased" in new and sum(1 for a in answers if a[0] > FAILOVER_S and a[2]) >= 10
+        wait_until(step, 40, interval_s=0.1, what="the new primary to lease, and ten receives on the old one after")
+        late = [a for a in answers if a[2] or a[0] > FAILOVER_S]
+        assert late and all(got == "unavailable" for _, got, _ in late), answers
+        wait_until(lambda: (v := c.info(old)) and v["role"] != "primary", 10, what="the old primary to step down")
+        c.proxy.heal()
+
+
 def test_the_cluster_document_says_how_long_ago_each_member_was_heard(cluster):
     """On the primary each replica's entry has lastContactMs (its latest
     acknowledgement), on a replica the primary's entry has it; a killed replica's
