@@ -394,6 +394,24 @@ def test_a_lease_ending_across_retention_still_lets_its_message_drop(log, kind, 
     assert (st["visible"], st["expiredTotal"]) == (0, 1)
 
 
+@pytest.mark.parametrize("max_retries", [0, 5])
+def test_a_nack_stamped_after_retention_ended_drops_the_message(log, max_retries):
+    """A nack stamped after the message's retention ended (the consumer held it
+    past its retention) drops it there and then, counted in expiredTotal: it is
+    neither made visible again (with retries left) nor moved to the failure queue
+    as a spent retry (max_retries 0), where it would start a new retention."""
+    log.queue("q", retention_us=10 * S, lease_timeout_us=30 * S, max_retries=max_retries)
+    mid, _ = log.send("q", at=0)
+    recv(log, "q", 1 * S)
+    assert log.core.due_drops(11 * S) == []               # leased: not dropped under its consumer
+    log.settle(log_pb2.NACK, "q", mid, at=12 * S)          # stamped after retention ended
+    st = log.core.stats("q", 12 * S)
+    assert (st["visible"], st["leased"], st["expiredTotal"], st["failedTotal"]) == (0, 0, 1, 0)
+    assert mid not in log.core.queues["q"].msgs
+    assert "q.failed" not in log.core.queues or not log.core.queues["q.failed"].msgs
+    assert recv(log, "q", 12 * S) == []
+
+
 def test_fail_and_redrive_cycles_leave_no_heap_entries_behind(log):
     """Messages moved into a failure queue and redriven out of it, again and again:
     neither queue's heaps keep growing with stale entries (a failure queue is no
