@@ -92,6 +92,8 @@ def test_a_receive_released_before_it_answers_leases_nothing(node):
             await stub.Send(api_pb2.SendRequest(queue="early", body=b"m"), metadata=md)
             r = await stub.ReceiveBatch(api_pb2.ReceiveRequest(queue="early", receive_id="x1"), metadata=md)
             assert list(r.messages) == []
+            # and leased nothing at all, not a lease given back at once
+            assert await asyncio.to_thread(node.metric, "spooler_receives_total") == 0
             # released while it waits (long poll): when a message arrives it gives it back, answers empty
             first = await stub.Receive(api_pb2.ReceiveRequest(queue="early"), metadata=md)
             waiting = asyncio.ensure_future(stub.ReceiveBatch(
