@@ -555,6 +555,72 @@ def test_a_receive_whose_answer_is_lost_gives_its_messages_back(tmp_path):
     asyncio.run(main())
 
 
+class _SessionContextNeverWriting:
+    """Enough of a grpc.aio ServicerContext to run Session directly: it reads
+    ``requests``, then nothing more (the client's side stays open), and a write
+    never completes (a client that stopped reading: HTTP/2 flow control holds it)."""
+
+    def __init__(self, key, requests):
+        self.md = (("authorization", f"Bearer {key}"),)
+        self.requests = list(requests)
+        self.writing: list = []
+        self.wrote = asyncio.Event()
+
+    def invocation_metadata(self):
+        return self.md
+
+    def set_trailing_metadata(self, md):
+        pass
+
+    async def read(self):
+        if self.requests:
+            return self.requests.pop(0)
+        await asyncio.Event().wait()
+
+    async def write(self, msg):
+        self.writing.append(msg)
+        self.wrote.set()
+        await asyncio.Event().wait()
+
+
+def test_a_session_that_ends_with_a_receive_answer_unwritten_gives_its_messages_back(tmp_path):
+    """A Session stream that ends (its client went away: grpc cancels the call)
+    while a receive's answer is still unwritten gives that receive's leases back
+    at once, retry count unchanged: nobody got the messages. Without it they
+    stay leased until the lease times out, and that counts a retry. (The test
+    above is the unary ReceiveBatch's cancel path, not the Session's.)"""
+    from node.api import grpc_api
+    from node.api.metrics import Metrics
+    from node.api.service import Principal, Service
+    from node.engine import Engine
+
+    async def main():
+        eng = Engine(str(tmp_path / "n"))
+        await eng.start()
+        try:
+            svc = Service(eng, ["k"])
+            admin = Principal(admin=True)
+            await svc.put_queue(admin, "q", {})
+            [(mid, _, _)] = await svc.send(admin, [("q", b"m", 0.0, "")])
+            servicer = grpc_api.SpoolerServicer(svc, Metrics(eng))
+            ctx = _SessionContextNeverWriting("k", [api_pb2.SessionRequest(
+                id=1, receive=api_pb2.ReceiveRequest(queue="q", max_messages=5))])
+            stream = asyncio.ensure_future(servicer.Session(None, ctx))
+            await asyncio.wait_for(ctx.wrote.wait(), 10)  # the answer is on its way out, never written
+            [a] = ctx.writing
+            assert (a.id, [d.id for d in a.receive.messages]) == (1, [mid])
+            assert await svc.receive(admin, "q", 0) == []  # leased
+            stream.cancel()  # the client went away
+            with pytest.raises(asyncio.CancelledError):
+                await stream
+            got = await svc.receive(admin, "q", 0)  # back at once (the lease runs 30 s)
+            assert [(d.id, d.retry_count) for d in got] == [(mid, 0)]
+        finally:
+            await eng.stop()
+
+    asyncio.run(main())
+
+
 class _CallEndingAtWrite:
     """A Session call that ended between the writer's check and its write: grpc.aio
     refuses the write (InvalidStateError) before anything is sent."""
