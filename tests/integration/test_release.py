@@ -342,24 +342,13 @@ def test_sdk_gives_back_a_receive_whose_answer_was_lost(node, sdk):
     _next_is(node, "sdk", b"lost")
 
 
-def _node_has_read(client: socket.socket) -> bool:
-    """The node's end of ``client``'s connection has nothing left unread (its kernel
-    receive queue is empty, /proc/net/tcp), so the node has taken the request in."""
-    lport, rport = client.getsockname()[1], client.getpeername()[1]
-    with open("/proc/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            cols = line.split()
-            local, remote, queues = cols[1], cols[2], cols[4]
-            if int(local.split(":")[1], 16) == rport and int(remote.split(":")[1], 16) == lport:
-                return int(queues.split(":")[1], 16) == 0
-    return False
-
-
 def test_http_receive_whose_client_went_away_gives_the_message_back(node):
-    """An HTTP long poll whose client disconnected while it waited leaves a message
-    that arrives afterwards to others, with its retry count untouched: the poll is
-    cancelled with its connection, and a receive that leased just before it saw
-    the connection gone gives the lease back."""
+    """An HTTP long poll whose client disconnected while it waited stops waiting
+    with its connection (aiohttp's handler cancellation, node/main.py): a message
+    that arrives afterwards goes to others with its retry count untouched, and
+    no lease was ever taken for the gone client. Without the cancellation the
+    poll would wait on for its 10 s and lease the message (then give it back,
+    the next test's mechanism)."""
     from nodeproc import wait_until
 
     ch, stub = _stub(node)
@@ -370,14 +359,84 @@ def test_http_receive_whose_client_went_away_gives_the_message_back(node):
         s = socket.create_connection((host, int(port)))
         s.sendall(f"POST /v1/queues/gone/receive?wait=10 HTTP/1.1\r\nHost: x\r\n"
                   f"Authorization: Bearer {node.admin_key}\r\nContent-Length: 0\r\n\r\n".encode())
-        wait_until(lambda: _node_has_read(s), 5, what="the node to read the request")
+        wait_until(lambda: node.metric("spooler_receives_waiting") == 1, 5, what="the poll to wait on the node")
         s.close()
+        wait_until(lambda: node.metric("spooler_receives_waiting") == 0, 5,
+                   what="the poll to stop waiting once its client went away")
         stub.Send(api_pb2.SendRequest(queue="gone", body=b"m"), metadata=md)
-        # (a lease taken for the gone client and kept would hide it for 30 s)
-        got = wait_until(lambda: stub.Receive(api_pb2.ReceiveRequest(queue="gone"), metadata=md).messages, 15,
-                         what="the message, not held for the client that went away")
+        got = stub.Receive(api_pb2.ReceiveRequest(queue="gone"), metadata=md).messages
         assert [(d.body, d.retry_count) for d in got] == [(b"m", 0)]
-        assert stub.GetQueue(api_pb2.QueueRequest(name="gone"), metadata=md).stats.lease_expired_total == 0
+        assert node.metric("spooler_receives_total") == 1  # this receive's lease only
+        assert node.metric("spooler_lease_expiries_total") == 0
+
+
+def test_an_http_receive_whose_client_hangs_up_as_it_leases_gives_the_message_back(tmp_path):
+    """The race the handler cancellation leaves: a client hangs up just as its
+    receive leases, and the node reads the end of the connection (the transport
+    closes) before aiohttp tells the handler the connection is lost and cancels
+    it. The handler finds its transport closing and gives the lease back: the
+    message is visible again at once, retry count 0, no lease expiry. Without
+    that it stays leased for nobody until its lease times out (60 s here), then
+    counts a retry. In-process, so that the hang-up can be timed to the lease."""
+    from aiohttp import web
+
+    from node.api.http import RUNNER_OPTIONS, build_app
+    from node.api.metrics import Metrics
+    from node.api.service import Principal, Service
+    from node.engine import Engine
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        eng = Engine(str(tmp_path / "n"))
+        await eng.start()
+        runner = client = None
+        try:
+            svc = Service(eng, ["k"])
+            metrics = Metrics(eng)
+            admin = Principal(admin=True)
+            await svc.put_queue(admin, "q", {"leaseTimeoutSeconds": 60})
+            [(mid, _, _)] = await svc.send(admin, [("q", b"m", 0.0, "")])
+            runner = web.AppRunner(build_app(svc, metrics), access_log=None, handle_signals=False,
+                                   handler_cancellation=True, **RUNNER_OPTIONS)  # as node/main.py
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port = runner.addresses[0][1]
+            receive, answered = svc.receive, asyncio.Event()
+
+            async def hung_up_as_it_leased(*a, **kw):
+                got = await receive(*a, **kw)  # leased (the message is there: no wait)
+                client.shutdown(socket.SHUT_WR)  # the client hangs up
+                [conn] = runner.server.connections
+                deadline = loop.time() + 5
+                # one turn of the loop at a time: the node reads the hang-up and its
+                # transport closes; aiohttp's connection_lost (which cancels this
+                # handler) runs on the turn after, behind this task's next step
+                while not conn.transport.is_closing():
+                    assert loop.time() < deadline, "the node never read the hang-up"
+                    await asyncio.sleep(0)
+                answered.set()
+                return got
+
+            svc.receive = hung_up_as_it_leased
+            client = socket.create_connection(("127.0.0.1", port))
+            client.setblocking(False)
+            await loop.sock_sendall(client, b"POST /v1/queues/q/receive HTTP/1.1\r\nHost: x\r\n"
+                                            b"Authorization: Bearer k\r\nContent-Length: 0\r\n\r\n")
+            await asyncio.wait_for(answered.wait(), 10)  # (the handler's check ran with it)
+            assert metrics.receives.value == 1  # it did lease
+            svc.receive = receive
+            got = await svc.receive(admin, "q", 0)  # back at once
+            assert [(d.id, d.retry_count) for d in got] == [(mid, 0)]
+            assert metrics.expiries.value == 0
+        finally:
+            if client is not None:
+                client.close()
+            if runner is not None:
+                await runner.cleanup()
+            await eng.stop()
+
+    asyncio.run(main())
 
 
 def test_receipts_stay_within_their_bounds_and_count_exactly():
