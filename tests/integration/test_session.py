@@ -1,6 +1,7 @@
 """The Session stream (many requests on one gRPC stream) and the compact send form,
 against a real node, plus the SDK's behaviour when a session breaks or is missing."""
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -527,20 +528,8 @@ def test_a_receive_whose_answer_is_lost_gives_its_messages_back(tmp_path):
     """A receive call that ends cancelled (the caller's connection broke after the
     leases were granted, e.g. a forwarding replica cut off from the primary) gives
     the messages back at once, retry count unchanged: nobody received them."""
-    from node.api import grpc_api
-    from node.api.metrics import Metrics
-    from node.api.service import Principal, Service
-    from node.engine import Engine
-
     async def main():
-        eng = Engine(str(tmp_path / "n"))
-        await eng.start()
-        try:
-            svc = Service(eng, ["k"])
-            admin = Principal(admin=True)
-            await svc.put_queue(admin, "q", {})
-            [(mid, _, _)] = await svc.send(admin, [("q", b"m", 0.0, "")])
-            servicer = grpc_api.SpoolerServicer(svc, Metrics(eng))
+        async with _one_message(tmp_path) as (svc, admin, servicer, mid):
             ctx = _FakeContext("k")
             out = await servicer.ReceiveBatch(api_pb2.ReceiveRequest(queue="q", max_messages=5), ctx)
             assert [d.id for d in out.messages] == [mid]
@@ -549,10 +538,29 @@ def test_a_receive_whose_answer_is_lost_gives_its_messages_back(tmp_path):
                 cb(ctx)
             [d] = await svc.receive(admin, "q", 0)  # back at once
             assert (d.id, d.retry_count) == (mid, 0)
-        finally:
-            await eng.stop()
 
     asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def _one_message(tmp_path):
+    """A started engine whose queue ``q`` holds one message, and a servicer on it:
+    yields (Service, an admin principal, SpoolerServicer, the message's id)."""
+    from node.api import grpc_api
+    from node.api.metrics import Metrics
+    from node.api.service import Principal, Service
+    from node.engine import Engine
+
+    eng = Engine(str(tmp_path / "n"))
+    await eng.start()
+    try:
+        svc = Service(eng, ["k"])
+        admin = Principal(admin=True)
+        await svc.put_queue(admin, "q", {})
+        [(mid, _, _)] = await svc.send(admin, [("q", b"m", 0.0, "")])
+        yield svc, admin, grpc_api.SpoolerServicer(svc, Metrics(eng)), mid
+    finally:
+        await eng.stop()
 
 
 class _SessionContextNeverWriting:
@@ -589,20 +597,8 @@ def test_a_session_that_ends_with_a_receive_answer_unwritten_gives_its_messages_
     at once, retry count unchanged: nobody got the messages. Without it they
     stay leased until the lease times out, and that counts a retry. (The test
     above is the unary ReceiveBatch's cancel path, not the Session's.)"""
-    from node.api import grpc_api
-    from node.api.metrics import Metrics
-    from node.api.service import Principal, Service
-    from node.engine import Engine
-
     async def main():
-        eng = Engine(str(tmp_path / "n"))
-        await eng.start()
-        try:
-            svc = Service(eng, ["k"])
-            admin = Principal(admin=True)
-            await svc.put_queue(admin, "q", {})
-            [(mid, _, _)] = await svc.send(admin, [("q", b"m", 0.0, "")])
-            servicer = grpc_api.SpoolerServicer(svc, Metrics(eng))
+        async with _one_message(tmp_path) as (svc, admin, servicer, mid):
             ctx = _SessionContextNeverWriting("k", [api_pb2.SessionRequest(
                 id=1, receive=api_pb2.ReceiveRequest(queue="q", max_messages=5))])
             stream = asyncio.ensure_future(servicer.Session(None, ctx))
@@ -615,8 +611,6 @@ def test_a_session_that_ends_with_a_receive_answer_unwritten_gives_its_messages_
                 await stream
             got = await svc.receive(admin, "q", 0)  # back at once (the lease runs 30 s)
             assert [(d.id, d.retry_count) for d in got] == [(mid, 0)]
-        finally:
-            await eng.stop()
 
     asyncio.run(main())
 
