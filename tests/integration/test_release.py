@@ -458,6 +458,7 @@ def test_receipts_stay_within_their_bounds_and_count_exactly():
     svc.give_back = lambda tokens, auth=None: len(tokens)
     p = Principal(admin=True, auth="Bearer k")
     rng = random.Random(7)
+    most_names = most_tokens = 0  # the largest held at once: the bounds are reached, not undercut
     for i in range(3000):
         clock["us"] += rng.randrange(0, 20_000)
         name = f"n{rng.randrange(400)}"
@@ -469,17 +470,19 @@ def test_receipts_stay_within_their_bounds_and_count_exactly():
         held = sum(len(t or ()) for t, _ in svc._receipts.values())
         assert svc._receipt_tokens == held
         assert len(svc._receipts) <= lim.receipts_max and held <= lim.receipt_tokens_max
+        most_names, most_tokens = max(most_names, len(svc._receipts)), max(most_tokens, held)
         ages = [clock["us"] - at for _, at in svc._receipts.values()]
         assert max(ages) <= 5_000_000
         assert ages == sorted(ages, reverse=True)  # oldest first, so trimming drops the oldest
+    assert most_names == lim.receipts_max and most_tokens > lim.receipt_tokens_max - 8  # (a receipt holds < 9)
     # the age bound on its own (the steps above are too short for it to bind before
-    # the counts do): a receive older than the age is forgotten, releasing it gives
-    # nothing back, and one younger is still released
+    # the counts do): a receive older than the age, by a microsecond, is forgotten,
+    # releasing it gives nothing back, and one as old as the age is still released
     clock["us"] += 10_000_000
     svc._note_receipt([(svc._caller(p), "q", "old")], [SimpleNamespace(token="t-old")])
-    clock["us"] += 4_000_000
+    clock["us"] += 1
     svc._note_receipt([(svc._caller(p), "q", "young")], [SimpleNamespace(token="t-young")])
-    clock["us"] += 2_000_000  # "old" is 6 s old, "young" 2 s
+    clock["us"] += 5_000_000  # "old" is 5 s and 1 us old, "young" exactly 5 s
     svc._note_receipt([(svc._caller(p), "q", "now")], [SimpleNamespace(token="t-now")])
     assert asyncio.run(svc.release_receive(p, "q", "old")) == 0
     assert asyncio.run(svc.release_receive(p, "q", "young")) == 1
@@ -683,7 +686,7 @@ def test_a_release_the_forwarder_cannot_call_in_rides_on_its_replication_acks(tm
         c.proxy.heal()
 
 
-def test_releases_ride_on_acks_bounded_and_each_is_done_once():
+def test_releases_ride_on_acks_bounded_and_each_is_done_once(monkeypatch):
     """A replica puts at most RELEASES_PER_ACK pending releases on one ack and each at most
     every RELEASE_RESEND_S; the primary acts on a repeated one only once."""
     from types import SimpleNamespace
@@ -695,12 +698,19 @@ def test_releases_ride_on_acks_bounded_and_each_is_done_once():
     pending = {("p:1", "q", f"n{i}"): ["Bearer k", float("-inf")] for i in range(D.RELEASES_PER_ACK + 6)}
     pending[("other:2", "q", "x")] = ["Bearer k", float("-inf")]  # meant for another primary
     fake = SimpleNamespace(engine=SimpleNamespace(pending_releases=pending), addresses={"n1": "p:1"})
+    clock = [1000.0]
+    monkeypatch.setattr(D.time, "monotonic", lambda: clock[0])
     first = D.Driver._pending_releases(fake, "n1")
     second = D.Driver._pending_releases(fake, "n1")
     assert len(first) == D.RELEASES_PER_ACK and len(second) == 6
     assert not {r.receive_id for r in first} & {r.receive_id for r in second}
     assert D.Driver._pending_releases(fake, "n1") == []  # all sent within RELEASE_RESEND_S
     assert all(r.receive_id != "x" for r in first + second)
+    clock[0] += 0.2  # (DESIGN.md: each pending release at most every 250 ms)
+    assert D.Driver._pending_releases(fake, "n1") == []  # not yet again
+    clock[0] += 0.1
+    again = D.Driver._pending_releases(fake, "n1") + D.Driver._pending_releases(fake, "n1")
+    assert {r.receive_id for r in again} == {r.receive_id for r in first + second}  # each sent again
 
     engine = SimpleNamespace(limits=Limits(), tls=None, cluster=True, role="primary", node_id="n1",
                              pending_releases={}, repl=SimpleNamespace(addresses={"n1": ""}))
@@ -710,3 +720,8 @@ def test_releases_ride_on_acks_bounded_and_each_is_done_once():
     svc._release_from_peer(first[:3] + first[:3])
     svc._release_from_peer(first[:3])
     assert done == [r.receive_id for r in first[:3]]
+    # what it remembers to do each once is bounded (the oldest forgotten first)
+    many = [D.pb.PendingRelease(queue="q", receive_id=f"m{i}", authorization="Bearer k") for i in range(5000)]
+    svc._release_from_peer(many)
+    assert len(svc._peer_releases) == 4096
+    assert ("q", "m4999", "Bearer k") in svc._peer_releases and ("q", "m0", "Bearer k") not in svc._peer_releases
