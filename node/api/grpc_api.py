@@ -601,13 +601,6 @@ GRPC_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
-    # Calls that arrived but that the Python server has not picked up yet wait in
-    # gRPC core's queue, which past 1,000 of them (its default) cancels a share of
-    # new calls and past 3,000 every one, before any handler runs: a burst of
-    # 3,000 unary long polls lost about 500 as CANCELLED. Room for a burst of the
-    # node's whole call budget (maximum_concurrent_rpcs, 10,000) and more.
-    ("grpc.server.max_pending_requests", 20_000),
-    ("grpc.server.max_pending_requests_hard_limit", 40_000),
 ]
 
 
@@ -647,9 +640,18 @@ HANDSHAKE_TIMEOUT_S_MIN, HANDSHAKE_TIMEOUT_S_MAX = 0.1, 3600.0
 def server_options(max_connections: int = CONNECTIONS_MAX_DEFAULT,
                    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S_DEFAULT) -> list:
     """The node's gRPC server arguments: GRPC_OPTIONS (shared with its channels to
-    peers) and the two bounds that only a server has."""
-    return GRPC_OPTIONS + [("grpc.max_allowed_incoming_connections", int(max_connections)),
-                           ("grpc.server_handshake_timeout_ms", max(1, round(handshake_timeout_s * 1000)))]
+    peers) and those only a server has."""
+    return GRPC_OPTIONS + [
+        ("grpc.max_allowed_incoming_connections", int(max_connections)),
+        ("grpc.server_handshake_timeout_ms", max(1, round(handshake_timeout_s * 1000))),
+        # Calls that arrived but that the Python server has not picked up yet wait
+        # in gRPC core's queue, which past 1,000 of them (its default) cancels a
+        # share of new calls and past 3,000 every one, before any handler runs: a
+        # burst of 3,000 unary long polls lost about 500 as CANCELLED. Room for a
+        # burst of the node's whole call budget (maximum_concurrent_rpcs, 10,000) and more.
+        ("grpc.server.max_pending_requests", 20_000),
+        ("grpc.server.max_pending_requests_hard_limit", 40_000),
+    ]
 
 
 async def build_server(svc: Service, metrics, address: str, tls=None,

@@ -760,7 +760,7 @@ def test_a_burst_of_3000_unary_long_polls_is_served_not_cancelled(node):
     empty queue). gRPC core cancels calls waiting for the Python server past its
     pending-call limits (1,000 soft, 3,000 hard, by default), before any handler
     runs: about 500 of such a burst came back CANCELLED. With the node's limits
-    raised (grpc_api.GRPC_OPTIONS), every one is answered OK and empty."""
+    raised (grpc_api.server_options), every one is answered OK and empty."""
     from collections import Counter
 
     async def burst():
