@@ -140,6 +140,15 @@ def _into_future(fut: asyncio.Future, _reply, result, error) -> None:
         fut.set_result(result)
 
 
+# Why apply refused a send's entry (Core._apply_send), by error kind; nothing of
+# the entry was stored
+_REFUSED_AT_APPLY = {
+    "queue_not_found": "queue was deleted while the send was committed",
+    "unavailable": "the dedup key's window ended while this repeat was committed: nothing was stored, "
+                   "send it again",
+}
+
+
 class Service:
     def __init__(self, engine: Engine, admin_keys: list):
         self.engine = engine
@@ -573,7 +582,7 @@ class Service:
                 room -= 1
             checked[queue] = room
             add(queue=queue, id=self._next_id(), body=body, delay_us=round(delay_s * US) if delay_s else 0,
-                dedup_key=key or "")
+                dedup_key=key or "", repeat=not stores)  # (a repeat is refused at apply if it would store)
         n -= repeats
         if n and not self._node_room(n):
             raise errors.Unavailable(f"the node holds its maximum of {lim.messages_max} messages, "
@@ -654,13 +663,13 @@ class Service:
         """A committed send's apply result (Core._apply_send's (entries, run)) ->
         [(id, duplicate, error)], the entries', then the run's (see ``send``)."""
         entries, run = applied
-        out = [("", False, errors.make(d, "queue was deleted while the send was committed")) if mid is None
-               else (mid, d, None) for mid, d in entries]
+        out = [("", False, errors.make(d, _REFUSED_AT_APPLY[d])) if mid is None else (mid, d, None)
+               for mid, d in entries]
         if run is not None:
             if run.error is None:
                 out.extend([(mid, False, None) for mid in run.ids()])
             else:
-                out.extend([("", False, errors.make(run.error, "queue was deleted while the send was committed"))
+                out.extend([("", False, errors.make(run.error, _REFUSED_AT_APPLY[run.error]))
                             for _ in range(run.n)])
         return out
 

@@ -318,7 +318,8 @@ class Core:
 
     def _apply_send(self, op, ts):
         """-> (entries, run). entries: per entry (id, duplicate) or (None, error
-        kind); run: None (the record has no run) or a ``Run``."""
+        kind: ``queue_not_found``, or ``unavailable`` for a repeat whose key was
+        forgotten before it applied); run: None (the record has no run) or a ``Run``."""
         out = []
         queues = self.queues
         for e in op.entries:
@@ -330,11 +331,16 @@ class Core:
             key = e.dedup_key
             if key:
                 window = q.settings["dedup_window_us"]
+                hit = q.dedup.get(key) if window > 0 else None  # (apply ended every key whose window is over)
+                if hit is not None and ts < hit[1]:
+                    out.append((hit[0], True))
+                    continue
+                if e.repeat:
+                    # the primary let it in as a repeat, at no cap's cost; stored now,
+                    # it could pass the queue's, the node's or the keys' cap
+                    out.append((None, "unavailable"))
+                    continue
                 if window > 0:
-                    hit = q.dedup.get(key)  # (apply ended every key whose window is over)
-                    if hit is not None and ts < hit[1]:
-                        out.append((hit[0], True))
-                        continue
                     if hit is None:
                         self.dedup_n += 1
                     q.dedup[key] = (mid, ts + window)

@@ -53,18 +53,20 @@ class QueueDelete(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class SendEntry(_message.Message):
-    __slots__ = ("queue", "id", "body", "delay_us", "dedup_key")
+    __slots__ = ("queue", "id", "body", "delay_us", "dedup_key", "repeat")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     BODY_FIELD_NUMBER: _ClassVar[int]
     DELAY_US_FIELD_NUMBER: _ClassVar[int]
     DEDUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_FIELD_NUMBER: _ClassVar[int]
     queue: str
     id: str
     body: bytes
     delay_us: int
     dedup_key: str
-    def __init__(self, queue: _Optional[str] = ..., id: _Optional[str] = ..., body: _Optional[bytes] = ..., delay_us: _Optional[int] = ..., dedup_key: _Optional[str] = ...) -> None: ...
+    repeat: bool
+    def __init__(self, queue: _Optional[str] = ..., id: _Optional[str] = ..., body: _Optional[bytes] = ..., delay_us: _Optional[int] = ..., dedup_key: _Optional[str] = ..., repeat: _Optional[bool] = ...) -> None: ...
 
 class Send(_message.Message):
     __slots__ = ("entries", "run_queue", "run_id_prefix", "run_id_first", "run_delay_us", "run_bodies")

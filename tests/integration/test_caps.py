@@ -533,3 +533,35 @@ def test_a_resend_of_a_remembered_key_is_answered_at_every_cap(tmp_path):
             assert await svc.send(ADMIN, [("q", b"a", 0.0, "k1")]) == [(first, True, None)]
             assert eng.core.messages_held() == 2
     asyncio.run(main())
+
+
+def test_a_repeat_whose_key_is_forgotten_before_it_applies_stores_nothing(tmp_path):
+    """A repeat is let in at no cap's cost because its key is remembered when it is
+    checked. If the key's window ends before the record's time (the clock moves
+    between the check and the commit), apply refuses the entry (``unavailable``,
+    nothing stored) instead of storing it past the queue's cap; sent again, it
+    meets the cap like any new message."""
+    clock = [1_800_000_000_000_000]
+    window_us = 10 * spool.US
+
+    async def main():
+        eng = Engine(str(tmp_path / "n"), limits=Limits(messages_per_queue_max=1), clock_us=lambda: clock[0])
+        await eng.start()
+        try:
+            svc = Service(eng, ["k"])
+            await svc.put_queue(ADMIN, "q", {"dedupWindowSeconds": window_us // spool.US})
+            await svc.send(ADMIN, [("q", b"a", 0.0, "k1")])  # q at its cap
+            sent_at = eng.last_ts
+            clock[0] = sent_at + window_us - 1  # checked: the key is remembered
+            fut = svc.send_begin(ADMIN, [("q", b"a", 0.0, "k1")])
+            clock[0] = sent_at + window_us + 1  # stamped: its window is over
+            [(mid, dup, err)] = Service.send_results(await fut)
+            assert (mid, dup) == ("", False) and isinstance(err, errors.Unavailable), (mid, dup, err)
+            assert eng.core.queues["q"].size == 1 and eng.core.messages_held() == 1
+            assert eng.core.dedup_n == 0  # no key was made anew either
+            with pytest.raises(errors.Unavailable) as e:
+                await svc.send(ADMIN, [("q", b"a", 0.0, "k1")])
+            assert e.value.reason == errors.QUEUE_FULL
+        finally:
+            await eng.stop()
+    asyncio.run(main())

@@ -32,10 +32,11 @@ class Log:
     def queue(self, name, at=0, **settings):
         return self.commit(log_pb2.Record(queue_put=log_pb2.QueuePut(name=name, settings=log_pb2.QueueSettings(**settings))), at)
 
-    def send(self, queue, body=b"m", at=0, delay=0, key=""):
+    def send(self, queue, body=b"m", at=0, delay=0, key="", repeat=False):
         self.ids += 1
         rec = log_pb2.Record()
-        rec.send.entries.add(queue=queue, id=f"m{self.ids}", body=body, delay_us=delay, dedup_key=key)
+        rec.send.entries.add(queue=queue, id=f"m{self.ids}", body=body, delay_us=delay, dedup_key=key,
+                             repeat=repeat)
         entries, run = self.commit(rec, at)
         assert run is None  # a record without a run
         return entries[0]
@@ -482,6 +483,23 @@ def test_dedup_window(log):
     assert log.core.stats("q", 9 * S)["sentTotal"] == 1
     b = log.send("q", at=10 * S, key="k")  # window over: a new message
     assert b[1] is False and b[0] != a[0]
+
+
+def test_a_repeat_applies_only_as_a_repeat(log):
+    """An entry the primary let in as a repeat (``repeat``) is a duplicate while its
+    key is remembered; once the key's window is over, or the queue's window was
+    turned off, it stores nothing and is refused ``unavailable``: a new message
+    here would pass the caps it was never counted against."""
+    log.queue("q", dedup_window_us=10 * S)
+    a = log.send("q", at=0, key="k")
+    assert log.send("q", at=9 * S, key="k", repeat=True) == (a[0], True)
+    assert log.send("q", at=10 * S, key="k", repeat=True) == (None, "unavailable")
+    assert log.core.stats("q", 10 * S)["sentTotal"] == 1 and log.core.dedup_n == 0
+    b = log.send("q", at=10 * S, key="k")  # the same key sent anew: a new message
+    assert b[1] is False and b[0] != a[0]
+    log.queue("q", at=11 * S, dedup_window_us=0)
+    assert log.send("q", at=12 * S, key="k", repeat=True) == (None, "unavailable")
+    assert log.core.stats("q", 12 * S)["sentTotal"] == 2
 
 
 def test_dedup_keys_are_forgotten_when_their_window_ends_whatever_record_comes_next(log):
