@@ -43,8 +43,10 @@ def _script(outcomes):
 SEND_CASES = [
     ("unavailable", "", 0, 2, errors.OperationUnconfirmed),   # no key: the unconfirmed second attempt is final
     ("unavailable", "k", 0, 2, errors.OperationUnconfirmed),  # a key, but the queue does not deduplicate
+    ("unavailable", "", 60, 2, errors.OperationUnconfirmed),  # a deduplicating queue, but no key to find
     ("unavailable", "k", 60, 3, SendResult),                  # a key on a deduplicating queue: resent, harmless
     ("unconfirmed", "", 0, 1, errors.OperationUnconfirmed),
+    ("unconfirmed", "", 60, 1, errors.OperationUnconfirmed),
     ("unconfirmed", "k", 0, 1, errors.OperationUnconfirmed),
     ("unconfirmed", "k", 60, 2, SendResult),
     # the window (10 s) is shorter than a resend may take to be recorded (the 30 s
