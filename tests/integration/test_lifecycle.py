@@ -219,3 +219,32 @@ def test_a_checkpoint_under_way_when_the_node_stops_is_written(tmp_path, busy):
     restart the queue and its five answered messages were gone."""
     got = asyncio.run(_stop_with_the_writer_busy(str(tmp_path / "n"), busy))
     assert got is not None and got["visible"] == 5, got
+
+
+def test_a_background_task_that_dies_stops_the_node(tmp_path):
+    """A background task that dies (here the lease timer, on a broken invariant)
+    stops the node (S8): it is told to exit (on_fatal, exit code 70 in a process),
+    stops serving and refuses writes, instead of running on without the task."""
+    async def main():
+        e = Engine(str(tmp_path / "n"))
+        await e.start()
+        stopped = []
+        e.on_fatal = stopped.append
+        try:
+            svc = Service(e, [ADMIN_KEY])
+            await svc.put_queue(ADMIN, "q", {})
+
+            def broken(*args, **kw):
+                raise RuntimeError("a broken invariant")
+            e.core.due_expiries = broken  # the lease timer's next tick (20 ms) raises
+            deadline = time.monotonic() + 5
+            while not stopped and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert [str(x) for x in stopped] == ["a broken invariant"], "the node did not stop"
+            assert e.failed is stopped[0] and not e.ready and not e.serving()
+            with pytest.raises(errors.Unavailable):
+                await svc.send(ADMIN, [("q", b"after", 0.0, "")])
+        finally:
+            await e.stop()
+
+    asyncio.run(main())
