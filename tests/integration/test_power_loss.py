@@ -122,6 +122,44 @@ def test_fsync_error_stops_the_node_and_confirms_nothing(tmp_path):
     assert ok in seen  # it rejoins with what it had confirmed
 
 
+def test_an_fsync_error_answers_the_writes_queued_behind_it_unavailable(tmp_path):
+    """The batch whose fsync failed is answered ``operation_unconfirmed`` (it may be
+    on disk); the writes queued behind it ``unavailable`` (never written), at once:
+    none is left waiting for an answer that would never come."""
+    async def main():
+        vfs = LossyVFS(f"lossy{next(_names)}")
+        eng = Engine(str(tmp_path / "n"), vfs=vfs.name, checkpoint_interval_s=3600)
+        eng.inline_commit_records_max = 0  # the loop keeps running while the fsync is held
+        stopped = []
+        eng.on_fatal = stopped.append
+        await eng.start()
+        svc = Service(eng, ["k"])
+        await svc.put_queue(ADMIN, "q", {})
+        await eng.store_io(lambda: None)  # the writer is idle: the held fsync is the first send's
+        vfs.sync_gate.clear()
+        vfs.sync_waiting.clear()
+        first = asyncio.ensure_future(svc.send(ADMIN, [("q", b"in flight", 0.0, "")]))
+        assert await asyncio.to_thread(vfs.sync_waiting.wait, 10)  # its fsync has begun
+        queued = [asyncio.ensure_future(svc.send(ADMIN, [("q", b"queued %d" % i, 0.0, "")])) for i in range(3)]
+        deadline = asyncio.get_running_loop().time() + 5
+        while len(eng._pending) < 3 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.005)
+        assert len(eng._pending) == 3, "the sends did not queue behind the held fsync"
+        syncs = vfs.syncs
+        vfs.fail_syncs = 1
+        vfs.sync_gate.set()
+        done, _ = await asyncio.wait([first, *queued], timeout=5)
+        assert len(done) == 4, "a write was left without an answer"
+        assert type(first.exception()) is errors.OperationUnconfirmed
+        assert [type(f.exception()) for f in queued] == [errors.Unavailable] * 3
+        assert stopped and not eng.ready
+        assert vfs.syncs == syncs + 1  # nothing of the queued writes was written
+        abandon(eng)
+        vfs.unregister()
+
+    asyncio.run(main())
+
+
 def test_a_send_is_invisible_until_it_is_durable(tmp_path):
     """Apply happens after fsync: while a send's fsync is pending, no consumer can
     receive it (so a consumer never sees a message that power loss could erase)."""
