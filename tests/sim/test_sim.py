@@ -741,6 +741,32 @@ def test_a_joining_replica_ignores_a_switchovers_timeout_now():
             assert votes and c.epoch == 2, (c.role, c.epoch)
 
 
+def test_a_joining_replica_grants_no_vote_and_never_campaigns():
+    """R1a: a replacement still joining grants no vote, also one asked without a
+    pre-vote (a switchover's target asks so), and never campaigns, however long it
+    hears no primary; once joined, it does both. (Added when an audit found that
+    removing either check failed no test named in R1a: the pre-vote's own
+    refusal hid them.)"""
+    T = 1_000_000
+    for joining in (True, False):
+        c = R.Replication("n3", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
+        c.joining = joining
+        c.start(0)
+        out = c.receive(R.VoteReq(1, "n2", 0, 0, transfer=True), 10 * T)
+        [resp] = [e.msg for e in out if isinstance(e, R.Send) and isinstance(e.msg, R.VoteResp)]
+        assert resp.granted is not joining and (c.voted_for == "n2") is not joining, (joining, resp)
+
+        c = R.Replication("n3", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
+        c.joining = joining
+        c.start(0)
+        asks = [e.msg for now in range(T, 20 * T, T // 10) for e in c.tick(now)
+                if isinstance(e, R.Send) and isinstance(e.msg, R.VoteReq)]
+        if joining:
+            assert asks == [] and c.role == R.REPLICA and c.epoch == 0, (asks[:1], c.role, c.epoch)
+        else:
+            assert asks, "the control never campaigned: the setup shows nothing"
+
+
 def test_a_joining_replica_says_so_in_its_answers_until_it_has_joined():
     """The answers carry the joining state the primary decides switchovers on; the
     answer that follows the join says "not joining" and leaves after Joined."""
