@@ -26,6 +26,27 @@ def test_five_nodes(block):
         run_seed(seed, nodes=5)
 
 
+def test_a_record_of_an_older_epoch_commits_only_with_one_of_the_primarys_own():
+    """R1 (raft's rule): a majority holding a record of an earlier epoch does not
+    commit it; a later candidate holding a record of a later epoch could still be
+    elected without it, and truncate it. It commits with the primary's first
+    record of its own epoch, once a majority holds that. (Random runs never hit
+    this: the EpochBegin every new primary writes first makes the window narrow;
+    added when an audit found that removing the rule failed no test.)"""
+    T = 2_000_000
+    now = 10 * T
+    c = R.Replication("n1", ["n1", "n2", "n3"], T, rand=lambda: 0.5)
+    c.started = True
+    c.role, c.epoch, c.primary = R.PRIMARY, 3, "n1"
+    c.log = R.LogView(0, 0, 0, [(1, 11), (2, 12), (3, 13)])  # lsn 3: this primary's EpochBegin
+    c.durable_lsn, c.commit_lsn = 3, 1
+    c.acked_sent = {"n2": now, "n3": now}
+    out = c.receive(R.AppendResp(3, "n2", True, 2, now), now)  # n1 and n2 hold lsn 2 (epoch 2)
+    assert [e for e in out if isinstance(e, R.Commit)] == [] and c.commit_lsn == 1
+    out = c.receive(R.AppendResp(3, "n2", True, 3, now), now)  # and now lsn 3 (epoch 3)
+    assert [e.lsn for e in out if isinstance(e, R.Commit)] == [3] and c.commit_lsn == 3
+
+
 @pytest.mark.parametrize("block", range(4))
 def test_three_nodes_with_mixed_failover_timeouts(block):
     """The random runs again, every node with its own --failover-timeout (200, 400
