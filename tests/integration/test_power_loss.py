@@ -104,8 +104,8 @@ def test_fsync_error_stops_the_node_and_confirms_nothing(tmp_path):
         await eng.store_io(lambda: None)  # the writer is idle: the next fsync is the send's
         vfs.fail_syncs = 1  # only that one fails: a retry would succeed, and must not happen
         syncs = vfs.syncs
-        with pytest.raises(errors.OperationUnconfirmed):
-            await svc.send(ADMIN, [("q", b"during", 0.0, "")])
+        with pytest.raises(errors.OperationUnconfirmed):  # answered, and soon: a send left unanswered fails here
+            await asyncio.wait_for(svc.send(ADMIN, [("q", b"during", 0.0, "")]), 10)
         assert stopped and not eng.ready
         assert vfs.syncs == syncs + 1, "the failed fsync was tried again"
         with pytest.raises(errors.Unavailable):  # never confirms anything after

@@ -30,9 +30,9 @@ def test_a_record_of_an_older_epoch_commits_only_with_one_of_the_primarys_own():
     """R1 (raft's rule): a majority holding a record of an earlier epoch does not
     commit it; a later candidate holding a record of a later epoch could still be
     elected without it, and truncate it. It commits with the primary's first
-    record of its own epoch, once a majority holds that. (Random runs never hit
-    this: the EpochBegin every new primary writes first makes the window narrow;
-    added when an audit found that removing the rule failed no test.)"""
+    record of its own epoch, once a majority holds that. (Random runs rarely
+    reach this: the EpochBegin every new primary writes first makes the window
+    narrow.)"""
     T = 2_000_000
     now = 10 * T
     c = R.Replication("n1", ["n1", "n2", "n3"], T, rand=lambda: 0.5)
@@ -765,9 +765,8 @@ def test_a_joining_replica_ignores_a_switchovers_timeout_now():
 def test_a_joining_replica_grants_no_vote_and_never_campaigns():
     """R1a: a replacement still joining grants no vote, also one asked without a
     pre-vote (a switchover's target asks so), and never campaigns, however long it
-    hears no primary; once joined, it does both. (Added when an audit found that
-    removing either check failed no test named in R1a: the pre-vote's own
-    refusal hid them.)"""
+    hears no primary; once joined, it does both. (The pre-vote's own refusal
+    would hide both checks in a test that asks with a pre-vote.)"""
     T = 1_000_000
     for joining in (True, False):
         c = R.Replication("n3", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
