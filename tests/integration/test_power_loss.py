@@ -193,10 +193,11 @@ def test_a_send_is_invisible_until_it_is_durable(tmp_path):
     asyncio.run(main())
 
 
-def test_a_settle_in_flight_fences_its_lease(tmp_path):
-    """While a nack's record waits for its fsync, its lease is fenced: a second nack
-    (or an ack) of the same token is refused as settled, so the message is counted
-    once and no second record is written (S2)."""
+@pytest.mark.parametrize("kind", ["nack", "ack"])
+def test_a_settle_in_flight_fences_its_lease(tmp_path, kind):
+    """While a nack's or an ack's record waits for its fsync, it is not answered and
+    its lease is fenced: a second nack or ack of the same token is refused as
+    settled, so the message is counted once and no second record is written (S2)."""
     async def main():
         vfs = LossyVFS(f"lossy{next(_names)}")
         eng = Engine(str(tmp_path / "n"), vfs=vfs.name, checkpoint_interval_s=3600)
@@ -209,19 +210,23 @@ def test_a_settle_in_flight_fences_its_lease(tmp_path):
         await eng.store_io(lambda: None)  # the writer is idle: the held fsync is the nack's
         vfs.sync_gate.clear()
         vfs.sync_waiting.clear()
-        first = asyncio.ensure_future(svc.nack(ADMIN, d.token))
-        assert await asyncio.to_thread(vfs.sync_waiting.wait, 10)  # the nack's fsync has begun
-        assert not first.done()
+        first = asyncio.ensure_future(getattr(svc, kind)(ADMIN, d.token))
+        assert await asyncio.to_thread(vfs.sync_waiting.wait, 10)  # the settle's fsync has begun
+        assert not first.done(), "answered before its fsync"
         for again in (svc.nack, svc.ack):
             with pytest.raises(errors.StaleLease) as e:
                 await again(ADMIN, d.token)
             assert e.value.reason == "settled"
         vfs.sync_gate.set()
-        await first
-        [d2] = await svc.receive(ADMIN, "q", 0)
-        assert (d2.id, d2.retry_count) == (d.id, 1)
+        await asyncio.wait_for(first, 10)
         st = eng.core.stats("q", eng.now_us())
-        assert st["ackedTotal"] == 0 and st["nackedTotal"] == 1
+        if kind == "nack":
+            [d2] = await svc.receive(ADMIN, "q", 0)
+            assert (d2.id, d2.retry_count) == (d.id, 1)
+            assert st["ackedTotal"] == 0 and st["nackedTotal"] == 1
+        else:
+            assert await svc.receive(ADMIN, "q", 0) == []  # acked: it never comes back
+            assert st["ackedTotal"] == 1 and st["nackedTotal"] == 0
         abandon(eng)
         vfs.unregister()
 
