@@ -211,6 +211,52 @@ def test_timeout_escalates_to_sigkill_when_term_is_ignored(tmp_path):
         kill_group_of(res.pid, gpid)
 
 
+def test_a_timeout_gives_the_group_its_grace_to_act_on_sigterm(tmp_path):
+    """SIGTERM first, then up to the grace for the group to go before SIGKILL: a
+    command that cleans up on SIGTERM (0.3 s of it here) finishes its cleanup and
+    exits with its own code, instead of being SIGKILLed right after the TERM."""
+    import sys
+    ready, cleaned = tmp_path / "ready", tmp_path / "cleaned"
+    prog = ("import signal, sys, time\n"
+            "def term(*_):\n"
+            "    time.sleep(0.3)\n"
+            "    open(sys.argv[1], 'w').write('cleaned')\n"
+            "    sys.exit(3)\n"
+            "signal.signal(signal.SIGTERM, term)\n"
+            "open(sys.argv[2], 'w').write('ready')\n"
+            "time.sleep(300)\n")
+    # (1.5 s: the handler is set before the TERM, also when slow)
+    res = executor.run([sys.executable, "-c", prog, str(cleaned), str(ready)], str(tmp_path / "o"),
+                       str(tmp_path / "e"), timeout_s=1.5, grace_s=3.0)
+    try:
+        assert ready.exists(), "the command never set its SIGTERM handler"
+        assert res.reason == states.TIMEOUT
+        assert res.exit_code == 3, f"exit {res.exit_code}: not the command's own exit after its cleanup"
+        assert cleaned.read_text() == "cleaned"
+    finally:
+        kill_group_of(res.pid)
+
+
+def test_a_stop_the_worker_asks_for_kills_the_whole_group(tmp_path):
+    """The kill a worker makes when it stops a running attempt (its own shutdown, a
+    cancel seen at its heartbeat, a lost lease: ``should_stop``) is the timeout's:
+    the whole group, a grandchild included, not the command alone."""
+    gc = tmp_path / "gc.pid"
+    script = f"sleep 300 & echo $! > {gc}; sleep 300"
+
+    def should_stop():
+        return states.WORKER_STOPPED if gc.exists() and gc.read_text().strip() else None
+
+    res = executor.run(["sh", "-c", script], str(tmp_path / "o"), str(tmp_path / "e"), timeout_s=60,
+                       should_stop=should_stop)
+    gpid = int(gc.read_text())
+    try:
+        assert res.reason == states.WORKER_STOPPED
+        wait_until(lambda: pid_gone(gpid), 5.0, what="grandchild killed by the worker's stop")
+    finally:
+        kill_group_of(res.pid, gpid)
+
+
 def _exited(pid: int) -> bool:
     """Exited and not yet reaped (a zombie): it finished on its own."""
     try:
