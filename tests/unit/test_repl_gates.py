@@ -102,6 +102,26 @@ def test_once_loaded_the_same_vote_is_refused_for_what_the_store_says(tmp_path):
     e.store.close()
 
 
+def test_a_restart_reads_its_vote_back_and_votes_for_no_one_else_in_that_epoch(tmp_path):
+    """R2: the vote on disk is the vote after a restart. n3 voted for n1 in epoch 7;
+    loaded again, it refuses n2 in epoch 7 although n2's log is as long as its own
+    (in the control above n2's log is behind, which refuses it whatever the vote),
+    and its stored vote stays n1; n1 itself is granted that vote again."""
+    e = _voted(tmp_path)
+    d = _loaded(e)
+
+    async def vote(candidate):
+        return await ReplicationServicer(d).Vote(
+            pb.VoteRequest(epoch=7, candidate=candidate, last_epoch=7, last_lsn=1), Ctx())
+
+    r = asyncio.run(vote("n2"))
+    assert not r.granted, "a second vote in epoch 7: the stored vote was not read back"
+    assert d.core.voted_for == "n1" and e.store.get_meta("voted_for") == "n1"
+    assert asyncio.run(vote("n1")).granted   # the control: refused for the vote, not for the log
+    assert e.store.get_meta("voted_for") == "n1" and int(e.store.get_meta("repl_epoch")) == 7
+    e.store.close()
+
+
 def test_a_restart_stands_in_with_the_longest_lease_on_disk_not_its_own_timeout(tmp_path):
     """R2 (DESIGN, "Serving and leasing"): the longest lease this node acknowledged
     (``lease_seen_us``, written by test_cluster.py::test_replicas_persist_the_longest_
