@@ -479,6 +479,62 @@ def test_a_primary_serves_again_only_when_its_target_refuses_timeout_now(tmp_pat
     e.store.close()
 
 
+def test_a_primary_notes_an_acknowledgements_contact_when_it_reads_it_not_once_its_lock_is_free(tmp_path):
+    """R7, the primary's side: an acknowledgement read from a replica's stream
+    counts as that replica's contact (Replication.contact) at once, while the
+    replication lock is still held elsewhere (this node's own fsync of a large
+    commit, say), not only once the lock lets the rest of it through."""
+    e = Engine(str(tmp_path), node_id="n1", peers=PEERS)
+
+    class Call:
+        """The stream's answers: one acknowledgement, then nothing more."""
+
+        def __init__(self, ack):
+            self.acks = [ack]
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.acks:
+                return self.acks.pop(0)
+            await asyncio.Event().wait()   # (until the test cancels the reader)
+
+    class Stub:
+        def __init__(self, ack):
+            self.ack = ack
+
+        def Stream(self, frames, metadata=()):
+            return Call(self.ack)
+
+    async def main():
+        e.repl.load()
+        c = e.repl.core
+        c.start(mono_us())
+        now = mono_us()
+        c.role, c.epoch, c.primary = R.PRIMARY, 1, "n1"
+        c.acked_sent = {"n3": now}   # a majority heard just now: within its failover timeout
+        sent = now + 1
+        e.repl._stubs["n2"] = Stub(pb.AppendAck(epoch=1, sender="n2", ok=True, match_lsn=0, sent_us=sent))
+        loop = asyncio.get_running_loop()
+        async with e.repl.lock:   # held, as by a commit under way, all the while
+            reader = asyncio.create_task(e.repl._stream_to("n2", asyncio.Queue()))
+            deadline = loop.time() + 2.0
+            while c.acked_sent.get("n2") != sent and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            noted = c.acked_sent.get("n2")
+            reader.cancel()
+        try:
+            await reader
+        except asyncio.CancelledError:
+            pass
+        return noted, sent
+
+    noted, sent = asyncio.run(main())
+    assert noted == sent, "the acknowledgement's contact waited for the replication lock"
+    e.store.close()
+
+
 @pytest.mark.parametrize("rpc", ["Vote", "TimeoutNow"])
 def test_a_vote_or_takeover_cancelled_at_its_deadline_still_lands_its_persist(tmp_path, rpc):
     """R2. gRPC cancels a handler at its caller's deadline. A Vote or TimeoutNow
