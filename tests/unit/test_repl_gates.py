@@ -360,6 +360,40 @@ def test_a_switchover_under_way_stamps_no_more_records(tmp_path):
     e.store.close()
 
 
+def test_a_stop_whose_timeout_now_is_out_fails_what_waits_for_the_group_commit(tmp_path, monkeypatch):
+    """R5: a stopping primary whose target was sent TimeoutNow but has not taken
+    over when the handover's bound is up (Driver.hand_over) goes on with its stop,
+    and fails what still waits for the group commit ``unavailable`` at once (never
+    stamped, so known not stored: a client retries it on the new primary) rather
+    than leave it to the stop."""
+    from spooler import errors
+
+    e = Engine(str(tmp_path), node_id="n1", peers=PEERS)
+
+    async def told_but_silent(target, wait_s, give_up_if_lost=False):
+        c = e.repl.core   # TimeoutNow went out; the target has not taken over within the bound
+        c.transfer_to, c.transfer_started, c.transfer_sent = target, mono_us(), True
+
+    async def main():
+        e.repl.load()
+        c = e.repl.core
+        c.start(mono_us())
+        now = mono_us()
+        c.role, c.epoch, c.primary = R.PRIMARY, 1, "n1"
+        e.role = "primary"
+        c.acked_sent = {"n2": now, "n3": now}   # both heard just now: a target to hand over to
+        monkeypatch.setattr(e.repl, "switch_over", told_but_silent)
+        fut = asyncio.get_running_loop().create_future()
+        e._pending.append((log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id="n1")), fut))
+        return await e.repl.hand_over(), fut, c
+
+    got, fut, c = asyncio.run(main())
+    assert got is None and c.transfer_sent
+    assert fut.done() and isinstance(fut.exception(), errors.Unavailable), "a queued write left waiting"
+    assert not e._pending and e.store.last_position().lsn == 0
+    e.store.close()
+
+
 def test_a_stopping_node_refuses_to_take_over_and_ends_its_inbound_streams(tmp_path):
     """A node that is stopping: TimeoutNow is refused (FAILED_PRECONDITION, the
     one answer the primary takes as "it did not act": Replication.transfer_declined)
