@@ -179,3 +179,43 @@ def test_a_cancel_closes_the_attempt_it_canceled_not_a_later_one(tmp_path):
     assert job["state"] == states.RUNNING
     assert by_n[1]["finished_at"] is not None and by_n[1]["failure_reason"] == states.CANCELED_REASON
     assert by_n[2]["finished_at"] is None and by_n[2]["failure_reason"] is None
+
+
+def test_a_claim_is_on_disk_when_claim_next_returns(tmp_path):
+    """J1: the claim's transaction is fsync'd at its commit (WAL, synchronous=FULL):
+    the WAL is synced before claim_next returns, so a power loss cannot forget a
+    claim whose command may already run. (With synchronous=NORMAL a WAL commit is
+    synced only at a later checkpoint.) Sync calls are counted by a VFS that
+    passes everything on to SQLite's own."""
+    synced = []
+
+    class File(apsw.VFSFile):
+        def __init__(self, base, name, flags):
+            self.path = name.filename() if isinstance(name, apsw.URIFilename) else (name or "")
+            super().__init__(base, name, flags)
+
+        def xSync(self, flags):
+            synced.append(self.path)
+            return super().xSync(flags)
+
+    class Counting(apsw.VFS):
+        def __init__(self):
+            super().__init__("spoolctl-test-count-syncs", "unix", makedefault=True)
+
+        def xOpen(self, name, flags):
+            return File("unix", name, flags)
+
+    vfs = Counting()
+    try:
+        path = str(tmp_path / "spool")
+        s = Store(path)
+        try:
+            job_id, _ = s.submit(["true"])
+            synced.clear()
+            claim = s.claim_next(WorkerIdentity.current(5.0))
+            assert claim is not None and claim.job_id == job_id
+            assert any(p.endswith("-wal") for p in synced), f"the claim's commit synced nothing: {synced}"
+        finally:
+            s.close()
+    finally:
+        vfs.unregister()
