@@ -567,3 +567,36 @@ def test_a_renewal_that_fails_oddly_stops_the_worker_instead_of_leaving_its_leas
     summary = done[0]
     assert fake.renews >= 1 and any("renewing leases" in e and "ValueError" in e for e in summary["errors"]), summary
     assert summary["stopped"] == 1 and fake.settled == ["nack"], (summary, fake.settled)
+
+
+def test_a_job_moved_to_the_failure_queue_is_acked_only_once_it_is_there(tmp_path):
+    """J9, "send there, then ack": a send to the failure queue that fails leaves
+    the job's own message unacked (its lease expires and the queue delivers it
+    again), never acked with no copy in the failure queue; a send that succeeds
+    is followed by the ack. (The end-to-end tests see the same end state in
+    either order.)"""
+    from spooler import errors
+    from spooler.http import Delivery
+    from spooler.jobs import knobs
+
+    class Client:
+        def __init__(self, send_fails: bool):
+            self.calls, self.send_fails = [], send_fails
+
+        def send(self, queue, data, dedup_key=None):
+            self.calls.append(("send", queue))
+            if self.send_fails:
+                raise errors.Unavailable("the server went away")
+
+        def ack(self, token):
+            self.calls.append(("ack", token))
+
+    w = remote.RemoteWorker(lambda: None, "q", str(tmp_path / "spool"), knobs.Settings())
+    d = Delivery("m1", b"{}", "tok", 2, "2099-01-01T00:00:00Z", "q")
+    ok = Client(send_fails=False)
+    w._bury(ok, d, {"command": ["false"]})
+    assert ok.calls == [("send", "q.failed"), ("ack", "tok")]
+    failing = Client(send_fails=True)
+    with pytest.raises(errors.Unavailable):
+        w._bury(failing, d, {"command": ["false"]})
+    assert failing.calls == [("send", "q.failed")], "acked although the job never reached the failure queue"
