@@ -316,6 +316,40 @@ def test_no_contact_acknowledgement_while_a_persist_is_on_its_way_to_disk():
     assert [a for a in after if a.contact], "the control: with nothing on its way to disk, contact is acknowledged"
 
 
+@pytest.mark.parametrize("asks", [True, False])
+def test_only_a_frame_that_asks_for_it_gets_a_contact_acknowledgement(asks):
+    """R7: a frame that waits behind a busy one is answered at once with a contact
+    acknowledgement only if it asks for one (``AppendFrame.contact_acks``, sent
+    from 0.4.11 on); a primary that does not ask gets only the frame's own
+    acknowledgement, in its turn. (True is the control.)"""
+    T = 1_000_000
+
+    class Eng(_BareEngine):
+        async def store_io(self, fn, *a, inline=False):
+            return fn(*a)
+
+    async def main():
+        d = _following_n1(Eng(), T, T)
+        busy = asyncio.Event()
+
+        async def frames():
+            yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=T, contact_acks=asks)
+            await asyncio.wait_for(busy.wait(), 10)   # read while the first one is being handled
+            yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=T, contact_acks=asks)
+        real = d._handle_frame
+
+        async def slow_handle(f):
+            busy.set()
+            await asyncio.sleep(0.3)
+            return await real(f)
+        d._handle_frame = slow_handle
+        return [a async for a in d.serve_stream(frames(), None)]
+
+    acks = asyncio.run(main())
+    assert len([a for a in acks if not a.contact]) == 2   # each frame's own, in its turn
+    assert len([a for a in acks if a.contact]) == (1 if asks else 0), acks
+
+
 def test_a_switchover_under_way_stamps_no_more_records(tmp_path):
     """A record that waits for the group commit once a switchover's TimeoutNow is
     out is not stamped: the target was told to take over when it held every stamped
