@@ -291,29 +291,46 @@ def test_no_contact_acknowledgement_while_a_persist_is_on_its_way_to_disk():
 
         during = [a async for a in d.serve_stream(frames(), None)]
 
-        async def later():  # the control: the write has landed; a frame waiting behind a busy one
-            busy = asyncio.Event()
-
-            async def frames2():
-                yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=T, contact_acks=True)
-                await asyncio.wait_for(busy.wait(), 10)
-                yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=T, contact_acks=True)
-            real = d._handle_frame
-
-            async def slow_handle(f):
-                busy.set()
-                await asyncio.sleep(1.0)
-                return await real(f)
-            d._handle_frame = slow_handle
-            return [a async for a in d.serve_stream(frames2(), None)]
-
-        return during, seen, await later()
+        # the control: the write has landed; a frame waiting behind a busy one
+        return during, seen, await _behind_a_busy_frame(d, T, asks=True, busy_s=1.0)
 
     d = None
     during, seen, after = asyncio.run(main())
     assert seen == [(T, T // 2)], seen  # the scenario: memory ahead of the disk, the write on its way
     assert [a for a in during if a.contact] == [], "a contact acknowledgement promised a lease not yet saved"
     assert [a for a in after if a.contact], "the control: with nothing on its way to disk, contact is acknowledged"
+
+
+def _loaded_as_primary(e, heard: tuple):
+    """Engine ``e``'s replication, loaded and started, made primary of epoch 1 with
+    ``heard`` acknowledging it just now. -> its core."""
+    e.repl.load()
+    c = e.repl.core
+    c.start(mono_us())
+    now = mono_us()
+    c.role, c.epoch, c.primary = R.PRIMARY, 1, "n1"
+    e.role = "primary"
+    c.acked_sent = {n: now for n in heard}
+    return c
+
+
+async def _behind_a_busy_frame(d, lease_us: int, asks: bool, busy_s: float) -> list:
+    """Two frames on one stream to driver ``d``, the second read while the first is
+    being handled (for ``busy_s``); ``asks``: their ``contact_acks``. -> every answer."""
+    busy = asyncio.Event()
+
+    async def frames():
+        yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=lease_us, contact_acks=asks)
+        await asyncio.wait_for(busy.wait(), 10)   # read while the first one is being handled
+        yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=lease_us, contact_acks=asks)
+    real = d._handle_frame
+
+    async def slow_handle(f):
+        busy.set()
+        await asyncio.sleep(busy_s)
+        return await real(f)
+    d._handle_frame = slow_handle
+    return [a async for a in d.serve_stream(frames(), None)]
 
 
 @pytest.mark.parametrize("asks", [True, False])
@@ -329,21 +346,7 @@ def test_only_a_frame_that_asks_for_it_gets_a_contact_acknowledgement(asks):
             return fn(*a)
 
     async def main():
-        d = _following_n1(Eng(), T, T)
-        busy = asyncio.Event()
-
-        async def frames():
-            yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=T, contact_acks=asks)
-            await asyncio.wait_for(busy.wait(), 10)   # read while the first one is being handled
-            yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=T, contact_acks=asks)
-        real = d._handle_frame
-
-        async def slow_handle(f):
-            busy.set()
-            await asyncio.sleep(0.3)
-            return await real(f)
-        d._handle_frame = slow_handle
-        return [a async for a in d.serve_stream(frames(), None)]
+        return await _behind_a_busy_frame(_following_n1(Eng(), T, T), T, asks=asks, busy_s=0.3)
 
     acks = asyncio.run(main())
     assert len([a for a in acks if not a.contact]) == 2   # each frame's own, in its turn
@@ -409,13 +412,7 @@ def test_a_stop_whose_timeout_now_is_out_fails_what_waits_for_the_group_commit(t
         c.transfer_to, c.transfer_started, c.transfer_sent = target, mono_us(), True
 
     async def main():
-        e.repl.load()
-        c = e.repl.core
-        c.start(mono_us())
-        now = mono_us()
-        c.role, c.epoch, c.primary = R.PRIMARY, 1, "n1"
-        e.role = "primary"
-        c.acked_sent = {"n2": now, "n3": now}   # both heard just now: a target to hand over to
+        c = _loaded_as_primary(e, heard=("n2", "n3"))   # both heard just now: a target to hand over to
         monkeypatch.setattr(e.repl, "switch_over", told_but_silent)
         fut = asyncio.get_running_loop().create_future()
         e._pending.append((log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id="n1")), fut))
@@ -576,13 +573,8 @@ def test_a_primary_notes_an_acknowledgements_contact_when_it_reads_it_not_once_i
             return Call(self.ack)
 
     async def main():
-        e.repl.load()
-        c = e.repl.core
-        c.start(mono_us())
-        now = mono_us()
-        c.role, c.epoch, c.primary = R.PRIMARY, 1, "n1"
-        c.acked_sent = {"n3": now}   # a majority heard just now: within its failover timeout
-        sent = now + 1
+        c = _loaded_as_primary(e, heard=("n3",))   # a majority heard just now: within its failover timeout
+        sent = c.acked_sent["n3"] + 1
         e.repl._stubs["n2"] = Stub(pb.AppendAck(epoch=1, sender="n2", ok=True, match_lsn=0, sent_us=sent))
         loop = asyncio.get_running_loop()
         async with e.repl.lock:   # held, as by a commit under way, all the while
