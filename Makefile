@@ -25,8 +25,9 @@ run: $(STAMP)
 cluster: $(STAMP)
 	$(BIN)/python -m node.devcluster
 
+# --durations: the slowest tests, for keeping the suite inside its time budget
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # The fast tier: no node process (the core, the simulation, the SDK against fakes,
 # the job runner on its own), about 2 minutes.
