@@ -464,3 +464,29 @@ def test_plain_list_and_status_show_each_command_on_one_line_as_bash_reads_it(sp
     assert argv == [b"printf", b"%s", b"two\nlines", b"it's\t", "next\u2028line".encode()]
     status = spool.run("status", a).stdout.decode()
     assert "  command:     printf %s $'two\\nlines' $'it\\'s\\t' $'next\\u2028line'\n" in status
+
+
+def test_plain_status_of_an_attempt_without_an_exit_code_says_so_in_words_not_none():
+    """An attempt that ended with no exit code (cancelled, crashed, never started)
+    reads `exit -` in plain `status`, not Python's `None`."""
+    from spooler.cli.jobs import _job_text
+    attempt = {"n": 1, "exit_code": None, "failure_reason": "canceled", "started_at": 0.0, "host": "h",
+               "stdout": "o", "stderr": "e"}
+    job = {"id": "j1", "state": "canceled", "priority": 0, "command": ["sleep", "9"], "cwd": "/",
+           "failure_reason": "canceled", "run_after": None, "worker": None, "attempts": [attempt],
+           "crash_count": 0, "failure_count": 0, "max_retries": 3, "max_crashes": None, "timeout_s": None,
+           "submitted_at": 0.0, "key": None}
+    text = _job_text(job)
+    assert "attempt 1: exit - canceled" in text and "None" not in text.split("attempt 1:")[1].split("\n")[0]
+    done = _job_text({**job, "attempts": [{**attempt, "exit_code": 3, "failure_reason": "nonzero_exit"}]})
+    assert "attempt 1: exit 3 nonzero_exit" in done
+
+
+def test_a_forced_retry_of_a_running_job_says_what_was_refused():
+    from spooler.jobs import states
+    with pytest.raises(states.JobStateConflict) as e:
+        states.transition(states.RUNNING, "retry_force")
+    assert str(e.value) == "cannot retry, even with --force, a job that is running"
+    with pytest.raises(states.JobStateConflict) as e:
+        states.transition(states.DEAD, "retry")
+    assert str(e.value) == "cannot retry a job that is dead (use --force)"

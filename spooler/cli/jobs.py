@@ -90,7 +90,8 @@ def _job_text(job: dict) -> str:
         w = job["worker"]
         lines.append(f"  worker:      {w['id']} (heartbeat {_fmt_time(w['heartbeat_at'])})")
     for a in job["attempts"]:
-        lines.append(f"  attempt {a['n']}: exit {a['exit_code']} {a['failure_reason'] or ''}"
+        code = "-" if a["exit_code"] is None else a["exit_code"]  # (none: cancelled, crashed, not started)
+        lines.append(f"  attempt {a['n']}: exit {code} {a['failure_reason'] or ''}"
                      f" started {_fmt_time(a['started_at'])} on {a['host']}".rstrip())
         lines.append(f"    stdout {a['stdout']}")
         lines.append(f"    stderr {a['stderr']}")

@@ -68,7 +68,8 @@ def transition(state: str, event: str) -> str:
     to = TRANSITIONS.get((event, state))
     if to is None:
         hint = " (use --force)" if event == "retry" and state == DEAD else ""
-        raise JobStateConflict(f"cannot {event.replace('_', ' ')} a job that is {state}{hint}")
+        what = "retry, even with --force," if event == "retry_force" else event.replace("_", " ")
+        raise JobStateConflict(f"cannot {what} a job that is {state}{hint}")
     return to
 
 
