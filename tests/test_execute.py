@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
 
 from jobs_helpers import pid_gone, spool, stop_worker, wait_until  # noqa: F401
-from spooler.jobs import executor, states
+from spooler.jobs import executor, knobs, states
 from spooler.jobs.store import Store, WorkerIdentity
 
 T0 = 1_800_000_000.0
@@ -35,6 +36,44 @@ def kill_group_of(pgid, *pids):
                 fn(target, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def run_bounded(argv, tmp_path, timeout_s=None, grace_s=knobs.TERM_GRACE_S, limit_s=None, **kw):
+    """``executor.run`` given a deadline to return by: its own timeout, the grace
+    before the SIGKILL and the grace after it, and 5 s more (``limit_s`` for a
+    run that must end by other means). A regression that leaves the runner waiting
+    on a command that never ends (no kill, no SIGKILL after the grace) fails the
+    test then, with the attempt's group SIGKILLed by the test, instead of after
+    the command's own 300 s."""
+    if limit_s is None:
+        limit_s = timeout_s + 2 * grace_s + 5.0
+    spawned, out = [], {}
+    on_spawn = kw.pop("on_spawn", lambda pid: None)
+
+    def record(pid):
+        spawned.append(pid)
+        on_spawn(pid)
+
+    def target():
+        try:
+            out["res"] = executor.run(argv, str(tmp_path / "o"), str(tmp_path / "e"), timeout_s=timeout_s,
+                                      grace_s=grace_s, on_spawn=record, **kw)
+        except BaseException as e:   # re-raised in the test's thread
+            out["err"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(limit_s)
+    if t.is_alive():
+        for pid in spawned:
+            kill_group_of(pid)
+        t.join(10)
+        pytest.fail(f"executor.run had not returned {limit_s:g}s after the command started (timeout_s="
+                    f"{timeout_s}, grace_s={grace_s}): the runner still waited on a command its kill"
+                    f" should have ended; the test SIGKILLed the group {spawned}")
+    if "err" in out:
+        raise out["err"]
+    return out["res"]
 
 
 def ident(hb=5.0):
@@ -182,10 +221,9 @@ def test_failure_then_success_end_to_end(spool, tmp_path):
 def test_timeout_kills_the_whole_group_including_grandchildren(tmp_path):
     gc = tmp_path / "grandchild.pid"
     script = f"sleep 300 & echo $! > {gc}; sleep 300"
-    out, err = str(tmp_path / "o"), str(tmp_path / "e")
     t0 = time.monotonic()
     # (2 s: the shell has started its grandchild and written its pid by then, also when slow)
-    res = executor.run(["sh", "-c", script], out, err, timeout_s=2.0)
+    res = run_bounded(["sh", "-c", script], tmp_path, timeout_s=2.0, limit_s=8.0)
     gpid = int(gc.read_text()) if gc.exists() else None
     try:  # (the grandchild is ended below also when an assertion fails)
         assert res.reason == states.TIMEOUT and res.exit_code == -signal.SIGTERM
@@ -200,8 +238,7 @@ def test_timeout_escalates_to_sigkill_when_term_is_ignored(tmp_path):
     gc = tmp_path / "gc.pid"
     script = f"trap '' TERM; sh -c 'trap \"\" TERM; sleep 300' & echo $! > {gc}; sleep 300"
     # (1.5 s: the traps are set and the pid written before the TERM, also when slow)
-    res = executor.run(["sh", "-c", script], str(tmp_path / "o"), str(tmp_path / "e"), timeout_s=1.5,
-                       grace_s=0.5)
+    res = run_bounded(["sh", "-c", script], tmp_path, timeout_s=1.5, grace_s=0.5)
     gpid = int(gc.read_text())
     try:
         assert res.reason == states.TIMEOUT
@@ -226,8 +263,8 @@ def test_a_timeout_gives_the_group_its_grace_to_act_on_sigterm(tmp_path):
             "open(sys.argv[2], 'w').write('ready')\n"
             "time.sleep(300)\n")
     # (1.5 s: the handler is set before the TERM, also when slow)
-    res = executor.run([sys.executable, "-c", prog, str(cleaned), str(ready)], str(tmp_path / "o"),
-                       str(tmp_path / "e"), timeout_s=1.5, grace_s=3.0)
+    res = run_bounded([sys.executable, "-c", prog, str(cleaned), str(ready)], tmp_path, timeout_s=1.5,
+                      grace_s=3.0)
     try:
         assert ready.exists(), "the command never set its SIGTERM handler"
         assert res.reason == states.TIMEOUT
@@ -247,8 +284,8 @@ def test_a_stop_the_worker_asks_for_kills_the_whole_group(tmp_path):
     def should_stop():
         return states.WORKER_STOPPED if gc.exists() and gc.read_text().strip() else None
 
-    res = executor.run(["sh", "-c", script], str(tmp_path / "o"), str(tmp_path / "e"), timeout_s=60,
-                       should_stop=should_stop)
+    # (its 60 s timeout is not what must end it: the stop, within a few polls)
+    res = run_bounded(["sh", "-c", script], tmp_path, timeout_s=60, limit_s=15.0, should_stop=should_stop)
     gpid = int(gc.read_text())
     try:
         assert res.reason == states.WORKER_STOPPED
@@ -531,8 +568,9 @@ def test_what_a_command_leaves_running_in_its_group_ends_with_it(tmp_path, scrip
     on past the attempt and its timeout."""
     gc = tmp_path / "gc.pid"
     env = {**os.environ, executor.ATTEMPT_ENV: "job:1"}
-    res = executor.run(["sh", "-c", script.format(gc=gc)], str(tmp_path / "o"), str(tmp_path / "e"),
-                       timeout_s=60, env=env, grace_s=0.5)
+    # (the command ends on its own: the 60 s timeout must not be what ends the run)
+    res = run_bounded(["sh", "-c", script.format(gc=gc)], tmp_path, timeout_s=60, grace_s=0.5, limit_s=10.0,
+                      env=env)
     gpid = int(gc.read_text())
     try:
         assert res.reason == reason
