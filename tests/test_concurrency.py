@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import collections
 import json
+import subprocess
 import threading
+import time
 
 import apsw
 import pytest
@@ -27,8 +29,18 @@ def test_many_workers_many_jobs_nothing_double_claimed_nothing_lost(spool, tmp_p
         store.close()
     workers = [spool.start_worker("--drain", "--concurrency", "2", "--json") for _ in range(N_WORKERS)]
     summaries = []
+    # one deadline for the whole drain; a run beyond the jobs' number (a job run
+    # again: a claim that left it queued is taken for ever) fails it at once
+    deadline = time.monotonic() + 60
     for w in workers:
-        out, err = w.communicate(timeout=90)
+        while True:
+            try:
+                out, err = w.communicate(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                runs = len(ledger.read_text().splitlines()) if ledger.exists() else 0
+                assert runs <= N_JOBS, f"{runs} runs of {N_JOBS} jobs, the workers still draining: a job ran again"
+                assert time.monotonic() < deadline, f"the workers had not drained {N_JOBS} jobs in 60 s ({runs} runs)"
         assert w.returncode == 0, err
         summaries.append(json.loads(out))
     # BEGIN IMMEDIATE makes claimants queue on the lock (busy handler) instead of
@@ -62,12 +74,16 @@ def test_concurrent_claimers_in_threads_never_share_a_job(tmp_path):
     claimed = collections.defaultdict(list)
     errors = []
     busy = []
+    # Every claimer stops at the first claim beyond the 300 jobs (a job handed out
+    # again: a claim that left it queued would be taken for ever), or at the deadline.
+    claims, enough = [], threading.Event()
+    deadline = time.monotonic() + 30
 
     def claimer(i):
         st = Store(path)
         w = WorkerIdentity.current(5.0)
         try:
-            while True:
+            while not enough.is_set() and time.monotonic() < deadline:
                 try:
                     c = st.claim_next(w)
                 except apsw.BusyError:
@@ -76,16 +92,23 @@ def test_concurrent_claimers_in_threads_never_share_a_job(tmp_path):
                 if c is None:
                     return
                 claimed[c.job_id].append(i)
+                claims.append(c.job_id)
+                if len(claims) > 300:
+                    enough.set()
         except Exception as e:   # pragma: no cover - reported below
             errors.append(e)
         finally:
             st.close()
 
-    threads = [threading.Thread(target=claimer, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=claimer, args=(i,), daemon=True) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=60)
+        t.join(timeout=max(0.0, deadline - time.monotonic()) + 10)
+    assert not any(t.is_alive() for t in threads), "a claimer was still in claim_next 10 s past the deadline"
+    assert len(claims) <= 300, (f"{len(claims)} claims of 300 jobs: a job was handed out again"
+                                f" ({len(claimed)} distinct jobs claimed)")
+    assert time.monotonic() < deadline, f"the claimers had not claimed the 300 jobs within 30 s: {len(claims)}"
     assert not errors
     assert not busy, f"{len(busy)} claim passes failed on the lock"
     assert len(claimed) == 300
