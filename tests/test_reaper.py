@@ -569,17 +569,32 @@ def test_the_hung_watch_counts_only_its_own_clock_and_a_standing_heartbeat(store
 
 
 def test_live_worker_is_not_reaped_while_running(spool, tmp_path):
-    """Heartbeats (every 0.1 s here) keep a long job alive well past the 1 s threshold."""
-    job_id = spool.submit("sleep", "1.6")
-    w1 = spool.start_worker()
-    wait_until(lambda: spool.job(job_id)["state"] == "running", 15)
-    w2 = spool.start_worker("--drain")
+    """Heartbeats (every 0.05 s here) keep a long job alive well past the 0.2 s
+    threshold, and past the 2 s (ten thresholds) after which another worker takes
+    a live worker whose heartbeat stands still for a hung one: its PID probing
+    alive is not enough to keep the job, only its heartbeats do. The job's
+    state is watched while it runs, and a reap fails the test at once."""
+    env = {"SPOOLCTL_TEST_HEARTBEAT_INTERVAL": "0.05", "SPOOLCTL_TEST_REAP_THRESHOLD": "0.2"}
+    job_id = spool.submit("sleep", "4")
+    w1 = spool.start_worker(env=env)
+    st = Store(spool.path)
     try:
-        assert w2.wait(timeout=30) == 0
-        job = spool.job(job_id)
-        assert job["state"] == "succeeded" and job["crash_count"] == 0 and len(job["attempts"]) == 1
+        wait_until(lambda: st.get(job_id)["state"] == "running", 15, what="the job running")
+        w2 = spool.start_worker("--drain", env=env)
+        deadline = time.monotonic() + 30
+        while w2.poll() is None:
+            job = st.get(job_id)
+            assert job["crash_count"] == 0 and len(job["attempts"]) == 1, (
+                "the live worker's job was reaped: "
+                f"{[(a['n'], a['failure_reason'], a['detail']) for a in job['attempts']]}")
+            assert time.monotonic() < deadline, f"the --drain worker had not exited 30 s after the job's start: {job}"
+            time.sleep(0.05)
+        assert w2.returncode == 0
+        job = st.get(job_id)
+        assert job["state"] == "succeeded" and job["crash_count"] == 0 and len(job["attempts"]) == 1, job
     finally:
-        for w in (w1, w2):
+        st.close()
+        for w in spool.procs:
             if w.poll() is None:
                 w.send_signal(signal.SIGTERM)
                 w.wait(timeout=15)
