@@ -47,10 +47,13 @@ except ImportError:  # pragma: no cover
 
 class Cluster:
     def __init__(self, workdir: str, nodes: int = 3, failover_timeout_s: float = 1.0,
-                 admin_key: str = ADMIN_KEY, extra_args=(), power_loss: bool = False, partitions: bool = False):
+                 admin_key: str = ADMIN_KEY, extra_args=(), power_loss: bool = False, partitions: bool = False,
+                 fsync_errors: bool = False):
         """power_loss: nodes keep every write in memory until fsync (test VFS), so each
         SIGKILL is a power cut that loses everything not fsync'd. partitions: route all
-        node-to-node traffic through a FaultProxy (``self.proxy``) that can cut links."""
+        node-to-node traffic through a FaultProxy (``self.proxy``) that can cut links.
+        fsync_errors (with power_loss): each node's fsyncs fail while its file
+        ``fail_file(id)`` exists (``fail_fsync``)."""
         self.workdir = os.path.abspath(workdir)
         self.ids = [f"n{i + 1}" for i in range(nodes)]
         self.failover_timeout_s = failover_timeout_s
@@ -62,6 +65,7 @@ class Cluster:
         self.lock = threading.RLock()
         self._popens: list = []           # every process this cluster ever started
         self.partitions = partitions
+        self.fsync_errors = fsync_errors
         self.proxy: Optional[FaultProxy] = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -83,8 +87,11 @@ class Cluster:
         for nid, gp in zip(self.ids, grpc_ports):
             args = ["--peers", peers(nid), "--failover-timeout", repr(float(self.failover_timeout_s)),
                     *self.extra_args]
+            env = self.env
+            if self.fsync_errors:
+                env = {**(env or {}), "SPOOLER_TEST_FSYNC_FAIL_FILE": self.fail_file(nid)}
             self.procs[nid] = NodeProc(os.path.join(self.workdir, nid), node_id=nid, admin_key=self.admin_key,
-                                       grpc_port=gp, extra_args=args, env=self.env)
+                                       grpc_port=gp, extra_args=args, env=env)
         errs: list = []
 
         def go(nid):
@@ -170,6 +177,31 @@ class Cluster:
         with self.lock:
             self.procs[nid].kill()
             self.stopped.discard(nid)
+
+    def fail_file(self, nid: str) -> str:
+        return os.path.join(self.workdir, f"{nid}.fail-fsync")
+
+    def fail_fsync(self, nid: str, on: bool) -> None:
+        """While on, every fsync of ``nid`` fails (fsync_errors=True)."""
+        if not self.fsync_errors:
+            raise RuntimeError("this cluster's nodes were not started to fail fsyncs on demand")
+        if on:
+            open(self.fail_file(nid), "w").close()
+        else:
+            try:
+                os.unlink(self.fail_file(nid))
+            except FileNotFoundError:
+                pass
+
+    def wait_exit(self, nid: str, timeout_s: float) -> Optional[int]:
+        """``nid``'s exit status once its process has exited, or None after ``timeout_s``."""
+        proc = self.procs[nid].proc
+        if proc is None:
+            return None
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
 
     def stop_proc(self, nid: str) -> None:
         """SIGSTOP: the process freezes with its sockets open (a hung node, not a dead one)."""

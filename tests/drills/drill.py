@@ -93,9 +93,14 @@ DISK_LOSS_ACTIONS = (("replace_replica", 0.3),)
 # with graceful=True: the primary is told to stop (SIGTERM, as a rolling restart does: it
 # hands over first), and started again once it has exited
 GRACEFUL_ACTIONS = (("term_primary", 0.3),)
+# with fsync_errors=True (needs power_loss: the nodes' test VFS fails an fsync on demand): the
+# next fsync of the primary or of a replica fails; the node must stop (exit 70) without
+# confirming what that fsync held, and rejoin once started again on the same data
+FSYNC_ERROR_ACTIONS = (("fsync_error", 0.3),)
+FSYNC_EXIT_TIMEOUT_S = 15.0  # from the failing fsync's file made to the node's exit
 # every fault kind the nemesis knows, for a scripted start (Drill(faults=...))
 FAULT_KINDS = frozenset(a for acts in (PROCESS_ACTIONS, PARTITION_ACTIONS, CASCADE_ACTIONS, DISK_LOSS_ACTIONS,
-                                       GRACEFUL_ACTIONS) for a, _ in acts)
+                                       GRACEFUL_ACTIONS, FSYNC_ERROR_ACTIONS) for a, _ in acts)
 SCRIPT_WAIT_S = 120.0  # how long past duration_s the load runs for the scripted faults to be done
 
 
@@ -147,11 +152,15 @@ class Drill:
     def __init__(self, seed: int, duration_s: float, nodes: int, workdir: str, producers: int = 3,
                  consumers: int = 2, send_pause_s: float = 0.05, failover_timeout_s: float = 1.0,
                  log=print, power_loss: bool = False, partitions: bool = False, cascades: bool = False,
-                 disk_loss: bool = False, graceful: bool = False, faults: tuple = (), node_args: tuple = ()):
+                 disk_loss: bool = False, graceful: bool = False, fsync_errors: bool = False, faults: tuple = (),
+                 node_args: tuple = ()):
         unknown = [f for f in faults if f not in FAULT_KINDS]
         if unknown:
             raise ValueError(f"unknown fault kinds {unknown}; known: {sorted(FAULT_KINDS)}")
+        if fsync_errors and not power_loss:
+            raise ValueError("fsync_errors=True needs power_loss=True (the test VFS is what fails an fsync)")
         needs = {"cascades": (cascades, {a for a, _ in CASCADE_ACTIONS}),
+                 "fsync_errors": (fsync_errors, {a for a, _ in FSYNC_ERROR_ACTIONS}),
                  "disk_loss": (disk_loss, {a for a, _ in DISK_LOSS_ACTIONS}),
                  "graceful": (graceful, {a for a, _ in GRACEFUL_ACTIONS}),
                  "partitions": (partitions, {a for a, _ in PARTITION_ACTIONS} - {a for a, _ in PROCESS_ACTIONS})}
@@ -175,9 +184,10 @@ class Drill:
         self.cascades = cascades
         self.disk_loss = disk_loss
         self.graceful = graceful
+        self.fsync_errors = fsync_errors
         self.cluster = Cluster(os.path.join(self.workdir, "nodes"), nodes=nodes,
                                failover_timeout_s=failover_timeout_s, power_loss=power_loss,
-                               partitions=partitions, extra_args=node_args)
+                               partitions=partitions, extra_args=node_args, fsync_errors=fsync_errors)
         self.stop_load = threading.Event()
         self.stop_observer = threading.Event()
         self.thread_errors: list[str] = []
@@ -409,6 +419,9 @@ class Drill:
         if self.graceful:  # after disk loss: without it, every other seed draws as before
             total = sum(w for _, w in actions)
             actions = tuple((a, w * (1 - 0.3) / total) for a, w in actions) + GRACEFUL_ACTIONS
+        if self.fsync_errors:  # last again: without it, every other seed draws as before
+            total = sum(w for _, w in actions)
+            actions = tuple((a, w * (1 - 0.3) / total) for a, w in actions) + FSYNC_ERROR_ACTIONS
         # its own stream, so that cascades do not shift the other draws of a seed
         crng = self.rng("cascade")
         try:
@@ -444,6 +457,8 @@ class Drill:
                 self._replace(p, epoch, crng)
             elif action == "term_primary":
                 self._term(p, epoch, down)
+            elif action == "fsync_error":
+                self._fsync_error(p, epoch, down, crng)
             elif action not in ("kill_primary", "stop_primary", "restart_replica"):
                 self._partition(action, p, epoch, ft + 0.75 * down, x1, x2)
             elif action == "kill_primary":
@@ -500,6 +515,52 @@ class Drill:
             self.unexpected_exits.append({"node": p, "returncode": rc, "t": time.monotonic(), "on": "SIGTERM"})
         self.stop_load.wait(down)
         self._restart(p)
+
+    def _fsync_error(self, p: str, epoch: int, down: float, rng: random.Random) -> None:
+        """The next fsync of the primary or of a replica fails (S9): the node must exit
+        with EXIT_STORE_FAILED, confirming nothing that fsync held (the checker judges
+        that), and is started again on the same data ``down`` seconds later (the disk
+        healed), when it must rejoin. Any other exit, or none within
+        FSYNC_EXIT_TIMEOUT_S, is an unexpected exit and fails the seed. The load's
+        writes reach the node's fsync soon; so that it is not left waiting on them
+        (the load may be ending), the nemesis also writes: it puts a queue of its own,
+        outside the drill's, once a second until the node has exited."""
+        from node.main import EXIT_STORE_FAILED
+        c = self.cluster
+        replicas = [n for n in c.ids if n != p]
+        node = p if rng.random() < 0.5 else replicas[int(rng.random() * len(replicas))]
+        self.h.nemesis("fsync_error", node, role="primary" if node == p else "replica", epoch=epoch)
+        self.expected_down.add(node)
+        c.fail_fsync(node, True)
+        rc = None
+        try:
+            deadline = time.monotonic() + FSYNC_EXIT_TIMEOUT_S
+            n = 0
+            while rc is None and time.monotonic() < deadline:
+                rc = c.wait_exit(node, 1.0)
+                if rc is None:
+                    n += 1
+                    self._poke(n, avoid=node)
+        finally:
+            c.fail_fsync(node, False)
+        if rc != EXIT_STORE_FAILED:
+            self.unexpected_exits.append({"node": node, "returncode": rc, "t": time.monotonic(),
+                                          "on": "fsync_error"})
+        self.stop_load.wait(down)
+        self._restart(node)
+
+    def _poke(self, n: int, avoid: str) -> None:
+        """One write outside the drill's queue (a queue's setting changed): every node's
+        store syncs it. Through any live node but ``avoid``; its outcome is not recorded."""
+        c = self.cluster
+        others = [x for x in c.live() if x != avoid]
+        if not others:
+            return
+        try:
+            HttpClient(c.url(others[n % len(others)]), c.admin_key, timeout_s=CLIENT_TIMEOUT_S).put_queue(
+                "nemesis-fsync", retentionSeconds=3600 + n)
+        except Exception:  # noqa: BLE001 - no primary just now, or it is the failing node: the next one
+            pass
 
     def _replace(self, p: str, epoch: int, rng: random.Random) -> None:
         """A replica's disk is lost: its replacement starts empty with --join; wait

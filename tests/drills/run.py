@@ -121,6 +121,9 @@ def main(argv=None) -> int:
                     help="the nemesis also loses a replica's disk: a replacement starts empty with --join")
     ap.add_argument("--graceful", action="store_true",
                     help="the nemesis also stops the primary with SIGTERM (it hands over first) and restarts it")
+    ap.add_argument("--fsync-errors", action="store_true",
+                    help="the nemesis also fails the next fsync of the primary or a replica (needs "
+                         "--power-loss): the node must stop (exit 70) and rejoin once started again")
     ap.add_argument("--faults", default="",
                     help="comma-separated fault kinds each seed's nemesis makes first, in order "
                          "(e.g. kill_primary_twice,replace_replica); the load runs on until they are over")
@@ -132,6 +135,8 @@ def main(argv=None) -> int:
     # SIGTERM unwinds like Ctrl-C, so the running drill's finally blocks end its nodes by pid
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
+    if args.fsync_errors and not args.power_loss:
+        ap.error("--fsync-errors needs --power-loss (the nodes' test VFS is what fails an fsync)")
     seeds = parse_seeds(args.seeds)
     faults = tuple(f for f in args.faults.split(",") if f)
     if set(faults) - FAULT_KINDS:
@@ -141,7 +146,7 @@ def main(argv=None) -> int:
     print(f"drills: seeds {args.seeds} ({len(seeds)}), {args.duration:g}s each, {args.nodes} nodes"
           f"{', power loss' if args.power_loss else ''}{', partitions' if args.partitions else ''}"
           f"{', cascades' if args.cascades else ''}{', disk loss' if args.disk_loss else ''}"
-          f"{', graceful stops' if args.graceful else ''}"
+          f"{', graceful stops' if args.graceful else ''}{', fsync errors' if args.fsync_errors else ''}"
           f"{', node flags ' + repr(args.node_args) if args.node_args else ''}, in {root}",
           flush=True)
     reports = []
@@ -153,7 +158,7 @@ def main(argv=None) -> int:
         try:
             r = run_drill(seed, args.duration, nodes=args.nodes, workdir=wd, power_loss=args.power_loss,
                           partitions=args.partitions, cascades=args.cascades, disk_loss=args.disk_loss,
-                          graceful=args.graceful, faults=faults, node_args=tuple(shlex.split(args.node_args)))
+                          graceful=args.graceful, fsync_errors=args.fsync_errors, faults=faults, node_args=tuple(shlex.split(args.node_args)))
         except Exception as e:  # noqa: BLE001 - a drill that cannot finish is a failing seed
             import traceback
             traceback.print_exc()
