@@ -102,7 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peers", default=_env("SPOOLER_PEERS", ""),
                    help="ID=HOST:PORT,... every member's gRPC address, this node included (SPOOLER_PEERS)")
     p.add_argument("--admin-key", action="append", default=None,
-                   help="bootstrap admin API key, repeatable (SPOOLER_ADMIN_KEY, comma-separated)")
+                   help="bootstrap admin API key, repeatable (SPOOLER_ADMIN_KEY, comma-separated; "
+                        "spaces around the commas are ignored)")
     p.add_argument("--cluster-key", default=_env("SPOOLER_CLUSTER_KEY", ""),
                    help="a secret every member of the cluster is given: members' calls to each other carry it, "
                         "and replication calls without it are refused (SPOOLER_CLUSTER_KEY; without it any caller "
@@ -162,7 +163,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"SPOOLER_JOIN must be one of 1, true, yes, on (join) or 0, false, no, off, empty (not), "
                 f"not {join_env[:40]!r}")
     if a.admin_key is None:
-        a.admin_key = [k for k in _env("SPOOLER_ADMIN_KEY", "").split(",") if k]
+        # "k1, k2" as well as "k1,k2": a key never begins or ends with a space (refused
+        # below), so spaces around the commas can only be the list's
+        a.admin_key = [k.strip() for k in _env("SPOOLER_ADMIN_KEY", "").split(",") if k.strip()]
     if a.failover_timeout <= 0:
         p.error("--failover-timeout must be > 0")
     if not FAILOVER_TIMEOUT_MIN_S <= a.failover_timeout <= FAILOVER_TIMEOUT_MAX_S:  # (nan and inf too)

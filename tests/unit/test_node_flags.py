@@ -129,6 +129,13 @@ def test_the_edges_of_those_ranges_are_accepted(monkeypatch):
     assert parse_args(["--id", "A-z.0_" + "n" * 58, "--log-level", "debug"]).id == "A-z.0_" + "n" * 58
 
 
+def test_admin_keys_from_the_environment_may_have_spaces_around_their_commas(monkeypatch):
+    monkeypatch.setenv("SPOOLER_ADMIN_KEY", " key-one-aaaa , key-two-bbbb,,key-three ")
+    assert parse_args([]).admin_key == ["key-one-aaaa", "key-two-bbbb", "key-three"]
+    monkeypatch.setenv("SPOOLER_ADMIN_KEY", "two words, inside")  # a space inside a key is the key's own
+    assert parse_args([]).admin_key == ["two words", "inside"]
+
+
 def test_admin_keys_from_the_environment_are_checked_too(monkeypatch, capsys):
     monkeypatch.setenv("SPOOLER_ADMIN_KEY", "good," + "k" * 600)
     with pytest.raises(SystemExit):
