@@ -33,10 +33,16 @@ before the call returns:
 ``one_way_reverse``
     Only the forward direction (a->b, requests) is forwarded; b's bytes to a
     (responses) are held. b receives and executes a's calls, a never hears back.
+``answers_held``
+    As ``one_way_reverse``, but a new connection is connected on to b as well (as a
+    load balancer that accepted it would): every request reaches b and runs there,
+    every answer is held. For the links between clients and a node.
 
 Held bytes are delivered in order when the link becomes ok again (heal), like TCP
 retransmissions after a DROP rule is removed: a stale frame of a deposed primary
-can then arrive late, which the nodes' epoch checks must refuse. Bytes already
+can then arrive late, which the nodes' epoch checks must refuse. ``heal(reset=True)``
+resets the faulted links' connections first instead (held bytes are discarded, both
+ways): nothing held reaches either side after the heal. Bytes already
 handed to the destination socket when a fault starts are in flight and still
 arrive. A connection that has not been forwarded yet (accepted under a fault) is
 only connected on to b once *both* directions pass: a TCP handshake needs packets
@@ -53,6 +59,10 @@ Node-level faults are built from link modes (``isolate``, ``one_way_bytes``):
   the others is held (X->Y ``one_way``, Y->X ``one_way_reverse``) while their bytes
   reach X: the others' calls reach X and run there, but X's answers never arrive.
   ``"in"`` is the reverse.
+
+A proxy need not have every ordered pair as a link: ``links=[(a, b), ...]`` names the
+ones it listens for (the drill's client proxy has one per node's HTTP port and one per
+its gRPC port, all from a pseudo-node of the clients).
 
 Usage (the proxy runs an asyncio loop in a daemon thread of the calling process)::
 
@@ -75,10 +85,13 @@ import threading
 from typing import Iterable, Optional
 
 OK, DROP, BLACKHOLE, ONE_WAY, ONE_WAY_REVERSE = "ok", "drop", "blackhole", "one_way", "one_way_reverse"
-MODES = (OK, DROP, BLACKHOLE, ONE_WAY, ONE_WAY_REVERSE)
-# (forward a->b passes, back b->a passes) per mode; drop passes nothing (and resets)
-_PASSES = {OK: (True, True), DROP: (False, False), BLACKHOLE: (False, False),
-           ONE_WAY: (False, True), ONE_WAY_REVERSE: (True, False)}
+ANSWERS_HELD = "answers_held"
+MODES = (OK, DROP, BLACKHOLE, ONE_WAY, ONE_WAY_REVERSE, ANSWERS_HELD)
+# (forward a->b passes, back b->a passes, new connections are connected on to b) per
+# mode; drop passes nothing (and resets)
+_PASSES = {OK: (True, True, True), DROP: (False, False, False), BLACKHOLE: (False, False, False),
+           ONE_WAY: (False, True, False), ONE_WAY_REVERSE: (True, False, False),
+           ANSWERS_HELD: (True, False, True)}
 _CHUNK = 65536
 
 
@@ -106,7 +119,7 @@ class _Link:
         self.mode = OK
         self.fwd = asyncio.Event()     # forward bytes (src -> dst) may pass
         self.back = asyncio.Event()    # back bytes (dst -> src) may pass
-        self.open = asyncio.Event()    # both: new connections may be set up
+        self.open = asyncio.Event()    # new connections may be set up (both pass, or answers_held)
         for ev in (self.fwd, self.back, self.open):
             ev.set()
         self.conns: set = set()
@@ -117,8 +130,8 @@ class _Link:
 
     def apply(self, mode: str) -> None:
         self.mode = mode
-        f, b = _PASSES[mode]
-        for ev, on in ((self.fwd, f), (self.back, b), (self.open, f and b)):
+        f, b, o = _PASSES[mode]
+        for ev, on in ((self.fwd, f), (self.back, b), (self.open, o)):
             ev.set() if on else ev.clear()
 
 
@@ -135,9 +148,13 @@ class _Broken(Exception):
 
 
 class FaultProxy:
-    def __init__(self, nodes: Iterable[str], host: str = "127.0.0.1"):
+    def __init__(self, nodes: Iterable[str], host: str = "127.0.0.1",
+                 links: Optional[Iterable[tuple[str, str]]] = None):
+        """links: the ordered pairs (a, b) to listen for (default every pair of nodes)."""
         self.nodes = list(nodes)
         self.host = host
+        self.pairs = ([(a, b) for a in self.nodes for b in self.nodes if a != b] if links is None
+                      else [tuple(k) for k in links])
         self.targets: dict[str, tuple[str, int]] = {}
         self._links: dict[tuple[str, str], _Link] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -205,15 +222,12 @@ class FaultProxy:
                 loop.close()
 
     async def _setup(self) -> None:
-        for a in self.nodes:
-            for b in self.nodes:
-                if a == b:
-                    continue
-                link = _Link(a, b)
-                link.server = await asyncio.start_server(
-                    lambda r, w, link=link: self._serve(link, r, w), self.host, 0)
-                link.port = link.server.sockets[0].getsockname()[1]
-                self._links[(a, b)] = link
+        for a, b in self.pairs:
+            link = _Link(a, b)
+            link.server = await asyncio.start_server(
+                lambda r, w, link=link: self._serve(link, r, w), self.host, 0)
+            link.port = link.server.sockets[0].getsockname()[1]
+            self._links[(a, b)] = link
 
     async def _teardown(self) -> None:
         for link in self._links.values():
@@ -293,9 +307,13 @@ class FaultProxy:
         return {f"{a}->{b}": dict(link.stats, mode=link.mode, open_connections=len(link.conns))
                 for (a, b), link in self._links.items()}
 
-    def heal(self) -> dict:
-        """Every link back to ok; returns the links that were faulted {(a, b): mode}."""
+    def heal(self, reset: bool = False) -> dict:
+        """Every link back to ok; returns the links that were faulted {(a, b): mode}.
+        reset: the faulted links' connections are reset first (as ``drop`` does), so the
+        bytes they held are discarded instead of delivered."""
         was = self.faulted()
+        if was and reset:
+            self.set_links({k: DROP for k in was})
         if was:
             self.set_links({k: OK for k in was})
         return was
@@ -341,7 +359,7 @@ class FaultProxy:
         link.conns.add(conn)
         pumps: list = []
         try:
-            await link.open.wait()  # a handshake needs both directions
+            await link.open.wait()  # a handshake needs both directions (answers_held: the proxy stands in)
             target = self.targets.get(link.dst)
             if target is None:
                 raise _Broken("no target")

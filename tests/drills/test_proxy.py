@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from drills.proxy import BLACKHOLE, DROP, OK, ONE_WAY, ONE_WAY_REVERSE, FaultProxy
+from drills.proxy import ANSWERS_HELD, BLACKHOLE, DROP, OK, ONE_WAY, ONE_WAY_REVERSE, FaultProxy
 
 DEADLINE_S = 5.0
 HELD_S = 0.3  # how long a held direction is watched for bytes that must not come
@@ -205,6 +205,71 @@ def test_one_way_reverse_passes_only_requests(px, upstream, socks):
     px.heal()
     assert recv_exact(c, 4) == b"rsp1"
     both_ways(c, s, b"2")
+
+
+def test_answers_held_connects_new_connections_and_holds_only_answers(px, upstream, socks):
+    """As one_way_reverse on an open connection, but a new connection is connected on
+    too: its request reaches b, its answer is held (a one_way_reverse link holds a new
+    connection's request until the heal)."""
+    c, s = pair(px, upstream, socks)
+    px.set_link("a", "b", ANSWERS_HELD)
+    c.sendall(b"req1")
+    s.sendall(b"rsp1")
+    assert recv_exact(s, 4) == b"req1"
+    assert_held(c)
+    c2 = dial(px, socks)
+    s2 = accept(upstream, socks)
+    c2.sendall(b"new1")
+    assert recv_exact(s2, 4) == b"new1"
+    s2.sendall(b"ans1")
+    assert_held(c2)
+    c2.close()  # the client gives up: its close reaches b, as its bytes do
+    assert_closed(s2)
+    px.heal()
+    assert recv_exact(c, 4) == b"rsp1"
+    both_ways(c, s, b"2")
+
+
+def test_one_way_reverse_does_not_connect_a_new_connection(px, upstream, socks):
+    px.set_link("a", "b", ONE_WAY_REVERSE)
+    dial(px, socks).sendall(b"new1")
+    assert_no_accept(upstream)
+
+
+@pytest.mark.parametrize("mode", [BLACKHOLE, ANSWERS_HELD, ONE_WAY_REVERSE])
+def test_heal_with_reset_discards_what_was_held(px, upstream, socks, mode):
+    """heal(reset=True): the faulted link's connections are reset, the bytes they
+    held (requests or answers) never arrive; new connections work again."""
+    c, s = pair(px, upstream, socks)
+    px.set_link("a", "b", mode)
+    c.sendall(b"req1")
+    s.sendall(b"rsp1")
+    if mode == BLACKHOLE:
+        assert_held(s)
+    else:
+        assert recv_exact(s, 4) == b"req1"  # requests cross
+    assert_held(c)
+    if mode == ONE_WAY_REVERSE:  # a new connection's request is held with it
+        dial(px, socks).sendall(b"new1")
+        assert_no_accept(upstream)
+    assert px.heal(reset=True) == {("a", "b"): mode}
+    assert_closed(s)  # (blackhole: req1 was held, and is reset instead)
+    assert_closed(c)  # rsp1 was held: reset instead
+    if mode == ONE_WAY_REVERSE:
+        assert_no_accept(upstream)  # the held new connection was reset, not connected on
+    assert px.faulted() == {}
+    c3, s3 = pair(px, upstream, socks)
+    both_ways(c3, s3, b"3")
+
+
+def test_a_proxy_of_named_links_listens_only_for_those(upstream, socks):
+    with FaultProxy(["clients", "n1", "n2"], links=[("clients", "n1"), ("clients", "n2")]) as p:
+        assert set(p.modes()) == {("clients", "n1"), ("clients", "n2")}
+        with pytest.raises(KeyError):
+            p.port("n1", "n2")
+        p.set_target("n1", "127.0.0.1", upstream.getsockname()[1])
+        c = dial(p, socks, "clients", "n1")
+        both_ways(c, accept(upstream, socks))
 
 
 def test_blackhole_then_drop_resets_held_connections(px, upstream, socks):
