@@ -560,6 +560,8 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
                         "role": nm.get("role"), "unavailable_s": None if nxt == INF else nxt - nm["t"]})
     durations = sorted(w["unavailable_s"] for w in windows if w["unavailable_s"] is not None)
 
+    cp = client_partition_calls(order, nemeses, delivered_bodies)
+
     # -- final facts ------------------------------------------------------------------------------
     node_states = final.get("node_states") or {}
     integrity = final.get("integrity") or {}
@@ -620,10 +622,46 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         "integrity_ok": integrity_ok,
         "integrity": integrity,
         "orphan_completions": orphan_completions,
+        **cp,
     }
     report["required_zeros_ok"] = (all(report[k] == 0 for k in REQUIRED_ZEROS)
                                    and nodes_agree is not False and integrity_ok is not False)
     return report
+
+
+def client_partition_calls(order: list, nemeses: list, delivered_bodies: set) -> dict:
+    """Evidence, not a judgement: the calls that crossed a faulted link between the
+    clients and a node (``client_partition`` of that node up to its ``client_heal``, or
+    to a ``client_heal`` naming no node), by the node their invoke names: invoked before
+    the heal and completed (or never) after the fault began. How many ended unknown, and
+    how many of those unknown sends were delivered (the node stored the message, its
+    answer was lost). The judgements of those calls are the checker's usual ones."""
+    windows: list = []
+    open_at: dict = {}
+    for nm in nemeses:
+        if nm.get("f") == "client_partition":
+            open_at[nm.get("node")] = nm["t"]
+        elif nm.get("f") == "client_heal":
+            for node in ([nm["node"]] if nm.get("node") is not None else list(open_at)):
+                if node in open_at:
+                    windows.append((node, open_at.pop(node), nm["t"]))
+    windows += [(node, t0, INF) for node, t0 in open_at.items()]
+    calls = unknowns = appeared = 0
+    by_f: dict = defaultdict(int)
+    if windows:
+        for op in order:
+            node = op.inv.get("node")
+            if not any(n == node and op.inv_t < t1 and op.done_t > t0 for n, t0, t1 in windows):
+                continue
+            calls += 1
+            if op.outcome == "unknown":
+                unknowns += 1
+                by_f[op.f] += 1
+                if op.f == "send" and op.inv.get("body") in delivered_bodies:
+                    appeared += 1
+    return {"client_partitions": len(windows), "client_partition_calls": calls,
+            "client_partition_unknowns": unknowns, "client_partition_unknowns_by_call": dict(by_f),
+            "client_partition_unknown_sends_delivered": appeared}
 
 
 def _fmt(v: Any) -> str:
@@ -659,6 +697,10 @@ def format_table(report: dict) -> str:
     for k in ("p50_s", "p99_s", "max_s"):
         row(f"failover_unavailability.{k}", fu[k])
     row("orphan_completions", report["orphan_completions"])
+    if report.get("client_partitions"):
+        for k in ("client_partitions", "client_partition_calls", "client_partition_unknowns",
+                  "client_partition_unknown_sends_delivered"):
+            row(k, report[k])
 
     w1 = max(len(r[0]) for r in rows)
     w2 = max(len(r[1]) for r in rows)

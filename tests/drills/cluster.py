@@ -12,8 +12,15 @@
 With ``partitions=True`` every node-to-node gRPC connection goes through a
 ``proxy.FaultProxy`` running in a thread of this process: node a's ``--peers`` names,
 for each other member b, the proxy's port for link (a->b) (its own entry stays its real
-gRPC address). Clients still talk to the nodes' HTTP ports directly. The proxy is
-closed in ``close()`` after the nodes are killed.
+gRPC address). The proxy is closed in ``close()`` after the nodes are killed.
+
+With ``client_partitions=True`` a second ``FaultProxy`` (``self.client_proxy``) stands
+between the clients and the nodes: one link from the pseudo-node ``clients`` to each
+node's HTTP port (link ``("clients", id)``) and one to its gRPC port (``("clients",
+id + "/grpc")``); ``client_url(id)`` and ``client_grpc_target(id)`` name the proxy's
+ends, and ``client_links(id)`` both links. A node's HTTP port changes at each start,
+and the proxy follows. The drill's own views (``info``, ``current_primary``) still go
+to the nodes directly.
 
 Every process this helper started is ended by its pid in ``close()`` (stopped ones get
 SIGCONT first), also when the block raises; on an exception the nodes' logs are dumped
@@ -45,15 +52,19 @@ except ImportError:  # pragma: no cover
     from proxy import FaultProxy  # type: ignore
 
 
+CLIENTS, GRPC = "clients", "/grpc"  # the client proxy's pseudo-node, and its gRPC links' suffix
+
+
 class Cluster:
     def __init__(self, workdir: str, nodes: int = 3, failover_timeout_s: float = 1.0,
                  admin_key: str = ADMIN_KEY, extra_args=(), power_loss: bool = False, partitions: bool = False,
-                 fsync_errors: bool = False):
+                 fsync_errors: bool = False, client_partitions: bool = False):
         """power_loss: nodes keep every write in memory until fsync (test VFS), so each
         SIGKILL is a power cut that loses everything not fsync'd. partitions: route all
         node-to-node traffic through a FaultProxy (``self.proxy``) that can cut links.
         fsync_errors (with power_loss): each node's fsyncs fail while its file
-        ``fail_file(id)`` exists (``fail_fsync``)."""
+        ``fail_file(id)`` exists (``fail_fsync``). client_partitions: the clients reach
+        the nodes through a FaultProxy of their own (``self.client_proxy``)."""
         self.workdir = os.path.abspath(workdir)
         self.ids = [f"n{i + 1}" for i in range(nodes)]
         self.failover_timeout_s = failover_timeout_s
@@ -67,17 +78,25 @@ class Cluster:
         self.partitions = partitions
         self.fsync_errors = fsync_errors
         self.proxy: Optional[FaultProxy] = None
+        self.client_partitions = client_partitions
+        self.client_proxy: Optional[FaultProxy] = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "Cluster":
         os.makedirs(self.workdir, exist_ok=True)
         if self.partitions:  # listening first: the nodes' ports are picked among the free ones left
             self.proxy = FaultProxy(self.ids).start()
+        if self.client_partitions:
+            self.client_proxy = FaultProxy([CLIENTS] + self.ids + [n + GRPC for n in self.ids],
+                                           links=[k for n in self.ids for k in self.client_links(n)]).start()
         grpc_ports = free_ports(len(self.ids))
         real = dict(zip(self.ids, grpc_ports))
         if self.proxy is not None:
             for nid, gp in real.items():
                 self.proxy.set_target(nid, "127.0.0.1", gp)
+        if self.client_proxy is not None:
+            for nid, gp in real.items():
+                self.client_proxy.set_target(nid + GRPC, "127.0.0.1", gp)
 
         def peers(me: str) -> str:
             """Every member, me included: my own real address, the others through my links."""
@@ -121,15 +140,21 @@ class Cluster:
             if p.proc is not None:
                 with self.lock:
                     self._popens.append(p.proc)
+        if self.client_proxy is not None:
+            self.client_proxy.set_target(nid, "127.0.0.1", p.http_port)
 
     def close(self) -> None:
         """SIGCONT the stopped nodes, then SIGKILL every process this cluster started; then
-        close the fault proxy (its thread), if any."""
+        close the fault proxies (their threads), if any."""
         try:
             self._kill_all()
         finally:
-            if self.proxy is not None:
-                self.proxy.close()
+            try:
+                if self.proxy is not None:
+                    self.proxy.close()
+            finally:
+                if self.client_proxy is not None:
+                    self.client_proxy.close()
 
     def _kill_all(self) -> None:
         with self.lock:
@@ -264,6 +289,22 @@ class Cluster:
     def url(self, nid: str) -> str:
         return self.procs[nid].http_url
 
+    @staticmethod
+    def client_links(nid: str) -> list:
+        """The client proxy's links to ``nid``: its HTTP port, its gRPC port."""
+        return [(CLIENTS, nid), (CLIENTS, nid + GRPC)]
+
+    def client_url(self, nid: str) -> str:
+        """Where clients reach ``nid``'s HTTP API: through the client proxy, if any."""
+        if self.client_proxy is None:
+            return self.url(nid)
+        return "http://" + self.client_proxy.address(CLIENTS, nid)
+
+    def client_grpc_target(self, nid: str) -> str:
+        if self.client_proxy is None:
+            return self.procs[nid].grpc_target
+        return self.client_proxy.address(CLIENTS, nid + GRPC)
+
     def info(self, nid: str, timeout_s: float = 1.0) -> Optional[dict]:
         """GET /v1/cluster on one node, or None if it does not answer."""
         p = self.procs[nid]
@@ -340,11 +381,13 @@ class Cluster:
             except OSError:
                 text = ""
             out.append(f"\n----- {nid} log ({p.log_path}), last {tail_chars} chars -----\n{text[-tail_chars:]}")
-        if self.proxy is not None:
+        for name, px in (("fault proxy", self.proxy), ("client proxy", self.client_proxy)):
+            if px is None:
+                continue
             try:
-                out.append("\n----- fault proxy links -----\n" + json.dumps(self.proxy.stats(), sort_keys=True))
+                out.append(f"\n----- {name} links -----\n" + json.dumps(px.stats(), sort_keys=True))
             except Exception as e:  # noqa: BLE001 - evidence only
-                out.append(f"\n----- fault proxy: no stats ({e!r}) -----")
+                out.append(f"\n----- {name}: no stats ({e!r}) -----")
         return "".join(out) + "\n"
 
 

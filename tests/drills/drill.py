@@ -20,6 +20,10 @@ processes (``cluster.Cluster``), creates a queue, and for ``duration_s`` seconds
   ``CASCADE_ACTIONS``: the successor of a killed primary killed too, a replica killed
   and then the primary stopped). ``faults=(kind, ...)`` makes the nemesis carry out those
   kinds first, in order, and keeps the load going past ``duration_s`` until they are over.
+  With ``client_partitions=True`` the clients (producers, consumers, the drain) reach
+  every node through a second fault proxy, and the nemesis also cuts the links between
+  the clients and one node or holds their bytes (see ``CLIENT_PARTITION_ACTIONS``);
+  the role observer and the nemesis's own views still reach the nodes directly.
 
 Every client call talks to a random running node (a new one after an error) and is
 recorded in a :class:`History` (invoke, then ok / fail / unknown as the module docstring
@@ -47,12 +51,12 @@ try:  # imported as tests.drills.drill (python -m) or drills.drill (pytest rootd
     from .checker import DEFINITE_FAILURE_KINDS, check
     from .cluster import Cluster, db_digest, primaries_from_logs
     from .history import History, expires_at_monotonic
-    from .proxy import BLACKHOLE, DROP
+    from .proxy import ANSWERS_HELD, BLACKHOLE, DROP
 except ImportError:  # pragma: no cover
     from checker import DEFINITE_FAILURE_KINDS, check  # type: ignore
     from cluster import Cluster, db_digest, primaries_from_logs  # type: ignore
     from history import History, expires_at_monotonic  # type: ignore
-    from proxy import BLACKHOLE, DROP  # type: ignore
+    from proxy import ANSWERS_HELD, BLACKHOLE, DROP  # type: ignore
 
 QUEUE = "drill"
 FAILURE_QUEUE = QUEUE + ".failed"
@@ -98,9 +102,24 @@ GRACEFUL_ACTIONS = (("term_primary", 0.3),)
 # confirming what that fsync held, and rejoin once started again on the same data
 FSYNC_ERROR_ACTIONS = (("fsync_error", 0.3),)
 FSYNC_EXIT_TIMEOUT_S = 15.0  # from the failing fsync's file made to the node's exit
+# with client_partitions=True the clients reach the nodes through a fault proxy, and the
+# nemesis also faults the links between the clients and one node (both of its ports, HTTP
+# and gRPC), for 3.75-5 s (longer than a client's timeout), then heals them by resetting their connections (what a link
+# held is discarded: no request reaches a node after its client gave up on it):
+#   client_hold_primary  the primary's answers are held, its requests reach it and run
+#                        (answers_held: a send stored whose 201 never comes, an ack applied
+#                        whose 204 never comes, a lease granted whose answer is lost); one
+#                        draw in three holds the requests too (blackhole)
+#   client_cut_primary   every connection to the primary is reset (drop)
+#   client_replica       a replica, in one of the three modes
+# The node-to-node links are untouched: the cluster keeps its primary, and the clients of
+# the faulted node time out (or see a reset) and move to another node.
+CLIENT_PARTITION_ACTIONS = (("client_hold_primary", 0.2), ("client_cut_primary", 0.1), ("client_replica", 0.1))
+SPREAD_EVERY = 20  # with client partitions, a client moves to a random node after ~1 call in this many
 # every fault kind the nemesis knows, for a scripted start (Drill(faults=...))
 FAULT_KINDS = frozenset(a for acts in (PROCESS_ACTIONS, PARTITION_ACTIONS, CASCADE_ACTIONS, DISK_LOSS_ACTIONS,
-                                       GRACEFUL_ACTIONS, FSYNC_ERROR_ACTIONS) for a, _ in acts)
+                                       GRACEFUL_ACTIONS, FSYNC_ERROR_ACTIONS, CLIENT_PARTITION_ACTIONS)
+                        for a, _ in acts)
 SCRIPT_WAIT_S = 120.0  # how long past duration_s the load runs for the scripted faults to be done
 
 
@@ -128,24 +147,34 @@ def classify(exc: BaseException) -> tuple[str, dict]:
 
 
 class _Client:
-    """A logical client process: one node at a time, another random one after an error."""
+    """A logical client process: one node at a time, another random one after an error.
+    With ``spread`` (client partitions) it also moves to a random running node, maybe
+    the same, after about one call in SPREAD_EVERY, as clients behind a load balancer
+    spread over the nodes: a fault of one node's client links then catches some of
+    every client's calls, not only those of the clients that happened to be on it."""
 
-    def __init__(self, cluster: Cluster, rng: random.Random, name: str):
-        self.cluster, self.rng, self.name = cluster, rng, name
+    def __init__(self, cluster: Cluster, rng: random.Random, name: str, spread: bool = False):
+        self.cluster, self.rng, self.name, self.spread = cluster, rng, name, spread
         self.node: Optional[str] = None
         self.http: Optional[HttpClient] = None
 
-    def pick(self) -> None:
+    def pick(self, anywhere: bool = False) -> None:
         with self.cluster.lock:
             running = [n for n in self.cluster.ids if self.cluster.alive(n)]
-        others = [n for n in running if n != self.node] or running or self.cluster.ids
+        others = (running if anywhere else [n for n in running if n != self.node]) or running or self.cluster.ids
         self.node = self.rng.choice(others)
-        self.http = HttpClient(self.cluster.url(self.node), self.cluster.admin_key, timeout_s=CLIENT_TIMEOUT_S)
+        self.http = HttpClient(self.cluster.client_url(self.node), self.cluster.admin_key,
+                               timeout_s=CLIENT_TIMEOUT_S)
 
     def client(self) -> HttpClient:
         if self.http is None:
             self.pick()
         return self.http
+
+    def moved(self) -> None:
+        """After a call that did not fail: with ``spread``, move now and then."""
+        if self.spread and self.rng.random() < 1 / SPREAD_EVERY:
+            self.pick(anywhere=True)
 
 
 class Drill:
@@ -153,7 +182,7 @@ class Drill:
                  consumers: int = 2, send_pause_s: float = 0.05, failover_timeout_s: float = 1.0,
                  log=print, power_loss: bool = False, partitions: bool = False, cascades: bool = False,
                  disk_loss: bool = False, graceful: bool = False, fsync_errors: bool = False, faults: tuple = (),
-                 node_args: tuple = ()):
+                 node_args: tuple = (), client_partitions: bool = False):
         unknown = [f for f in faults if f not in FAULT_KINDS]
         if unknown:
             raise ValueError(f"unknown fault kinds {unknown}; known: {sorted(FAULT_KINDS)}")
@@ -163,6 +192,7 @@ class Drill:
                  "fsync_errors": (fsync_errors, {a for a, _ in FSYNC_ERROR_ACTIONS}),
                  "disk_loss": (disk_loss, {a for a, _ in DISK_LOSS_ACTIONS}),
                  "graceful": (graceful, {a for a, _ in GRACEFUL_ACTIONS}),
+                 "client_partitions": (client_partitions, {a for a, _ in CLIENT_PARTITION_ACTIONS}),
                  "partitions": (partitions, {a for a, _ in PARTITION_ACTIONS} - {a for a, _ in PROCESS_ACTIONS})}
         for flag, (on, kinds) in needs.items():
             if not on and set(faults) & kinds:
@@ -185,9 +215,11 @@ class Drill:
         self.disk_loss = disk_loss
         self.graceful = graceful
         self.fsync_errors = fsync_errors
+        self.client_partitions = client_partitions
         self.cluster = Cluster(os.path.join(self.workdir, "nodes"), nodes=nodes,
                                failover_timeout_s=failover_timeout_s, power_loss=power_loss,
-                               partitions=partitions, extra_args=node_args, fsync_errors=fsync_errors)
+                               partitions=partitions, extra_args=node_args, fsync_errors=fsync_errors,
+                               client_partitions=client_partitions)
         self.stop_load = threading.Event()
         self.stop_observer = threading.Event()
         self.thread_errors: list[str] = []
@@ -212,6 +244,7 @@ class Drill:
             c.pick()
             return typ, e
         op.ok(**on_ok(v, http))
+        c.moved()
         return "ok", v
 
     def send(self, c: _Client, body: str):
@@ -271,7 +304,7 @@ class Drill:
     def producer(self, i: int):
         name = f"p{i}"
         rng = self.rng(name)
-        c = _Client(self.cluster, rng, name)
+        c = _Client(self.cluster, rng, name, spread=self.client_partitions)
         n = 0
         while not self.stop_load.is_set():
             n += 1
@@ -291,7 +324,7 @@ class Drill:
         resend must be answered as a duplicate of the same message. The checker's
         keyed_duplicates counts keys that made more than one message (S6)."""
         rng = self.rng(name)
-        c = _Client(self.cluster, rng, name)
+        c = _Client(self.cluster, rng, name, spread=self.client_partitions)
         n = 0
         answered: list = []  # (when, body) of sends answered, to send again later
 
@@ -322,7 +355,7 @@ class Drill:
         from spooler.client import Client
         from spooler._common import batch_request, batch_results
         rng = self.rng(name)
-        c = _Client(self.cluster, rng, name)
+        c = _Client(self.cluster, rng, name, spread=self.client_partitions)
         n = 0
         while not self.stop_load.is_set():
             c.client()
@@ -332,7 +365,7 @@ class Drill:
                 bodies.append(f"s{self.seed}-{name}-{n}")
             ops = [self.h.invoke(name, "send", node=c.node, queue=QUEUE, body=b, batch=bodies[0]) for b in bodies]
             try:
-                with Client(self.cluster.procs[c.node].grpc_target, self.cluster.admin_key,
+                with Client(self.cluster.client_grpc_target(c.node), self.cluster.admin_key,
                             timeout_s=CLIENT_TIMEOUT_S, retry_attempts=1) as g:
                     req = batch_request([(QUEUE, b.encode(), 0.0, "") for b in bodies])  # the compact form
                     res = batch_results(g._call("SendBatch", req, write=True))
@@ -345,13 +378,14 @@ class Drill:
                 continue
             for op, r in zip(ops, res):
                 op.ok(id=r.id, duplicate=r.duplicate)
+            c.moved()
             if self.send_pause_s:
                 self.stop_load.wait(rng.random() * 2 * self.send_pause_s)
 
     def consumer(self, i: int):
         name = f"c{i}"
         rng = self.rng(name)
-        c = _Client(self.cluster, rng, name)
+        c = _Client(self.cluster, rng, name, spread=self.client_partitions)
         while not self.stop_load.is_set():
             typ, v = self.receive(c, QUEUE, RECEIVE_WAIT_S)
             if typ != "ok":
@@ -422,6 +456,9 @@ class Drill:
         if self.fsync_errors:  # last again: without it, every other seed draws as before
             total = sum(w for _, w in actions)
             actions = tuple((a, w * (1 - 0.3) / total) for a, w in actions) + FSYNC_ERROR_ACTIONS
+        if self.client_partitions:  # after fsync errors, for the same reason
+            total, share = sum(w for _, w in actions), sum(w for _, w in CLIENT_PARTITION_ACTIONS)
+            actions = tuple((a, w * (1 - share) / total) for a, w in actions) + CLIENT_PARTITION_ACTIONS
         # its own stream, so that cascades do not shift the other draws of a seed
         crng = self.rng("cascade")
         try:
@@ -445,9 +482,10 @@ class Drill:
             down = rng.uniform(1.5, 4.0)
             # with partitions, every round draws the same numbers whatever the action, so the
             # n-th fault's kind and parameters depend on the seed alone
-            x1, x2 = (rng.random(), rng.random()) if self.partitions else (None, None)
+            x1, x2 = (rng.random(), rng.random()) if self.partitions or self.client_partitions else (None, None)
             cp = c.current_primary()
-            if cp is None or len(c.live()) < len(c.ids) or (c.proxy is not None and c.proxy.faulted()):
+            if cp is None or len(c.live()) < len(c.ids) or any(
+                    px is not None and px.faulted() for px in (c.proxy, c.client_proxy)):
                 self._wait_healthy(5.0)  # one fault at a time
                 continue
             p, epoch = cp
@@ -459,6 +497,9 @@ class Drill:
                 self._term(p, epoch, down)
             elif action == "fsync_error":
                 self._fsync_error(p, epoch, down, crng)
+            elif action in ("client_hold_primary", "client_cut_primary", "client_replica"):
+                # past a client's timeout: calls caught in a hold time out (and move on)
+                self._client_partition(action, p, epoch, CLIENT_TIMEOUT_S + down / 2, x1, x2)
             elif action not in ("kill_primary", "stop_primary", "restart_replica"):
                 self._partition(action, p, epoch, ft + 0.75 * down, x1, x2)
             elif action == "kill_primary":
@@ -653,6 +694,31 @@ class Drill:
         else:
             self.notes.append(f"{node} did not rejoin within 30s of the heal of {kind} at t={t_heal:.3f}")
 
+    def _client_partition(self, action: str, p: str, epoch: int, hold_s: float, x1: float, x2: float) -> None:
+        """The links between the clients and the primary ``p`` (or a replica) faulted for
+        ``hold_s`` (CLIENT_PARTITION_ACTIONS), then healed with their connections reset:
+        whatever they held is discarded, so a request held there never reaches the node
+        after its client gave up (the checker takes an unknown call to have taken effect,
+        if at all, while it was in flight). x1, x2: this round's uniform draws."""
+        c, h, px = self.cluster, self.h, self.cluster.client_proxy
+        node, role = p, "primary"
+        if action == "client_replica":
+            replicas = [n for n in c.ids if n != p]
+            node, role = replicas[int(x1 * len(replicas))], "replica"
+            mode = (ANSWERS_HELD, BLACKHOLE, DROP)[min(2, int(x2 * 3))]
+        elif action == "client_cut_primary":
+            mode = DROP
+        else:
+            mode = BLACKHOLE if x2 < 1 / 3 else ANSWERS_HELD
+        kind = {ANSWERS_HELD: "hold_answers", BLACKHOLE: "hold", DROP: "cut"}[mode]
+        links = {k: mode for k in c.client_links(node)}
+        h.nemesis("client_partition", node, role=role, epoch=epoch, kind=kind, mode=mode,
+                  hold_s=round(hold_s, 3))
+        px.set_links(links)
+        self.stop_load.wait(hold_s)
+        h.nemesis("client_heal", node, links=sorted(f"{a}->{b}:{m}" for (a, b), m in links.items()))
+        px.heal(reset=True)
+
     def _wait_rejoined(self, timeout_s: float) -> bool:
         """Every node answers and names the same primary in the same epoch."""
         deadline = time.monotonic() + timeout_s
@@ -672,6 +738,11 @@ class Drill:
             self.h.nemesis("heal", None, phase="heal",
                            links=sorted(f"{a}->{b}:{m}" for (a, b), m in links.items()))
             c.proxy.heal()
+        if c.client_proxy is not None and c.client_proxy.faulted():
+            links = c.client_proxy.faulted()
+            self.h.nemesis("client_heal", None, phase="heal",
+                           links=sorted(f"{a}->{b}:{m}" for (a, b), m in links.items()))
+            c.client_proxy.heal(reset=True)
         for nid in c.ids:
             if nid in c.stopped:
                 self.h.nemesis("cont", nid, phase="heal")
@@ -781,6 +852,7 @@ class Drill:
         drained = False
         final: dict = {}
         final_proxy: Optional[dict] = None
+        final_client_proxy: Optional[dict] = None
         with self.cluster:
             try:
                 self.cluster.primary(timeout_s=30)
@@ -806,6 +878,8 @@ class Drill:
                 final = self.finish()
                 if self.cluster.proxy is not None:
                     final_proxy = self.cluster.proxy.stats()
+                if self.cluster.client_proxy is not None:
+                    final_client_proxy = self.cluster.client_proxy.stats()
                 obs.join(timeout=10)
             finally:
                 self.stop_observer.set()
@@ -829,7 +903,8 @@ class Drill:
         report.update(seed=self.seed, rejoins=rejoins, duration_s=self.duration_s, wall_s=time.monotonic() - t0,
                       workdir=self.workdir, history=hist_path, drain_complete=drained,
                       nemesis_counts=nem_counts, faults=list(self.rounds), thread_errors=self.thread_errors, notes=self.notes,
-                      node_counters=final.get("node_counters"), proxy_links=final_proxy)
+                      node_counters=final.get("node_counters"), proxy_links=final_proxy,
+                      client_proxy_links=final_client_proxy)
         report["unexpected_exits"] = self.unexpected_exits
         if self.thread_errors or not drained or self.unexpected_exits:
             report["required_zeros_ok"] = False

@@ -1,6 +1,7 @@
 """Run many seeded failover drills one after another.
 
-    python -m tests.drills.run --seeds 1-100 --duration 30 [--partitions] [--power-loss] [--workdir DIR] [--keep]
+    python -m tests.drills.run --seeds 1-100 --duration 30 [--partitions] [--power-loss] [--client-partitions]
+        [--workdir DIR] [--keep]
 
 Prints the checker table of each seed, then a summary (totals per field, failing seeds),
 and exits 1 if any seed fails its required zeros. The histories and node logs of
@@ -29,7 +30,8 @@ except ImportError:  # pragma: no cover - run as a plain script
 
 SUMMED = ("sends", "confirmed_sends", "deliveries", "drain_deliveries", "empty_receives", "unknown_receives",
           "unknown_sends", "unknown_sends_appeared", "keyed_sends", "keyed_answered_duplicate", "ids_delivered_more_than_once", *REQUIRED_ZEROS,
-          "orphan_completions")
+          "orphan_completions", "client_partitions", "client_partition_calls", "client_partition_unknowns",
+          "client_partition_unknown_sends_delivered")
 
 
 def parse_seeds(spec: str) -> list[int]:
@@ -124,6 +126,10 @@ def main(argv=None) -> int:
     ap.add_argument("--fsync-errors", action="store_true",
                     help="the nemesis also fails the next fsync of the primary or a replica (needs "
                          "--power-loss): the node must stop (exit 70) and rejoin once started again")
+    ap.add_argument("--client-partitions", action="store_true",
+                    help="the clients reach the nodes through a fault proxy; the nemesis also cuts the "
+                         "links between the clients and one node, or holds their bytes (answers lost "
+                         "after the node acted)")
     ap.add_argument("--faults", default="",
                     help="comma-separated fault kinds each seed's nemesis makes first, in order "
                          "(e.g. kill_primary_twice,replace_replica); the load runs on until they are over")
@@ -147,6 +153,7 @@ def main(argv=None) -> int:
           f"{', power loss' if args.power_loss else ''}{', partitions' if args.partitions else ''}"
           f"{', cascades' if args.cascades else ''}{', disk loss' if args.disk_loss else ''}"
           f"{', graceful stops' if args.graceful else ''}{', fsync errors' if args.fsync_errors else ''}"
+          f"{', client partitions' if args.client_partitions else ''}"
           f"{', node flags ' + repr(args.node_args) if args.node_args else ''}, in {root}",
           flush=True)
     reports = []
@@ -158,7 +165,8 @@ def main(argv=None) -> int:
         try:
             r = run_drill(seed, args.duration, nodes=args.nodes, workdir=wd, power_loss=args.power_loss,
                           partitions=args.partitions, cascades=args.cascades, disk_loss=args.disk_loss,
-                          graceful=args.graceful, fsync_errors=args.fsync_errors, faults=faults, node_args=tuple(shlex.split(args.node_args)))
+                          graceful=args.graceful, fsync_errors=args.fsync_errors, faults=faults,
+                          node_args=tuple(shlex.split(args.node_args)), client_partitions=args.client_partitions)
         except Exception as e:  # noqa: BLE001 - a drill that cannot finish is a failing seed
             import traceback
             traceback.print_exc()

@@ -16,9 +16,12 @@ class Sim:
     def __init__(self):
         self.now = 0.0
         self.h = History(clock=lambda: self.now)
+        self.node = None  # the node the calls' invokes name, if set
 
     def _call(self, f, t0, t1, outcome, inv, res, process="c1"):
         self.now = t0
+        if self.node is not None:
+            inv = {**inv, "node": self.node}
         op = self.h.invoke(process, f, **inv)
         if outcome is None:  # the process died: no completion
             return op
@@ -388,6 +391,86 @@ def test_unknown_ack_cause():
     # grant, the acked message came back; if not, t1 was still live: an overlap either way
     assert_only(r, overlapping_leases=1)
     assert r["duplicate_deliveries"]["unknown_ack"] == 1
+
+
+def _client_partition_history(ack_answered: bool):
+    """The links between the clients and n1 faulted from 2.0 to 6.0 (answers held):
+    an ack applied or not, whose 204 never came; a send stored whose 201 never came
+    (delivered later), one never stored; a receive in flight when the fault began."""
+    s = Sim()
+    s.role(0.0, "n1", 1)
+    s.node = "n1"
+    s.send(1.0, 1.01, "b1", "m1")  # before the fault: not one of its calls
+    s.recv(1.1, 1.11, "m1", "b1", "t1", lease_s=2.0)
+    s.recv(1.5, 4.5, None, None, None, outcome="unknown")  # in flight when it began
+    s.nemesis(2.0, "client_partition", "n1")
+    if ack_answered:
+        s.settle("ack", 2.1, 2.11, "m1", "t1")
+    else:
+        s.settle("ack", 2.1, 5.1, "m1", "t1", outcome="unknown", error="operation_unconfirmed")
+    s.send(2.2, 5.2, "b2", outcome="unknown", error="operation_unconfirmed")
+    s.send(2.3, 5.3, "b3", outcome="unknown", error="operation_unconfirmed")
+    s.node = "n2"
+    s.send(2.4, 2.41, "b4", "m4")  # another node's: not one of its calls
+    s.recv(4.0, 4.01, "m1", "b1", "t1b", retry=1)  # t1 expired at 3.11
+    s.settle("ack", 4.1, 4.11, "m1", "t1b")
+    s.nemesis(6.0, "client_heal", "n1")
+    s.recv(6.5, 6.51, "m2", "b2", "t2")
+    s.settle("ack", 6.6, 6.61, "m2", "t2")
+    s.recv(6.7, 6.71, "m4", "b4", "t4")
+    s.settle("ack", 6.8, 6.81, "m4", "t4")
+    s.node = "n1"
+    s.send(6.9, 6.91, "b5", "m5")  # after the heal: not one of its calls
+    s.recv(6.95, 6.96, "m5", "b5", "t5")
+    s.settle("ack", 6.97, 6.98, "m5", "t5")
+    s.node = "n3"
+    s.nemesis(7.0, "client_partition", "n3")
+    s.send(7.5, 7.9, "b6", outcome="unknown", error="operation_unconfirmed")
+    s.nemesis(8.0, "client_heal", None)  # the final heal names no node: it ends every fault
+    s.send(8.5, 8.51, "b7", "m7")
+    s.recv(8.6, 8.61, "m7", "b7", "t7")
+    s.settle("ack", 8.7, 8.71, "m7", "t7")
+    s.final()
+    return s.check()
+
+
+def test_answers_lost_in_a_client_partition_are_unknown_and_judged_as_usual():
+    """A send whose 201 was held is maybe landed (delivered or not, never lost or
+    unexpected); an ack whose 204 was held is no confirmed ack, so its message seen
+    again after its lease expired is no anomaly; the calls that crossed the faulted
+    links are counted (evidence that the fault caught some)."""
+    r = _client_partition_history(ack_answered=False)
+    assert_only(r)
+    assert r["duplicate_deliveries"]["lease_expired"] == 1
+    assert r["unknown_sends"] == 3 and r["unknown_sends_appeared"] == 1
+    assert r["client_partitions"] == 2
+    assert r["client_partition_calls"] == 5
+    assert r["client_partition_unknowns"] == 5
+    assert r["client_partition_unknowns_by_call"] == {"receive": 1, "ack": 1, "send": 3}
+    assert r["client_partition_unknown_sends_delivered"] == 1
+    assert "client_partition_calls" in format_table(r)
+
+
+def test_an_ack_answered_in_a_client_partition_then_seen_again_is_counted():
+    """The same history with the held ack's 204 delivered: a confirmed ack, then its
+    message delivered again."""
+    r = _client_partition_history(ack_answered=True)
+    assert_only(r, acked_then_redelivered=1, settles_of_superseded_leases=1)
+    assert r["client_partition_calls"] == 5 and r["client_partition_unknowns"] == 4
+
+
+def test_a_client_partition_never_healed_lasts_to_the_end_and_none_counts_nothing():
+    s = Sim()
+    s.node = "n1"
+    s.send(1.0, 1.5, "b1", outcome="unknown")
+    r = s.check()
+    assert (r["client_partitions"], r["client_partition_calls"]) == (0, 0)
+    assert "client_partition_calls" not in format_table(r)
+    s.nemesis(2.0, "client_partition", "n1")
+    s.send(9.0, 9.5, "b2", outcome="unknown")
+    s.send(9.6, 9.7, "b3", "m3")
+    r = s.check()
+    assert (r["client_partitions"], r["client_partition_calls"], r["client_partition_unknowns"]) == (1, 2, 1)
 
 
 def test_double_primary():

@@ -15,12 +15,12 @@ pytestmark = pytest.mark.integration
 
 
 def _run(seed, duration_s, tmp_path, power_loss=False, partitions=False, cascades=False, disk_loss=False,
-         graceful=False, fsync_errors=False, faults=()):
+         graceful=False, fsync_errors=False, faults=(), client_partitions=False):
     """faults: kinds the nemesis carries out first (the load runs on until they are over), so
     that what a test asserts of them does not hang on how many rounds fit in duration_s."""
     report = run_drill(seed, duration_s, nodes=3, workdir=str(tmp_path / f"seed-{seed}"), power_loss=power_loss,
                        partitions=partitions, cascades=cascades, disk_loss=disk_loss, graceful=graceful,
-                       fsync_errors=fsync_errors, faults=faults)
+                       fsync_errors=fsync_errors, faults=faults, client_partitions=client_partitions)
     assert report["faults"][:len(faults)] == list(faults), (report["faults"], report["notes"])
     table = format_table(report)
     print(f"seed {seed}: {report['wall_s']:.1f}s wall, nemeses {json.dumps(report['nemesis_counts'])}\n{table}")
@@ -102,6 +102,37 @@ def test_short_fsync_error_drill(tmp_path):
     assert len(fs) >= 2 and all(w["unavailable_s"] is not None for w in fs), fs
 
 
+def test_short_client_partition_drill(tmp_path):
+    """The clients reach the nodes through a fault proxy: the primary's answers are held
+    while its requests run (sends stored whose 201 never comes, acks applied whose 204
+    never comes, leases granted whose answer is lost), then every connection to the
+    primary is cut. The calls caught in them end unknown, their clients move on, and
+    nothing is lost, delivered unexpectedly or acked and seen again."""
+    r = _run(3, 8.0, tmp_path, client_partitions=True, faults=("client_hold_primary", "client_cut_primary"))
+    counts = r["nemesis_counts"]
+    assert counts.get("client_partition_hold_answers_primary", 0) >= 1, counts
+    assert counts.get("client_partition_cut_primary", 0) >= 1, counts
+    assert r["client_partitions"] >= 2, r["client_partitions"]
+    # the faults caught calls: some ended unknown (so the checker judged maybe-landed
+    # sends and unconfirmed settles), and the clients went on elsewhere
+    assert r["client_partition_unknowns"] >= 1, (r["client_partition_calls"], r["client_partition_unknowns_by_call"])
+    # a call held past its timeout ended unknown, and its client went on to another node
+    events = [json.loads(x) for x in open(r["history"])]
+    faulted = {e["node"] for e in events if e.get("type") == "nemesis" and e["f"] == "client_partition"}
+    invokes = {(e["process"], e["op"]): e for e in events if e.get("type") == "invoke"}
+    timed_out = [(e["process"], e["op"]) for e in events if e.get("type") == "unknown"
+                 and "timed out" in e.get("message", "") and invokes[(e["process"], e["op"])]["node"] in faulted]
+    assert timed_out, r["client_partition_unknowns_by_call"]
+    for proc, op in timed_out:
+        nxt = next((e for e in events if e.get("type") == "invoke" and e["process"] == proc and e["op"] > op), None)
+        assert nxt is None or nxt["node"] != invokes[(proc, op)]["node"], (invokes[(proc, op)], nxt)
+    links = r["client_proxy_links"]
+    assert len(links) == 6 and all(x["mode"] == "ok" for x in links.values()), links
+    # every client call crossed the proxy: HTTP to every node, gRPC batches to some
+    assert sum(1 for k, x in links.items() if "/grpc" not in k and x["bytes_fwd"] and x["bytes_back"]) == 3, links
+    assert any(x["bytes_fwd"] for k, x in links.items() if "/grpc" in k), links
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [2, 3, 4, 5, 6])
 def test_long_failover_drill(seed, tmp_path):
@@ -121,5 +152,7 @@ def test_a_fault_script_names_only_faults_the_drill_can_make(tmp_path):
         run_drill(1, 1.0, workdir=str(tmp_path), faults=("kill_primary_twice",))
     with pytest.raises(ValueError, match="needs power_loss=True"):
         run_drill(1, 1.0, workdir=str(tmp_path), fsync_errors=True, faults=("fsync_error",))
+    with pytest.raises(ValueError, match="need client_partitions=True"):
+        run_drill(1, 1.0, workdir=str(tmp_path), faults=("client_hold_primary",))
     with pytest.raises(ValueError, match="need fsync_errors=True"):
         run_drill(1, 1.0, workdir=str(tmp_path), power_loss=True, faults=("fsync_error",))
