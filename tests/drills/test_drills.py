@@ -1,7 +1,7 @@
 """Seeded process-failover drills against a real 3-node cluster (see drill.py).
 
-The short drills (plain, power loss, partitions through the fault proxy) run in the normal
-suite; the long ones are ``@pytest.mark.slow``
+The short drills (plain, power loss, partitions through the fault proxy, partitions
+between the clients and the nodes, ...) run in the normal suite; the long ones are ``@pytest.mark.slow``
 (``pytest -m slow tests/drills/test_drills.py``). Many seeds: ``python -m tests.drills.run``.
 """
 import json
