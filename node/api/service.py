@@ -191,6 +191,10 @@ class Service:
         self.forwarded_polls = 0  # long polls this replica has forwarded, waiting (Limits.forwarded_polls_max)
         self._names_ok: set = set()  # names check_name_any passed (a pure check: remembered, bounded)
         self._keys_creating = 0
+        # lease id -> the commit of the ack or nack that fenced it (Core.begin_settle),
+        # until that commit is known: another request's settle of the lease waits for
+        # it (_settling_elsewhere)
+        self._settling: dict = {}
 
     @property
     def core(self):
@@ -972,6 +976,9 @@ class Service:
         try:
             lease = self.core.check_lease(epoch, lease_id, nonce, now)
         except StaleLeaseError as e:
+            fut = self._settling.get(lease_id) if e.reason == "settled" else None
+            if fut is not None:
+                raise _SettlingElsewhere(fut) from None
             if queue not in self.core.queues:
                 # the queue was deleted (its leases ended with it): say so, as SQS does,
                 # not stale_lease; a queue created again under the name is another one,
@@ -1002,7 +1009,10 @@ class Service:
         if self.forwards():
             self.decode_token(token)
             return (await self.fwd.settle(self._remote(p), p.auth, [(token, "renew", 0.0)], False))[0]
-        lease = self._live_lease(p, token)
+        try:
+            lease = self._live_lease(p, token)
+        except _SettlingElsewhere as s:
+            raise await s.outcome() from None
         return self._renewed(lease, self.engine.now_us())
 
     def _renewed(self, lease, now: int) -> LeaseEnd:
@@ -1028,6 +1038,7 @@ class Service:
         rec = log_pb2.Record()
         add = rec.settle.entries.add
         fenced = []  # (item index, lease), in the record's entry order
+        elsewhere = []  # (item index, _SettlingElsewhere): leases another request is settling
         first_error = None
         serving, now = self.engine.serving(), self.engine.now_us()
         for i, (token, action, delay_s) in enumerate(items):
@@ -1050,6 +1061,8 @@ class Service:
                     e.kind = log_pb2.NACK
                     if delay_us:
                         e.delay_us = delay_us
+            except _SettlingElsewhere as s:
+                elsewhere.append((i, s))
             except errors.SpoolerError as e:
                 out[i] = e
                 if not per_item_errors:
@@ -1063,12 +1076,18 @@ class Service:
                 for _, lease in fenced:
                     self.core.end_settle(lease)
                 raise
+            ids = [lease.id for _, lease in fenced]
+            for lid in ids:
+                self._settling[lid] = fut
+            fut.add_done_callback(functools.partial(self._settled_or_not, ids))
             changed = await fut
             for (i, lease), ok in zip(fenced, changed):
                 if not ok:  # the message was moved or deleted meanwhile (redrive, queue delete)
                     out[i] = (errors.QueueNotFound(f"queue {lease.queue} does not exist")
                               if lease.queue not in self.core.queues else  # as _live_lease says
                               errors.StaleLease("lease is no longer valid: settled", reason="settled"))
+        for i, s in elsewhere:
+            out[i] = await s.outcome()
         if not per_item_errors:
             if first_error is not None:
                 raise first_error
@@ -1076,6 +1095,13 @@ class Service:
                 if isinstance(r, errors.SpoolerError):
                     raise r
         return out
+
+    def _settled_or_not(self, ids: list, fut) -> None:
+        """A fenced settle's commit is known (done, failed or given up): its leases'
+        later settles need not wait for it any more."""
+        for lid in ids:
+            if self._settling.get(lid) is fut:
+                del self._settling[lid]
 
     # ---------------------------------------------------------------- keys
     async def create_key(self, p: Principal, queue: str, scopes: list) -> dict:
@@ -1174,3 +1200,25 @@ class Service:
                                      f"in time; {now} primary): try again", retry_after_s=1.0)
         raise errors.OperationUnconfirmed(f"the switchover to {node} was started but no new primary is known yet; "
                                           "GET /v1/cluster tells when one is")
+
+
+class _SettlingElsewhere(Exception):
+    """A lease that another request's ack or nack has fenced and is committing.
+
+    Answering ``settled`` at once would say more than is known: that commit may
+    still fail (a storage error, a primary that loses its majority), and then the
+    message is not acked. An SDK that tries an ack again after an attempt whose
+    answer was lost reads ``settled`` as "our earlier ack landed", so the answer
+    waits for that commit: ``settled`` once it is in, ``operation_unconfirmed``
+    if it failed."""
+
+    def __init__(self, fut):
+        super().__init__()
+        self.fut = fut
+
+    async def outcome(self) -> errors.SpoolerError:
+        await asyncio.wait({self.fut})  # (not cancelled with this caller: it is another request's)
+        if not self.fut.cancelled() and self.fut.exception() is None:
+            return errors.StaleLease("lease is no longer valid: settled", reason="settled")
+        return errors.OperationUnconfirmed("another request's ack or nack of this lease was being "
+                                           "committed, and its outcome is unknown")

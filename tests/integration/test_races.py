@@ -190,3 +190,68 @@ def test_a_primary_that_has_not_opened_its_epoch_answers_not_now_instead_of_from
         with pytest.raises(errors.Unauthenticated):
             svc.authenticate("Bearer spk_unknown_secret")
     run(body, tmp_path)
+
+
+def _hold_commits(eng):
+    """Every commit from here on runs on the store's thread and waits there until
+    ``go`` is set; ``fail`` makes it raise (a write or fsync error) instead."""
+    import threading
+    go, fail = threading.Event(), threading.Event()
+    append = eng.store.append
+
+    def held(rows):
+        if not go.wait(10):
+            raise RuntimeError("commit held for too long")
+        if fail.is_set():
+            raise OSError("injected write error")
+        return append(rows)
+    eng.store.append = held
+    eng.small_commit = lambda rows: False  # never inline: the loop must run on meanwhile
+    return go, fail
+
+
+async def _until(pred, timeout_s: float = 5.0):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not pred():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("first_commits", [True, False])
+def test_a_second_settle_of_a_lease_waits_for_the_first_ones_commit(tmp_path, first_commits):
+    """An ack tried again (say, after its first attempt's answer was lost) while the
+    first attempt is still being committed must not be told ``settled`` before that
+    commit is known: an SDK reads ``settled`` after an unknown attempt as "our ack
+    landed". If the commit then fails, the message is not acked, and the second
+    attempt must say its outcome is unknown, never ``settled``."""
+    async def body(eng, svc):
+        eng.on_fatal = lambda e: None  # (a failed commit stops a real node; here it is watched)
+        await svc.put_queue(ADMIN, "q", {})
+        await svc.send(ADMIN, [("q", b"m", 0.0, "")])
+        [d] = await svc.receive(ADMIN, "q", 0)
+        go, fail = _hold_commits(eng)
+        try:
+            first = asyncio.ensure_future(svc.ack(ADMIN, d.token))
+            await _until(lambda: eng._io_jobs > 0)  # the first ack's commit is on the store's thread, held
+            second = asyncio.ensure_future(svc.ack(ADMIN, d.token))
+            renew = asyncio.ensure_future(svc.renew(ADMIN, d.token))
+            for _ in range(20):
+                await asyncio.sleep(0.005)
+            early = [t.done() for t in (second, renew)]
+            if not first_commits:
+                fail.set()
+        finally:
+            go.set()
+        results = await asyncio.gather(first, second, renew, return_exceptions=True)
+        assert early == [False, False], ("answered before the first ack's commit was known", results)
+        if first_commits:
+            assert results[0] is None
+            for r in results[1:]:
+                assert isinstance(r, errors.StaleLease) and r.reason == "settled", r
+        else:
+            assert isinstance(results[0], errors.OperationUnconfirmed), results
+            for r in results[1:]:
+                assert not isinstance(r, errors.StaleLease), r  # never "settled": nothing was
+                assert isinstance(r, (errors.OperationUnconfirmed, errors.Unavailable)), r
+    run(body, tmp_path)
