@@ -393,7 +393,12 @@ class Driver:
                 rows = [(lsn, ep, crc, self._frame_bytes[lsn]) for lsn, ep, crc in eff.req.entries]
                 e.check_from_primary(rows)  # contiguity and checksums, before anything is written
                 t = time.perf_counter()
-                await e.store_io(e.store.append, rows, inline=e.small_commit(rows))
+                try:
+                    await e.store_io(e.store.append, rows, inline=e.small_commit(rows))
+                except Exception as err:  # a write or fsync failed: as on the primary (S9), never
+                    if e.failed is None:  # acknowledged, and the node stops; going on would leave
+                        e._fail(err)      # it retrying frames into a store it cannot trust
+                    raise
                 if e.metrics:  # a replica's group commits count like the primary's
                     e.metrics.observe_commit(len(rows), time.perf_counter() - t)
                 e.stored_from_primary(rows)
@@ -826,6 +831,8 @@ class Driver:
                     f.primary_commit_lsn, f.lease_us), mono_us()))
                 return self._replies
             except Exception:
+                if self.engine.failed is not None:
+                    return []  # the store failed (Engine._fail): the node is stopping, nothing to resync
                 log.exception("frame from %s failed; resyncing the log view from the store", f.primary)
                 await self._resync()
                 return []

@@ -189,6 +189,7 @@ class _BareEngine:
     frames; a test's subclass supplies store_io (its disk)."""
     release_hook = None
     metrics = None
+    failed = None  # (Engine._fail: the store failed)
 
     def __init__(self):
         self.pending_releases: dict = {}
@@ -782,3 +783,59 @@ def test_a_shielded_step_that_fails_after_its_caller_left_is_not_reported_unread
         return seen
 
     assert not [m for m in asyncio.run(main()) if "never retrieved" in m]
+
+
+def test_a_replica_whose_store_write_fails_stops_and_acknowledges_nothing():
+    """S9 on a replica: a frame's records cannot be written (a write or an fsync of
+    the store fails). The frame is not acknowledged as holding them, and the node
+    is told to stop (``Engine._fail``), as a primary whose commit fails is; it
+    does not resync and go on taking frames into a store it cannot trust (it did,
+    and stopped only if its own checkpoint then had something to write)."""
+    import apsw
+
+    T = 1_000_000
+
+    class Eng(_BareEngine):
+        def __init__(self):
+            super().__init__()
+            self.fatal = []
+            self.store = self
+
+        def append(self, rows):
+            raise apsw.IOError("injected write failure")
+
+        def check_from_primary(self, rows):
+            pass
+
+        def small_commit(self, rows):
+            return True
+
+        def _fail(self, e):
+            self.failed = e
+            self.fatal.append(e)
+
+        async def store_io(self, fn, *a, inline=False):
+            return fn(*a)
+
+    async def main():
+        eng = Eng()
+        d = _following_n1(eng, T, T)
+        resyncs = []
+
+        async def resync():
+            resyncs.append(True)
+        d._resync = resync
+        rec = log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id="n1")).SerializeToString()
+
+        async def frames():
+            yield pb.AppendFrame(epoch=1, primary="n1", prev_lsn=0, prev_epoch=0, prev_crc=0,
+                                 entries=[pb.Entry(lsn=1, epoch=1, crc=chain(0, rec), rec=rec)],
+                                 commit_lsn=0, sent_us=mono_us(), lease_us=T)
+
+        acks = [a async for a in d.serve_stream(frames(), None)]
+        return eng, acks, resyncs
+
+    eng, acks, resyncs = asyncio.run(main())
+    assert [type(e) for e in eng.fatal] == [apsw.IOError], "the node was not told to stop"
+    assert not [a for a in acks if a.ok and a.match_lsn >= 1], acks  # nothing acknowledged as held
+    assert not resyncs  # a stopping node does not reload its view of the store
