@@ -5,6 +5,11 @@ memory until ``xSync`` and only then writes and fsyncs it. SIGKILL of such a
 node loses exactly what a power cut would lose: everything not fsync'd.
 ``SPOOLER_TEST_FSYNC_FAIL_FILE=path``: while that file exists, ``xSync``
 raises an I/O error (an fsync failure the node must not survive quietly).
+``SPOOLER_TEST_WRITE_FAIL_FILE=path``: while that file exists, ``xWrite``
+raises an I/O error (a write failure): the WAL's frames of a commit and the
+database file's pages of SQLite's own checkpoint alike. The failed write is
+not kept (not even in memory): the disk never took it, and a power cut after
+it loses what it would have lost without it.
 ``SPOOLER_TEST_SYNC_DELAY=1``: each ``xSync`` first sleeps for as many seconds
 as the file ``test-sync-delay`` beside the synced file says (none: no delay),
 a disk that is slow for a while.
@@ -22,12 +27,15 @@ SYNC_DELAY_FILE = "test-sync-delay"
 
 
 class BufferedVFS(apsw.VFS):
-    def __init__(self):
+    def __init__(self, name: str = NAME):
+        """``name``: another than the node's for a test of the VFS itself."""
         self.fail_file = os.environ.get("SPOOLER_TEST_FSYNC_FAIL_FILE", "")
+        self.write_fail_file = os.environ.get("SPOOLER_TEST_WRITE_FAIL_FILE", "")
         self.sync_delay = os.environ.get("SPOOLER_TEST_SYNC_DELAY") == "1"
         self.lock = threading.RLock()
         self.files: dict = {}  # path -> _State, shared by every handle on that file
-        super().__init__(NAME, "")
+        self.name = name
+        super().__init__(name, "")
 
     def xOpen(self, name, flags):
         return BufferedFile(self, name, flags)
@@ -108,6 +116,8 @@ class BufferedFile(apsw.VFSFile):
             return bytes(buf)
 
     def xWrite(self, data, offset):
+        if self.vfs.write_fail_file and os.path.exists(self.vfs.write_fail_file):
+            raise apsw.IOError("injected write failure")
         with self.vfs.lock:
             self.pending[offset] = bytes(data)
             self.size = max(self.size, offset + len(data))

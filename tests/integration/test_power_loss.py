@@ -8,6 +8,8 @@ the loss that synchronous=FULL prevents.
 """
 import asyncio
 import itertools
+import os
+import shutil
 
 import apsw
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from faults.lossy_vfs import LossyVFS
 from node.api.service import Principal, Service
 from node.engine import Engine
+from node.store.testvfs import BufferedVFS
 from spooler import errors
 
 ADMIN = Principal(admin=True)
@@ -158,6 +161,94 @@ def test_an_fsync_error_answers_the_writes_queued_behind_it_unavailable(tmp_path
         vfs.unregister()
 
     asyncio.run(main())
+
+
+def _cut_power(eng, fail, dest) -> str:
+    """The power goes out under ``eng``, abandoned on the buffered test VFS
+    (node/store/testvfs.py), which keeps every write not fsync'd in memory: what
+    the disk holds is its store's files as they are, copied to ``dest``. Then
+    the disk heals and the store is closed (a connection left open would be
+    closed by the garbage collector later, into the failing writes)."""
+    dest.mkdir()
+    for suffix in ("", "-wal"):
+        src = os.path.join(eng.data_dir, "spool.db" + suffix)
+        if os.path.exists(src):
+            shutil.copyfile(src, dest / ("spool.db" + suffix))
+    fail.unlink()
+    eng.store.close()
+    return str(dest)
+
+
+@pytest.fixture
+def write_fault(tmp_path, monkeypatch):
+    """A buffered test VFS whose writes fail while ``fail`` exists -> (vfs, fail)."""
+    fail = tmp_path / "fail-write"
+    monkeypatch.setenv("SPOOLER_TEST_WRITE_FAIL_FILE", str(fail))
+    vfs = BufferedVFS(f"buffered{next(_names)}")
+    yield vfs, fail
+    vfs.unregister()
+
+
+def test_a_write_error_stops_the_node_and_confirms_nothing(tmp_path, write_fault):
+    """S9 for a write (not an fsync) that fails: the send whose commit it was is
+    answered ``operation_unconfirmed``, the node is told to stop, nothing after
+    is confirmed; on the disk as it was, every send confirmed before is there
+    once, and the one whose write failed is not."""
+    vfs, fail = write_fault
+
+    async def main():
+        eng = Engine(str(tmp_path / "n"), vfs=vfs.name, checkpoint_interval_s=3600)
+        stopped = []
+        eng.on_fatal = stopped.append
+        await eng.start()
+        svc = Service(eng, ["k"])
+        await svc.put_queue(ADMIN, "q", {})
+        ok = [(await svc.send(ADMIN, [("q", b"before %d" % i, 0.0, "")]))[0][0] for i in range(5)]
+        await eng.store_io(lambda: None)  # the writer is idle: the next write is the send's
+        fail.write_text("")
+        with pytest.raises(errors.OperationUnconfirmed):
+            await asyncio.wait_for(svc.send(ADMIN, [("q", b"during", 0.0, "")]), 10)
+        assert stopped and not eng.ready
+        with pytest.raises(errors.Unavailable):  # never confirms anything after
+            await svc.send(ADMIN, [("q", b"after", 0.0, "")])
+        abandon(eng)
+        return ok, _cut_power(eng, fail, tmp_path / "img")
+
+    ok, img = asyncio.run(main())
+    seen, integrity = asyncio.run(_read_back(img))
+    assert integrity == "ok"
+    assert sorted(seen) == sorted(ok)  # each confirmed send once; "during" is not there
+
+
+def test_a_write_error_of_a_checkpoint_stops_the_node(tmp_path, write_fault):
+    """S9 for the node's own checkpoint (a background write on the store's writer
+    thread, no client waiting on it): its write fails, and the node is told to
+    stop; what it had confirmed is on the disk, once."""
+    vfs, fail = write_fault
+
+    async def main():
+        eng = Engine(str(tmp_path / "n"), vfs=vfs.name, checkpoint_interval_s=3600)
+        stopped = []
+        eng.on_fatal = stopped.append
+        await eng.start()
+        svc = Service(eng, ["k"])
+        await svc.put_queue(ADMIN, "q", {})
+        ok = [(await svc.send(ADMIN, [("q", b"m %d" % i, 0.0, "")]))[0][0] for i in range(5)]
+        assert len(eng.core.dirty)  # the checkpoint has these to write
+        fail.write_text("")
+        eng._checkpoint_soon.set()  # the checkpoint loop wakes and writes now
+        deadline = asyncio.get_running_loop().time() + 10
+        while not stopped:
+            assert asyncio.get_running_loop().time() < deadline, "the failed checkpoint did not stop the node"
+            await asyncio.sleep(0.01)
+        assert type(eng.failed) is apsw.IOError and not eng.ready
+        abandon(eng)
+        return ok, _cut_power(eng, fail, tmp_path / "img")
+
+    ok, img = asyncio.run(main())
+    seen, integrity = asyncio.run(_read_back(img))
+    assert integrity == "ok"
+    assert sorted(seen) == sorted(ok)
 
 
 def test_a_send_is_invisible_until_it_is_durable(tmp_path):
