@@ -219,14 +219,16 @@ def free_ports(n: int, lowest: int = 10000, highest: int = 0) -> list:
 
 
 def start_cluster(base_dir: str, n: int = 3, failover_timeout_s: float = 1.0, extra_args=(), env=None,
-                  per_node_args=None) -> dict:
+                  per_node_args=None, per_node_env=None) -> dict:
     """Start n nodes n1..nN with one --peers list, in parallel; returns {id: NodeProc}.
-    per_node_args(id) -> extra arguments for that node. The caller kills them."""
+    per_node_args(id) -> extra arguments for that node; per_node_env(id) -> more
+    environment for it. The caller kills them."""
     import threading
     ids = [f"n{i + 1}" for i in range(n)]
     ports = dict(zip(ids, free_ports(n)))
     peers = ",".join(f"{i}=127.0.0.1:{p}" for i, p in ports.items())
-    nodes = {i: NodeProc(os.path.join(base_dir, i), node_id=i, grpc_port=ports[i], env=env,
+    nodes = {i: NodeProc(os.path.join(base_dir, i), node_id=i, grpc_port=ports[i],
+                         env={**(env or {}), **per_node_env(i)} if per_node_env else env,
                          extra_args=["--peers", peers, "--failover-timeout", str(failover_timeout_s), *extra_args,
                                      *(per_node_args(i) if per_node_args else ())]) for i in ids}
     errors_ = []

@@ -2,7 +2,7 @@
 the disk before fsync, so SIGKILL = power cut), single node and cluster."""
 import time
 
-from integration.test_cluster import primary_of, send_until_ok, until_ok, view
+from integration.test_cluster import all_applied, primary_of, send_until_ok, until_ok, view
 from node.main import EXIT_STORE_FAILED
 from nodeproc import NodeProc, start_cluster, wait_until
 from spooler import errors
@@ -66,9 +66,12 @@ def test_control_synchronous_normal_loses_writes_on_power_loss(tmp_path):
         n.kill()
 
 
-def test_fsync_error_stops_a_node_and_it_rejoins(tmp_path):
-    fail = tmp_path / "fail-fsync"
-    n = NodeProc(str(tmp_path / "n"), env={**BUFFERED, "SPOOLER_TEST_FSYNC_FAIL_FILE": str(fail)})
+def _a_storage_error_stops_a_node_and_it_rejoins(tmp_path, fault_env: str):
+    """S9: while ``fault_env``'s file exists the node's store fails (test VFS); a send
+    then gets no 201, the node exits 70, and started again on the same data it has
+    every send it confirmed, once."""
+    fail = tmp_path / "fail"
+    n = NodeProc(str(tmp_path / "n"), env={**BUFFERED, fault_env: str(fail)})
     try:
         n.start()
         c = HttpClient(n.http_url, n.admin_key)
@@ -77,7 +80,7 @@ def test_fsync_error_stops_a_node_and_it_rejoins(tmp_path):
         fail.write_text("")
         try:
             c.send("q", b"during")
-            raise AssertionError("a send was confirmed although fsync failed")
+            raise AssertionError("a send was confirmed although its write failed")
         except errors.SpoolerError:
             pass
         assert n.proc.wait(timeout=10) == EXIT_STORE_FAILED  # it stopped instead of serving on
@@ -85,9 +88,57 @@ def test_fsync_error_stops_a_node_and_it_rejoins(tmp_path):
         n.start()
         c = HttpClient(n.http_url, n.admin_key)
         got = drain(c, "q")
-        assert set(before) <= set(got)
+        assert set(before) <= set(got) and len(got) == len(set(got)), got
     finally:
         n.kill()
+
+
+def test_fsync_error_stops_a_node_and_it_rejoins(tmp_path):
+    _a_storage_error_stops_a_node_and_it_rejoins(tmp_path, "SPOOLER_TEST_FSYNC_FAIL_FILE")
+
+
+def test_write_error_stops_a_node_and_it_rejoins(tmp_path):
+    _a_storage_error_stops_a_node_and_it_rejoins(tmp_path, "SPOOLER_TEST_WRITE_FAIL_FILE")
+
+
+def test_a_write_error_stops_a_replica_with_nothing_else_to_write(tmp_path):
+    """S9 on a replica: its store's writes fail once its checkpoints have written
+    everything, so the failing write is a primary's frame's. It must exit 70, not
+    go on taking frames into that store (it did: only a checkpoint's failure
+    stopped it, and a quiet replica had none to make). The primary commits with
+    the other replica meanwhile; restarted, the replica catches up, and every
+    confirmed send is there once."""
+    fails = {i: tmp_path / f"{i}.fail-write" for i in ("n1", "n2", "n3")}
+    nodes = start_cluster(str(tmp_path), 3, 1.0, env=BUFFERED,
+                          per_node_env=lambda i: {"SPOOLER_TEST_WRITE_FAIL_FILE": str(fails[i])})
+    try:
+        p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+        c = HttpClient(nodes[p].http_url, nodes[p].admin_key)
+        until_ok(lambda: c.put_queue("q"))
+        sent = [send_until_ok(c, "q", f"a{i}".encode())["id"] for i in range(20)]
+        r = next(i for i in nodes if i != p)
+        top = view(nodes[p])["appliedLsn"]
+        wait_until(lambda: all_applied(nodes, top), 15, what="every node applied every send")
+        quiet = {"n": -1.0, "since": time.monotonic()}
+
+        def checkpoints_done():  # none for 2.5 s: more than two of its checkpoint intervals
+            n = nodes[r].metric("spooler_checkpoint_seconds_count")
+            if n != quiet["n"]:
+                quiet["n"], quiet["since"] = n, time.monotonic()
+            return time.monotonic() - quiet["since"] >= 2.5
+        wait_until(checkpoints_done, 20, interval_s=0.1, what="the replica's checkpoints to stop")
+        fails[r].write_text("")
+        sent.append(send_until_ok(c, "q", b"during")["id"])  # committed with the other replica
+        assert nodes[r].proc.wait(timeout=10) == EXIT_STORE_FAILED
+        fails[r].unlink()
+        nodes[r].start()
+        top = view(nodes[p])["appliedLsn"]
+        wait_until(lambda: all_applied(nodes, top), 15, what="the replica caught up")
+        got = drain(c, "q")
+        assert set(sent) <= set(got) and len(got) == len(set(got)), got
+    finally:
+        for x in nodes.values():
+            x.kill()
 
 
 def test_cluster_power_loss_of_primary_and_replica(tmp_path):
