@@ -58,13 +58,14 @@ CLIENTS, GRPC = "clients", "/grpc"  # the client proxy's pseudo-node, and its gR
 class Cluster:
     def __init__(self, workdir: str, nodes: int = 3, failover_timeout_s: float = 1.0,
                  admin_key: str = ADMIN_KEY, extra_args=(), power_loss: bool = False, partitions: bool = False,
-                 fsync_errors: bool = False, client_partitions: bool = False):
+                 fsync_errors: bool = False, write_errors: bool = False, client_partitions: bool = False):
         """power_loss: nodes keep every write in memory until fsync (test VFS), so each
         SIGKILL is a power cut that loses everything not fsync'd. partitions: route all
         node-to-node traffic through a FaultProxy (``self.proxy``) that can cut links.
         fsync_errors (with power_loss): each node's fsyncs fail while its file
-        ``fail_file(id)`` exists (``fail_fsync``). client_partitions: the clients reach
-        the nodes through a FaultProxy of their own (``self.client_proxy``)."""
+        ``fail_file(id)`` exists (``fail_fsync``); write_errors (with power_loss)
+        likewise its writes, ``fail_file(id, "write")`` (``fail_writes``). client_partitions:
+        the clients reach the nodes through a FaultProxy of their own (``self.client_proxy``)."""
         self.workdir = os.path.abspath(workdir)
         self.ids = [f"n{i + 1}" for i in range(nodes)]
         self.failover_timeout_s = failover_timeout_s
@@ -77,6 +78,7 @@ class Cluster:
         self._popens: list = []           # every process this cluster ever started
         self.partitions = partitions
         self.fsync_errors = fsync_errors
+        self.write_errors = write_errors
         self.proxy: Optional[FaultProxy] = None
         self.client_partitions = client_partitions
         self.client_proxy: Optional[FaultProxy] = None
@@ -109,6 +111,8 @@ class Cluster:
             env = self.env
             if self.fsync_errors:
                 env = {**(env or {}), "SPOOLER_TEST_FSYNC_FAIL_FILE": self.fail_file(nid)}
+            if self.write_errors:
+                env = {**(env or {}), "SPOOLER_TEST_WRITE_FAIL_FILE": self.fail_file(nid, "write")}
             self.procs[nid] = NodeProc(os.path.join(self.workdir, nid), node_id=nid, admin_key=self.admin_key,
                                        grpc_port=gp, extra_args=args, env=env)
         errs: list = []
@@ -203,18 +207,25 @@ class Cluster:
             self.procs[nid].kill()
             self.stopped.discard(nid)
 
-    def fail_file(self, nid: str) -> str:
-        return os.path.join(self.workdir, f"{nid}.fail-fsync")
+    def fail_file(self, nid: str, what: str = "fsync") -> str:
+        return os.path.join(self.workdir, f"{nid}.fail-{what}")
 
     def fail_fsync(self, nid: str, on: bool) -> None:
         """While on, every fsync of ``nid`` fails (fsync_errors=True)."""
-        if not self.fsync_errors:
-            raise RuntimeError("this cluster's nodes were not started to fail fsyncs on demand")
+        self._fail(nid, "fsync", self.fsync_errors, on)
+
+    def fail_writes(self, nid: str, on: bool) -> None:
+        """While on, every write of ``nid``'s store fails (write_errors=True)."""
+        self._fail(nid, "write", self.write_errors, on)
+
+    def _fail(self, nid: str, what: str, enabled: bool, on: bool) -> None:
+        if not enabled:
+            raise RuntimeError(f"this cluster's nodes were not started to fail {what}s on demand")
         if on:
-            open(self.fail_file(nid), "w").close()
+            open(self.fail_file(nid, what), "w").close()
         else:
             try:
-                os.unlink(self.fail_file(nid))
+                os.unlink(self.fail_file(nid, what))
             except FileNotFoundError:
                 pass
 

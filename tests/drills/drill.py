@@ -101,7 +101,11 @@ GRACEFUL_ACTIONS = (("term_primary", 0.3),)
 # next fsync of the primary or of a replica fails; the node must stop (exit 70) without
 # confirming what that fsync held, and rejoin once started again on the same data
 FSYNC_ERROR_ACTIONS = (("fsync_error", 0.3),)
-FSYNC_EXIT_TIMEOUT_S = 15.0  # from the failing fsync's file made to the node's exit
+# with write_errors=True (needs power_loss too): the same for the next writes of the node's
+# store (an I/O error of a write, not of an fsync: the WAL's frames, or the database file's
+# pages of SQLite's checkpoint)
+WRITE_ERROR_ACTIONS = (("write_error", 0.3),)
+FSYNC_EXIT_TIMEOUT_S = 15.0  # from the failing fsync's (or write's) file made to the node's exit
 # with client_partitions=True the clients reach the nodes through a fault proxy, and the
 # nemesis also faults the links between the clients and one node (both of its ports, HTTP
 # and gRPC), for 3.75-5 s (longer than a client's timeout), then heals them by resetting their connections (what a link
@@ -118,7 +122,8 @@ CLIENT_PARTITION_ACTIONS = (("client_hold_primary", 0.2), ("client_cut_primary",
 SPREAD_EVERY = 20  # with client partitions, a client moves to a random node after ~1 call in this many
 # every fault kind the nemesis knows, for a scripted start (Drill(faults=...))
 FAULT_KINDS = frozenset(a for acts in (PROCESS_ACTIONS, PARTITION_ACTIONS, CASCADE_ACTIONS, DISK_LOSS_ACTIONS,
-                                       GRACEFUL_ACTIONS, FSYNC_ERROR_ACTIONS, CLIENT_PARTITION_ACTIONS)
+                                       GRACEFUL_ACTIONS, FSYNC_ERROR_ACTIONS, WRITE_ERROR_ACTIONS,
+                                       CLIENT_PARTITION_ACTIONS)
                         for a, _ in acts)
 SCRIPT_WAIT_S = 120.0  # how long past duration_s the load runs for the scripted faults to be done
 
@@ -181,15 +186,18 @@ class Drill:
     def __init__(self, seed: int, duration_s: float, nodes: int, workdir: str, producers: int = 3,
                  consumers: int = 2, send_pause_s: float = 0.05, failover_timeout_s: float = 1.0,
                  log=print, power_loss: bool = False, partitions: bool = False, cascades: bool = False,
-                 disk_loss: bool = False, graceful: bool = False, fsync_errors: bool = False, faults: tuple = (),
-                 node_args: tuple = (), client_partitions: bool = False):
+                 disk_loss: bool = False, graceful: bool = False, fsync_errors: bool = False,
+                 write_errors: bool = False, faults: tuple = (), node_args: tuple = (),
+                 client_partitions: bool = False):
         unknown = [f for f in faults if f not in FAULT_KINDS]
         if unknown:
             raise ValueError(f"unknown fault kinds {unknown}; known: {sorted(FAULT_KINDS)}")
-        if fsync_errors and not power_loss:
-            raise ValueError("fsync_errors=True needs power_loss=True (the test VFS is what fails an fsync)")
+        for flag, on in (("fsync_errors", fsync_errors), ("write_errors", write_errors)):
+            if on and not power_loss:
+                raise ValueError(f"{flag}=True needs power_loss=True (the test VFS is what fails the call)")
         needs = {"cascades": (cascades, {a for a, _ in CASCADE_ACTIONS}),
                  "fsync_errors": (fsync_errors, {a for a, _ in FSYNC_ERROR_ACTIONS}),
+                 "write_errors": (write_errors, {a for a, _ in WRITE_ERROR_ACTIONS}),
                  "disk_loss": (disk_loss, {a for a, _ in DISK_LOSS_ACTIONS}),
                  "graceful": (graceful, {a for a, _ in GRACEFUL_ACTIONS}),
                  "client_partitions": (client_partitions, {a for a, _ in CLIENT_PARTITION_ACTIONS}),
@@ -215,11 +223,12 @@ class Drill:
         self.disk_loss = disk_loss
         self.graceful = graceful
         self.fsync_errors = fsync_errors
+        self.write_errors = write_errors
         self.client_partitions = client_partitions
         self.cluster = Cluster(os.path.join(self.workdir, "nodes"), nodes=nodes,
                                failover_timeout_s=failover_timeout_s, power_loss=power_loss,
                                partitions=partitions, extra_args=node_args, fsync_errors=fsync_errors,
-                               client_partitions=client_partitions)
+                               write_errors=write_errors, client_partitions=client_partitions)
         self.stop_load = threading.Event()
         self.stop_observer = threading.Event()
         self.thread_errors: list[str] = []
@@ -453,10 +462,12 @@ class Drill:
         if self.graceful:  # after disk loss: without it, every other seed draws as before
             total = sum(w for _, w in actions)
             actions = tuple((a, w * (1 - 0.3) / total) for a, w in actions) + GRACEFUL_ACTIONS
-        if self.fsync_errors:  # last again: without it, every other seed draws as before
-            total = sum(w for _, w in actions)
-            actions = tuple((a, w * (1 - 0.3) / total) for a, w in actions) + FSYNC_ERROR_ACTIONS
-        if self.client_partitions:  # after fsync errors, for the same reason
+        # last again (fsync errors, then write errors): without them, every other seed draws as before
+        for on, more in ((self.fsync_errors, FSYNC_ERROR_ACTIONS), (self.write_errors, WRITE_ERROR_ACTIONS)):
+            if on:
+                total = sum(w for _, w in actions)
+                actions = tuple((a, w * (1 - 0.3) / total) for a, w in actions) + more
+        if self.client_partitions:  # after fsync and write errors, for the same reason
             total, share = sum(w for _, w in actions), sum(w for _, w in CLIENT_PARTITION_ACTIONS)
             actions = tuple((a, w * (1 - share) / total) for a, w in actions) + CLIENT_PARTITION_ACTIONS
         # its own stream, so that cascades do not shift the other draws of a seed
@@ -495,8 +506,8 @@ class Drill:
                 self._replace(p, epoch, crng)
             elif action == "term_primary":
                 self._term(p, epoch, down)
-            elif action == "fsync_error":
-                self._fsync_error(p, epoch, down, crng)
+            elif action in ("fsync_error", "write_error"):
+                self._storage_error(action, p, epoch, down, crng)
             elif action in ("client_hold_primary", "client_cut_primary", "client_replica"):
                 # past a client's timeout: calls caught in a hold time out (and move on)
                 self._client_partition(action, p, epoch, CLIENT_TIMEOUT_S + down / 2, x1, x2)
@@ -557,22 +568,24 @@ class Drill:
         self.stop_load.wait(down)
         self._restart(p)
 
-    def _fsync_error(self, p: str, epoch: int, down: float, rng: random.Random) -> None:
-        """The next fsync of the primary or of a replica fails (S9): the node must exit
-        with EXIT_STORE_FAILED, confirming nothing that fsync held (the checker judges
-        that), and is started again on the same data ``down`` seconds later (the disk
+    def _storage_error(self, kind: str, p: str, epoch: int, down: float, rng: random.Random) -> None:
+        """``kind`` "fsync_error": the next fsync of the primary or of a replica fails;
+        "write_error": its next writes do (S9). The node must exit with
+        EXIT_STORE_FAILED, confirming nothing that failed (the checker judges that),
+        and is started again on the same data ``down`` seconds later (the disk
         healed), when it must rejoin. Any other exit, or none within
         FSYNC_EXIT_TIMEOUT_S, is an unexpected exit and fails the seed. The load's
-        writes reach the node's fsync soon; so that it is not left waiting on them
+        writes reach the node's store soon; so that it is not left waiting on them
         (the load may be ending), the nemesis also writes: it puts a queue of its own,
         outside the drill's, once a second until the node has exited."""
         from node.main import EXIT_STORE_FAILED
         c = self.cluster
+        fail = c.fail_fsync if kind == "fsync_error" else c.fail_writes
         replicas = [n for n in c.ids if n != p]
         node = p if rng.random() < 0.5 else replicas[int(rng.random() * len(replicas))]
-        self.h.nemesis("fsync_error", node, role="primary" if node == p else "replica", epoch=epoch)
+        self.h.nemesis(kind, node, role="primary" if node == p else "replica", epoch=epoch)
         self.expected_down.add(node)
-        c.fail_fsync(node, True)
+        fail(node, True)
         rc = None
         try:
             deadline = time.monotonic() + FSYNC_EXIT_TIMEOUT_S
@@ -583,10 +596,9 @@ class Drill:
                     n += 1
                     self._poke(n, avoid=node)
         finally:
-            c.fail_fsync(node, False)
+            fail(node, False)
         if rc != EXIT_STORE_FAILED:
-            self.unexpected_exits.append({"node": node, "returncode": rc, "t": time.monotonic(),
-                                          "on": "fsync_error"})
+            self.unexpected_exits.append({"node": node, "returncode": rc, "t": time.monotonic(), "on": kind})
         self.stop_load.wait(down)
         self._restart(node)
 

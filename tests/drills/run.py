@@ -130,6 +130,10 @@ def main(argv=None) -> int:
                     help="the clients reach the nodes through a fault proxy; the nemesis also cuts the "
                          "links between the clients and one node, or holds their bytes (answers lost "
                          "after the node acted)")
+    ap.add_argument("--write-errors", action="store_true",
+                    help="the nemesis also fails the next writes of the primary's or a replica's store (an "
+                         "I/O error of a write, not of an fsync; needs --power-loss): the node must stop "
+                         "(exit 70) and rejoin once started again")
     ap.add_argument("--faults", default="",
                     help="comma-separated fault kinds each seed's nemesis makes first, in order "
                          "(e.g. kill_primary_twice,replace_replica); the load runs on until they are over")
@@ -141,8 +145,9 @@ def main(argv=None) -> int:
     # SIGTERM unwinds like Ctrl-C, so the running drill's finally blocks end its nodes by pid
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    if args.fsync_errors and not args.power_loss:
-        ap.error("--fsync-errors needs --power-loss (the nodes' test VFS is what fails an fsync)")
+    for flag, on in (("--fsync-errors", args.fsync_errors), ("--write-errors", args.write_errors)):
+        if on and not args.power_loss:
+            ap.error(f"{flag} needs --power-loss (the nodes' test VFS is what fails the call)")
     seeds = parse_seeds(args.seeds)
     faults = tuple(f for f in args.faults.split(",") if f)
     if set(faults) - FAULT_KINDS:
@@ -153,6 +158,7 @@ def main(argv=None) -> int:
           f"{', power loss' if args.power_loss else ''}{', partitions' if args.partitions else ''}"
           f"{', cascades' if args.cascades else ''}{', disk loss' if args.disk_loss else ''}"
           f"{', graceful stops' if args.graceful else ''}{', fsync errors' if args.fsync_errors else ''}"
+          f"{', write errors' if args.write_errors else ''}"
           f"{', client partitions' if args.client_partitions else ''}"
           f"{', node flags ' + repr(args.node_args) if args.node_args else ''}, in {root}",
           flush=True)
@@ -165,8 +171,9 @@ def main(argv=None) -> int:
         try:
             r = run_drill(seed, args.duration, nodes=args.nodes, workdir=wd, power_loss=args.power_loss,
                           partitions=args.partitions, cascades=args.cascades, disk_loss=args.disk_loss,
-                          graceful=args.graceful, fsync_errors=args.fsync_errors, faults=faults,
-                          node_args=tuple(shlex.split(args.node_args)), client_partitions=args.client_partitions)
+                          graceful=args.graceful, fsync_errors=args.fsync_errors,
+                          write_errors=args.write_errors, faults=faults, node_args=tuple(shlex.split(args.node_args)),
+                          client_partitions=args.client_partitions)
         except Exception as e:  # noqa: BLE001 - a drill that cannot finish is a failing seed
             import traceback
             traceback.print_exc()
