@@ -90,17 +90,25 @@ def test_short_graceful_stop_drill(tmp_path):
     assert len(terms) >= 2 and all(w["unavailable_s"] is not None for w in terms), terms
 
 
+def _storage_error_drill(seed, tmp_path, kind):
+    """Two faults ``kind`` ("fsync_error" or "write_error") of a node's store, under
+    load, the seed drawing the primary for one and a replica for the other: each
+    must exit 70 in time (else an unexpected exit) and the cluster serve again."""
+    r = _run(seed, 10.0, tmp_path, power_loss=True, faults=(kind, kind), **{kind + "s": True})
+    counts = r["nemesis_counts"]
+    assert counts.get(kind + "_primary", 0) >= 1 and counts.get(kind + "_replica", 0) >= 1, counts
+    assert not r["unexpected_exits"], r["unexpected_exits"]  # each exited 70, in time
+    ws = [w for w in r["failover_unavailability"]["windows"] if w["f"] == kind]
+    assert len(ws) >= 2 and all(w["unavailable_s"] is not None for w in ws), ws
+    return r
+
+
 def test_short_fsync_error_drill(tmp_path):
     """S9 under load, on a cluster: the next fsync of a node fails, twice (seed 6
     draws the primary first, then a replica); the node stops with the store's exit
     status, confirming nothing that fsync held, and rejoins once started again on
     the same data. Nothing confirmed is lost; every other required zero holds."""
-    r = _run(6, 10.0, tmp_path, power_loss=True, fsync_errors=True, faults=("fsync_error", "fsync_error"))
-    counts = r["nemesis_counts"]
-    assert counts.get("fsync_error_primary", 0) >= 1 and counts.get("fsync_error_replica", 0) >= 1, counts
-    assert not r["unexpected_exits"], r["unexpected_exits"]  # each exited 70, in time
-    fs = [w for w in r["failover_unavailability"]["windows"] if w["f"] == "fsync_error"]
-    assert len(fs) >= 2 and all(w["unavailable_s"] is not None for w in fs), fs
+    _storage_error_drill(6, tmp_path, "fsync_error")
 
 
 def test_short_client_partition_drill(tmp_path):
@@ -140,12 +148,7 @@ def test_short_write_error_drill(tmp_path):
     replica); the node stops with the store's exit status, confirming nothing
     whose write failed, and rejoins once started again on the same data. Nothing
     confirmed is lost; every other required zero holds."""
-    r = _run(9, 10.0, tmp_path, power_loss=True, write_errors=True, faults=("write_error", "write_error"))
-    counts = r["nemesis_counts"]
-    assert counts.get("write_error_primary", 0) >= 1 and counts.get("write_error_replica", 0) >= 1, counts
-    assert not r["unexpected_exits"], r["unexpected_exits"]  # each exited 70, in time
-    ws = [w for w in r["failover_unavailability"]["windows"] if w["f"] == "write_error"]
-    assert len(ws) >= 2 and all(w["unavailable_s"] is not None for w in ws), ws
+    _storage_error_drill(9, tmp_path, "write_error")
     # the fault did happen: each of those nodes stopped on an I/O error of its store
     logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "seed-9" / "nodes").glob("n*/n*.log"))
     failures = [ln for ln in logs.splitlines() if "storage failure" in ln and "IOError" in ln]

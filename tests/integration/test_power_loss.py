@@ -189,6 +189,19 @@ def write_fault(tmp_path, monkeypatch):
     vfs.unregister()
 
 
+async def _serving_five_sends(tmp_path, vfs):
+    """An engine on ``vfs`` (no checkpoint of its own accord) that confirmed five
+    sends -> (engine, service, the errors it was told to stop for, the sends' ids)."""
+    eng = Engine(str(tmp_path / "n"), vfs=vfs.name, checkpoint_interval_s=3600)
+    stopped = []
+    eng.on_fatal = stopped.append
+    await eng.start()
+    svc = Service(eng, ["k"])
+    await svc.put_queue(ADMIN, "q", {})
+    ok = [(await svc.send(ADMIN, [("q", b"before %d" % i, 0.0, "")]))[0][0] for i in range(5)]
+    return eng, svc, stopped, ok
+
+
 def test_a_write_error_stops_the_node_and_confirms_nothing(tmp_path, write_fault):
     """S9 for a write (not an fsync) that fails: the send whose commit it was is
     answered ``operation_unconfirmed``, the node is told to stop, nothing after
@@ -197,13 +210,7 @@ def test_a_write_error_stops_the_node_and_confirms_nothing(tmp_path, write_fault
     vfs, fail = write_fault
 
     async def main():
-        eng = Engine(str(tmp_path / "n"), vfs=vfs.name, checkpoint_interval_s=3600)
-        stopped = []
-        eng.on_fatal = stopped.append
-        await eng.start()
-        svc = Service(eng, ["k"])
-        await svc.put_queue(ADMIN, "q", {})
-        ok = [(await svc.send(ADMIN, [("q", b"before %d" % i, 0.0, "")]))[0][0] for i in range(5)]
+        eng, svc, stopped, ok = await _serving_five_sends(tmp_path, vfs)
         await eng.store_io(lambda: None)  # the writer is idle: the next write is the send's
         fail.write_text("")
         with pytest.raises(errors.OperationUnconfirmed):
@@ -227,13 +234,7 @@ def test_a_write_error_of_a_checkpoint_stops_the_node(tmp_path, write_fault):
     vfs, fail = write_fault
 
     async def main():
-        eng = Engine(str(tmp_path / "n"), vfs=vfs.name, checkpoint_interval_s=3600)
-        stopped = []
-        eng.on_fatal = stopped.append
-        await eng.start()
-        svc = Service(eng, ["k"])
-        await svc.put_queue(ADMIN, "q", {})
-        ok = [(await svc.send(ADMIN, [("q", b"m %d" % i, 0.0, "")]))[0][0] for i in range(5)]
+        eng, _, stopped, ok = await _serving_five_sends(tmp_path, vfs)
         assert len(eng.core.dirty)  # the checkpoint has these to write
         fail.write_text("")
         eng._checkpoint_soon.set()  # the checkpoint loop wakes and writes now

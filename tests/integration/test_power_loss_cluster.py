@@ -101,6 +101,15 @@ def test_write_error_stops_a_node_and_it_rejoins(tmp_path):
     _a_storage_error_stops_a_node_and_it_rejoins(tmp_path, "SPOOLER_TEST_WRITE_FAIL_FILE")
 
 
+def _primary_with_sends(nodes, n: int) -> tuple:
+    """The cluster's primary once elected, a client of it, and the ids of ``n``
+    sends it confirmed to queue "q" (made)."""
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    c = HttpClient(nodes[p].http_url, nodes[p].admin_key)
+    until_ok(lambda: c.put_queue("q"))
+    return p, c, [send_until_ok(c, "q", f"a{i}".encode())["id"] for i in range(n)]
+
+
 def test_a_write_error_stops_a_replica_with_nothing_else_to_write(tmp_path):
     """S9 on a replica: its store's writes fail once its checkpoints have written
     everything, so the failing write is a primary's frame's. It must exit 70, not
@@ -112,10 +121,7 @@ def test_a_write_error_stops_a_replica_with_nothing_else_to_write(tmp_path):
     nodes = start_cluster(str(tmp_path), 3, 1.0, env=BUFFERED,
                           per_node_env=lambda i: {"SPOOLER_TEST_WRITE_FAIL_FILE": str(fails[i])})
     try:
-        p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
-        c = HttpClient(nodes[p].http_url, nodes[p].admin_key)
-        until_ok(lambda: c.put_queue("q"))
-        sent = [send_until_ok(c, "q", f"a{i}".encode())["id"] for i in range(20)]
+        p, c, sent = _primary_with_sends(nodes, 20)
         r = next(i for i in nodes if i != p)
         top = view(nodes[p])["appliedLsn"]
         wait_until(lambda: all_applied(nodes, top), 15, what="every node applied every send")
@@ -145,10 +151,7 @@ def test_cluster_power_loss_of_primary_and_replica(tmp_path):
     ids = ["n1", "n2", "n3"]
     nodes = start_cluster(str(tmp_path), 3, 1.0, env=BUFFERED)
     try:
-        p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
-        c = HttpClient(nodes[p].http_url, nodes[p].admin_key)
-        until_ok(lambda: c.put_queue("q"))
-        sent = [send_until_ok(c, "q", f"a{i}".encode())["id"] for i in range(100)]
+        p, c, sent = _primary_with_sends(nodes, 100)
         replica = next(i for i in ids if i != p)
         nodes[replica].kill()  # power loss of a replica
         sent += [send_until_ok(c, "q", f"b{i}".encode())["id"] for i in range(50)]
