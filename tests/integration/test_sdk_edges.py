@@ -356,3 +356,49 @@ def test_a_sync_close_does_not_wait_for_a_renewal_in_flight():
         renewing.join(timeout=30)
         closing.join(timeout=30)
         node.stop()
+
+
+@pytest.fixture
+def bare_failure_node():
+    """Every call's first attempt ends with a code and no kind of ours, the way a
+    proxy's bare HTTP 500 (UNKNOWN) or a stream reset on the way back (INTERNAL)
+    reaches a client after the node may have acted on the request; an ack's
+    retry is answered."""
+    codes = {}
+
+    def send_batch(req, ctx, n):
+        ctx.abort(codes["code"], "Received RST_STREAM with error code 2")
+
+    def ack(req, ctx, n):
+        if n == 1:
+            ctx.abort(codes["code"], "Received RST_STREAM with error code 2")
+        return api_pb2.Empty()
+
+    node = FakeNode(SendBatch=send_batch, Ack=ack)
+    node.codes = codes
+    yield node
+    node.stop()
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_write_that_ends_without_a_kind_of_ours_is_unconfirmed(bare_failure_node, kind, code):
+    """A write ended by something other than the node (no kind in its trailers) may
+    have been applied: a send hears operation_unconfirmed and is not resent (it
+    said ``internal``, which the contract uses for "nothing was touched"), and an
+    ack is tried again (it raised ``internal``, which ends a sync consume)."""
+    node = bare_failure_node
+    node.codes["code"] = code
+    if kind == "sync":
+        with Client(node.target, "k", timeout_s=10) as c:
+            with pytest.raises(errors.OperationUnconfirmed):
+                c.send("q", b"x")
+            c.ack("t" * 40)
+    else:
+        async def main():
+            async with _unary_only(AsyncClient(node.target, "k", timeout_s=10)) as c:
+                with pytest.raises(errors.OperationUnconfirmed):
+                    await c.send("q", b"x")
+                await c.ack("t" * 40)
+        asyncio.run(main())
+    assert node.calls == {"SendBatch": 1, "Ack": 2}
