@@ -222,12 +222,15 @@ def map_rpc_error(e: grpc.RpcError, write: bool = False) -> errors.SpoolerError:
             return errors.OperationUnconfirmed(f"transport failure: {e.details()}")
         # the request may have reached the node: for a receive, leases may be held
         return read_lost(f"transport failure after the request left: {e.details()}")
-    if write and isinstance(err, errors.Internal) and not _has_detail(e):
+    if isinstance(err, errors.Internal) and not _has_detail(e):
         # not the node's own ``internal`` (which touched nothing) but a code it did not
         # send, e.g. a stream reset (INTERNAL) or a proxy's bare HTTP 500 (UNKNOWN) on
-        # the way back: the write may have been applied, as over HTTP (errors.from_http)
-        return errors.OperationUnconfirmed(f"the call ended without an answer of the node's "
-                                           f"({e.code().name}: {e.details()}): outcome unknown")
+        # the way back: a write may have been applied, as over HTTP (errors.from_http),
+        # and a receive may have leased, as when a Session stream breaks
+        said = f"the call ended without an answer of the node's ({e.code().name}: {e.details()})"
+        if write:
+            return errors.OperationUnconfirmed(f"{said}: outcome unknown")
+        return read_lost(said)
     return err
 
 

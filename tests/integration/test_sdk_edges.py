@@ -31,7 +31,9 @@ class FakeNode:
         types = {"SendBatch": (api_pb2.SendBatchRequest, api_pb2.SendBatchResponse),
                  "GetQueue": (api_pb2.QueueRequest, api_pb2.Queue),
                  "Ack": (api_pb2.LeaseRequest, api_pb2.Empty),
-                 "Renew": (api_pb2.LeaseRequest, api_pb2.RenewResponse)}
+                 "Renew": (api_pb2.LeaseRequest, api_pb2.RenewResponse),
+                 "Receive": (api_pb2.ReceiveRequest, api_pb2.ReceiveResponse),
+                 "ReleaseReceive": (api_pb2.ReleaseReceiveRequest, api_pb2.ReleaseReceiveResponse)}
 
         def counted(name, fn):
             def call(req, ctx):
@@ -402,3 +404,33 @@ def test_a_write_that_ends_without_a_kind_of_ours_is_unconfirmed(bare_failure_no
                 await c.ack("t" * 40)
         asyncio.run(main())
     assert node.calls == {"SendBatch": 1, "Ack": 2}
+
+
+def test_a_sync_consume_rides_out_a_receive_that_ends_without_a_kind_of_ours():
+    """A receive whose call ended INTERNAL without a kind (a stream reset on the way
+    back) may have leased: it is given back and the caller hears ``unavailable``
+    with the answer lost, as when the asyncio client's Session breaks, so that
+    ``consume`` rides it out. It raised ``internal`` and ended the sync consume."""
+    def receive(req, ctx, n):
+        if n == 1:
+            ctx.abort(grpc.StatusCode.INTERNAL, "Received RST_STREAM with error code 2")
+        if n == 2:
+            return api_pb2.ReceiveResponse(messages=[api_pb2.Delivery(
+                id="m1", body=b"x", lease_token="t" * 40, lease_expires_at="2099-01-01T00:00:00Z",
+                lease_seconds_left=30, queue="q")])
+        return api_pb2.ReceiveResponse()
+
+    node = FakeNode(Receive=receive, Ack=lambda req, ctx, n: api_pb2.Empty(),
+                    ReleaseReceive=lambda req, ctx, n: api_pb2.ReleaseReceiveResponse())
+    try:
+        with Client(node.target, "k", timeout_s=10) as c:
+            stop, got = threading.Event(), []
+
+            def handler(m):
+                got.append(m.id)
+                stop.set()
+            assert c.consume("q", handler, wait_s=0, stop=stop) == 1
+        assert got == ["m1"]
+        assert node.calls["Ack"] == 1 and node.calls["ReleaseReceive"] == 1, node.calls
+    finally:
+        node.stop()
