@@ -478,6 +478,14 @@ def check_send_types(queue, body, delay_s, dedup_key) -> None:
         # far over any node's limit (255, 128) and within the request's spare room:
         # refused here, so that it fails alone instead of breaking the Session
         raise errors.InvalidArgument(f"a queue name or dedup key of over {NAME_CHARS_MAX} characters")
+    for what, s in (("queue name", queue), ("dedup key", dedup_key)):
+        if not s.isascii():
+            try:  # (a lone surrogate, e.g. a file name read with surrogate escapes)
+                s.encode()
+            except UnicodeEncodeError:
+                # a request cannot carry it: refused here, so that it fails this
+                # caller alone instead of the auto-batch it would join
+                raise errors.InvalidArgument(f"the {what} is not valid UTF-8 text: {s!r}") from None
 
 
 def _framed(n: int) -> int:

@@ -147,6 +147,29 @@ def test_a_send_of_the_wrong_type_fails_alone(node):
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def test_a_send_whose_name_or_key_cannot_be_encoded_fails_alone(node):
+    """A dedup key (or queue name) that is not valid UTF-8 text, such as a file name
+    read with surrogate escapes, cannot go into a request. It failed the whole
+    auto-batch it joined, every other caller's send with it
+    (UnicodeEncodeError); now it is its own caller's ``invalid_argument`` before it
+    joins one, as over HTTP, in both clients."""
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("enc")
+            res = await asyncio.gather(*[c.send("enc", b"ok %d" % i, dedup_key="file-\udcff" if i == 7 else "")
+                                         for i in range(40)], return_exceptions=True)
+            bad = [i for i, r in enumerate(res) if isinstance(r, BaseException)]
+            assert bad == [7] and isinstance(res[7], errors.InvalidArgument), res[:8]
+            with pytest.raises(errors.InvalidArgument):
+                await c.send("enc-\ud800", b"x")
+            assert (await c.get_queue("enc"))["stats"]["visible"] == 39
+    asyncio.run(asyncio.wait_for(main(), 60))
+    with Client(node.grpc_target, node.admin_key) as c:
+        for queue, key in (("enc", "file-\udcff"), ("enc-\ud800", "")):
+            with pytest.raises(errors.InvalidArgument):
+                c.send(queue, b"x", dedup_key=key)
+
+
 def test_close_sends_what_it_was_handed(node):
     async def main():
         c = AsyncClient(node.grpc_target, node.admin_key)
