@@ -288,8 +288,9 @@ def test_a_send_is_invisible_until_it_is_durable(tmp_path):
 @pytest.mark.parametrize("kind", ["nack", "ack"])
 def test_a_settle_in_flight_fences_its_lease(tmp_path, kind):
     """While a nack's or an ack's record waits for its fsync, it is not answered and
-    its lease is fenced: a second nack or ack of the same token is refused as
-    settled, so the message is counted once and no second record is written (S2)."""
+    its lease is fenced: a second nack or ack of the same token is not answered
+    either until that fsync is done, then refused as settled, so the message is
+    counted once and no second record is written (S2)."""
     async def main():
         vfs = LossyVFS(f"lossy{next(_names)}")
         eng = Engine(str(tmp_path / "n"), vfs=vfs.name, checkpoint_interval_s=3600)
@@ -305,12 +306,17 @@ def test_a_settle_in_flight_fences_its_lease(tmp_path, kind):
         first = asyncio.ensure_future(getattr(svc, kind)(ADMIN, d.token))
         assert await asyncio.to_thread(vfs.sync_waiting.wait, 10)  # the settle's fsync has begun
         assert not first.done(), "answered before its fsync"
-        for again in (svc.nack, svc.ack):
-            with pytest.raises(errors.StaleLease) as e:
-                await again(ADMIN, d.token)
-            assert e.value.reason == "settled"
+        seconds = [asyncio.ensure_future(again(ADMIN, d.token)) for again in (svc.nack, svc.ack)]
+        for _ in range(20):
+            await asyncio.sleep(0.005)
+        early = [t.done() for t in seconds]
         vfs.sync_gate.set()
         await asyncio.wait_for(first, 10)
+        assert early == [False, False], "a second settle was answered while the first one's fsync was held"
+        for t in seconds:
+            with pytest.raises(errors.StaleLease) as e:
+                await asyncio.wait_for(t, 10)
+            assert e.value.reason == "settled"
         st = eng.core.stats("q", eng.now_us())
         if kind == "nack":
             [d2] = await svc.receive(ADMIN, "q", 0)
