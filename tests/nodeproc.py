@@ -171,6 +171,20 @@ def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.02, what: st
         time.sleep(interval_s)
 
 
+async def until(pred, timeout_s: float = 10.0, interval_s: float = 0.01, what: str = "condition"):
+    """``wait_until`` for a test's event loop: poll ``pred`` without blocking the loop."""
+    import asyncio
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        v = pred()
+        if v:
+            return v
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(interval_s)
+
+
 def _ephemeral_low() -> int:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:

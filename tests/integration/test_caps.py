@@ -9,6 +9,7 @@ from node.api.service import Principal, Service
 from node.core import spool
 from node.engine import Engine, Limits
 from spooler import errors
+from nodeproc import until
 
 ADMIN = Principal(admin=True)
 
@@ -110,7 +111,7 @@ def test_concurrent_sends_stop_at_the_message_cap(tmp_path):
             with pytest.raises(errors.Unavailable):
                 svc.send_begin(ADMIN, [], ("s", [b"z"] * 2, 0.0), reply=Reply(lambda *a: answers.append(a)))
             svc.send_begin(ADMIN, [("s", b"z", 0.0, "")], reply=Reply(lambda *a: answers.append(a)))
-            await _until(lambda: len(answers) == 2)
+            await until(lambda: len(answers) == 2)
             assert [error for _, _, error in answers] == [None, None]  # the cancelled one is not answered
             assert eng.core.queues["s"].size == 5
             assert svc._sending == {}  # every proposal settled, the cancelled one too: nothing left counted
@@ -149,14 +150,14 @@ def test_a_caller_that_goes_away_leaves_its_messages_counted_until_they_apply(tm
             await svc.put_queue(ADMIN, "q", {"maxRetries": 0})
             await _cancelled_then_checked(eng, lambda: svc.send(ADMIN, [], ("q", [b"x"] * 4, 0.0)),
                                           lambda: svc.send_begin(ADMIN, [], ("q", [b"y"] * 2, 0.0)))
-            await _until(lambda: eng.core.queues["q"].size == 4 and not svc._sending)
+            await until(lambda: eng.core.queues["q"].size == 4 and not svc._sending)
 
             got = await svc.receive(ADMIN, "q", 0, 4)
             await svc.settle(ADMIN, [(d.token, "nack", 0) for d in got[:3]] + [(got[3].token, "ack", 0)])
             assert (eng.core.queues["q"].size, eng.core.queues["q.failed"].size) == (0, 3)
             await _cancelled_then_checked(eng, lambda: svc.redrive(ADMIN, "q"),  # 3 on their way + 3 > 5
                                           lambda: svc.send_begin(ADMIN, [], ("q", [b"z"] * 3, 0.0)))
-            await _until(lambda: eng.core.queues["q"].size == 3 and not svc._sending)
+            await until(lambda: eng.core.queues["q"].size == 3 and not svc._sending)
     asyncio.run(main())
 
 
@@ -166,11 +167,11 @@ def test_a_queue_or_key_whose_creator_went_away_counts_until_it_applies(tmp_path
             await svc.put_queue(ADMIN, "a", {})
             await _cancelled_then_checked(eng, lambda: svc.put_queue(ADMIN, "b", {}),
                                           lambda: svc.put_queue(ADMIN, "c", {}), errors.InvalidArgument, await_then=True)
-            await _until(lambda: sorted(eng.core.queues) == ["a", "b"] and not svc._queues_creating)
+            await until(lambda: sorted(eng.core.queues) == ["a", "b"] and not svc._queues_creating)
             await _cancelled_then_checked(eng, lambda: svc.create_key(ADMIN, "*", ["send"]),
                                           lambda: svc.create_key(ADMIN, "*", ["send"]), errors.InvalidArgument,
                                           await_then=True)
-            await _until(lambda: len(eng.core.keys) == 1 and svc._keys_creating == 0)
+            await until(lambda: len(eng.core.keys) == 1 and svc._keys_creating == 0)
     asyncio.run(main())
 
 
@@ -205,14 +206,6 @@ async def _cancelled_then_checked(eng, call, then, refused=errors.Unavailable, a
             got = then()
             if await_then:  # (bounded: were it let through, it would wait for the held-back commit)
                 await asyncio.wait_for(got, 5)
-
-
-async def _until(pred, timeout_s: float = 10.0):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not pred():
-        assert loop.time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 async def _three_in_the_failure_queue(svc):

@@ -6,6 +6,7 @@ import pytest
 from node.api.service import Principal, Service
 from node.engine import Engine, Limits
 from spooler import errors
+from nodeproc import until
 from spooler.http import HttpClient
 
 ADMIN = Principal(admin=True)
@@ -210,14 +211,6 @@ def _hold_commits(eng):
     return go, fail
 
 
-async def _until(pred, timeout_s: float = 5.0):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not pred():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
-
-
 @pytest.mark.parametrize("first_commits", [True, False])
 def test_a_second_settle_of_a_lease_waits_for_the_first_ones_commit(tmp_path, first_commits):
     """An ack tried again (say, after its first attempt's answer was lost) while the
@@ -233,7 +226,7 @@ def test_a_second_settle_of_a_lease_waits_for_the_first_ones_commit(tmp_path, fi
         go, fail = _hold_commits(eng)
         try:
             first = asyncio.ensure_future(svc.ack(ADMIN, d.token))
-            await _until(lambda: eng._io_jobs > 0)  # the first ack's commit is on the store's thread, held
+            await until(lambda: eng._io_jobs > 0)  # the first ack's commit is on the store's thread, held
             second = asyncio.ensure_future(svc.ack(ADMIN, d.token))
             renew = asyncio.ensure_future(svc.renew(ADMIN, d.token))
             for _ in range(20):
