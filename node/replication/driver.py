@@ -387,18 +387,13 @@ class Driver:
                 else:
                     e.apply_upto(eff.lsn)
             elif isinstance(eff, R.Persist):
-                await e.store_io(self._persist, eff.epoch, eff.voted_for, eff.lease_seen)
+                await self._store(self._persist, eff.epoch, eff.voted_for, eff.lease_seen)
             elif isinstance(eff, R.Store):
                 lsns = [x[0] for x in eff.req.entries]
                 rows = [(lsn, ep, crc, self._frame_bytes[lsn]) for lsn, ep, crc in eff.req.entries]
                 e.check_from_primary(rows)  # contiguity and checksums, before anything is written
                 t = time.perf_counter()
-                try:
-                    await e.store_io(e.store.append, rows, inline=e.small_commit(rows))
-                except Exception as err:  # a write or fsync failed: as on the primary (S9), never
-                    if e.failed is None:  # acknowledged, and the node stops; going on would leave
-                        e._fail(err)      # it retrying frames into a store it cannot trust
-                    raise
+                await self._store(e.store.append, rows, inline=e.small_commit(rows))
                 if e.metrics:  # a replica's group commits count like the primary's
                     e.metrics.observe_commit(len(rows), time.perf_counter() - t)
                 e.stored_from_primary(rows)
@@ -406,14 +401,29 @@ class Driver:
                     self._frame_bytes.pop(lsn, None)
                 await self._run(self.core.stored(eff.req, mono_us()))
             elif isinstance(eff, R.Truncate):
-                crc = await e.store_io(self._truncate, eff.after_lsn)
+                crc = await self._store(self._truncate, eff.after_lsn)
                 e.truncated(eff.after_lsn, crc)
             elif isinstance(eff, R.Role):
                 self._on_role(eff)
                 e.on_role(eff.role, eff.epoch, eff.primary)
             elif isinstance(eff, R.Joined):
-                await e.store_io(self._set_joining, False)
+                await self._store(self._set_joining, False)
                 log.info("joined the cluster in epoch %d: this node votes again", self.core.epoch)
+
+    async def _store(self, fn, *args, inline: bool = False):
+        """Every write of the replication's to the store (a frame's records, the epoch,
+        vote and lease seen, a truncation, the joined mark) goes through here. One
+        that fails (a write or an fsync error) stops the node (S9), as a primary's
+        failed commit does: nothing it held is acknowledged, and the node does not
+        reload and go on writing into a store whose writes or fsyncs failed (after a
+        failed fsync, a later one that succeeds says nothing of the earlier pages)."""
+        e = self.engine
+        try:
+            return await e.store_io(fn, *args, inline=inline)
+        except Exception as err:
+            if e.failed is None:
+                e._fail(err)
+            raise
 
     def _persist(self, epoch: int, voted_for: str, lease_seen: int) -> None:
         st = self.engine.store
@@ -722,7 +732,7 @@ class Driver:
         reading = None            # the pending read of the next frame, if any
         read_end = None           # how reading ended while a frame was handled (StopAsyncIteration, error)
         try:
-            while not self.closing:
+            while not self.closing and self.engine.failed is None:  # (a failed store: the node is stopping)
                 if ahead:
                     f = ahead.pop(0)
                 elif read_end is not None:
@@ -796,7 +806,7 @@ class Driver:
         the core can note it now (the primary we follow, our epoch, nothing of
         ours on its way to disk that an acknowledgement would depend on, and
         nothing in memory that a failed write left unsaved)."""
-        if not f.contact_acks or self._persisting or self._unsaved or self.stopped:
+        if not f.contact_acks or self._persisting or self._unsaved or self.stopped or self.engine.failed is not None:
             return []
         out = self.core.heard(R.AppendReq(f.epoch, f.primary, f.prev_lsn, f.prev_epoch, f.prev_crc, [],
                                           f.commit_lsn, f.sent_us, f.primary_commit_lsn, f.lease_us), mono_us())

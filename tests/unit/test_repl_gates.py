@@ -193,6 +193,11 @@ class _BareEngine:
 
     def __init__(self):
         self.pending_releases: dict = {}
+        self.fatal: list = []
+
+    def _fail(self, e):  # as Engine._fail: the node is told to stop (here, noted)
+        self.failed = e
+        self.fatal.append(e)
 
     def apply_upto(self, lsn):
         pass
@@ -211,14 +216,15 @@ def _following_n1(eng, T: int, lease_seen: int):
     return d
 
 
-def test_no_contact_acknowledgement_while_a_failed_persist_is_undone():
-    """R7 and R2. A frame raises the replica's lease_seen (its primary now states a
-    longer lease), and persisting that fails: the core's memory is ahead of its disk
-    until the store is loaded again (_resync). A frame read meanwhile must get no
-    contact acknowledgement: it would promise a lease that a restart from that
-    disk does not wait out."""
+def test_a_failed_persist_stops_the_node_and_promises_no_lease():
+    """R7, R2 and S9. A frame raises the replica's lease_seen (its primary now states
+    a longer lease), and persisting that fails (a write or an fsync error of the
+    store). The node is told to stop (Engine._fail), as for any failed write of its
+    store: it does not reload and go on writing into a store whose fsync failed (it
+    did: _resync, then the next frames). A frame read while that write was on its
+    way gets no contact acknowledgement (it would promise a lease that a restart
+    from that disk does not wait out), and no frame is handled after the failure."""
     T = 1_000_000
-    disk = {"lease_seen": T // 2}
 
     class Eng(_BareEngine):
         async def store_io(self, fn, *a, inline=False):
@@ -228,30 +234,27 @@ def test_no_contact_acknowledgement_while_a_failed_persist_is_undone():
             return fn(*a)
 
     async def main():
-        d = _following_n1(Eng(), T, disk["lease_seen"])
-        c = d.core
-        memory = []
-        resyncing = asyncio.Event()
+        eng = Eng()
+        d = _following_n1(eng, T, T // 2)
+        resyncs = []
 
-        async def slow_resync():  # the real one reloads the core from the store in the writer thread
-            memory.append(c.lease_seen)
-            resyncing.set()
-            await asyncio.sleep(0.2)
-            c.lease_seen = disk["lease_seen"]
-            d._unsaved = False
-        d._resync = slow_resync
+        async def resync():
+            resyncs.append(True)
+        d._resync = resync
 
         async def frames():
             yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=T, contact_acks=True)
-            await asyncio.wait_for(resyncing.wait(), 10)  # arrives while the first is still being handled (its resync)
+            # read while the first frame's persist is on its way (and then fails)
+            yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=T, contact_acks=True)
             yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=T, contact_acks=True)
 
         acks = [a async for a in d.serve_stream(frames(), None)]
-        return acks, memory
+        return eng, acks, resyncs
 
-    acks, memory = asyncio.run(main())
-    assert memory and memory[0] == T, memory   # the scenario: memory held the unsaved, longer lease
-    assert [a for a in acks if a.contact] == [], "a contact acknowledgement promised a lease never saved"
+    eng, acks, resyncs = asyncio.run(main())
+    assert len(eng.fatal) == 1 and isinstance(eng.fatal[0], OSError), eng.fatal  # told to stop, once
+    assert resyncs == [], "reloaded the store and went on after a failed write"
+    assert acks == [], acks  # nothing acknowledged: no contact, no frame after the failure
 
 
 def test_no_contact_acknowledgement_while_a_persist_is_on_its_way_to_disk():
@@ -672,10 +675,11 @@ def test_a_takeover_whose_persist_fails_reloads_what_the_disk_holds(tmp_path):
         e.store_io = failing_io
         with pytest.raises(OSError):
             await ReplicationServicer(d).TimeoutNow(pb.TimeoutNowRequest(epoch=7, primary="n1"), Ctx())
-        return c.epoch, c.voted_for, d._unsaved, c.role, c.primary, c.votes
+        return c.epoch, c.voted_for, d._unsaved, c.role, c.primary, c.votes, e.failed is not None
 
-    # the replica it was, following n1 in epoch 7: not a candidate counting its own vote
-    assert asyncio.run(main()) == (7, "n1", False, R.REPLICA, "n1", {})
+    # the replica it was, following n1 in epoch 7: not a candidate counting its own vote;
+    # and, since 0.4.29, told to stop (S9: a failed write of its store)
+    assert asyncio.run(main()) == (7, "n1", False, R.REPLICA, "n1", {}, True)
     e.store.close()
 
 
@@ -798,7 +802,6 @@ def test_a_replica_whose_store_write_fails_stops_and_acknowledges_nothing():
     class Eng(_BareEngine):
         def __init__(self):
             super().__init__()
-            self.fatal = []
             self.store = self
 
         def append(self, rows):
@@ -809,10 +812,6 @@ def test_a_replica_whose_store_write_fails_stops_and_acknowledges_nothing():
 
         def small_commit(self, rows):
             return True
-
-        def _fail(self, e):
-            self.failed = e
-            self.fatal.append(e)
 
         async def store_io(self, fn, *a, inline=False):
             return fn(*a)
