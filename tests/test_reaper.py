@@ -656,6 +656,27 @@ def test_a_cluster_row_never_touched_since_its_start_is_not_judged_hung(store, p
     assert store.get("m1")["attempts"][0]["failure_reason"] == "worker_crashed"
 
 
+def test_a_cluster_row_is_watched_from_its_commands_start_not_from_its_first_periodic_heartbeat(store, procs):
+    """The worker touches its row when it records its command's pid: a worker that
+    hangs after that, before its first periodic heartbeat (a heartbeat interval, 5 s
+    by default, after the worker started), is judged hung as any other once the
+    heartbeat has stood still long enough. (The row was left as at its start, the
+    mark of spoolctl before 0.4.18, which the reaper spares for good.)"""
+    clock = [100.0]
+    watch = reaper.HungWatch(5.0, clock=lambda: clock[0])
+    p = procs([sys.executable, "-c", "import time; time.sleep(60)", "spoolctl", "worker", "--queue", "q"])
+    wait_until(lambda: "spoolctl" in (reaper.read_cmdline(p.pid) or []), 5)
+    w = WorkerIdentity(f"{HOST}:{p.pid}:test", p.pid, HOST, 5.0)
+    c = store.begin_remote(w, "m3", "http://n/v1/queues/q", ["true"], None, 0, 3, None, now=time.time())
+    assert store.record_pid(c, 4_000_000) is True
+    [r] = reaper.reap_pass(store, now=time.time() + 3600, watch=watch)
+    assert (r.verdict, r.new_state) == (reaper.ALIVE, None), r  # first seen: watched from now
+    clock[0] += 5.0
+    [r] = reaper.reap_pass(store, now=time.time() + 3600, watch=watch)
+    assert (r.verdict, r.new_state) == (reaper.HUNG, states.QUEUED), r
+    assert store.get("m3")["attempts"][0]["failure_reason"] == "worker_crashed"
+
+
 def test_a_cluster_rows_result_is_not_written_over_a_reap_that_came_first(store):
     """finish_remote checks, in its own transaction, that the attempt is still its
     worker's running one: a reap that closed it between the worker's own check and

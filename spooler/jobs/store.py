@@ -306,6 +306,13 @@ class Store:
         with self.immediate() as c:
             c.execute("UPDATE attempts SET pid=? WHERE job_id=? AND n=? AND worker_id=?",
                       (pid, claim.job_id, claim.n, claim.worker_id))
+            # the attempt's first heartbeat, strictly after its start: a row touched
+            # since its start is one whose worker heartbeats, so the reaper watches it
+            # from here (it spares a cluster row never touched, which spoolctl before
+            # 0.4.18 left so; this version's first periodic beat can be a heartbeat
+            # interval away, and a worker hung before it was never judged hung)
+            c.execute("UPDATE jobs SET heartbeat_at=MAX(?, heartbeat_at + 0.000001) WHERE id=? AND state='running'"
+                      " AND worker_id=? AND attempt_count=?", (time.time(), claim.job_id, claim.worker_id, claim.n))
             return self.owns(claim)
 
     # --- heartbeat --------------------------------------------------------
