@@ -193,7 +193,7 @@ class Service:
         self._keys_creating = 0
         # lease id -> the commit of the ack or nack that fenced it (Core.begin_settle),
         # until that commit is known: another request's settle of the lease waits for
-        # it (_settling_elsewhere)
+        # it (_SettlingElsewhere)
         self._settling: dict = {}
 
     @property

@@ -411,7 +411,7 @@ class Driver:
                 log.info("joined the cluster in epoch %d: this node votes again", self.core.epoch)
 
     async def _store(self, fn, *args, inline: bool = False):
-        """Every write of the replication's to the store (a frame's records, the epoch,
+        """Every write the replication makes to the store (a frame's records, the epoch,
         vote and lease seen, a truncation, the joined mark) goes through here. One
         that fails (a write or an fsync error) stops the node (S9), as a primary's
         failed commit does: nothing it held is acknowledged, and the node does not
