@@ -191,10 +191,6 @@ class Service:
         self.forwarded_polls = 0  # long polls this replica has forwarded, waiting (Limits.forwarded_polls_max)
         self._names_ok: set = set()  # names check_name_any passed (a pure check: remembered, bounded)
         self._keys_creating = 0
-        # lease id -> the commit of the ack or nack that fenced it (Core.begin_settle),
-        # until that commit is known: another request's settle of the lease waits for
-        # it (_SettlingElsewhere)
-        self._settling: dict = {}
 
     @property
     def core(self):
@@ -976,9 +972,9 @@ class Service:
         try:
             lease = self.core.check_lease(epoch, lease_id, nonce, now)
         except StaleLeaseError as e:
-            fut = self._settling.get(lease_id) if e.reason == "settled" else None
-            if fut is not None:
-                raise _SettlingElsewhere(fut) from None
+            if e.lease is not None and e.lease.commit is not None:
+                # fenced by another request's ack or nack, whose commit is not applied yet
+                raise _SettlingElsewhere(e.lease.commit) from None
             if queue not in self.core.queues:
                 # the queue was deleted (its leases ended with it): say so, as SQS does,
                 # not stale_lease; a queue created again under the name is another one,
@@ -1076,10 +1072,12 @@ class Service:
                 for _, lease in fenced:
                     self.core.end_settle(lease)
                 raise
-            ids = [lease.id for _, lease in fenced]
-            for lid in ids:
-                self._settling[lid] = fut
-            fut.add_done_callback(functools.partial(self._settled_or_not, ids))
+            # another request's settle of these leases waits for this commit: the
+            # lease stays fenced, and keeps it, until the record applies (the lease
+            # then ends) or the epoch ends (it is then stale); a duplicate token
+            # inside this batch is answered at once (it is committed with the batch)
+            for _, lease in fenced:
+                lease.commit = fut
             changed = await fut
             for (i, lease), ok in zip(fenced, changed):
                 if not ok:  # the message was moved or deleted meanwhile (redrive, queue delete)
@@ -1095,13 +1093,6 @@ class Service:
                 if isinstance(r, errors.SpoolerError):
                     raise r
         return out
-
-    def _settled_or_not(self, ids: list, fut) -> None:
-        """A fenced settle's commit is known (done, failed or given up): its leases'
-        later settles need not wait for it any more."""
-        for lid in ids:
-            if self._settling.get(lid) is fut:
-                del self._settling[lid]
 
     # ---------------------------------------------------------------- keys
     async def create_key(self, p: Principal, queue: str, scopes: list) -> dict:

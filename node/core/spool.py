@@ -169,7 +169,7 @@ class Run(NamedTuple):
 
 
 class Lease:
-    __slots__ = ("id", "nonce", "queue", "msg_id", "epoch", "expires_at", "state", "via")
+    __slots__ = ("id", "nonce", "queue", "msg_id", "epoch", "expires_at", "state", "via", "commit")
 
     def __init__(self, id, nonce, queue, msg_id, epoch, expires_at, via=None):
         self.id = id
@@ -180,6 +180,7 @@ class Lease:
         self.expires_at = expires_at
         self.state = ACTIVE
         self.via = via             # opaque: how the lease left (the edge's, for due_expiries' spare)
+        self.commit = None         # opaque: while SETTLING, the edge's handle on the settle's commit
 
 
 class Queue:
@@ -1011,7 +1012,7 @@ class Core:
         if not _same(lease.nonce, nonce):
             raise BadToken("lease token does not match")
         if lease.state == SETTLING:
-            raise StaleLeaseError("settled")
+            raise StaleLeaseError("settled", lease)
         if lease.state == EXPIRING or now >= lease.expires_at:
             raise StaleLeaseError("expired")
         return lease
@@ -1024,6 +1025,7 @@ class Core:
         """Undo begin_settle when the settle was known not to be accepted."""
         if lease.state == SETTLING and self.leases.get(lease.id) is lease:
             lease.state = ACTIVE
+            lease.commit = None
             self._push_lease(lease)
 
     def _push_lease(self, lease: Lease) -> None:
@@ -1223,9 +1225,13 @@ class Core:
 
 
 class StaleLeaseError(Exception):
-    def __init__(self, reason: str):
+    """``lease``: set for a lease still fenced by a settle whose commit is not
+    applied yet (reason ``settled``), so the caller can wait for that commit."""
+
+    def __init__(self, reason: str, lease: "Optional[Lease]" = None):
         super().__init__(reason)
         self.reason = reason
+        self.lease = lease
 
 
 class BadToken(Exception):

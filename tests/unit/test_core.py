@@ -137,6 +137,7 @@ def test_settling_lease_is_fenced_from_expiry_and_second_settle(log):
     with pytest.raises(StaleLeaseError) as e:
         log.core.check_lease(lease.epoch, lease.id, lease.nonce, 0)
     assert e.value.reason == "settled"
+    assert e.value.lease is lease  # the edge waits on the settle's commit it keeps there
 
 
 def test_nack_increments_retry_and_honours_delay(log):
