@@ -1075,27 +1075,40 @@ class Engine:
                     incoming.db.execute("DELETE FROM meta WHERE k = 'joining'")
         finally:
             incoming.close()  # the last connection: its WAL is checkpointed into the file
-        st.close()
-        db = os.path.join(self.data_dir, "spool.db")
-        for suffix in ("-wal", "-shm"):
-            if os.path.exists(db + suffix):
-                os.remove(db + suffix)
-        os.replace(path, db)
-        fd = os.open(self.data_dir, os.O_RDONLY)
+        # Our WAL is deleted below, so first every frame of it goes into our file,
+        # checked (closing does the same, but keeps the WAL silently when it fails,
+        # and deleting that WAL would lose writes this node acknowledged). A failure
+        # up to here leaves our store as it was, open, and the install is refused.
+        st.fold_wal()
+        # The point of no return: from closing our store on, a failure leaves the
+        # node without a store it can use, and it stops (InstallBroken, S9). A crash
+        # leaves our old file (its WAL folded in) or the copy, each whole.
         try:
-            os.fsync(fd)
+            st.close()
+            db = os.path.join(self.data_dir, "spool.db")
+            for suffix in ("-wal", "-shm"):
+                if os.path.exists(db + suffix):
+                    os.remove(db + suffix)
+            os.replace(path, db)
+            fd = os.open(self.data_dir, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.store = Store(db, vfs=st.vfs, synchronous=st.synchronous, log_keep_records=st.log_keep_records,
+                               log_keep_bytes=st.log_keep_bytes)
+            self.core = Core(rand=os.urandom)
+            self.unapplied.clear()
+            self.recent.clear()
+            self.recent_bytes = 0
+            self.load()
+        except Exception as err:
+            raise InstallBroken(f"installing a snapshot failed after the old store was closed: {err!r}") from err
         finally:
-            os.close(fd)
-        self.store = Store(db, vfs=st.vfs, synchronous=st.synchronous, log_keep_records=st.log_keep_records,
-                           log_keep_bytes=st.log_keep_bytes)
-        self.core = Core(rand=os.urandom)
-        self.unapplied.clear()
-        self.recent.clear()
-        self.recent_bytes = 0
-        self.load()
-        # last: a checkpoint taken from the old core (stamped with the old
-        # generation) is skipped, never written into the new store
-        self.store_generation += 1
+            # last: a checkpoint taken from the old core (stamped with the old
+            # generation) is skipped, never written into the new store (nor
+            # into a half-installed one)
+            self.store_generation += 1
 
     # -------------------------------------------------------------- reading
     @staticmethod
@@ -1145,3 +1158,8 @@ class Engine:
             self._anchor_ts, self._anchor_mono = t, m
             return t
         return floor
+
+
+class InstallBroken(Exception):
+    """A snapshot install failed after the node's old store was closed: the node
+    has no store it can use, and stops (Driver._install_locked)."""

@@ -22,7 +22,7 @@ import grpc
 
 from node import logs
 from node.core import replication as R
-from node.engine import mono_us, nobody_waits
+from node.engine import InstallBroken, mono_us, nobody_waits
 from spooler.pb import replication_pb2 as pb
 from spooler.pb import replication_pb2_grpc as pb_grpc
 
@@ -643,8 +643,17 @@ class Driver:
                 return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
             e.installing = True
             try:
-                await e.store_io(e.install_snapshot_sync, path)
-                await e.store_io(self.load)  # a joining node is still joining (install_snapshot_sync)
+                try:
+                    await e.store_io(e.install_snapshot_sync, path)
+                except InstallBroken as err:  # our store is gone: stop, as after a failed write (S9)
+                    if e.failed is None:
+                        e._fail(err)
+                    raise
+                except Exception as err:  # our store is as it was: the primary tries again later
+                    log.warning("refused a snapshot from %s: it could not be installed (%r); this "
+                                "node's store is unchanged", primary, err)
+                    return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
+                await self._store(self.load)  # a joining node is still joining (install_snapshot_sync)
             finally:
                 e.installing = False
             c = self.core

@@ -277,6 +277,15 @@ class Store:
         finally:
             os.close(fd)
 
+    def fold_wal(self) -> None:
+        """Copy every frame of the WAL into the database file and empty the WAL, or
+        raise (apsw.BusyError while a reader holds it, an I/O error): after this the
+        file alone holds every committed write. Closing the last connection tries
+        the same, but says nothing when it fails and keeps the WAL."""
+        n_log, n_done = self.db.wal_checkpoint(mode=apsw.SQLITE_CHECKPOINT_TRUNCATE)
+        if n_log != n_done:
+            raise RuntimeError(f"WAL checkpoint left {n_log - n_done} of {n_log} frames")
+
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()

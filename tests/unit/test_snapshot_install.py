@@ -7,7 +7,7 @@ import os
 import apsw
 import pytest
 
-from node.engine import Engine
+from node.engine import Engine, InstallBroken
 from node.store.sqlite import Store
 
 KEYS = ("repl_epoch", "voted_for", "lease_seen_us", "joining")
@@ -44,8 +44,9 @@ def test_the_copy_holds_our_values_before_it_replaces_our_store(tmp_path, monkey
     def crash(*_):
         raise OSError("the process dies here")
     monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(InstallBroken) as e:  # past closing our store: the node stops (S9)
         eng.install_snapshot_sync(copy)
+    assert isinstance(e.value.__cause__, OSError)
     # the file that would replace the store holds them itself, with no -wal beside it
     # (os.replace moves only the main file)
     assert not os.path.exists(copy + "-wal")
@@ -278,5 +279,70 @@ def test_a_snapshot_is_made_in_slices_that_commits_run_between(tmp_path, monkeyp
                 copy.close()
         finally:
             await e.stop()
+
+    asyncio.run(main())
+
+
+def test_a_store_whose_wal_cannot_be_folded_into_its_file_is_not_replaced(tmp_path, monkeypatch):
+    """The install deletes our WAL before the copy takes our file's place. Closing
+    our store folds the WAL into the file only when it can (not while another
+    connection reads the file, nor after an I/O error) and says nothing when it
+    cannot, so the install folds it first and checks: a WAL it cannot fold leaves
+    our store as it was, open, and the install is refused. Without that check, a
+    crash between deleting the WAL and the copy's rename lost every write the WAL
+    held (here: the rename fails)."""
+    eng = Engine(str(tmp_path / "n"))
+    with eng.store.db:
+        eng.store.set_meta("repl_epoch", 7)  # committed: in the WAL
+    copy = str(tmp_path / "n" / "snapshot-incoming.db")
+    _primary_copy(tmp_path, copy)
+    reader = apsw.Connection(str(tmp_path / "n" / "spool.db"))  # say, an operator's sqlite3 shell
+    rows = reader.execute("SELECT k FROM meta")
+    next(rows)  # a read transaction open on the WAL
+    eng.store.db.setbusytimeout(50)
+
+    def crash(*_):
+        raise OSError("the process dies here")
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(apsw.BusyError):  # before the point of no return: not InstallBroken
+        eng.install_snapshot_sync(copy)
+    assert eng.store.get_meta("repl_epoch") == 7  # still open and whole
+    rows.close()
+    reader.close()
+    eng.store.close()
+    assert _meta(str(tmp_path / "n" / "spool.db"))[0] == 7  # and so is the file, alone
+
+
+def test_an_install_that_fails_after_closing_the_store_stops_the_node_and_one_before_is_refused(
+        tmp_path, monkeypatch):
+    """S9 for a snapshot install: a failure once our store is closed (a rename,
+    the new file's open or load) leaves the node no store to serve from: it
+    stops, as after any failed write. A failure before (a copy that is not a
+    store, a WAL it cannot fold) leaves our store as it was: the install is
+    refused, the node goes on, and the primary sends a copy again later."""
+    async def main():
+        a = str(tmp_path / "A.db")
+        await _primary_snapshot(str(tmp_path / "pa"), "qa", 3, 1000, a)
+        bad = str(tmp_path / "bad.db")
+        with open(bad, "wb") as f:
+            f.write(b"not a database, " * 512)
+        r = await _replica(str(tmp_path / "r"))
+        stopped = []
+        r.on_fatal = stopped.append
+        try:
+            ack = await r.repl.serve_snapshot(_chunks(bad, 5, "n1"), None)
+            assert not ack.ok and r.failed is None and not stopped
+            await r.store_io(r.repl._persist, 5, "", 0)  # our store still takes writes
+            assert r.store.get_meta("repl_epoch") == 5
+
+            def crash(*_):
+                raise OSError("EIO")
+            monkeypatch.setattr(os, "replace", crash)
+            with pytest.raises(InstallBroken):
+                await r.repl.serve_snapshot(_chunks(a, 6, "n1"), None)
+            assert isinstance(r.failed, InstallBroken) and stopped == [r.failed]
+        finally:
+            monkeypatch.undo()
+            await r.stop()
 
     asyncio.run(main())
