@@ -119,11 +119,17 @@ FSYNC_EXIT_TIMEOUT_S = 15.0  # from the failing fsync's (or write's) file made t
 # The node-to-node links are untouched: the cluster keeps its primary, and the clients of
 # the faulted node time out (or see a reset) and move to another node.
 CLIENT_PARTITION_ACTIONS = (("client_hold_primary", 0.2), ("client_cut_primary", 0.1), ("client_replica", 0.1))
+# with slow_links=True (needs partitions: the proxy between the nodes): every byte between
+# one node (the primary, or a replica) and the others is late, by 5% to 100% of the failover
+# timeout per read of the proxy (so a byte by up to twice that; proxy.py "slow"), for as
+# long as a partition lasts, then on time again: heartbeats and frames late, a quorum slow
+# to answer, forwarded calls slow, elections run over slow links; nothing is lost
+SLOW_LINK_ACTIONS = (("slow_links", 0.3),)
 SPREAD_EVERY = 20  # with client partitions, a client moves to a random node after ~1 call in this many
 # every fault kind the nemesis knows, for a scripted start (Drill(faults=...))
 FAULT_KINDS = frozenset(a for acts in (PROCESS_ACTIONS, PARTITION_ACTIONS, CASCADE_ACTIONS, DISK_LOSS_ACTIONS,
                                        GRACEFUL_ACTIONS, FSYNC_ERROR_ACTIONS, WRITE_ERROR_ACTIONS,
-                                       CLIENT_PARTITION_ACTIONS)
+                                       CLIENT_PARTITION_ACTIONS, SLOW_LINK_ACTIONS)
                         for a, _ in acts)
 SCRIPT_WAIT_S = 120.0  # how long past duration_s the load runs for the scripted faults to be done
 
@@ -188,19 +194,22 @@ class Drill:
                  log=print, power_loss: bool = False, partitions: bool = False, cascades: bool = False,
                  disk_loss: bool = False, graceful: bool = False, fsync_errors: bool = False,
                  write_errors: bool = False, faults: tuple = (), node_args: tuple = (),
-                 client_partitions: bool = False):
+                 client_partitions: bool = False, slow_links: bool = False):
         unknown = [f for f in faults if f not in FAULT_KINDS]
         if unknown:
             raise ValueError(f"unknown fault kinds {unknown}; known: {sorted(FAULT_KINDS)}")
         for flag, on in (("fsync_errors", fsync_errors), ("write_errors", write_errors)):
             if on and not power_loss:
                 raise ValueError(f"{flag}=True needs power_loss=True (the test VFS is what fails the call)")
+        if slow_links and not partitions:
+            raise ValueError("slow_links=True needs partitions=True (the proxy between the nodes makes them slow)")
         needs = {"cascades": (cascades, {a for a, _ in CASCADE_ACTIONS}),
                  "fsync_errors": (fsync_errors, {a for a, _ in FSYNC_ERROR_ACTIONS}),
                  "write_errors": (write_errors, {a for a, _ in WRITE_ERROR_ACTIONS}),
                  "disk_loss": (disk_loss, {a for a, _ in DISK_LOSS_ACTIONS}),
                  "graceful": (graceful, {a for a, _ in GRACEFUL_ACTIONS}),
                  "client_partitions": (client_partitions, {a for a, _ in CLIENT_PARTITION_ACTIONS}),
+                 "slow_links": (slow_links, {a for a, _ in SLOW_LINK_ACTIONS}),
                  "partitions": (partitions, {a for a, _ in PARTITION_ACTIONS} - {a for a, _ in PROCESS_ACTIONS})}
         for flag, (on, kinds) in needs.items():
             if not on and set(faults) & kinds:
@@ -225,6 +234,7 @@ class Drill:
         self.fsync_errors = fsync_errors
         self.write_errors = write_errors
         self.client_partitions = client_partitions
+        self.slow_links = slow_links
         self.cluster = Cluster(os.path.join(self.workdir, "nodes"), nodes=nodes,
                                failover_timeout_s=failover_timeout_s, power_loss=power_loss,
                                partitions=partitions, extra_args=node_args, fsync_errors=fsync_errors,
@@ -470,6 +480,9 @@ class Drill:
         if self.client_partitions:  # after fsync and write errors, for the same reason
             total, share = sum(w for _, w in actions), sum(w for _, w in CLIENT_PARTITION_ACTIONS)
             actions = tuple((a, w * (1 - share) / total) for a, w in actions) + CLIENT_PARTITION_ACTIONS
+        if self.slow_links:  # last of all, for the same reason
+            total = sum(w for _, w in actions)
+            actions = tuple((a, w * (1 - 0.3) / total) for a, w in actions) + SLOW_LINK_ACTIONS
         # its own stream, so that cascades do not shift the other draws of a seed
         crng = self.rng("cascade")
         try:
@@ -685,14 +698,23 @@ class Drill:
             replicas = [n for n in c.ids if n != p]
             node, role = replicas[int(x1 * len(replicas))], "replica"
             kind, mode, direction = "isolate", (DROP if x2 < 0.5 else BLACKHOLE), "both"
+        elif action == "slow_links":
+            if x1 >= 0.5:
+                replicas = [n for n in c.ids if n != p]
+                node, role = replicas[int((x1 - 0.5) * 2 * len(replicas))], "replica"
+            kind = mode = "slow"
+            direction, level = "both", "bytes"
         else:  # one_way_out / one_way_in
             direction = "out" if action == "one_way_out" else "in"
             level = "bytes" if x1 < 0.5 else "calls"
             kind = action + ("_bytes" if level == "bytes" else "")
             mode = (DROP if x2 < 0.5 else BLACKHOLE) if level == "calls" else "one_way"
+        delay_s = round(self.failover_timeout_s * (0.05 + 0.95 * x2), 3) if kind == "slow" else None
         h.nemesis("partition", node, role=role, epoch=epoch, kind=kind, mode=mode, direction=direction,
-                  level=level, hold_s=round(hold_s, 3))
-        if level == "bytes":
+                  level=level, hold_s=round(hold_s, 3), **({"delay_s": delay_s} if delay_s else {}))
+        if kind == "slow":
+            links = px.slow_links(node, delay_s)
+        elif level == "bytes":
             links = px.one_way_bytes(node, direction)
         else:
             links = px.isolate(node, mode, direction)

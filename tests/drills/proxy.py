@@ -37,6 +37,12 @@ before the call returns:
     As ``one_way_reverse``, but a new connection is connected on to b as well (as a
     load balancer that accepted it would): every request reaches b and runs there,
     every answer is held. For the links between clients and a node.
+``slow``
+    Both directions forwarded, late: each read is passed on ``delay_s`` after it was
+    read (``slow_links``), and the next read waits for that, so a byte arrives between
+    ``delay_s`` and twice that after it was sent, in order, nothing lost. A slow or
+    congested link: only timeouts and clocks notice (heartbeats late, a quorum slow to
+    answer, a lease's answer arriving near its end).
 
 Held bytes are delivered in order when the link becomes ok again (heal), like TCP
 retransmissions after a DROP rule is removed: a stale frame of a deposed primary
@@ -48,7 +54,8 @@ arrive. A connection that has not been forwarded yet (accepted under a fault) is
 only connected on to b once *both* directions pass: a TCP handshake needs packets
 both ways.
 
-Node-level faults are built from link modes (``isolate``, ``one_way_bytes``):
+Node-level faults are built from link modes (``isolate``, ``one_way_bytes``,
+``slow_links``):
 
 * a partition of node X from the others: both links (X->Y and Y->X) of every other
   node Y in ``drop`` or ``blackhole``;
@@ -58,7 +65,9 @@ Node-level faults are built from link modes (``isolate``, ``one_way_bytes``):
 * a one-way partition of *bytes* (``one_way_bytes(x, "out")``): every byte X sends to
   the others is held (X->Y ``one_way``, Y->X ``one_way_reverse``) while their bytes
   reach X: the others' calls reach X and run there, but X's answers never arrive.
-  ``"in"`` is the reverse.
+  ``"in"`` is the reverse;
+* slow links of X (``slow_links(x, delay_s)``): both links with every other node
+  ``slow``, every byte between X and them late.
 
 A proxy need not have every ordered pair as a link: ``links=[(a, b), ...]`` names the
 ones it listens for (the drill's client proxy has one per node's HTTP port and one per
@@ -85,13 +94,13 @@ import threading
 from typing import Iterable, Optional
 
 OK, DROP, BLACKHOLE, ONE_WAY, ONE_WAY_REVERSE = "ok", "drop", "blackhole", "one_way", "one_way_reverse"
-ANSWERS_HELD = "answers_held"
-MODES = (OK, DROP, BLACKHOLE, ONE_WAY, ONE_WAY_REVERSE, ANSWERS_HELD)
+ANSWERS_HELD, SLOW = "answers_held", "slow"
+MODES = (OK, DROP, BLACKHOLE, ONE_WAY, ONE_WAY_REVERSE, ANSWERS_HELD, SLOW)
 # (forward a->b passes, back b->a passes, new connections are connected on to b) per
 # mode; drop passes nothing (and resets)
 _PASSES = {OK: (True, True, True), DROP: (False, False, False), BLACKHOLE: (False, False, False),
            ONE_WAY: (False, True, False), ONE_WAY_REVERSE: (True, False, False),
-           ANSWERS_HELD: (True, False, True)}
+           ANSWERS_HELD: (True, False, True), SLOW: (True, True, True)}
 _CHUNK = 65536
 
 
@@ -117,6 +126,7 @@ class _Link:
     def __init__(self, src: str, dst: str):
         self.src, self.dst = src, dst
         self.mode = OK
+        self.delay_s = 0.0             # slow: how late each read is passed on
         self.fwd = asyncio.Event()     # forward bytes (src -> dst) may pass
         self.back = asyncio.Event()    # back bytes (dst -> src) may pass
         self.open = asyncio.Event()    # new connections may be set up (both pass, or answers_held)
@@ -128,8 +138,9 @@ class _Link:
         self.stats = {"accepted": 0, "reset_at_accept": 0, "forwarded": 0, "upstream_failed": 0,
                       "reset_by_fault": 0, "bytes_fwd": 0, "bytes_back": 0}
 
-    def apply(self, mode: str) -> None:
+    def apply(self, mode: str, delay_s: float = 0.0) -> None:
         self.mode = mode
+        self.delay_s = delay_s if mode == SLOW else 0.0
         f, b, o = _PASSES[mode]
         for ev, on in ((self.fwd, f), (self.back, b), (self.open, o)):
             ev.set() if on else ev.clear()
@@ -265,24 +276,26 @@ class FaultProxy:
         """Where connections to ``node`` go (its real gRPC address); read at each connect."""
         self.targets[node] = (host, int(port))
 
-    def set_links(self, modes: dict) -> None:
+    def set_links(self, modes: dict, delay_s: float = 0.0) -> None:
         """Set several links' modes in one step: {(a, b): mode}. Returns once every
-        connection of a dropped link is reset."""
+        connection of a dropped link is reset. ``delay_s``: of the links set ``slow``."""
         for k, m in modes.items():
             if k not in self._links:
                 raise KeyError(f"no link {k}")
             if m not in MODES:
                 raise ValueError(f"unknown mode {m!r}")
-        self._call(self._set_links(dict(modes)))
+        if SLOW in modes.values() and not delay_s > 0:
+            raise ValueError("a slow link needs a delay")
+        self._call(self._set_links(dict(modes), delay_s))
 
     def set_link(self, a: str, b: str, mode: str) -> None:
         self.set_links({(a, b): mode})
 
-    async def _set_links(self, modes: dict) -> None:
+    async def _set_links(self, modes: dict, delay_s: float = 0.0) -> None:
         victims = []
         for k, m in modes.items():
             link = self._links[k]
-            link.apply(m)
+            link.apply(m, delay_s)
             if m == DROP:
                 for c in list(link.conns):
                     c.reset = True
@@ -348,6 +361,14 @@ class FaultProxy:
         self.set_links(modes)
         return modes
 
+    def slow_links(self, node: str, delay_s: float, others: Optional[Iterable[str]] = None) -> dict:
+        """Every byte between ``node`` and the others (default: every other node), both
+        ways, passed on ``delay_s`` to twice that late (mode ``slow``)."""
+        others = [o for o in (others if others is not None else self.nodes) if o != node]
+        modes = {**{(node, o): SLOW for o in others}, **{(o, node): SLOW for o in others}}
+        self.set_links(modes, delay_s)
+        return modes
+
     # -- the connections (loop thread) ------------------------------------------------------------
     async def _serve(self, link: _Link, dr: asyncio.StreamReader, dw: asyncio.StreamWriter) -> None:
         link.stats["accepted"] += 1
@@ -405,6 +426,9 @@ class FaultProxy:
                 await gate.wait()  # a reset is held like bytes are
                 raise _Broken(repr(e)) from None
             await gate.wait()
+            if link.delay_s:  # slow: this read passes on late, and the next waits for it
+                await asyncio.sleep(link.delay_s)
+                await gate.wait()
             if not data:
                 try:
                     if w.can_write_eof():

@@ -134,6 +134,9 @@ def main(argv=None) -> int:
                     help="the nemesis also fails the next writes of the primary's or a replica's store (an "
                          "I/O error of a write, not of an fsync; needs --power-loss): the node must stop "
                          "(exit 70) and rejoin once started again")
+    ap.add_argument("--slow-links", action="store_true",
+                    help="the nemesis also makes every byte between one node and the others late (by up "
+                         "to twice the failover timeout) for a while (needs --partitions)")
     ap.add_argument("--faults", default="",
                     help="comma-separated fault kinds each seed's nemesis makes first, in order "
                          "(e.g. kill_primary_twice,replace_replica); the load runs on until they are over")
@@ -148,6 +151,8 @@ def main(argv=None) -> int:
     for flag, on in (("--fsync-errors", args.fsync_errors), ("--write-errors", args.write_errors)):
         if on and not args.power_loss:
             ap.error(f"{flag} needs --power-loss (the nodes' test VFS is what fails the call)")
+    if args.slow_links and not args.partitions:
+        ap.error("--slow-links needs --partitions (the proxy between the nodes makes the links slow)")
     seeds = parse_seeds(args.seeds)
     faults = tuple(f for f in args.faults.split(",") if f)
     if set(faults) - FAULT_KINDS:
@@ -160,6 +165,7 @@ def main(argv=None) -> int:
           f"{', graceful stops' if args.graceful else ''}{', fsync errors' if args.fsync_errors else ''}"
           f"{', write errors' if args.write_errors else ''}"
           f"{', client partitions' if args.client_partitions else ''}"
+          f"{', slow links' if args.slow_links else ''}"
           f"{', node flags ' + repr(args.node_args) if args.node_args else ''}, in {root}",
           flush=True)
     reports = []
@@ -173,7 +179,7 @@ def main(argv=None) -> int:
                           partitions=args.partitions, cascades=args.cascades, disk_loss=args.disk_loss,
                           graceful=args.graceful, fsync_errors=args.fsync_errors,
                           write_errors=args.write_errors, faults=faults, node_args=tuple(shlex.split(args.node_args)),
-                          client_partitions=args.client_partitions)
+                          client_partitions=args.client_partitions, slow_links=args.slow_links)
         except Exception as e:  # noqa: BLE001 - a drill that cannot finish is a failing seed
             import traceback
             traceback.print_exc()

@@ -15,13 +15,14 @@ pytestmark = pytest.mark.integration
 
 
 def _run(seed, duration_s, tmp_path, power_loss=False, partitions=False, cascades=False, disk_loss=False,
-         graceful=False, fsync_errors=False, write_errors=False, faults=(), client_partitions=False):
+         graceful=False, fsync_errors=False, write_errors=False, faults=(), client_partitions=False,
+         slow_links=False):
     """faults: kinds the nemesis carries out first (the load runs on until they are over), so
     that what a test asserts of them does not hang on how many rounds fit in duration_s."""
     report = run_drill(seed, duration_s, nodes=3, workdir=str(tmp_path / f"seed-{seed}"), power_loss=power_loss,
                        partitions=partitions, cascades=cascades, disk_loss=disk_loss, graceful=graceful,
                        fsync_errors=fsync_errors, write_errors=write_errors, faults=faults,
-                       client_partitions=client_partitions)
+                       client_partitions=client_partitions, slow_links=slow_links)
     assert report["faults"][:len(faults)] == list(faults), (report["faults"], report["notes"])
     table = format_table(report)
     print(f"seed {seed}: {report['wall_s']:.1f}s wall, nemeses {json.dumps(report['nemesis_counts'])}\n{table}")
@@ -140,6 +141,28 @@ def test_short_client_partition_drill(tmp_path):
     # every client call crossed the proxy: HTTP to every node, gRPC batches to some
     assert sum(1 for k, x in links.items() if "/grpc" not in k and x["bytes_fwd"] and x["bytes_back"]) == 3, links
     assert any(x["bytes_fwd"] for k, x in links.items() if "/grpc" in k), links
+
+
+def test_short_slow_link_drill(tmp_path):
+    """Every byte between the primary and the others late by 0.85 to 1.7 s (seed 7's
+    draw; the failover timeout is 1 s), then, under the primary elected meanwhile,
+    between a replica and the others by 0.66 to 1.3 s: heartbeats, frames and their
+    acknowledgements, forwarded calls and votes all arrive late, in order. The slow
+    primary cannot hear a majority in time and a new one is elected over the slow
+    links; nothing is lost, delivered unexpectedly, acked and seen again, or leased
+    twice at once, and the cluster is whole again after each heal."""
+    r = _run(7, 6.0, tmp_path, partitions=True, slow_links=True, faults=("slow_links", "slow_links"))
+    assert r["nemesis_counts"].get("partition_slow_primary") == 1, r["nemesis_counts"]
+    assert r["nemesis_counts"].get("partition_slow_replica") == 1, r["nemesis_counts"]
+    events = [json.loads(x) for x in open(r["history"])]
+    slow = [e for e in events if e.get("type") == "nemesis" and e.get("kind") == "slow" and e["f"] == "partition"]
+    assert [e["delay_s"] for e in slow] == [0.853, 0.658], slow
+    # the links were slow indeed: the primary they slowed lost its office, and the next
+    # fault found a later epoch
+    assert slow[1]["epoch"] > slow[0]["epoch"], slow
+    assert len(r["rejoins"]) == 2, (r["rejoins"], r["notes"])
+    links = r["proxy_links"]
+    assert links and all(x["mode"] == "ok" for x in links.values()), links
 
 
 def test_short_write_error_drill(tmp_path):

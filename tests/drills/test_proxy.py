@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from drills.proxy import ANSWERS_HELD, BLACKHOLE, DROP, OK, ONE_WAY, ONE_WAY_REVERSE, FaultProxy
+from drills.proxy import ANSWERS_HELD, BLACKHOLE, DROP, OK, ONE_WAY, ONE_WAY_REVERSE, SLOW, FaultProxy
 
 DEADLINE_S = 5.0
 HELD_S = 0.3  # how long a held direction is watched for bytes that must not come
@@ -151,6 +151,28 @@ def test_drop_resets_existing_and_refuses_new_then_heal(px, upstream, socks):
     assert px.heal() == {("a", "b"): DROP}
     c3, s3 = pair(px, upstream, socks)
     both_ways(c3, s3, b"3")
+
+
+def test_slow_passes_everything_both_ways_late_and_in_order_until_heal(px, upstream, socks):
+    c, s = pair(px, upstream, socks)
+    both_ways(c, s)
+    delay = 0.4
+    px.set_links({("a", "b"): SLOW}, delay_s=delay)
+    for tag, src, dst in ((b"1", c, s), (b"2", s, c)):  # each way: not before the delay, then whole
+        t0 = time.monotonic()
+        src.sendall(b"late" + tag)
+        assert_held(dst, timeout_s=delay * 0.75)
+        assert recv_exact(dst, 5) == b"late" + tag
+        assert time.monotonic() - t0 >= delay
+    for i in range(20):  # many sends: all arrive, in order
+        c.sendall(b"%02d" % i)
+    assert recv_exact(s, 40, timeout_s=DEADLINE_S + 20 * 2 * delay) == b"".join(b"%02d" % i for i in range(20))
+    with pytest.raises(ValueError):
+        px.set_links({("a", "b"): SLOW})  # a slow link needs its delay
+    assert px.heal() == {("a", "b"): SLOW}
+    t0 = time.monotonic()
+    both_ways(c, s, b"9")  # prompt again: the heal took the delay away
+    assert time.monotonic() - t0 < delay
 
 
 def test_blackhole_holds_both_directions_until_heal(px, upstream, socks):
@@ -307,6 +329,10 @@ def test_links_are_independent_and_node_level_helpers():
         assert p.one_way_bytes("n3", "in") == {("n3", "n1"): ONE_WAY_REVERSE, ("n3", "n2"): ONE_WAY_REVERSE,
                                                ("n1", "n3"): ONE_WAY, ("n2", "n3"): ONE_WAY}
         assert set(p.heal()) == {("n3", "n1"), ("n3", "n2"), ("n1", "n3"), ("n2", "n3")}
+        assert p.slow_links("n1", 0.2) == {("n1", "n2"): SLOW, ("n1", "n3"): SLOW,
+                                           ("n2", "n1"): SLOW, ("n3", "n1"): SLOW}
+        assert p.modes()[("n2", "n3")] == OK
+        assert set(p.heal()) == {("n1", "n2"), ("n1", "n3"), ("n2", "n1"), ("n3", "n1")}
         assert p.faulted() == {}
         with pytest.raises(ValueError):
             p.set_link("n1", "n2", "sometimes")
