@@ -463,13 +463,25 @@ def batch_size(pending: list, batch_max: int, body_of) -> int:
     return n
 
 
+def check_delay(delay_s) -> None:
+    """A delay a request can carry (a double): a number, and an int a double holds
+    (protobuf raised OverflowError for a larger one while building the request, which
+    for an auto-batched send failed every caller in its batch)."""
+    if not isinstance(delay_s, (int, float)) or isinstance(delay_s, bool):
+        raise TypeError(f"delay_s must be a number, not {type(delay_s).__name__}")
+    if isinstance(delay_s, int):
+        try:
+            float(delay_s)
+        except OverflowError:
+            raise errors.InvalidArgument(f"delay_s is out of range (an int of {delay_s.bit_length()} bits)") from None
+
+
 def check_send_types(queue, body, delay_s, dedup_key) -> None:
     if not isinstance(queue, str):
         raise TypeError(f"queue must be a str, not {type(queue).__name__}")
     if not isinstance(body, bytes):  # (protobuf takes bytes only: not bytearray, not memoryview)
         raise TypeError(f"body must be bytes, not {type(body).__name__}")
-    if not isinstance(delay_s, (int, float)) or isinstance(delay_s, bool):
-        raise TypeError(f"delay_s must be a number, not {type(delay_s).__name__}")
+    check_delay(delay_s)
     if not isinstance(dedup_key, str):
         raise TypeError(f"dedup_key must be a str, not {type(dedup_key).__name__}")
     if len(body) > BODIES_BYTES_MAX:
@@ -547,8 +559,7 @@ def lease_request(token: str, delay_s: float = 0.0) -> api_pb2.LeaseRequest:
     so (None stays unset, as in a SettleBatch item: the node refuses it)."""
     if token is not None:
         _token(token)
-    if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)):
-        raise TypeError(f"delay_s must be a number, not {type(delay_s).__name__}")
+    check_delay(delay_s)
     return api_pb2.LeaseRequest(token=token, delay_seconds=delay_s)
 
 
@@ -587,6 +598,8 @@ def settle_request(items, action_of=settle_action) -> api_pb2.SettleBatchRequest
             it.token = t
         it.action = action
         if d is not None and d != 0:
+            if type(d) is int:
+                check_delay(d)
             it.delay_seconds = d
     return req
 

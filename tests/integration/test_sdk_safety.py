@@ -170,6 +170,31 @@ def test_a_send_whose_name_or_key_cannot_be_encoded_fails_alone(node):
                 c.send(queue, b"x", dedup_key=key)
 
 
+def test_a_send_whose_delay_no_request_can_carry_fails_alone(node):
+    """An int delay larger than a double holds (about 1e308) cannot go into a request:
+    building it raised OverflowError, and for an auto-batched send that failed every
+    caller in the batch. Now it is its own caller's ``invalid_argument`` before it
+    joins one, in both clients, and a nack's likewise."""
+    huge = 10 ** 400
+
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("dl")
+            res = await asyncio.gather(*[c.send("dl", b"ok %d" % i, delay_s=huge if i == 5 else 0)
+                                         for i in range(40)], return_exceptions=True)
+            bad = [i for i, r in enumerate(res) if isinstance(r, BaseException)]
+            assert bad == [5] and isinstance(res[5], errors.InvalidArgument), res[:6]
+            assert (await c.get_queue("dl"))["stats"]["visible"] == 39
+            [d] = await c.receive("dl", max_messages=1)
+            with pytest.raises(errors.InvalidArgument):
+                await c.nack(d.token, delay_s=huge)
+            await c.ack(d.token)  # the lease was untouched
+    asyncio.run(asyncio.wait_for(main(), 60))
+    with Client(node.grpc_target, node.admin_key) as c:
+        with pytest.raises(errors.InvalidArgument):
+            c.send("dl", b"x", delay_s=huge)
+
+
 def test_close_sends_what_it_was_handed(node):
     async def main():
         c = AsyncClient(node.grpc_target, node.admin_key)
