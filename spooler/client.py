@@ -383,11 +383,17 @@ class Client(Nodes):
                 try:
                     expires = self.renew(m.token)
                 except errors.SpoolerError as e:
+                    if done.is_set():  # the handler is over: its ack or nack speaks for the lease
+                        return
                     if not keep_renewing_after(log, m, e):
                         return
                 except RuntimeError:  # the client was closed under the handler
                     return
 
+        # The renewer is not waited for once the handler is over (as AsyncClient cancels
+        # its own): a renewal on its way (with its retries, through a failover) would
+        # hold the ack or nack back; it is harmless beside them (the node answers it
+        # stale or settled, or extends a lease that the settle then ends).
         t = threading.Thread(target=keep_renewing, daemon=True)
         t.start()
         try:
@@ -401,7 +407,6 @@ class Client(Nodes):
             # work is unfinished, so the message goes back now rather than when its
             # lease runs out; one attempt, and the interruption goes on
             done.set()
-            t.join()
             try:
                 self._call("Nack", api_pb2.LeaseRequest(token=m.token), write=True,
                            timeout_s=RELEASE_TIMEOUT_S)
@@ -410,7 +415,6 @@ class Client(Nodes):
             raise
         finally:
             done.set()
-            t.join()
         try:
             if ok:
                 self.ack(m.token)

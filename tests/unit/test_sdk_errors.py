@@ -340,3 +340,42 @@ def test_an_error_detail_that_cannot_be_read_is_judged_by_its_code():
     st.details[0].value = b"\xff\xfe"
     e = errors.from_grpc_trailers(grpc.StatusCode.NOT_FOUND, "inner", ((errors.DETAILS_TRAILER, st.SerializeToString()),))
     assert isinstance(e, errors.SpoolerError) and e.message == "inner", e
+
+
+def test_the_sync_consumer_settles_without_waiting_for_a_renewal_on_its_way(caplog):
+    """The sync client's ``handle``: when the handler ends while a renewal is on its
+    way (a slow node, its retries through a failover), the ack goes out at once, as
+    in AsyncClient, which cancels its renewer; it used to wait for the renewal's
+    end. The renewal's late failure is not logged as a lost lease: the ack speaks
+    for the lease."""
+    import threading
+
+    from spooler import Client
+    from spooler._common import LeaseEnd, Message
+
+    c = Client("127.0.0.1:9")  # nothing is called on the network: the calls are stood in for
+    renewing, release, renew_over, acked = threading.Event(), threading.Event(), threading.Event(), []
+
+    def renew(token):
+        renewing.set()
+        try:
+            release.wait(10)
+            raise errors.StaleLease("lease is no longer valid: settled", reason="settled")
+        finally:
+            renew_over.set()
+
+    c.renew = renew
+    c.ack = lambda token: acked.append((token, renew_over.is_set()))
+    m = Message("m1", b"x", "tok", 0, LeaseEnd("2026-01-01T00:00:00Z", 0.1, time.monotonic()), "q")
+    before = set(threading.enumerate())
+    try:
+        assert c.handle(m, lambda _: renewing.wait(10)) is True  # the handler ends once the renewal is out
+        assert acked == [("tok", False)]  # acked while the renewal was still on its way
+    finally:
+        release.set()
+        c.close()
+    deadline = time.monotonic() + 10
+    while [t for t in threading.enumerate() if t not in before and t.is_alive()]:  # the renewer ends
+        assert time.monotonic() < deadline, "the renewer did not end"
+        time.sleep(0.01)
+    assert not [r for r in caplog.records if "renew of" in r.getMessage()]
