@@ -248,3 +248,33 @@ def test_a_second_settle_of_a_lease_waits_for_the_first_ones_commit(tmp_path, fi
                 assert not isinstance(r, errors.StaleLease), r  # never "settled": nothing was
                 assert isinstance(r, (errors.OperationUnconfirmed, errors.Unavailable)), r
     run(body, tmp_path)
+
+
+def test_a_second_settle_waits_for_the_commit_of_a_first_whose_caller_went_away(tmp_path):
+    """The first ack's caller goes away while its commit runs (gRPC cancels the
+    handler at the caller's deadline, which is when an SDK tries the ack again):
+    the commit goes on and lands. The second attempt must wait for it and say
+    ``settled``; cancelling the first caller's wait must not cancel the commit's
+    handle the second one waits on (it then answered operation_unconfirmed at
+    once, for an ack that was landing)."""
+    async def body(eng, svc):
+        await svc.put_queue(ADMIN, "q", {})
+        await svc.send(ADMIN, [("q", b"m", 0.0, "")])
+        [d] = await svc.receive(ADMIN, "q", 0)
+        go, _ = _hold_commits(eng)
+        try:
+            first = asyncio.ensure_future(svc.ack(ADMIN, d.token))
+            await until(lambda: eng._io_jobs > 0)  # the first ack's commit is on the store's thread, held
+            first.cancel()  # its caller's deadline
+            await asyncio.gather(first, return_exceptions=True)
+            second = asyncio.ensure_future(svc.ack(ADMIN, d.token))
+            for _ in range(20):
+                await asyncio.sleep(0.005)
+            early = second.done()
+        finally:
+            go.set()
+        [r] = await asyncio.gather(second, return_exceptions=True)
+        assert not early, ("answered before the first ack's commit was known", r)
+        assert isinstance(r, errors.StaleLease) and r.reason == "settled", r
+        assert (await svc.get_queue(ADMIN, "q"))["stats"]["visible"] == 0  # the ack landed
+    run(body, tmp_path)
