@@ -346,3 +346,38 @@ def test_an_install_that_fails_after_closing_the_store_stops_the_node_and_one_be
             await r.stop()
 
     asyncio.run(main())
+
+
+
+def test_our_values_written_into_the_copy_are_in_its_file_before_it_is_installed(tmp_path, monkeypatch):
+    """Our epoch, vote, lease and joining mark go into the copy through its WAL;
+    the rename moves only the copy's main file. Closing the copy folds its WAL
+    into the file only when it can (not after an I/O error of that checkpoint,
+    nor while another connection has the file open) and says nothing when it
+    cannot, keeping the WAL: the install must fold and check the copy's WAL as
+    it does our own store's, and refuse the copy when it cannot. Otherwise the
+    node goes on (and restarts) with the primary's vote and epoch in place of
+    its own. Here closing the copy skips its checkpoint (what a failed one
+    leaves: the WAL, and no error)."""
+    eng = Engine(str(tmp_path / "n"))
+    with eng.store.db:
+        for k, v in zip(KEYS, (7, "n2", 5_000_000, 1)):
+            eng.store.set_meta(k, v)
+    copy = str(tmp_path / "n" / "snapshot-incoming.db")
+    _primary_copy(tmp_path, copy)
+    close = Store.close
+
+    def close_without_checkpoint(self):
+        if self.path == copy:
+            self.db.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
+        close(self)
+    monkeypatch.setattr(Store, "close", close_without_checkpoint)
+    try:
+        eng.install_snapshot_sync(copy)
+    except Exception:
+        pass  # refused, or stopped: what the node runs with, and a restart finds, is below
+    monkeypatch.undo()
+    installed = tuple(eng.store.get_meta(k) for k in KEYS)
+    eng.store.close()
+    assert installed == (7, "n2", 5_000_000, 1)
+    assert _meta(str(tmp_path / "n" / "spool.db")) == (7, "n2", 5_000_000, 1)
