@@ -371,3 +371,25 @@ def test_close_resets_connections_and_stops_listening(upstream, socks):
         socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S).close()
     with pytest.raises(RuntimeError):
         p.set_link("a", "b", OK)
+
+
+def test_slow_makes_bytes_late_by_at_most_twice_the_delay_also_when_many_come(px, upstream, socks):
+    """``slow`` says a byte arrives between delay_s and twice that after it was sent.
+    A read is at most 64 KiB, and the next read waits for the last one's delay: more
+    than 64 KiB sent within one delay then queues behind it, and a byte comes later
+    and later (the link is then a bandwidth cap, 64 KiB a delay, and a node's
+    snapshot or catch-up behind it is slowed by far more than the delay)."""
+    import threading
+    c, s = pair(px, upstream, socks)
+    delay = 0.1
+    px.set_links({("a", "b"): SLOW}, delay_s=delay)
+    data = bytes(1 << 20)
+    sent = []
+    t = threading.Thread(target=lambda: (c.sendall(data), sent.append(time.monotonic())), daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    assert recv_exact(s, len(data), timeout_s=60) == data
+    t.join(DEADLINE_S)
+    assert sent
+    # the last byte went out at sent[0] at the latest
+    assert time.monotonic() - sent[0] <= 2 * delay + 0.5, (time.monotonic() - t0, sent[0] - t0)
