@@ -1073,8 +1073,11 @@ class Engine:
                     incoming.set_meta("joining", keep["joining"])
                 else:
                     incoming.db.execute("DELETE FROM meta WHERE k = 'joining'")
+            # checked: the rename below moves only the copy's main file, and closing
+            # keeps a WAL it cannot fold without a word (our values would be lost)
+            incoming.fold_wal()
         finally:
-            incoming.close()  # the last connection: its WAL is checkpointed into the file
+            incoming.close()
         # Our WAL is deleted below, so first every frame of it goes into our file,
         # checked (closing does the same, but keeps the WAL silently when it fails,
         # and deleting that WAL would lose writes this node acknowledged). A failure

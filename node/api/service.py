@@ -31,7 +31,7 @@ from spooler.pb import log_pb2
 from node import logs
 from node.core import replication as R
 from node.core.spool import US, BadToken, StaleLeaseError, failure_queue_of
-from node.engine import Engine, Reply, mono_us
+from node.engine import Engine, Reply, mono_us, nobody_waits
 from node.waits import wait_event
 
 log = logging.getLogger("spooler.service")
@@ -1076,9 +1076,12 @@ class Service:
             # lease stays fenced, and keeps it, until the record applies (the lease
             # then ends) or the epoch ends (it is then stale); a duplicate token
             # inside this batch is answered at once (it is committed with the batch)
+            # shielded: this caller going away (its deadline, its stream's end: just
+            # when an SDK tries the ack again) must not cancel the handle the next
+            # attempt waits on; the commit goes on regardless
             for _, lease in fenced:
                 lease.commit = fut
-            changed = await fut
+            changed = await asyncio.shield(nobody_waits(fut))
             for (i, lease), ok in zip(fenced, changed):
                 if not ok:  # the message was moved or deleted meanwhile (redrive, queue delete)
                     out[i] = (errors.QueueNotFound(f"queue {lease.queue} does not exist")

@@ -623,15 +623,14 @@ class Driver:
             return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
         finally:
             self._inbound.pop(me, None)
-            if not handed and os.path.exists(path):
-                os.remove(path)
+            if not handed:
+                _remove_copy(path)
 
     async def _install(self, path: str, epoch: int, primary: str) -> pb.SnapshotAck:
         try:
             return await self._install_locked(path, epoch, primary)
         finally:
-            if os.path.exists(path):
-                os.remove(path)
+            _remove_copy(path)
 
     async def _install_locked(self, path: str, epoch: int, primary: str) -> pb.SnapshotAck:
         e = self.engine
@@ -938,6 +937,14 @@ class Driver:
                 self.core.campaign_unsaved(req.epoch, req.primary, mono_us())
                 raise
             return False
+
+
+def _remove_copy(path: str) -> None:
+    """A snapshot copy that was not installed (or was: then only its own WAL and
+    shared-memory files are left), with those files."""
+    for p in (path, path + "-wal", path + "-shm"):
+        if os.path.exists(p):
+            os.remove(p)
 
 
 async def shielded(coro):

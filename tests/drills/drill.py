@@ -121,8 +121,7 @@ FSYNC_EXIT_TIMEOUT_S = 15.0  # from the failing fsync's (or write's) file made t
 CLIENT_PARTITION_ACTIONS = (("client_hold_primary", 0.2), ("client_cut_primary", 0.1), ("client_replica", 0.1))
 # with slow_links=True (needs partitions: the proxy between the nodes): every byte between
 # one node (the primary, or a replica) and the others is late, by 5% to 100% of the failover
-# timeout per read of the proxy (so a byte by up to twice that; proxy.py "slow"), for as
-# long as a partition lasts, then on time again: heartbeats and frames late, a quorum slow
+# timeout (proxy.py "slow"), for as long as a partition lasts, then on time again: heartbeats and frames late, a quorum slow
 # to answer, forwarded calls slow, elections run over slow links; nothing is lost
 SLOW_LINK_ACTIONS = (("slow_links", 0.3),)
 SPREAD_EVERY = 20  # with client partitions, a client moves to a random node after ~1 call in this many

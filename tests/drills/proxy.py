@@ -39,10 +39,12 @@ before the call returns:
     every answer is held. For the links between clients and a node.
 ``slow``
     Both directions forwarded, late: each read is passed on ``delay_s`` after it was
-    read (``slow_links``), and the next read waits for that, so a byte arrives between
-    ``delay_s`` and twice that after it was sent, in order, nothing lost. A slow or
-    congested link: only timeouts and clocks notice (heartbeats late, a quorum slow to
-    answer, a lease's answer arriving near its end).
+    read (``slow_links``), while reading goes on, so every byte arrives about
+    ``delay_s`` after it was sent, in order, nothing lost, however many come (a long
+    link, not a narrow one). Only timeouts and clocks notice (heartbeats late, a
+    quorum slow to answer, a lease's answer arriving near its end). Bytes already on
+    their way when the link heals still arrive late; new connections are set up
+    without delay.
 
 Held bytes are delivered in order when the link becomes ok again (heal), like TCP
 retransmissions after a DROP rule is removed: a stale frame of a deposed primary
@@ -91,6 +93,7 @@ import asyncio
 import socket
 import struct
 import threading
+import time
 from typing import Iterable, Optional
 
 OK, DROP, BLACKHOLE, ONE_WAY, ONE_WAY_REVERSE = "ok", "drop", "blackhole", "one_way", "one_way_reverse"
@@ -363,7 +366,7 @@ class FaultProxy:
 
     def slow_links(self, node: str, delay_s: float, others: Optional[Iterable[str]] = None) -> dict:
         """Every byte between ``node`` and the others (default: every other node), both
-        ways, passed on ``delay_s`` to twice that late (mode ``slow``)."""
+        ways, passed on ``delay_s`` late (mode ``slow``)."""
         others = [o for o in (others if others is not None else self.nodes) if o != node]
         modes = {**{(node, o): SLOW for o in others}, **{(o, node): SLOW for o in others}}
         self.set_links(modes, delay_s)
@@ -417,28 +420,55 @@ class FaultProxy:
     async def _pump(link: _Link, r: asyncio.StreamReader, w: asyncio.StreamWriter, gate: asyncio.Event,
                     counter: str) -> None:
         """Copy r to w while ``gate`` is set; bytes read while it is clear are held until it
-        is set again. An EOF is passed on (half-close); an error raises (both get reset)."""
-        while True:
-            await gate.wait()
-            try:
-                data = await r.read(_CHUNK)
-            except (ConnectionError, OSError) as e:
-                await gate.wait()  # a reset is held like bytes are
-                raise _Broken(repr(e)) from None
-            await gate.wait()
-            if link.delay_s:  # slow: this read passes on late, and the next waits for it
-                await asyncio.sleep(link.delay_s)
+        is set again. An EOF is passed on (half-close); an error raises (both get reset).
+
+        Reading and passing on are two tasks with a queue between them: each read is
+        stamped with when it may pass (now, or ``delay_s`` later on a slow link), and
+        reading goes on meanwhile, so a slow link delays every byte by its delay however
+        many come, and is no cap on how many."""
+        late: asyncio.Queue = asyncio.Queue()
+
+        async def read_on() -> None:
+            while True:
                 await gate.wait()
-            if not data:
                 try:
-                    if w.can_write_eof():
-                        w.write_eof()
+                    data = await r.read(_CHUNK)
+                except (ConnectionError, OSError) as e:
+                    await gate.wait()  # a reset is held like bytes are
+                    raise _Broken(repr(e)) from None
+                await gate.wait()
+                late.put_nowait((time.monotonic() + link.delay_s, data))
+                if not data:
+                    return
+
+        async def pass_on() -> None:
+            while True:
+                due, data = await late.get()
+                wait_s = due - time.monotonic()
+                if wait_s > 0:
+                    await asyncio.sleep(wait_s)
+                await gate.wait()
+                if not data:
+                    try:
+                        if w.can_write_eof():
+                            w.write_eof()
+                    except (ConnectionError, OSError, RuntimeError) as e:
+                        raise _Broken(repr(e)) from None
+                    return
+                link.stats[counter] += len(data)
+                try:
+                    w.write(data)
+                    await w.drain()
                 except (ConnectionError, OSError, RuntimeError) as e:
                     raise _Broken(repr(e)) from None
-                return
-            link.stats[counter] += len(data)
-            try:
-                w.write(data)
-                await w.drain()
-            except (ConnectionError, OSError, RuntimeError) as e:
-                raise _Broken(repr(e)) from None
+
+        tasks = [asyncio.create_task(read_on()), asyncio.create_task(pass_on())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

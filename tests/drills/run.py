@@ -136,7 +136,7 @@ def main(argv=None) -> int:
                          "(exit 70) and rejoin once started again")
     ap.add_argument("--slow-links", action="store_true",
                     help="the nemesis also makes every byte between one node and the others late (by up "
-                         "to twice the failover timeout) for a while (needs --partitions)")
+                         "to the failover timeout) for a while (needs --partitions)")
     ap.add_argument("--faults", default="",
                     help="comma-separated fault kinds each seed's nemesis makes first, in order "
                          "(e.g. kill_primary_twice,replace_replica); the load runs on until they are over")

@@ -373,12 +373,12 @@ def test_close_resets_connections_and_stops_listening(upstream, socks):
         p.set_link("a", "b", OK)
 
 
-def test_slow_makes_bytes_late_by_at_most_twice_the_delay_also_when_many_come(px, upstream, socks):
-    """``slow`` says a byte arrives between delay_s and twice that after it was sent.
-    A read is at most 64 KiB, and the next read waits for the last one's delay: more
-    than 64 KiB sent within one delay then queues behind it, and a byte comes later
-    and later (the link is then a bandwidth cap, 64 KiB a delay, and a node's
-    snapshot or catch-up behind it is slowed by far more than the delay)."""
+def test_slow_makes_bytes_late_by_its_delay_also_when_many_come(px, upstream, socks):
+    """``slow`` delays every byte by about its delay, however many come. When the
+    next read waited for the last one's delay (0.4.30 before its release), a read
+    being at most 64 KiB, more than 64 KiB sent within one delay queued behind it
+    and came later and later: the link was a bandwidth cap, 64 KiB a delay, and a
+    node's snapshot or catch-up behind it was slowed by far more than the delay."""
     import threading
     c, s = pair(px, upstream, socks)
     delay = 0.1

@@ -334,6 +334,18 @@ def test_an_install_that_fails_after_closing_the_store_stops_the_node_and_one_be
             assert not ack.ok and r.failed is None and not stopped
             await r.store_io(r.repl._persist, 5, "", 0)  # our store still takes writes
             assert r.store.get_meta("repl_epoch") == 5
+            # a whole copy, refused as our WAL cannot be folded (a tool reads our file):
+            # nothing of the copy is left behind, its WAL and shared memory neither
+            reader = apsw.Connection(os.path.join(r.data_dir, "spool.db"))
+            rows = reader.execute("SELECT k FROM meta")
+            next(rows)
+            r.store.db.setbusytimeout(50)
+            ack = await r.repl.serve_snapshot(_chunks(a, 5, "n1"), None)
+            rows.close()
+            reader.close()
+            assert not ack.ok and r.failed is None and not stopped
+            assert not [n for n in os.listdir(r.data_dir) if n.startswith("snapshot-incoming")]
+            assert r.store.get_meta("repl_epoch") == 5
 
             def crash(*_):
                 raise OSError("EIO")
