@@ -33,13 +33,19 @@ def _meta(path):
         s.close()
 
 
-def test_the_copy_holds_our_values_before_it_replaces_our_store(tmp_path, monkeypatch):
+def _ours_and_a_copy(tmp_path):
+    """A node whose store holds our values (KEYS), and a primary's copy holding its own."""
     eng = Engine(str(tmp_path / "n"))
     with eng.store.db:
         for k, v in zip(KEYS, (7, "n2", 5_000_000, 1)):
             eng.store.set_meta(k, v)
     copy = str(tmp_path / "n" / "snapshot-incoming.db")
     _primary_copy(tmp_path, copy)
+    return eng, copy
+
+
+def test_the_copy_holds_our_values_before_it_replaces_our_store(tmp_path, monkeypatch):
+    eng, copy = _ours_and_a_copy(tmp_path)
 
     def crash(*_):
         raise OSError("the process dies here")
@@ -371,12 +377,7 @@ def test_our_values_written_into_the_copy_are_in_its_file_before_it_is_installed
     node goes on (and restarts) with the primary's vote and epoch in place of
     its own. Here closing the copy skips its checkpoint (what a failed one
     leaves: the WAL, and no error)."""
-    eng = Engine(str(tmp_path / "n"))
-    with eng.store.db:
-        for k, v in zip(KEYS, (7, "n2", 5_000_000, 1)):
-            eng.store.set_meta(k, v)
-    copy = str(tmp_path / "n" / "snapshot-incoming.db")
-    _primary_copy(tmp_path, copy)
+    eng, copy = _ours_and_a_copy(tmp_path)
     close = Store.close
 
     def close_without_checkpoint(self):
