@@ -93,7 +93,10 @@ PARTITION_ACTIONS = (("kill_primary", 0.12), ("stop_primary", 0.10), ("restart_r
 CASCADE_ACTIONS = (("kill_primary_twice", 0.5), ("kill_replica_stop_primary", 0.5))
 # with disk_loss=True: a replica's disk is lost and a replacement joins (--join);
 # the next fault waits until it has joined (one lost disk at a time)
-DISK_LOSS_ACTIONS = (("replace_replica", 0.3),)
+# (since 0.4.30 a third of them the primary's disk: the primary is killed with its disk, the
+# others elect one of themselves, and the replacement joins as a replica; the draws of
+# every other kind are as before)
+DISK_LOSS_ACTIONS = (("replace_replica", 0.2), ("replace_primary", 0.1))
 # with graceful=True: the primary is told to stop (SIGTERM, as a rolling restart does: it
 # hands over first), and started again once it has exited
 GRACEFUL_ACTIONS = (("term_primary", 0.3),)
@@ -514,8 +517,8 @@ class Drill:
             p, epoch = cp
             if action in ("kill_primary_twice", "kill_replica_stop_primary"):
                 self._cascade(action, p, epoch, down, crng)
-            elif action == "replace_replica":
-                self._replace(p, epoch, crng)
+            elif action in ("replace_replica", "replace_primary"):
+                self._replace(p, epoch, crng, primary=action == "replace_primary")
             elif action == "term_primary":
                 self._term(p, epoch, down)
             elif action in ("fsync_error", "write_error"):
@@ -627,13 +630,17 @@ class Drill:
         except Exception:  # noqa: BLE001 - no primary just now, or it is the failing node: the next one
             pass
 
-    def _replace(self, p: str, epoch: int, rng: random.Random) -> None:
-        """A replica's disk is lost: its replacement starts empty with --join; wait
-        until it has joined, so that at most one disk is lost at a time."""
+    def _replace(self, p: str, epoch: int, rng: random.Random, primary: bool = False) -> None:
+        """A replica's disk is lost (or the primary's, ``primary``: it is killed with
+        its disk, and the others elect one of themselves): its replacement starts
+        empty with --join; wait until it has joined, so that at most one disk is lost
+        at a time."""
         c = self.cluster
         replicas = [n for n in c.ids if n != p]
         r = replicas[int(rng.random() * len(replicas))]
-        self.h.nemesis("disk_loss", r, role="replica", epoch=epoch)
+        if primary:
+            r = p
+        self.h.nemesis("disk_loss", r, role="primary" if primary else "replica", epoch=epoch)
         self.expected_down.add(r)
         c.replace(r)
         self.expected_down.discard(r)

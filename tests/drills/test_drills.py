@@ -72,12 +72,20 @@ def test_short_cascade_drill(tmp_path):
 
 
 def test_short_disk_loss_drill(tmp_path):
-    """R1a under load: a replica's disk is lost and its replacement joins with --join
-    (then the primary is killed); nothing confirmed is lost, and it joins."""
-    r = _run(7, 10.0, tmp_path, disk_loss=True, faults=("replace_replica", "kill_primary"))
+    """R1a under load: a replica's disk is lost and its replacement joins with --join,
+    then the primary's (it is killed with its disk: the others elect one of
+    themselves, and its replacement joins as a replica); nothing confirmed is lost,
+    and both replacements join."""
+    r = _run(7, 10.0, tmp_path, disk_loss=True, faults=("replace_replica", "replace_primary"))
     counts = r["nemesis_counts"]
-    assert counts.get("kill_primary", 0) >= 1, counts
-    assert counts.get("disk_loss_replica", 0) >= 1 and counts.get("joined", 0) == counts["disk_loss_replica"], counts
+    assert counts.get("disk_loss_replica", 0) >= 1 and counts.get("disk_loss_primary", 0) >= 1, counts
+    assert counts.get("joined", 0) == counts["disk_loss_replica"] + counts["disk_loss_primary"], counts
+    events = [json.loads(x) for x in open(r["history"])]
+    gone = next(e for e in events if e.get("type") == "nemesis" and e["f"] == "disk_loss" and e["role"] == "primary")
+    # the next primary is another node: an empty replacement that is joining stands for nothing
+    later = sorted((e["epoch"], e["node"]) for e in events
+                   if e.get("type") == "role" and e.get("role") == "primary" and e["epoch"] > gone["epoch"])
+    assert later and later[0][1] != gone["node"], (gone, later[:3])
 
 
 def test_short_graceful_stop_drill(tmp_path):
