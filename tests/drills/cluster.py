@@ -445,6 +445,23 @@ def primaries_from_logs(workdir: str) -> dict:
     return out
 
 
+def snapshot_installs_from_logs(workdir: str) -> dict:
+    """How many snapshot copies the nodes installed, and how many they refused as not
+    installable (docs/DESIGN.md, "Snapshots"), from every node log under ``workdir``:
+    evidence of what a run exercised, not judged."""
+    out = {"installed": 0, "refused": 0}
+    for root, _, files in os.walk(workdir):
+        for name in files:
+            if name.endswith(".log"):
+                with open(os.path.join(root, name), errors="replace") as f:
+                    for line in f:
+                        if "installed a snapshot from" in line:
+                            out["installed"] += 1
+                        elif "it could not be installed" in line:
+                            out["refused"] += 1
+    return out
+
+
 def db_digest(data_dir: str) -> dict:
     """Integrity check and a digest of the replicated state of a *stopped* node's store.
 

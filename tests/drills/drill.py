@@ -49,12 +49,12 @@ from spooler.http import HttpClient
 
 try:  # imported as tests.drills.drill (python -m) or drills.drill (pytest rootdir tests/)
     from .checker import DEFINITE_FAILURE_KINDS, check
-    from .cluster import Cluster, db_digest, primaries_from_logs
+    from .cluster import Cluster, db_digest, primaries_from_logs, snapshot_installs_from_logs
     from .history import History, expires_at_monotonic
     from .proxy import ANSWERS_HELD, BLACKHOLE, DROP
 except ImportError:  # pragma: no cover
     from checker import DEFINITE_FAILURE_KINDS, check  # type: ignore
-    from cluster import Cluster, db_digest, primaries_from_logs  # type: ignore
+    from cluster import Cluster, db_digest, primaries_from_logs, snapshot_installs_from_logs  # type: ignore
     from history import History, expires_at_monotonic  # type: ignore
     from proxy import ANSWERS_HELD, BLACKHOLE, DROP  # type: ignore
 
@@ -946,6 +946,7 @@ class Drill:
                       node_counters=final.get("node_counters"), proxy_links=final_proxy,
                       client_proxy_links=final_client_proxy)
         report["unexpected_exits"] = self.unexpected_exits
+        report["snapshot_installs"] = snapshot_installs_from_logs(self.cluster.workdir)
         if self.thread_errors or not drained or self.unexpected_exits:
             report["required_zeros_ok"] = False
         return report

@@ -756,6 +756,20 @@ def test_elections_the_nodes_logged_count_for_double_primaries(tmp_path):
     assert r["double_primaries"] == 1 and r["double_primaries_details"][0]["epoch"] == 3
 
 
+def test_the_snapshot_installs_the_nodes_logged_are_counted(tmp_path):
+    from drills.cluster import snapshot_installs_from_logs
+    (tmp_path / "n1").mkdir()
+    (tmp_path / "n3-disk2").mkdir()
+    (tmp_path / "n1" / "n1.log").write_text(
+        "2026-12-05 10:00:00,000 INFO spooler.replication installed a snapshot from n2: log to lsn 9, applied 9\n"
+        "2026-12-05 10:00:01,000 INFO spooler.engine node n1 elected primary in epoch 3\n")
+    (tmp_path / "n3-disk2" / "n3.log").write_text(
+        "2026-12-05 10:00:02,000 WARNING spooler.replication refused a snapshot from n1: it could not be "
+        "installed (NotADBError('file is not a database')); this node's store is unchanged\n"
+        "2026-12-05 10:00:03,000 INFO spooler.replication installed a snapshot from n1: log to lsn 12, applied 12\n")
+    assert snapshot_installs_from_logs(str(tmp_path)) == {"installed": 2, "refused": 1}
+
+
 @pytest.mark.parametrize("jump_s", [0.0, 7.0])
 def test_a_wall_clock_that_jumps_ahead_of_the_history_ends_leases_that_much_earlier(jump_s):
     """A virtual machine paused for 7 s (seen here in a CI run): the monotonic clock
