@@ -1072,15 +1072,16 @@ class Service:
                 for _, lease in fenced:
                     self.core.end_settle(lease)
                 raise
-            # another request's settle of these leases waits for this commit: the
-            # lease stays fenced, and keeps it, until the record applies (the lease
-            # then ends) or the epoch ends (it is then stale); a duplicate token
-            # inside this batch is answered at once (it is committed with the batch)
-            # shielded: this caller going away (its deadline, its stream's end: just
-            # when an SDK tries the ack again) must not cancel the handle the next
-            # attempt waits on; the commit goes on regardless
+            # Another request's settle of these leases waits for this commit: each
+            # lease stays fenced, keeping it, until the record applies (the lease
+            # then ends) or the epoch ends (it is then stale). A duplicate token
+            # inside this batch was answered at once (it is committed with the batch).
             for _, lease in fenced:
                 lease.commit = fut
+            # Shielded: this caller going away (its deadline, its stream's end: just
+            # when an SDK tries the ack again) must not cancel what the next attempt
+            # waits on. (nobody_waits: a failure seen by no one is not logged as
+            # never retrieved; a cancelled shield stops reading it.)
             changed = await asyncio.shield(nobody_waits(fut))
             for (i, lease), ok in zip(fenced, changed):
                 if not ok:  # the message was moved or deleted meanwhile (redrive, queue delete)
