@@ -940,8 +940,8 @@ class Driver:
 
 
 def _remove_copy(path: str) -> None:
-    """A snapshot copy that was not installed (or was: then only its own WAL and
-    shared-memory files are left), with those files."""
+    """A snapshot copy's file with its WAL and shared-memory files, whichever of
+    them are left (after an install, the rename took the file itself)."""
     for p in (path, path + "-wal", path + "-shm"):
         if os.path.exists(p):
             os.remove(p)

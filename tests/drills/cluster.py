@@ -427,21 +427,25 @@ def _messages_of(db) -> list:
 _ELECTED = re.compile(r"node (\S+) elected primary in epoch (\d+)")
 
 
-def primaries_from_logs(workdir: str) -> dict:
-    """{epoch: {node ids}} from every node log under ``workdir`` (each node writes
-    "node N elected primary in epoch E" when it wins; a replaced node's old data
-    dir, and its log, are kept). Unlike the observer's polling of GET /v1/cluster,
-    this misses no primary however briefly it served."""
-    out: dict = {}
+def _node_log_lines(workdir: str):
+    """Every line of every node log under ``workdir`` (a replaced node's old data dir,
+    and its log, are kept)."""
     for root, _, files in os.walk(workdir):
         for name in files:
-            if not name.endswith(".log"):
-                continue
-            with open(os.path.join(root, name), errors="replace") as f:
-                for line in f:
-                    m = _ELECTED.search(line)
-                    if m:
-                        out.setdefault(int(m.group(2)), set()).add(m.group(1))
+            if name.endswith(".log"):
+                with open(os.path.join(root, name), errors="replace") as f:
+                    yield from f
+
+
+def primaries_from_logs(workdir: str) -> dict:
+    """{epoch: {node ids}} from every node log under ``workdir`` (each node writes
+    "node N elected primary in epoch E" when it wins). Unlike the observer's polling
+    of GET /v1/cluster, this misses no primary however briefly it served."""
+    out: dict = {}
+    for line in _node_log_lines(workdir):
+        m = _ELECTED.search(line)
+        if m:
+            out.setdefault(int(m.group(2)), set()).add(m.group(1))
     return out
 
 
@@ -450,15 +454,11 @@ def snapshot_installs_from_logs(workdir: str) -> dict:
     installable (docs/DESIGN.md, "Snapshots"), from every node log under ``workdir``:
     evidence of what a run exercised, not judged."""
     out = {"installed": 0, "refused": 0}
-    for root, _, files in os.walk(workdir):
-        for name in files:
-            if name.endswith(".log"):
-                with open(os.path.join(root, name), errors="replace") as f:
-                    for line in f:
-                        if "installed a snapshot from" in line:
-                            out["installed"] += 1
-                        elif "it could not be installed" in line:
-                            out["refused"] += 1
+    for line in _node_log_lines(workdir):
+        if "installed a snapshot from" in line:
+            out["installed"] += 1
+        elif "it could not be installed" in line:
+            out["refused"] += 1
     return out
 
 
