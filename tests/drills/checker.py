@@ -8,7 +8,9 @@ Every judgement is made so that an indeterminate outcome can only hide an anomal
 never invent one: a call whose outcome is unknown is assumed to have taken effect when
 that excuses what followed (an unknown nack excuses a retry increment and ends the
 lease), and lease-overlap needs a second receive that *completed* before the first
-lease's expiry. Deliveries of one message are taken in the order their answers arrived;
+lease's expiry. An unknown call held by a client link that delivered what it held late
+(``client_late``) may take effect until the time the drill allows it after the heal.
+Deliveries of one message are taken in the order their answers arrived;
 an answer held up past its own lease's expiry (a partition) may be an older grant than
 the one before it, which the retry-count and overlap rules allow for. Cost: O(n log n) in
 the number of events (sorting and bisects), times the deliveries of one message for the
@@ -52,13 +54,21 @@ INF = float("inf")
 
 
 class _Op:
-    __slots__ = ("f", "process", "inv_t", "inv", "type", "done_t", "res")
+    __slots__ = ("f", "process", "inv_t", "inv", "type", "done_t", "res", "late_t")
 
     def __init__(self, f: str, process: Any, inv_t: float, inv: dict):
         self.f, self.process, self.inv_t, self.inv = f, process, inv_t, inv
         self.type: str | None = None  # None: never completed
         self.done_t = INF
         self.res: dict = {}
+        self.late_t = 0.0  # held by a link that delivered it late: may take effect until then
+
+    @property
+    def effect_t(self) -> float:
+        """The latest time this call may have taken effect: its completion, or for an
+        unknown call held by a client link that delivered what it held at its heal, the
+        end of what the drill allows such a call after the heal (``late_effect_s``)."""
+        return max(self.done_t, self.late_t) if self.outcome == "unknown" else self.done_t
 
     @property
     def outcome(self) -> str:
@@ -175,6 +185,8 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         the wall clock places it in ``t`` at ``at_t``."""
         return expiry + off_at(src_t) - off_at(at_t)
 
+    late_calls = mark_late_calls(order, nemeses)
+
     # -- pass 2: index by function ----------------------------------------------------------
     sends: list[_Op] = []
     deliveries: list[_Delivery] = []
@@ -192,7 +204,7 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
                 else:
                     deliveries.append(_Delivery(op))
             elif oc == "unknown":  # may have created a lease nobody saw
-                unknown_receives[op.inv.get("queue")].append((op.inv_t, op.done_t))
+                unknown_receives[op.inv.get("queue")].append((op.inv_t, op.effect_t))
         elif op.f in ("ack", "nack", "renew"):
             settles[op.inv.get("token")].append(op)
     deliveries.sort(key=lambda d: d.ok_t)
@@ -624,10 +636,41 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         "integrity": integrity,
         "orphan_completions": orphan_completions,
         **cp,
+        "client_partition_late_calls": late_calls,
     }
     report["required_zeros_ok"] = (all(report[k] == 0 for k in REQUIRED_ZEROS)
                                    and nodes_agree is not False and integrity_ok is not False)
     return report
+
+
+def mark_late_calls(order: list, nemeses: list) -> int:
+    """Calls held by a client link that delivered what it held at its heal (a
+    ``client_partition`` with ``late_effect_s``, up to a ``client_heal`` of that node
+    marked ``late``): a call invoked before the heal that ended unknown after the fault
+    began may reach its node at the heal and take effect up to ``late_effect_s`` later,
+    long after its client gave up on it. Sets those calls' ``late_t``; returns how many."""
+    windows: list = []
+    open_at: dict = {}
+    for nm in nemeses:
+        if nm.get("f") == "client_partition":
+            open_at[nm.get("node")] = (nm["t"], nm.get("late_effect_s"))
+        elif nm.get("f") == "client_heal":
+            for node in ([nm["node"]] if nm.get("node") is not None else list(open_at)):
+                t0, late_s = open_at.pop(node, (None, None))
+                if t0 is not None and late_s is not None and nm.get("late"):
+                    windows.append((node, t0, nm["t"], nm["t"] + float(late_s)))
+    n = 0
+    if windows:
+        for op in order:
+            if op.outcome != "unknown":
+                continue
+            node = op.inv.get("node")
+            for w_node, t0, t1, until in windows:
+                if w_node == node and op.inv_t < t1 and op.done_t > t0:
+                    op.late_t = max(op.late_t, until)
+                    n += 1
+                    break
+    return n
 
 
 def client_partition_calls(order: list, nemeses: list, delivered_bodies: set) -> dict:
@@ -700,7 +743,7 @@ def format_table(report: dict) -> str:
     row("orphan_completions", report["orphan_completions"])
     if report.get("client_partitions"):
         for k in ("client_partitions", "client_partition_calls", "client_partition_unknowns",
-                  "client_partition_unknown_sends_delivered"):
+                  "client_partition_unknown_sends_delivered", "client_partition_late_calls"):
             row(k, report[k])
 
     w1 = max(len(r[0]) for r in rows)

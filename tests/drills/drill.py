@@ -111,17 +111,30 @@ WRITE_ERROR_ACTIONS = (("write_error", 0.3),)
 FSYNC_EXIT_TIMEOUT_S = 15.0  # from the failing fsync's (or write's) file made to the node's exit
 # with client_partitions=True the clients reach the nodes through a fault proxy, and the
 # nemesis also faults the links between the clients and one node (both of its ports, HTTP
-# and gRPC), for 3.75-5 s (longer than a client's timeout), then heals them by resetting their connections (what a link
-# held is discarded: no request reaches a node after its client gave up on it):
+# and gRPC), for 3.75-5 s (longer than a client's timeout), then heals them, in the first
+# three by resetting their connections (what a link held is discarded: no request reaches
+# a node after its client gave up on it):
 #   client_hold_primary  the primary's answers are held, its requests reach it and run
 #                        (answers_held: a send stored whose 201 never comes, an ack applied
 #                        whose 204 never comes, a lease granted whose answer is lost); one
 #                        draw in three holds the requests too (blackhole)
 #   client_cut_primary   every connection to the primary is reset (drop)
 #   client_replica       a replica, in one of the three modes
+#   client_late          the primary's (two draws in three) or a replica's requests and
+#                        answers are held (blackhole), and at the heal everything held is
+#                        delivered: requests whose clients gave up on them long ago reach
+#                        the node and run there (a send stored, a lease granted, an ack or
+#                        nack applied, after the client's timeout and its retry elsewhere)
 # The node-to-node links are untouched: the cluster keeps its primary, and the clients of
 # the faulted node time out (or see a reset) and move to another node.
-CLIENT_PARTITION_ACTIONS = (("client_hold_primary", 0.2), ("client_cut_primary", 0.1), ("client_replica", 0.1))
+CLIENT_PARTITION_ACTIONS = (("client_hold_primary", 0.2), ("client_cut_primary", 0.1), ("client_replica", 0.1),
+                            ("client_late", 0.1))
+# how long after a client_late heal a request it held may still take effect (the checker
+# reads it from the nemesis event): it reaches the node within milliseconds of the heal,
+# then runs as any request does (a receive's wait, a commit's quorum, a forward to the
+# primary; the node-to-node links are healthy meanwhile)
+LATE_EFFECT_S = 10.0
+LATE_PROBE_TIMEOUT_S = 1.0  # the nemesis's own send into the held links gives up after this
 # with slow_links=True (needs partitions: the proxy between the nodes): every byte between
 # one node (the primary, or a replica) and the others is late, by 5% to 100% of the failover
 # timeout (proxy.py "slow"), for as long as a partition lasts, then on time again: heartbeats and frames late, a quorum slow
@@ -246,6 +259,7 @@ class Drill:
         self.thread_errors: list[str] = []
         self.failed_queue_ids: set = set()
         self.notes: list[str] = []
+        self.late_probes = 0  # sends of the nemesis into client_late faults (_late_probe)
         self.expected_down: set = set()   # nodes the drill itself killed / stopped gracefully
         self.unexpected_exits: list[dict] = []
 
@@ -523,7 +537,7 @@ class Drill:
                 self._term(p, epoch, down)
             elif action in ("fsync_error", "write_error"):
                 self._storage_error(action, p, epoch, down, crng)
-            elif action in ("client_hold_primary", "client_cut_primary", "client_replica"):
+            elif action in ("client_hold_primary", "client_cut_primary", "client_replica", "client_late"):
                 # past a client's timeout: calls caught in a hold time out (and move on)
                 self._client_partition(action, p, epoch, CLIENT_TIMEOUT_S + down / 2, x1, x2)
             elif action not in ("kill_primary", "stop_primary", "restart_replica"):
@@ -736,28 +750,56 @@ class Drill:
 
     def _client_partition(self, action: str, p: str, epoch: int, hold_s: float, x1: float, x2: float) -> None:
         """The links between the clients and the primary ``p`` (or a replica) faulted for
-        ``hold_s`` (CLIENT_PARTITION_ACTIONS), then healed with their connections reset:
-        whatever they held is discarded, so a request held there never reaches the node
-        after its client gave up (the checker takes an unknown call to have taken effect,
-        if at all, while it was in flight). x1, x2: this round's uniform draws."""
+        ``hold_s`` (CLIENT_PARTITION_ACTIONS), then healed. Healed with their connections
+        reset, whatever they held is discarded, so a request held there never reaches the
+        node after its client gave up (the checker takes an unknown call to have taken
+        effect, if at all, while it was in flight). ``client_late`` heals them without a
+        reset: what they held is delivered, and the nemesis events say for how long after
+        the heal a call held there may take effect (``late_effect_s``), which the checker
+        then allows its unknown calls. x1, x2: this round's uniform draws."""
         c, h, px = self.cluster, self.h, self.cluster.client_proxy
-        node, role = p, "primary"
-        if action == "client_replica":
+        node, role, late = p, "primary", action == "client_late"
+        if action == "client_replica" or (late and x1 >= 2 / 3):
             replicas = [n for n in c.ids if n != p]
-            node, role = replicas[int(x1 * len(replicas))], "replica"
+            node, role = replicas[int((x1 if not late else x2) * len(replicas))], "replica"
+        if late:
+            mode = BLACKHOLE
+        elif action == "client_replica":
             mode = (ANSWERS_HELD, BLACKHOLE, DROP)[min(2, int(x2 * 3))]
         elif action == "client_cut_primary":
             mode = DROP
         else:
             mode = BLACKHOLE if x2 < 1 / 3 else ANSWERS_HELD
-        kind = {ANSWERS_HELD: "hold_answers", BLACKHOLE: "hold", DROP: "cut"}[mode]
+        kind = "hold_late" if late else {ANSWERS_HELD: "hold_answers", BLACKHOLE: "hold", DROP: "cut"}[mode]
         links = {k: mode for k in c.client_links(node)}
+        extra = {"late_effect_s": LATE_EFFECT_S} if late else {}
         h.nemesis("client_partition", node, role=role, epoch=epoch, kind=kind, mode=mode,
-                  hold_s=round(hold_s, 3))
+                  hold_s=round(hold_s, 3), **extra)
         px.set_links(links)
-        self.stop_load.wait(hold_s)
-        h.nemesis("client_heal", node, links=sorted(f"{a}->{b}:{m}" for (a, b), m in links.items()))
-        px.heal(reset=True)
+        t0 = time.monotonic()
+        if late:
+            self._late_probe(node)
+        self.stop_load.wait(max(0.0, hold_s - (time.monotonic() - t0)))
+        h.nemesis("client_heal", node, links=sorted(f"{a}->{b}:{m}" for (a, b), m in links.items()),
+                  **({"late": True} if late else {}))
+        px.heal(reset=not late)
+
+    def _late_probe(self, node: str) -> None:
+        """One send of the nemesis's own into the held links (a client_late fault), so
+        that every such fault holds at least one request whose client gives up on it (a
+        timeout of LATE_PROBE_TIMEOUT_S): recorded as any client's send, and stored once
+        the heal delivers it."""
+        self.late_probes += 1
+        body = f"s{self.seed}-late-{self.late_probes}"
+        http = HttpClient(self.cluster.client_url(node), self.cluster.admin_key, timeout_s=LATE_PROBE_TIMEOUT_S)
+        op = self.h.invoke("late-probe", "send", node=node, queue=QUEUE, body=body)
+        try:
+            v = http.send(QUEUE, body.encode())
+        except Exception as e:  # noqa: BLE001 - recorded; held, it times out
+            typ, fields = classify(e)
+            getattr(op, typ)(**fields)
+        else:
+            op.ok(id=v["id"], duplicate=v.get("duplicate", False))
 
     def _wait_rejoined(self, timeout_s: float) -> bool:
         """Every node answers and names the same primary in the same epoch."""

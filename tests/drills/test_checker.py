@@ -46,9 +46,9 @@ class Sim:
     def settle(self, f, t0, t1, mid, token, epoch=1, outcome="ok", **res):
         return self._call(f, t0, t1, outcome, {"id": mid, "token": token, "epoch": epoch}, res)
 
-    def nemesis(self, t, f, node):
+    def nemesis(self, t, f, node, **fields):
         self.now = t
-        self.h.nemesis(f, node)
+        self.h.nemesis(f, node, **fields)
 
     def role(self, t, node, epoch, role="primary"):
         self.now = t
@@ -457,6 +457,41 @@ def test_an_ack_answered_in_a_client_partition_then_seen_again_is_counted():
     r = _client_partition_history(ack_answered=True)
     assert_only(r, acked_then_redelivered=1, settles_of_superseded_leases=1)
     assert r["client_partition_calls"] == 5 and r["client_partition_unknowns"] == 4
+
+
+def _late_receive_history(late: bool):
+    """The links between the clients and n1 hold every byte from 2.0 to 6.0. A receive
+    sent to n1 at 2.5 ends unknown at 5.5 (its client gave up). m1 is sent at 5.8, by
+    another node. At the heal, with ``late``, the link delivers the held receive: it
+    leases m1 at about 6.0 (lease 1 s), nobody sees that lease, it expires, and m1
+    comes back at 9.0 with its retry count raised by one."""
+    s = Sim()
+    s.role(0.0, "n1", 1)
+    s.node = "n1"
+    s.nemesis(2.0, "client_partition", "n1", **({"late_effect_s": 5.0} if late else {}))
+    s.recv(2.5, 5.5, None, None, None, outcome="unknown")
+    s.node = "n2"
+    s.send(5.8, 5.81, "b1", "m1")
+    s.nemesis(6.0, "client_heal", "n1", **({"late": True} if late else {}))
+    s.recv(9.0, 9.01, "m1", "b1", "t1", retry=1, lease_s=1.0)
+    s.settle("ack", 9.1, 9.11, "m1", "t1")
+    s.final()
+    return s.check()
+
+
+def test_a_receive_a_client_link_delivered_late_may_lease_after_its_client_gave_up():
+    """A receive held by a link that delivers what it held at its heal may lease up to
+    the heal plus ``late_effect_s``, long after it ended unknown: a message sent after
+    that may have been leased by it, so its retry count raised by that lease's expiry
+    is excused. Healed with a reset, the receive could only have leased before it
+    ended, before the message existed: the same raised count is an anomaly."""
+    r = _late_receive_history(late=True)
+    assert_only(r)
+    assert r["client_partition_late_calls"] == 1
+    assert "client_partition_late_calls" in format_table(r)
+    r = _late_receive_history(late=False)
+    assert_only(r, failover_retry_increments=1)
+    assert r["client_partition_late_calls"] == 0
 
 
 def test_a_client_partition_never_healed_lasts_to_the_end_and_none_counts_nothing():

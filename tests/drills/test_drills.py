@@ -151,6 +151,33 @@ def test_short_client_partition_drill(tmp_path):
     assert any(x["bytes_fwd"] for k, x in links.items() if "/grpc" in k), links
 
 
+def test_short_client_late_drill(tmp_path):
+    """The primary's client links hold every byte, twice, and each time deliver what
+    they held at the heal: requests whose clients timed out seconds before (and went
+    on elsewhere) reach the primary and run there. Sends held so are stored after their
+    client gave up on them, and the checker allows every call held so to take effect
+    until the drill's bound after the heal; nothing is lost, delivered unexpectedly,
+    acked and seen again, leased twice at once, or keyed twice."""
+    r = _run(21, 4.0, tmp_path, client_partitions=True, faults=("client_late", "client_late"))
+    assert r["nemesis_counts"].get("client_partition_hold_late_primary") == 2, r["nemesis_counts"]
+    assert r["client_partition_late_calls"] >= 1, r["client_partition_calls"]
+    events = [json.loads(x) for x in open(r["history"])]
+    heals = [e for e in events if e.get("type") == "nemesis" and e["f"] == "client_heal"]
+    assert len(heals) == 2 and all(e.get("late") for e in heals), heals
+    # what the links held reached the node at the heal: the nemesis's own send into each
+    # fault, which its client gave up on after 1 s, was stored all the same (a link
+    # healed with a reset would have discarded it)
+    invokes = {(e["process"], e["op"]): e for e in events if e.get("type") == "invoke"}
+    probes = [e for e in invokes.values() if e["process"] == "late-probe"]
+    ends = {(e["process"], e["op"]): e for e in events if e.get("type") in ("ok", "fail", "unknown")}
+    assert len(probes) == 2 and all(ends[(p["process"], p["op"])]["type"] == "unknown" for p in probes), probes
+    delivered = {e.get("body") for e in events if e.get("type") == "ok" and e.get("body") is not None
+                 and invokes[(e["process"], e["op"])]["f"] == "receive"}
+    assert all(p["body"] in delivered for p in probes), (probes, r["unknown_sends_appeared"])
+    links = r["client_proxy_links"]
+    assert all(x["mode"] == "ok" for x in links.values()), links
+
+
 def test_short_slow_link_drill(tmp_path):
     """Every byte between the primary and the others late by 0.85 s (seed 7's draw;
     the failover timeout is 1 s), then, under the primary elected meanwhile, between
