@@ -81,6 +81,7 @@ import threading  # noqa: E402
 import time  # noqa: E402
 
 import node.engine as engine_mod  # noqa: E402
+from node.replication.driver import SNAPSHOT_INCOMING  # noqa: E402
 from spooler.pb import log_pb2, replication_pb2 as pb  # noqa: E402
 
 PEERS = {"n1": "127.0.0.1:1", "n2": "127.0.0.1:2", "n3": "127.0.0.1:3"}
@@ -394,3 +395,43 @@ def test_our_values_written_into_the_copy_are_in_its_file_before_it_is_installed
     eng.store.close()
     assert installed == (7, "n2", 5_000_000, 1)
     assert _meta(str(tmp_path / "n" / "spool.db")) == (7, "n2", 5_000_000, 1)
+
+
+def test_a_refused_copy_leaves_neither_its_file_nor_its_wal_behind(tmp_path, monkeypatch):
+    """A copy refused because its WAL cannot be folded (our values are written into
+    it through that WAL) keeps the WAL, and closing it leaves the WAL on disk: the
+    install removes the copy's file, WAL and shared memory, so a refused copy leaves
+    nothing in the data directory (the primary sends another later, under a new name)."""
+    async def main():
+        a = str(tmp_path / "A.db")
+        await _primary_snapshot(str(tmp_path / "pa"), "qa", 3, 1000, a)
+        r = await _replica(str(tmp_path / "r"))
+        incoming = os.path.join(r.data_dir, SNAPSHOT_INCOMING)
+        fold, close = Store.fold_wal, Store.close
+
+        def fold_fails_for_the_copy(self):
+            if self.path.startswith(incoming):
+                raise apsw.BusyError("the copy's WAL cannot be folded")
+            return fold(self)
+
+        def close_keeps_the_copys_wal(self):
+            if self.path.startswith(incoming):
+                self.db.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
+                leftover.append(self.path)
+            close(self)
+        leftover: list = []
+        monkeypatch.setattr(Store, "fold_wal", fold_fails_for_the_copy)
+        monkeypatch.setattr(Store, "close", close_keeps_the_copys_wal)
+        try:
+            ack = await r.repl.serve_snapshot(_chunks(a, 5, "n1"), None)
+            assert not ack.ok and r.failed is None
+            assert leftover  # the copy was opened, written to, and closed with its WAL kept
+            assert not [n for n in os.listdir(r.data_dir) if n.startswith(SNAPSHOT_INCOMING)], \
+                os.listdir(r.data_dir)
+            await r.store_io(r.repl._persist, 5, "", 0)  # our store is as it was, and takes writes
+            assert r.store.get_meta("repl_epoch") == 5
+        finally:
+            monkeypatch.undo()
+            await r.stop()
+
+    asyncio.run(main())
