@@ -22,6 +22,12 @@ ends, and ``client_links(id)`` both links. A node's HTTP port changes at each st
 and the proxy follows. The drill's own views (``info``, ``current_primary``) still go
 to the nodes directly.
 
+While a node's process is gone (killed, exited, not yet started again), every link of
+either proxy to it refuses new connections (``FaultProxy.refuse``), as the kernel
+refuses a dead process's port: a call to a down node fails to connect (``unavailable``,
+nothing sent) instead of being accepted by the proxy and then reset (an unknown
+outcome). A thread of this helper watches the processes every WATCH_S.
+
 Every process this helper started is ended by its pid in ``close()`` (stopped ones get
 SIGCONT first), also when the block raises; on an exception the nodes' logs are dumped
 to stderr. Nothing is ever signalled by name.
@@ -53,6 +59,7 @@ except ImportError:  # pragma: no cover
 
 
 CLIENTS, GRPC = "clients", "/grpc"  # the client proxy's pseudo-node, and its gRPC links' suffix
+WATCH_S = 0.02  # how often the processes are looked at, for the proxies' refusals (_watch)
 
 
 class Cluster:
@@ -75,6 +82,9 @@ class Cluster:
         self.procs: dict[str, NodeProc] = {}
         self.stopped: set[str] = set()   # SIGSTOPped, not yet SIGCONTed
         self.lock = threading.RLock()
+        self._watcher: Optional[threading.Thread] = None  # _watch, while a proxy runs
+        self._watch_stop = threading.Event()
+        self._starting: set = set()  # nodes being started (_start)
         self._popens: list = []           # every process this cluster ever started
         self.partitions = partitions
         self.fsync_errors = fsync_errors
@@ -130,7 +140,31 @@ class Cluster:
             t.join()
         if errs:
             raise errs[0]
+        if self.proxy is not None or self.client_proxy is not None:
+            self._watcher = threading.Thread(target=self._watch, name="cluster-watch", daemon=True)
+            self._watcher.start()
         return self
+
+    def _watch(self) -> None:
+        """Every WATCH_S: a node whose process is gone, or not yet ready again (its
+        HTTP port, which the client proxy forwards to, is known only then), has its
+        proxies' links refuse new connections; a node running again has them listen
+        again."""
+        down: set = set()
+        while not self._watch_stop.wait(WATCH_S):
+            for nid in self.ids:
+                gone = nid in self._starting or not self.alive(nid)
+                if gone == (nid in down):
+                    continue
+                try:
+                    if self.proxy is not None:
+                        self.proxy.refuse(nid, gone)
+                    if self.client_proxy is not None:
+                        self.client_proxy.refuse(nid, gone)
+                        self.client_proxy.refuse(nid + GRPC, gone)
+                except RuntimeError:  # a proxy closed meanwhile: the cluster is closing
+                    return
+                (down.add if gone else down.discard)(nid)
 
     def _start(self, nid: str) -> None:
         p = self.procs[nid]
@@ -138,18 +172,25 @@ class Cluster:
         # ready line): a port picked beforehand can be taken by another process in between.
         # The gRPC port stays fixed, since every peer is configured with it.
         p.http_port = 0
+        self._starting.add(nid)
         try:
-            p.start()
+            try:
+                p.start()
+            finally:
+                if p.proc is not None:
+                    with self.lock:
+                        self._popens.append(p.proc)
+            if self.client_proxy is not None:
+                self.client_proxy.set_target(nid, "127.0.0.1", p.http_port)
         finally:
-            if p.proc is not None:
-                with self.lock:
-                    self._popens.append(p.proc)
-        if self.client_proxy is not None:
-            self.client_proxy.set_target(nid, "127.0.0.1", p.http_port)
+            self._starting.discard(nid)
 
     def close(self) -> None:
         """SIGCONT the stopped nodes, then SIGKILL every process this cluster started; then
         close the fault proxies (their threads), if any."""
+        self._watch_stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=15)
         try:
             self._kill_all()
         finally:

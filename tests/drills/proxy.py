@@ -71,6 +71,13 @@ Node-level faults are built from link modes (``isolate``, ``one_way_bytes``,
 * slow links of X (``slow_links(x, delay_s)``): both links with every other node
   ``slow``, every byte between X and them late.
 
+``refuse(b, True)`` makes every link to b stop listening, so that a new connection is
+refused by the kernel (ECONNREFUSED), as b's own port is while b's process is gone;
+``refuse(b, False)`` makes them listen again on the same ports (the drills' cluster does
+both as its nodes go down and come back). Without it a connection to a dead b would be
+accepted by the proxy and then reset, which a client reads as a call that may have
+reached b.
+
 A proxy need not have every ordered pair as a link: ``links=[(a, b), ...]`` names the
 ones it listens for (the drill's client proxy has one per node's HTTP port and one per
 its gRPC port, all from a pseudo-node of the clients).
@@ -107,6 +114,33 @@ _PASSES = {OK: (True, True, True), DROP: (False, False, False), BLACKHOLE: (Fals
 _CHUNK = 65536
 
 
+_BACKLOG = 128
+
+
+def _listener(host: str) -> socket.socket:
+    """A listening socket on a free port, bound to that port by number: a socket
+    bound to port 0 gives its port up when its listening is shut down (``refuse``),
+    one bound by number keeps it. The port is learnt from a first socket, which holds
+    it until the second is bound beside it (both with SO_REUSEADDR, neither listening
+    yet), so no other process can take it in between."""
+    first = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        first.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        first.bind((host, 0))
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, first.getsockname()[1]))
+        except BaseException:
+            sock.close()
+            raise
+    finally:
+        first.close()
+    sock.listen(_BACKLOG)
+    sock.setblocking(False)
+    return sock
+
+
 def _reset(writer: Optional[asyncio.StreamWriter]) -> None:
     """Close with an RST (SO_LINGER 0), not a FIN."""
     if writer is None:
@@ -136,10 +170,13 @@ class _Link:
         for ev in (self.fwd, self.back, self.open):
             ev.set()
         self.conns: set = set()
-        self.server: Optional[asyncio.base_events.Server] = None
+        self.sock: Optional[socket.socket] = None      # the listening socket (its port held for good)
+        self.accepting: Optional[asyncio.Task] = None  # its accept loop, while it listens
+        self.refusing = False                          # the target is down: connections refused
         self.port = 0
         self.stats = {"accepted": 0, "reset_at_accept": 0, "forwarded": 0, "upstream_failed": 0,
-                      "reset_by_fault": 0, "bytes_fwd": 0, "bytes_back": 0}
+                      "reset_by_fault": 0, "bytes_fwd": 0, "bytes_back": 0,
+                      "refusals": 0}  # refusals: times it stopped listening (refuse)
 
     def apply(self, mode: str, delay_s: float = 0.0) -> None:
         self.mode = mode
@@ -238,15 +275,26 @@ class FaultProxy:
     async def _setup(self) -> None:
         for a, b in self.pairs:
             link = _Link(a, b)
-            link.server = await asyncio.start_server(
-                lambda r, w, link=link: self._serve(link, r, w), self.host, 0)
-            link.port = link.server.sockets[0].getsockname()[1]
+            link.sock = _listener(self.host)
+            link.port = link.sock.getsockname()[1]
+            link.accepting = asyncio.create_task(self._accept(link))
             self._links[(a, b)] = link
+
+    async def _accept(self, link: _Link) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(link.sock)
+            try:
+                r, w = await asyncio.open_connection(sock=conn)
+            except OSError:
+                conn.close()
+                continue
+            asyncio.create_task(self._serve(link, r, w))
 
     async def _teardown(self) -> None:
         for link in self._links.values():
-            if link.server is not None:
-                link.server.close()
+            if link.accepting is not None:
+                link.accepting.cancel()
         tasks = []
         for link in self._links.values():
             for c in list(link.conns):
@@ -256,8 +304,10 @@ class FaultProxy:
         if tasks:
             await asyncio.wait(tasks, timeout=5)
         for link in self._links.values():
-            if link.server is not None:
-                await link.server.wait_closed()
+            if link.accepting is not None:
+                await asyncio.gather(link.accepting, return_exceptions=True)
+            if link.sock is not None:
+                link.sock.close()
         for _ in range(3):  # let the transports' scheduled connection_lost callbacks run
             await asyncio.sleep(0)
 
@@ -308,6 +358,30 @@ class FaultProxy:
         if victims:
             await asyncio.wait(victims, timeout=5)
 
+    def refuse(self, dst: str, on: bool) -> None:
+        """While ``on``, every link to ``dst`` stops listening: a new connection is
+        refused (RST to the SYN, ECONNREFUSED), as when ``dst``'s process is gone and
+        the kernel refuses its port, instead of being accepted and then reset once the
+        proxy cannot connect on. Its port stays the link's (a listener shut down, not
+        closed), and it listens again when ``on`` is false. Connections already open
+        are left alone (the target's end of them resets them by itself)."""
+        self._call(self._refuse(dst, on))
+
+    async def _refuse(self, dst: str, on: bool) -> None:
+        for link in self._links.values():
+            if link.dst != dst or link.refusing == on:
+                continue
+            link.refusing = on
+            if on:
+                link.accepting.cancel()
+                await asyncio.gather(link.accepting, return_exceptions=True)
+                link.accepting = None
+                link.sock.shutdown(socket.SHUT_RD)  # stops listening; the port stays bound
+                link.stats["refusals"] += 1
+            else:
+                link.sock.listen(_BACKLOG)
+                link.accepting = asyncio.create_task(self._accept(link))
+
     def modes(self) -> dict:
         """{(a, b): mode} of every link."""
         return {k: link.mode for k, link in self._links.items()}
@@ -320,7 +394,8 @@ class FaultProxy:
         return self._call(self._stats())
 
     async def _stats(self) -> dict:
-        return {f"{a}->{b}": dict(link.stats, mode=link.mode, open_connections=len(link.conns))
+        return {f"{a}->{b}": dict(link.stats, mode=link.mode, open_connections=len(link.conns),
+                                  refusing=link.refusing)
                 for (a, b), link in self._links.items()}
 
     def heal(self, reset: bool = False) -> dict:

@@ -240,3 +240,33 @@ def test_a_fault_script_names_only_faults_the_drill_can_make(tmp_path):
         run_drill(1, 1.0, workdir=str(tmp_path), write_errors=True, faults=("write_error",))
     with pytest.raises(ValueError, match="need write_errors=True"):
         run_drill(1, 1.0, workdir=str(tmp_path), power_loss=True, faults=("write_error",))
+
+
+def test_a_down_nodes_links_refuse_new_connections_until_it_runs_again(tmp_path):
+    """Through the fault proxies, a call to a node whose process is gone fails to
+    connect, as it would against the node's own port: ``unavailable`` (nothing was
+    sent), not a connection accepted by the proxy and then reset (an unknown
+    outcome). Once the node runs again its links listen again, on the same ports."""
+    from drills.cluster import CLIENTS, GRPC, Cluster
+    from nodeproc import wait_until
+    from spooler import errors
+    from spooler.http import HttpClient
+
+    with Cluster(str(tmp_path / "c"), client_partitions=True, partitions=True) as c:
+        c.primary()
+        url = c.client_url("n2")
+        HttpClient(url, c.admin_key, timeout_s=3.0).cluster()  # through the proxy
+        c.kill("n2")
+        links = [f"{CLIENTS}->n2", f"{CLIENTS}->n2{GRPC}"]
+        wait_until(lambda: all(c.client_proxy.stats()[k]["refusing"] for k in links), 10.0,
+                   what="n2's client links refusing")
+        wait_until(lambda: all(c.proxy.stats()[f"{o}->n2"]["refusing"] for o in ("n1", "n3")), 10.0,
+                   what="the links of n2's peers to it refusing")
+        with pytest.raises(errors.Unavailable, match="cannot connect"):
+            HttpClient(url, c.admin_key, timeout_s=3.0).cluster()
+        assert not any(c.client_proxy.stats()[k]["upstream_failed"] for k in links)
+        c.restart("n2")
+        wait_until(lambda: not any(c.client_proxy.stats()[k]["refusing"] for k in links), 10.0,
+                   what="n2's client links listening again")
+        assert c.client_url("n2") == url
+        HttpClient(url, c.admin_key, timeout_s=3.0).cluster()

@@ -393,3 +393,26 @@ def test_slow_makes_bytes_late_by_its_delay_also_when_many_come(px, upstream, so
     assert sent
     # the last byte went out at sent[0] at the latest
     assert time.monotonic() - sent[0] <= 2 * delay + 0.5, (time.monotonic() - t0, sent[0] - t0)
+
+
+def test_a_refusing_link_refuses_new_connections_keeps_its_port_and_listens_again(px, upstream, socks):
+    """While its target is down (refuse), a link does not accept: a new connection is
+    refused by the kernel (ECONNREFUSED), as a dead node's port is, not accepted and
+    then reset; an open one is left alone. Its port stays its own, and it listens
+    again on it when told."""
+    c, s = pair(px, upstream, socks)
+    port = px.port("a", "b")
+    px.refuse("b", True)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S).close()
+    both_ways(c, s, b"2")  # the connection open before goes on
+    other = socket.socket()
+    socks.append(other)
+    with pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))  # nobody else can take the port meanwhile
+    assert px.stats()["a->b"]["refusing"] is True and px.stats()["a->b"]["accepted"] == 1
+    px.refuse("b", False)
+    c3, s3 = pair(px, upstream, socks)
+    both_ways(c3, s3, b"3")
+    st = px.stats()["a->b"]
+    assert st["refusals"] == 1 and st["refusing"] is False and st["accepted"] == 2
