@@ -640,7 +640,7 @@ class Drill:
             return
         try:
             HttpClient(c.url(others[n % len(others)]), c.admin_key, timeout_s=CLIENT_TIMEOUT_S).put_queue(
-                "nemesis-fsync", retentionSeconds=3600 + n)
+                "nemesis-poke", retentionSeconds=3600 + n)
         except Exception:  # noqa: BLE001 - no primary just now, or it is the failing node: the next one
             pass
 
