@@ -73,8 +73,8 @@ Node-level faults are built from link modes (``isolate``, ``one_way_bytes``,
 
 ``refuse(b, True)`` makes every link to b stop listening, so that a new connection is
 refused by the kernel (ECONNREFUSED), as b's own port is while b's process is gone;
-``refuse(b, False)`` makes them listen again on the same ports (the drills' cluster does
-both as its nodes go down and come back). Without it a connection to a dead b would be
+``refuse(b, False)`` makes them listen again on the same ports, which no other socket can
+take meanwhile (the drills' cluster does both as its nodes go down and come back). Without it a connection to a dead b would be
 accepted by the proxy and then reset, which a client reads as a call that may have
 reached b.
 
@@ -115,6 +115,7 @@ _CHUNK = 65536
 
 
 _BACKLOG = 128
+ACCEPT_RETRY_S = 0.05  # after an accept that failed, the next one this much later
 
 
 def _listener(host: str) -> socket.socket:
@@ -176,7 +177,8 @@ class _Link:
         self.port = 0
         self.stats = {"accepted": 0, "reset_at_accept": 0, "forwarded": 0, "upstream_failed": 0,
                       "reset_by_fault": 0, "bytes_fwd": 0, "bytes_back": 0,
-                      "refusals": 0}  # refusals: times it stopped listening (refuse)
+                      "refusals": 0,  # times it stopped listening (refuse)
+                      "accept_errors": 0}  # accepts that failed (and were tried again)
 
     def apply(self, mode: str, delay_s: float = 0.0) -> None:
         self.mode = mode
@@ -213,6 +215,7 @@ class FaultProxy:
         self._ready = threading.Event()
         self._error: Optional[BaseException] = None
         self._closed = False
+        self._tearing_down = False  # the loop's teardown began: no listener is touched again
 
     # -- lifecycle (any thread) ---------------------------------------------------------------
     def start(self, timeout_s: float = 10.0) -> "FaultProxy":
@@ -281,9 +284,21 @@ class FaultProxy:
             self._links[(a, b)] = link
 
     async def _accept(self, link: _Link) -> None:
+        """Accept while the link listens. It ends when the link refuses (its listener
+        shut down fails the accept waiting on it) or at teardown (cancelled). Any other
+        failed accept (a connection aborted in the backlog, no descriptor free for a
+        moment) is tried again a moment later, as an asyncio server does: ended by it,
+        the link would leave every later connection in the kernel's backlog, unanswered."""
         loop = asyncio.get_running_loop()
-        while True:
-            conn, _ = await loop.sock_accept(link.sock)
+        while not link.refusing:
+            try:
+                conn, _ = await loop.sock_accept(link.sock)
+            except OSError:
+                if link.refusing:
+                    return
+                link.stats["accept_errors"] += 1
+                await asyncio.sleep(ACCEPT_RETRY_S)
+                continue
             try:
                 r, w = await asyncio.open_connection(sock=conn)
             except OSError:
@@ -292,6 +307,7 @@ class FaultProxy:
             asyncio.create_task(self._serve(link, r, w))
 
     async def _teardown(self) -> None:
+        self._tearing_down = True
         for link in self._links.values():
             if link.accepting is not None:
                 link.accepting.cancel()
@@ -368,19 +384,36 @@ class FaultProxy:
         self._call(self._refuse(dst, on))
 
     async def _refuse(self, dst: str, on: bool) -> None:
+        if self._tearing_down:  # its listeners are being closed: none is to listen again
+            raise RuntimeError("fault proxy is closing")
+        ending = []
         for link in self._links.values():
             if link.dst != dst or link.refusing == on:
                 continue
-            link.refusing = on
             if on:
-                link.accepting.cancel()
-                await asyncio.gather(link.accepting, return_exceptions=True)
-                link.accepting = None
+                # Shut down first, then let the accept loop end by itself (the accept
+                # waiting fails, and it sees ``refusing``): cancelled instead, a
+                # connection its accept had already taken in this turn of the loop
+                # would be dropped unserved.
                 link.sock.shutdown(socket.SHUT_RD)  # stops listening; the port stays bound
+                link.refusing = True
+                # Its SO_REUSEADDR off while it does not listen: another socket setting it
+                # could bind the port beside it meanwhile, and this one not listen again.
+                link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
                 link.stats["refusals"] += 1
+                ending.append(link.accepting)
+                link.accepting = None
             else:
-                link.sock.listen(_BACKLOG)
+                link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                link.sock.listen(_BACKLOG)  # (should this fail, the link still refuses)
+                link.refusing = False
                 link.accepting = asyncio.create_task(self._accept(link))
+        ending = [t for t in ending if t is not None]
+        if ending:
+            _, late = await asyncio.wait(ending, timeout=1.0)
+            for t in late:  # (the shut-down listener should have woken every one)
+                t.cancel()
+            await asyncio.gather(*ending, return_exceptions=True)
 
     def modes(self) -> dict:
         """{(a, b): mode} of every link."""
