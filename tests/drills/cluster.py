@@ -60,6 +60,7 @@ except ImportError:  # pragma: no cover
 
 CLIENTS, GRPC = "clients", "/grpc"  # the client proxy's pseudo-node, and its gRPC links' suffix
 WATCH_S = 0.02  # how often the processes are looked at, for the proxies' refusals (_watch)
+WATCH_ERRORS_KEPT = 20
 
 
 class Cluster:
@@ -85,6 +86,8 @@ class Cluster:
         self._watcher: Optional[threading.Thread] = None  # _watch, while a proxy runs
         self._watch_stop = threading.Event()
         self._starting: set = set()  # nodes being started (_start)
+        self.watch_errors: list[str] = []  # refusals _watch failed to make (the first WATCH_ERRORS_KEPT)
+        self.watch_errors_total = 0
         self._popens: list = []           # every process this cluster ever started
         self.partitions = partitions
         self.fsync_errors = fsync_errors
@@ -141,15 +144,20 @@ class Cluster:
         if errs:
             raise errs[0]
         if self.proxy is not None or self.client_proxy is not None:
-            self._watcher = threading.Thread(target=self._watch, name="cluster-watch", daemon=True)
-            self._watcher.start()
+            self._start_watcher()
         return self
+
+    def _start_watcher(self) -> None:
+        self._watcher = threading.Thread(target=self._watch, name="cluster-watch", daemon=True)
+        self._watcher.start()
 
     def _watch(self) -> None:
         """Every WATCH_S: a node whose process is gone, or not yet ready again (its
         HTTP port, which the client proxy forwards to, is known only then), has its
         proxies' links refuse new connections; a node running again has them listen
-        again."""
+        again. A change that fails (a listener that cannot listen again) is kept in
+        ``watch_errors`` and tried again at the next look (each step is idempotent):
+        the thread ends only with the cluster."""
         down: set = set()
         while not self._watch_stop.wait(WATCH_S):
             for nid in self.ids:
@@ -164,6 +172,11 @@ class Cluster:
                         self.client_proxy.refuse(nid + GRPC, gone)
                 except RuntimeError:  # a proxy closed meanwhile: the cluster is closing
                     return
+                except Exception as e:  # noqa: BLE001 - kept, and tried again next time
+                    self.watch_errors_total += 1
+                    if len(self.watch_errors) < WATCH_ERRORS_KEPT:
+                        self.watch_errors.append(f"{nid} {'refusing' if gone else 'listening'}: {e!r}")
+                    continue
                 (down.add if gone else down.discard)(nid)
 
     def _start(self, nid: str) -> None:

@@ -974,6 +974,9 @@ class Drill:
                              **final)
                 self.h.to_jsonl(hist_path)
         report = check(self.h)
+        if self.cluster.watch_errors_total:  # a down node's links may have accepted, or a live one's refused
+            self.notes.append(f"the cluster's watcher failed {self.cluster.watch_errors_total} refusals "
+                              f"(tried again): {self.cluster.watch_errors[:3]}")
         nem_counts: dict = {}
         for e in self.h.events:
             if e.get("type") == "nemesis" and e.get("phase") != "heal" and e["f"] not in ("restarted", "rejoined"):
