@@ -5,6 +5,7 @@ between the clients and the nodes, ...) run in the normal suite; the long ones a
 (``pytest -m slow tests/drills/test_drills.py``). Many seeds: ``python -m tests.drills.run``.
 """
 import json
+import threading
 
 import pytest
 
@@ -265,8 +266,30 @@ def test_a_down_nodes_links_refuse_new_connections_until_it_runs_again(tmp_path)
         with pytest.raises(errors.Unavailable, match="cannot connect"):
             HttpClient(url, c.admin_key, timeout_s=3.0).cluster()
         assert not any(c.client_proxy.stats()[k]["upstream_failed"] for k in links)
-        c.restart("n2")
-        wait_until(lambda: not any(c.client_proxy.stats()[k]["refusing"] for k in links), 10.0,
-                   what="n2's client links listening again")
+        # calls all through the restart: while the new process starts (running, its
+        # HTTP port not yet known to the proxy) they are refused too, never accepted
+        # and then reset for want of the node's port
+        stop, seen = threading.Event(), []
+
+        def calls():
+            while not stop.is_set():
+                try:
+                    HttpClient(url, c.admin_key, timeout_s=3.0).cluster()
+                    seen.append("ok")
+                except errors.SpoolerError as e:
+                    seen.append(str(e))
+                stop.wait(0.01)
+        t = threading.Thread(target=calls, daemon=True)
+        t.start()
+        try:
+            c.restart("n2")
+            wait_until(lambda: not any(c.client_proxy.stats()[k]["refusing"] for k in links), 10.0,
+                       what="n2's client links listening again")
+            wait_until(lambda: "ok" in seen, 10.0, what="a call through n2's link answered")
+        finally:
+            stop.set()
+            t.join(timeout=10)
+        assert c.client_proxy.stats()[f"{CLIENTS}->n2"]["upstream_failed"] == 0, seen
+        assert all(x == "ok" or "cannot connect" in x for x in seen), seen
         assert c.client_url("n2") == url
         HttpClient(url, c.admin_key, timeout_s=3.0).cluster()
