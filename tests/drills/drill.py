@@ -133,7 +133,7 @@ CLIENT_PARTITION_ACTIONS = (("client_hold_primary", 0.2), ("client_cut_primary",
 # reads it from the nemesis event): it reaches the node within milliseconds of the heal,
 # then runs as any request does (a receive's wait, a commit's quorum, a forward to the
 # primary; the node-to-node links are healthy meanwhile)
-LATE_EFFECT_S = 10.0
+LATE_EFFECT_S = 5.0
 LATE_PROBE_TIMEOUT_S = 1.0  # the nemesis's own send into the held links gives up after this
 # with slow_links=True (needs partitions: the proxy between the nodes): every byte between
 # one node (the primary, or a replica) and the others is late, by 5% to 100% of the failover
