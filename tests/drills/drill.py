@@ -141,6 +141,10 @@ LATE_PROBE_TIMEOUT_S = 1.0  # the nemesis's own send into the held links gives u
 # to answer, forwarded calls slow, elections run over slow links; nothing is lost
 SLOW_LINK_ACTIONS = (("slow_links", 0.3),)
 SPREAD_EVERY = 20  # with client partitions, a client moves to a random node after ~1 call in this many
+# with sdk_clients=True a service on the asyncio SDK runs beside the HTTP clients (sdk_client):
+# this many senders with one send each awaiting its answer (the SDK's auto-batching
+# coalesces them on its Session stream), and one consumer
+SDK_SENDERS = 4
 # every fault kind the nemesis knows, for a scripted start (Drill(faults=...))
 FAULT_KINDS = frozenset(a for acts in (PROCESS_ACTIONS, PARTITION_ACTIONS, CASCADE_ACTIONS, DISK_LOSS_ACTIONS,
                                        GRACEFUL_ACTIONS, FSYNC_ERROR_ACTIONS, WRITE_ERROR_ACTIONS,
@@ -168,6 +172,12 @@ def classify(exc: BaseException) -> tuple[str, dict]:
         fields = {"error": exc.kind, "message": str(exc)[:160]}
         if exc.reason:
             fields["reason"] = exc.reason
+        if getattr(exc, "answer_lost", False):
+            # the SDK's receive whose request reached a node but whose answer did not
+            # come back: ``unavailable`` (a read, safe to repeat), yet it may have
+            # leased; the SDK's one release may come too late (guarantees.md, S5)
+            fields["answer_lost"] = True
+            return "unknown", fields
         return ("fail" if exc.kind in DEFINITE_FAILURE_KINDS else "unknown"), fields
     return "unknown", {"error": type(exc).__name__, "message": str(exc)[:160]}
 
@@ -209,7 +219,7 @@ class Drill:
                  log=print, power_loss: bool = False, partitions: bool = False, cascades: bool = False,
                  disk_loss: bool = False, graceful: bool = False, fsync_errors: bool = False,
                  write_errors: bool = False, faults: tuple = (), node_args: tuple = (),
-                 client_partitions: bool = False, slow_links: bool = False):
+                 client_partitions: bool = False, slow_links: bool = False, sdk_clients: bool = False):
         unknown = [f for f in faults if f not in FAULT_KINDS]
         if unknown:
             raise ValueError(f"unknown fault kinds {unknown}; known: {sorted(FAULT_KINDS)}")
@@ -249,6 +259,7 @@ class Drill:
         self.fsync_errors = fsync_errors
         self.write_errors = write_errors
         self.client_partitions = client_partitions
+        self.sdk_clients = sdk_clients
         self.slow_links = slow_links
         self.cluster = Cluster(os.path.join(self.workdir, "nodes"), nodes=nodes,
                                failover_timeout_s=failover_timeout_s, power_loss=power_loss,
@@ -444,6 +455,94 @@ class Drill:
             elif rng.random() < 0.2:
                 time.sleep(rng.random() * 0.05)  # some work
             self.settle_retrying(c, "ack", dd)
+
+    def sdk_client(self, name: str = "g0"):
+        """A service on the asyncio SDK (``spooler.aio.AsyncClient``): one client over
+        every node's gRPC port (through the client proxy, if any), SDK_SENDERS senders
+        whose sends its auto-batching coalesces on its Session stream and retries where
+        the SDK holds a retry safe, and a consumer whose receives it gives back when
+        their answers are lost and whose acks, nacks and renewals ride the same stream.
+        Every call is recorded as the HTTP clients' are, with no node (the SDK picks
+        it): the checker holds the SDK to its word, ``unavailable`` meaning "not
+        stored" and a confirmed ack meaning the message never comes back."""
+        import asyncio
+        asyncio.run(self._sdk_main(name))
+
+    async def _sdk_main(self, name: str) -> None:
+        import asyncio
+        from spooler.aio import AsyncClient
+        rng = self.rng(name)
+        c = self.cluster
+        targets = ",".join(c.client_grpc_target(n) for n in c.ids)
+        client = AsyncClient(targets, key=c.admin_key, timeout_s=CLIENT_TIMEOUT_S)
+        try:
+            tasks = [asyncio.create_task(self._sdk_sender(client, f"{name}s{i}", random.Random(rng.random())))
+                     for i in range(SDK_SENDERS)]
+            tasks.append(asyncio.create_task(self._sdk_consumer(client, f"{name}c", random.Random(rng.random()))))
+            await asyncio.gather(*tasks)  # each ends at its first look at stop_load after it is set
+        finally:
+            await client.close()
+
+    async def _sdk_call(self, proc: str, f: str, coro, inv: dict, on_ok):
+        """Invoke, await coro, complete; returns (outcome, value or exception)."""
+        op = self.h.invoke(proc, f, **inv)
+        try:
+            v = await coro
+        except Exception as e:  # noqa: BLE001
+            typ, fields = classify(e)
+            getattr(op, typ)(**fields)
+            return typ, e
+        op.ok(**on_ok(v))
+        return "ok", v
+
+    async def _sdk_sender(self, client, proc: str, rng: random.Random) -> None:
+        import asyncio
+        n = 0
+        while not self.stop_load.is_set():
+            n += 1
+            body = f"s{self.seed}-{proc}-{n}"
+            typ, _ = await self._sdk_call(proc, "send", client.send(QUEUE, body.encode()),
+                                          {"queue": QUEUE, "body": body, "sdk": True},
+                                          lambda r: {"id": r.id, "duplicate": r.duplicate})
+            if typ != "ok":
+                await asyncio.sleep(0.05 + rng.random() * 0.1)
+            elif self.send_pause_s:
+                await asyncio.sleep(rng.random() * 2 * self.send_pause_s)
+
+    async def _sdk_consumer(self, client, proc: str, rng: random.Random) -> None:
+        import asyncio
+
+        def delivered(ms):
+            if not ms:
+                return {"empty": True}
+            m = ms[0]
+            return {"id": m.id, "body": m.body.decode(errors="replace"), "token": m.token, "retry": m.retry_count,
+                    "epoch": lease_token_epoch(m.token), "expires_at": expires_at_monotonic(str(m.expires_at)),
+                    "expires_at_rfc3339": str(m.expires_at), "queue": QUEUE}
+        while not self.stop_load.is_set():
+            typ, ms = await self._sdk_call(proc, "receive", client.receive(QUEUE, wait_s=RECEIVE_WAIT_S),
+                                           {"queue": QUEUE, "sdk": True}, delivered)
+            if typ != "ok":
+                await asyncio.sleep(0.05 + rng.random() * 0.1)
+                continue
+            if not ms:
+                continue
+            m = ms[0]
+            inv = {"id": m.id, "token": m.token, "epoch": lease_token_epoch(m.token), "sdk": True}
+            x = rng.random()
+            if x < 0.01:
+                continue  # abandon: the lease expires, the server auto-nacks
+            if x < 0.06:
+                await self._sdk_call(proc, "nack", client.nack(m.token), inv, lambda v: {})
+                continue
+            if x < 0.11:
+                await asyncio.sleep(rng.random() * 0.2)
+                await self._sdk_call(proc, "renew", client.renew(m.token), inv,
+                                     lambda v: {"expires_at": expires_at_monotonic(str(v)),
+                                                "expires_at_rfc3339": str(v)})
+            elif rng.random() < 0.2:
+                await asyncio.sleep(rng.random() * 0.05)  # some work
+            await self._sdk_call(proc, "ack", client.ack(m.token), inv, lambda v: {})
 
     def observer(self):
         last: dict = {}
@@ -944,6 +1043,8 @@ class Drill:
                 load.append(self._guard("b0", self.batch_producer))
                 load.append(self._guard("k0", self.keyed_producer))
                 load += [self._guard(f"c{i}", lambda i=i: self.consumer(i)) for i in range(self.n_consumers)]
+                if self.sdk_clients:
+                    load.append(self._guard("g0", self.sdk_client))
                 nem = self._guard("nemesis", self.nemesis)
                 self.stop_load.wait(self.duration_s)
                 if not self.faults_done.wait(SCRIPT_WAIT_S):

@@ -137,6 +137,10 @@ def main(argv=None) -> int:
     ap.add_argument("--slow-links", action="store_true",
                     help="the nemesis also makes every byte between one node and the others late (by up "
                          "to the failover timeout) for a while (needs --partitions)")
+    ap.add_argument("--sdk-clients", action="store_true",
+                    help="a service on the asyncio SDK (auto-batched sends on its Session stream, receives, "
+                         "acks, nacks, renewals) runs beside the HTTP clients, its calls recorded and checked "
+                         "as theirs are")
     ap.add_argument("--faults", default="",
                     help="comma-separated fault kinds each seed's nemesis makes first, in order "
                          "(e.g. kill_primary_twice,replace_replica); the load runs on until they are over")
@@ -165,7 +169,7 @@ def main(argv=None) -> int:
           f"{', graceful stops' if args.graceful else ''}{', fsync errors' if args.fsync_errors else ''}"
           f"{', write errors' if args.write_errors else ''}"
           f"{', client partitions' if args.client_partitions else ''}"
-          f"{', slow links' if args.slow_links else ''}"
+          f"{', slow links' if args.slow_links else ''}{', SDK clients' if args.sdk_clients else ''}"
           f"{', node flags ' + repr(args.node_args) if args.node_args else ''}, in {root}",
           flush=True)
     reports = []
@@ -179,7 +183,8 @@ def main(argv=None) -> int:
                           partitions=args.partitions, cascades=args.cascades, disk_loss=args.disk_loss,
                           graceful=args.graceful, fsync_errors=args.fsync_errors,
                           write_errors=args.write_errors, faults=faults, node_args=tuple(shlex.split(args.node_args)),
-                          client_partitions=args.client_partitions, slow_links=args.slow_links)
+                          client_partitions=args.client_partitions, slow_links=args.slow_links,
+                          sdk_clients=args.sdk_clients)
         except Exception as e:  # noqa: BLE001 - a drill that cannot finish is a failing seed
             import traceback
             traceback.print_exc()

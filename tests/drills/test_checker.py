@@ -530,6 +530,16 @@ def test_only_calls_to_the_late_node_and_a_late_heal_may_take_effect_late():
     assert r["client_partition_late_calls"] == 0
 
 
+def test_a_call_that_names_no_node_may_have_crossed_the_late_links():
+    """The SDK's calls name no node (the SDK picks its node itself): one that ended
+    unknown while a late fault held some node's links may have crossed them, so it
+    gets the late window; healed by the final reset, it does not."""
+    r = _late_fault_history(None, final_heal=False)
+    assert_only(r)
+    assert r["client_partition_late_calls"] == 1
+    assert_only(_late_fault_history(None, final_heal=True), failover_retry_increments=1)
+
+
 def test_a_client_partition_never_healed_lasts_to_the_end_and_none_counts_nothing():
     s = Sim()
     s.node = "n1"
