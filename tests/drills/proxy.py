@@ -97,6 +97,7 @@ stops the loop and joins the thread.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import struct
 import threading
@@ -115,7 +116,6 @@ _CHUNK = 65536
 
 
 _BACKLOG = 128
-ACCEPT_RETRY_S = 0.05  # after an accept that failed, the next one this much later
 
 
 def _listener(host: str) -> socket.socket:
@@ -172,13 +172,13 @@ class _Link:
             ev.set()
         self.conns: set = set()
         self.sock: Optional[socket.socket] = None      # the listening socket (its port held for good)
-        self.accepting: Optional[asyncio.Task] = None  # its accept loop, while it listens
+        self.server: Optional[asyncio.base_events.Server] = None  # accepting for it, while it listens
+        self.closed_servers: list = []  # servers closed by refusals (their connections may live on)
         self.refusing = False                          # the target is down: connections refused
         self.port = 0
         self.stats = {"accepted": 0, "reset_at_accept": 0, "forwarded": 0, "upstream_failed": 0,
                       "reset_by_fault": 0, "bytes_fwd": 0, "bytes_back": 0,
-                      "refusals": 0,  # times it stopped listening (refuse)
-                      "accept_errors": 0}  # accepts that failed (and were tried again)
+                      "refusals": 0}  # times it stopped listening (refuse)
 
     def apply(self, mode: str, delay_s: float = 0.0) -> None:
         self.mode = mode
@@ -280,37 +280,24 @@ class FaultProxy:
             link = _Link(a, b)
             link.sock = _listener(self.host)
             link.port = link.sock.getsockname()[1]
-            link.accepting = asyncio.create_task(self._accept(link))
+            await self._listen(link)
             self._links[(a, b)] = link
 
-    async def _accept(self, link: _Link) -> None:
-        """Accept while the link listens. It ends when the link refuses (its listener
-        shut down fails the accept waiting on it) or at teardown (cancelled). Any other
-        failed accept (a connection aborted in the backlog, no descriptor free for a
-        moment) is tried again a moment later, as an asyncio server does: ended by it,
-        the link would leave every later connection in the kernel's backlog, unanswered."""
-        loop = asyncio.get_running_loop()
-        while not link.refusing:
-            try:
-                conn, _ = await loop.sock_accept(link.sock)
-            except OSError:
-                if link.refusing:
-                    return
-                link.stats["accept_errors"] += 1
-                await asyncio.sleep(ACCEPT_RETRY_S)
-                continue
-            try:
-                r, w = await asyncio.open_connection(sock=conn)
-            except OSError:
-                conn.close()
-                continue
-            asyncio.create_task(self._serve(link, r, w))
+    async def _listen(self, link: _Link) -> None:
+        """Serve the link's listener with an asyncio server, which accepts every
+        connection waiting at each wake-up, in the selector's callback, and goes on
+        after an accept that fails. The server gets a duplicate of the listening
+        socket's descriptor, which its close() closes: the listening socket itself,
+        and its port, stay the link's (``_refuse``)."""
+        dup = socket.socket(fileno=os.dup(link.sock.fileno()))
+        dup.setblocking(False)
+        link.server = await asyncio.start_server(lambda r, w, link=link: self._serve(link, r, w), sock=dup)
 
     async def _teardown(self) -> None:
         self._tearing_down = True
         for link in self._links.values():
-            if link.accepting is not None:
-                link.accepting.cancel()
+            if link.server is not None:
+                link.server.close()
         tasks = []
         for link in self._links.values():
             for c in list(link.conns):
@@ -320,8 +307,9 @@ class FaultProxy:
         if tasks:
             await asyncio.wait(tasks, timeout=5)
         for link in self._links.values():
-            if link.accepting is not None:
-                await asyncio.gather(link.accepting, return_exceptions=True)
+            for server in [link.server, *link.closed_servers]:
+                if server is not None:
+                    await server.wait_closed()
             if link.sock is not None:
                 link.sock.close()
         for _ in range(3):  # let the transports' scheduled connection_lost callbacks run
@@ -386,34 +374,29 @@ class FaultProxy:
     async def _refuse(self, dst: str, on: bool) -> None:
         if self._tearing_down:  # its listeners are being closed: none is to listen again
             raise RuntimeError("fault proxy is closing")
-        ending = []
         for link in self._links.values():
             if link.dst != dst or link.refusing == on:
                 continue
             if on:
-                # Shut down first, then let the accept loop end by itself (the accept
-                # waiting fails, and it sees ``refusing``): cancelled instead, a
-                # connection its accept had already taken in this turn of the loop
-                # would be dropped unserved.
-                link.sock.shutdown(socket.SHUT_RD)  # stops listening; the port stays bound
+                # The server stops accepting (its duplicate descriptor closed, at once;
+                # not waited for: its wait_closed would wait for every connection it
+                # accepted to end), then the listening socket stops listening:
+                # connections still in its backlog are reset, new ones refused; the port
+                # stays bound to it.
+                link.server.close()
+                link.closed_servers.append(link.server)
+                link.server = None
+                link.sock.shutdown(socket.SHUT_RD)
                 link.refusing = True
                 # Its SO_REUSEADDR off while it does not listen: another socket setting it
                 # could bind the port beside it meanwhile, and this one not listen again.
                 link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
                 link.stats["refusals"] += 1
-                ending.append(link.accepting)
-                link.accepting = None
             else:
                 link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 link.sock.listen(_BACKLOG)  # (should this fail, the link still refuses)
+                await self._listen(link)
                 link.refusing = False
-                link.accepting = asyncio.create_task(self._accept(link))
-        ending = [t for t in ending if t is not None]
-        if ending:
-            _, late = await asyncio.wait(ending, timeout=1.0)
-            for t in late:  # (the shut-down listener should have woken every one)
-                t.cancel()
-            await asyncio.gather(*ending, return_exceptions=True)
 
     def modes(self) -> dict:
         """{(a, b): mode} of every link."""

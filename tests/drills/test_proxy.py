@@ -435,27 +435,3 @@ def test_a_refusing_links_port_cannot_be_taken_even_by_a_socket_that_reuses_addr
     px.refuse("b", False)
     c, s = pair(px, upstream, socks)
     both_ways(c, s, b"1")
-
-
-def test_an_accept_that_fails_does_not_end_a_links_listening(px, upstream, socks):
-    """One accept that fails (a connection aborted in the backlog, no descriptor
-    free for a moment) is not the end of the link: it accepts again, as an asyncio
-    server does. Otherwise every later connection would be completed by the kernel
-    and left in the backlog, unanswered: a call that hangs to its timeout."""
-    loop = px._loop
-    real, failed = loop.sock_accept, []
-
-    async def fails_once(sock):
-        if not failed:
-            failed.append(True)
-            raise ConnectionAbortedError("aborted in the backlog")
-        return await real(sock)
-    loop.sock_accept = fails_once  # (the accept waiting now is a real one)
-    try:
-        c1, s1 = pair(px, upstream, socks)  # taken by that one; the next accept fails
-        both_ways(c1, s1, b"1")
-        c2, s2 = pair(px, upstream, socks)
-        both_ways(c2, s2, b"2")
-        assert failed and px.stats()["a->b"]["accept_errors"] == 1
-    finally:
-        del loop.sock_accept
