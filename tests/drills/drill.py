@@ -1078,6 +1078,15 @@ class Drill:
         if self.cluster.watch_errors_total:  # a down node's links may have accepted, or a live one's refused
             self.notes.append(f"the cluster's watcher failed {self.cluster.watch_errors_total} refusals "
                               f"(tried again): {self.cluster.watch_errors[:3]}")
+        sdk_calls: dict = {}  # the SDK service's calls, "f outcome" -> how many (evidence)
+        if self.sdk_clients:
+            sdk_ops = {(e["process"], e["op"]): e["f"] for e in self.h.events
+                       if e.get("type") == "invoke" and e.get("sdk")}
+            for e in self.h.events:
+                f = sdk_ops.get((e.get("process"), e.get("op")))
+                if f is not None and e.get("type") in ("ok", "fail", "unknown"):
+                    k = f"{f} {e['type']}" + (f" {e['error']}" if e.get("error") else "")
+                    sdk_calls[k] = sdk_calls.get(k, 0) + 1
         nem_counts: dict = {}
         for e in self.h.events:
             if e.get("type") == "nemesis" and e.get("phase") != "heal" and e["f"] not in ("restarted", "rejoined"):
@@ -1088,7 +1097,7 @@ class Drill:
                    for e in self.h.events if e.get("type") == "nemesis" and e["f"] == "rejoined"]
         report.update(seed=self.seed, rejoins=rejoins, duration_s=self.duration_s, wall_s=time.monotonic() - t0,
                       workdir=self.workdir, history=hist_path, drain_complete=drained,
-                      nemesis_counts=nem_counts, faults=list(self.rounds), thread_errors=self.thread_errors, notes=self.notes,
+                      nemesis_counts=nem_counts, sdk_calls=sdk_calls, faults=list(self.rounds), thread_errors=self.thread_errors, notes=self.notes,
                       node_counters=final.get("node_counters"), proxy_links=final_proxy,
                       client_proxy_links=final_client_proxy)
         report["unexpected_exits"] = self.unexpected_exits

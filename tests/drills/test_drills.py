@@ -200,6 +200,7 @@ def test_short_sdk_client_drill(tmp_path):
     delivered = {e.get("body") for i, e in ends if i["f"] == "receive" and e["type"] == "ok"}
     assert sdk_bodies and sdk_bodies <= delivered | set(), len(sdk_bodies - delivered)
     assert any(x["bytes_fwd"] for k, x in r["client_proxy_links"].items() if "/grpc" in k)
+    assert r["sdk_calls"].get("send ok", 0) == sum(1 for i, e in sdk if i["f"] == "send" and e["type"] == "ok")
 
 
 def test_short_slow_link_drill(tmp_path):
