@@ -35,6 +35,7 @@ records the ``final`` event, writes ``history.jsonl`` into the workdir and retur
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import random
@@ -465,11 +466,9 @@ class Drill:
         Every call is recorded as the HTTP clients' are, with no node (the SDK picks
         it): the checker holds the SDK to its word, ``unavailable`` meaning "not
         stored" and a confirmed ack meaning the message never comes back."""
-        import asyncio
         asyncio.run(self._sdk_main(name))
 
     async def _sdk_main(self, name: str) -> None:
-        import asyncio
         from spooler.aio import AsyncClient
         rng = self.rng(name)
         c = self.cluster
@@ -496,7 +495,6 @@ class Drill:
         return "ok", v
 
     async def _sdk_sender(self, client, proc: str, rng: random.Random) -> None:
-        import asyncio
         n = 0
         while not self.stop_load.is_set():
             n += 1
@@ -510,8 +508,6 @@ class Drill:
                 await asyncio.sleep(rng.random() * 2 * self.send_pause_s)
 
     async def _sdk_consumer(self, client, proc: str, rng: random.Random) -> None:
-        import asyncio
-
         def delivered(ms):
             if not ms:
                 return {"empty": True}
