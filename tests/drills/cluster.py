@@ -200,19 +200,26 @@ class Cluster:
 
     def close(self) -> None:
         """SIGCONT the stopped nodes, then SIGKILL every process this cluster started; then
-        close the fault proxies (their threads), if any."""
-        self._watch_stop.set()
-        if self._watcher is not None:
-            self._watcher.join(timeout=15)
+        close the fault proxies (their threads), if any. The nodes are killed whatever
+        else fails here: a node left running would go on calling its peers' old
+        addresses, which later clusters on this machine may have taken."""
         try:
-            self._kill_all()
+            self._watch_stop.set()
+            if self._watcher is not None and self._watcher.is_alive():
+                self._watcher.join(timeout=15)
         finally:
             try:
-                if self.proxy is not None:
-                    self.proxy.close()
+                self._kill_all()
             finally:
-                if self.client_proxy is not None:
-                    self.client_proxy.close()
+                self._close_proxies()
+
+    def _close_proxies(self) -> None:
+        try:
+            if self.proxy is not None:
+                self.proxy.close()
+        finally:
+            if self.client_proxy is not None:
+                self.client_proxy.close()
 
     def _kill_all(self) -> None:
         with self.lock:

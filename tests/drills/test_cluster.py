@@ -68,3 +68,31 @@ def test_the_watcher_outlives_a_refusal_that_failed_and_tries_it_again(tmp_path)
     finally:
         c.close()
     assert not c._watcher.is_alive() and px.closed and cpx.closed
+
+
+def test_close_kills_the_nodes_even_when_stopping_the_watcher_fails(tmp_path):
+    """Whatever fails while the watcher is stopped, close() still kills every node and
+    closes the proxies: a node left running goes on calling its peers' old addresses,
+    and a later cluster on this machine that took one of those ports gets frames from
+    a primary of another cluster whose members have the same names (it happened once:
+    a replica took records it could not square with its new primary's and never caught
+    up again)."""
+    import pytest
+
+    px = _Proxy()
+    c = _cluster(tmp_path, px)
+
+    class _Stuck:
+        def is_alive(self):
+            return True
+
+        def join(self, timeout=None):
+            raise RuntimeError("the watcher cannot be joined")
+    real, c._watcher = c._watcher, _Stuck()
+    try:
+        with pytest.raises(RuntimeError, match="cannot be joined"):
+            c.close()
+        assert not any(p.alive() for p in c.procs.values()) and px.closed
+    finally:
+        c._watch_stop.set()
+        real.join(timeout=5)
