@@ -68,7 +68,7 @@ class _Op:
         """The latest time this call may have taken effect: its completion, or for an
         unknown call held by a client link that delivered what it held at its heal, the
         end of what the drill allows such a call after the heal (``late_effect_s``)."""
-        return max(self.done_t, self.late_t) if self.outcome == "unknown" else self.done_t
+        return max(self.done_t, self.late_t)  # (late_t is set on unknown calls alone)
 
     @property
     def outcome(self) -> str:
@@ -643,12 +643,12 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
     return report
 
 
-def mark_late_calls(order: list, nemeses: list) -> int:
-    """Calls held by a client link that delivered what it held at its heal (a
-    ``client_partition`` with ``late_effect_s``, up to a ``client_heal`` of that node
-    marked ``late``): a call invoked before the heal that ended unknown after the fault
-    began may reach its node at the heal and take effect up to ``late_effect_s`` later,
-    long after its client gave up on it. Sets those calls' ``late_t``; returns how many."""
+def client_partition_windows(nemeses: list) -> list:
+    """The faults of the links between the clients and a node, as (node, start, heal,
+    late): each ``client_partition`` up to that node's ``client_heal``, or to one naming
+    no node (the run's final heal ends every fault), or to the end (INF). ``late``: the
+    latest time a call held there may take effect, when its heal delivered what the
+    links held (the fault's ``late_effect_s`` after a heal marked ``late``); else None."""
     windows: list = []
     open_at: dict = {}
     for nm in nemeses:
@@ -656,9 +656,19 @@ def mark_late_calls(order: list, nemeses: list) -> int:
             open_at[nm.get("node")] = (nm["t"], nm.get("late_effect_s"))
         elif nm.get("f") == "client_heal":
             for node in ([nm["node"]] if nm.get("node") is not None else list(open_at)):
-                t0, late_s = open_at.pop(node, (None, None))
-                if t0 is not None and late_s is not None and nm.get("late"):
-                    windows.append((node, t0, nm["t"], nm["t"] + float(late_s)))
+                if node in open_at:
+                    t0, late_s = open_at.pop(node)
+                    late = nm["t"] + float(late_s) if late_s is not None and nm.get("late") else None
+                    windows.append((node, t0, nm["t"], late))
+    return windows + [(node, t0, INF, None) for node, (t0, _) in open_at.items()]
+
+
+def mark_late_calls(order: list, nemeses: list) -> int:
+    """Calls held by a client link that delivered what it held at its heal: a call
+    invoked before the heal that ended unknown after the fault began may reach its node
+    at the heal and take effect up to the window's ``late`` (client_partition_windows),
+    long after its client gave up on it. Sets those calls' ``late_t``; returns how many."""
+    windows = [w for w in client_partition_windows(nemeses) if w[3] is not None]
     n = 0
     if windows:
         for op in order:
@@ -677,27 +687,18 @@ def mark_late_calls(order: list, nemeses: list) -> int:
 
 def client_partition_calls(order: list, nemeses: list, delivered_bodies: set) -> dict:
     """Evidence, not a judgement: the calls that crossed a faulted link between the
-    clients and a node (``client_partition`` of that node up to its ``client_heal``, or
-    to a ``client_heal`` naming no node), by the node their invoke names: invoked before
-    the heal and completed (or never) after the fault began. How many ended unknown, and
-    how many of those unknown sends were delivered (the node stored the message, its
-    answer was lost). The judgements of those calls are the checker's usual ones."""
-    windows: list = []
-    open_at: dict = {}
-    for nm in nemeses:
-        if nm.get("f") == "client_partition":
-            open_at[nm.get("node")] = nm["t"]
-        elif nm.get("f") == "client_heal":
-            for node in ([nm["node"]] if nm.get("node") is not None else list(open_at)):
-                if node in open_at:
-                    windows.append((node, open_at.pop(node), nm["t"]))
-    windows += [(node, t0, INF) for node, t0 in open_at.items()]
+    clients and a node (client_partition_windows), by the node their invoke names:
+    invoked before the heal and completed (or never) after the fault began. How many
+    ended unknown, and how many of those unknown sends were delivered (the node stored
+    the message, its answer was lost). The judgements of those calls are the checker's
+    usual ones."""
+    windows = client_partition_windows(nemeses)
     calls = unknowns = appeared = 0
     by_f: dict = defaultdict(int)
     if windows:
         for op in order:
             node = op.inv.get("node")
-            if not any(n == node and op.inv_t < t1 and op.done_t > t0 for n, t0, t1 in windows):
+            if not any(n == node and op.inv_t < t1 and op.done_t > t0 for n, t0, t1, _ in windows):
                 continue
             calls += 1
             if op.outcome == "unknown":
