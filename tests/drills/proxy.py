@@ -174,11 +174,15 @@ class _Link:
         self.sock: Optional[socket.socket] = None      # the listening socket (its port held for good)
         self.server: Optional[asyncio.base_events.Server] = None  # accepting for it, while it listens
         self.closed_servers: list = []  # servers closed by refusals (their connections may live on)
-        self.refusing = False                          # the target is down: connections refused
         self.port = 0
         self.stats = {"accepted": 0, "reset_at_accept": 0, "forwarded": 0, "upstream_failed": 0,
                       "reset_by_fault": 0, "bytes_fwd": 0, "bytes_back": 0,
                       "refusals": 0}  # times it stopped listening (refuse)
+
+    @property
+    def refusing(self) -> bool:
+        """Not listening (``refuse``): no server accepts for it."""
+        return self.server is None
 
     def apply(self, mode: str, delay_s: float = 0.0) -> None:
         self.mode = mode
@@ -387,7 +391,6 @@ class FaultProxy:
                 link.closed_servers.append(link.server)
                 link.server = None
                 link.sock.shutdown(socket.SHUT_RD)
-                link.refusing = True
                 # Its SO_REUSEADDR off while it does not listen: another socket setting it
                 # could bind the port beside it meanwhile, and this one not listen again.
                 link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
@@ -396,7 +399,6 @@ class FaultProxy:
                 link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 link.sock.listen(_BACKLOG)  # (should this fail, the link still refuses)
                 await self._listen(link)
-                link.refusing = False
 
     def modes(self) -> dict:
         """{(a, b): mode} of every link."""
