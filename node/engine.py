@@ -300,6 +300,7 @@ class Engine:
         for kid, sha, queue, scopes in st.load_keys():
             core.keys[kid] = (sha, queue, scopes)
         core.next_seq = max(core.next_seq, int(st.get_meta("next_seq") or 1))
+        core.cluster_id = str(st.get_meta("cluster_id") or "")
         core.lsn, core.epoch = applied.lsn, applied.epoch
         self.crc = applied.crc
         self.applied_crc = self.crc
@@ -660,7 +661,10 @@ class Engine:
             # log is caught up and every older lease is gone
             self.write_epoch = epoch
             self._epoch_begin_lsn = self.appended_lsn + 1
-            nobody_waits(self.propose(log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id=self.node_id)),
+            # (with the cluster's id, or a new one offered: Core._apply_epoch_begin)
+            cid = self.core.cluster_id or self.core.rand(16).hex()
+            nobody_waits(self.propose(log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id=self.node_id,
+                                                                                   cluster_id=cid)),
                                       internal=True))
             log.info("node %s elected primary in epoch %d", self.node_id, epoch)
         elif role != "primary" and was == "primary":
@@ -851,8 +855,9 @@ class Engine:
         sends since the last one left to write (Dirty.write_bytes), plus the bodies
         the log's compaction will copy into segment rows whose records it lets go
         (a backlog that outlived the log's tail; Store.checkpoint). Without the
-        second, such a checkpoint copied a second of batched sends at once."""
-        if self.core.dirty.write_bytes + self._copies_due >= self.checkpoint_bytes:
+        second, such a checkpoint copied a second of batched sends at once. And
+        at once when the cluster's id was adopted (Dirty.cluster_id)."""
+        if self.core.dirty.cluster_id or self.core.dirty.write_bytes + self._copies_due >= self.checkpoint_bytes:
             return True
         order = self._ref_order
         if not order or order[0][0] >= self.core.lsn:  # (compaction keeps the last applied record)
@@ -997,7 +1002,7 @@ class Engine:
             keys.append((kid, k[0], k[1], json.dumps(list(k[2]))) if k else (kid, None, "", ""))
         c = CheckpointData(lsn=core.lsn, epoch=core.epoch, crc=self.applied_crc, next_seq=core.next_seq,
                            queues=queues, msgs_put=put, msgs_del=dele, segs_put=segs_put, segs_gone=segs_gone,
-                           segs_del=segs_del, dedup=dedup, keys=keys, compact_upto=cut)
+                           segs_del=segs_del, dedup=dedup, keys=keys, compact_upto=cut, cluster_id=core.cluster_id)
         c.persisted_msgs = persisted
         c.out_of_segments = out_of_segs
         c.persisted_segs = persisted_segs

@@ -21,6 +21,29 @@ import grpc
 CLUSTER_KEY_MD = "spooler-cluster-key"
 
 
+# The cluster's identity (EpochBegin.cluster_id, adopted from the applied log):
+# every call one member makes to another carries it once this node has one; a
+# member that has one refuses replication calls naming another. It tells apart
+# two clusters that use the same ids and reach each other's addresses (a
+# member of one left running at an address the other now uses); it is no
+# secret and proves nothing, the key above does that.
+CLUSTER_ID_MD = "spooler-cluster-id"
+ANOTHER_CLUSTER = "another cluster"  # in a refusal's details: what the caller's log names
+
+
+def another_cluster(metadata, cluster_id: str) -> Optional[str]:
+    """The id of another cluster that a call with ``metadata`` names, or None:
+    the call names this node's cluster, or one side has no id yet (a new
+    cluster before its first epoch is committed, an empty replacement, a build
+    before 0.4.31), and then nothing can tell."""
+    if not cluster_id:
+        return None
+    got = [str(v) for k, v in metadata or () if k == CLUSTER_ID_MD]
+    if not got or got == [cluster_id]:
+        return None
+    return ",".join(got)
+
+
 def peer_metadata(cluster_key: str) -> tuple:
     """What this node adds to its calls to other members."""
     return ((CLUSTER_KEY_MD, cluster_key),) if cluster_key else ()

@@ -172,6 +172,7 @@ def cluster_dict(c: api_pb2.ClusterInfo) -> dict:
     doc = {"nodeId": c.node_id, "role": c.role, "epoch": c.epoch, "primary": c.primary or None}
     if c.HasField("commit_lsn"):  # (an older node does not say)
         doc["commitLsn"], doc["appliedLsn"] = c.commit_lsn, c.applied_lsn
+    doc["clusterId"] = c.cluster_id or None
     doc["nodes"] = nodes
     return doc
 

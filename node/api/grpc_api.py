@@ -57,7 +57,8 @@ def cluster_pb(d: dict) -> api_pb2.ClusterInfo:
             pb.reachable = n["reachable"]
         nodes.append(pb)
     return api_pb2.ClusterInfo(node_id=d["nodeId"], role=d["role"], epoch=d["epoch"], primary=d["primary"] or "",
-                               commit_lsn=d.get("commitLsn"), applied_lsn=d.get("appliedLsn"), nodes=nodes)
+                               commit_lsn=d.get("commitLsn"), applied_lsn=d.get("appliedLsn"),
+                               cluster_id=d.get("clusterId") or "", nodes=nodes)
 
 
 def _delivery_pb(d) -> api_pb2.Delivery:

@@ -1153,7 +1153,8 @@ class Service:
         if not e.cluster:
             nodes[0]["address"] = getattr(e, "grpc_address", "")
         return {"nodeId": e.node_id, "role": st["role"], "epoch": st["epoch"], "primary": st["primary"],
-                "commitLsn": st["commitLsn"], "appliedLsn": e.core.lsn, "nodes": nodes}
+                "commitLsn": st["commitLsn"], "appliedLsn": e.core.lsn, "clusterId": e.core.cluster_id or None,
+                "nodes": nodes}
 
     async def promote(self, p: Principal, node: str) -> dict:
         e = self.engine

@@ -225,9 +225,14 @@ class Dirty:
     # record holding its bodies (offsets, positions and a flag: 9 bytes a message).
     # The edge checkpoints early when it grows (Engine._checkpoint_loop).
     write_bytes: int = 0
+    # the cluster's id was adopted: the edge checkpoints at once (a restarted
+    # node knows its cluster only from its store until its primary says what
+    # is committed, and an unchecked call could reach it meanwhile)
+    cluster_id: bool = False
 
     def __len__(self):
-        return len(self.msgs) + len(self.queues) + len(self.dedup) + len(self.keys) + len(self.segs)
+        return len(self.msgs) + len(self.queues) + len(self.dedup) + len(self.keys) + len(self.segs) \
+            + self.cluster_id
 
 
 class Core:
@@ -236,6 +241,7 @@ class Core:
         self.epoch = 0                   # epoch of the last applied record
         self.lsn = 0                     # lsn of the last applied record
         self.next_seq = 1                # message order (oldest first)
+        self.cluster_id = ""             # the first EpochBegin's cluster_id in the log ("" = none yet)
         self.queues: dict[str, Queue] = {}
         self.keys: dict[str, tuple] = {}  # key id -> (sha256, queue, scopes tuple)
         self.keys_version = 0            # bumped by every key put or delete (the edge's auth memo)
@@ -269,6 +275,13 @@ class Core:
         return getattr(self, "_apply_" + op)(getattr(rec, op), ts)
 
     def _apply_epoch_begin(self, op, ts):
+        # The cluster's identity: the first one the log names, for good. Every
+        # node applies the same log, so every node adopts the same id; a later
+        # primary's offer (it opened its epoch before applying the one that won)
+        # changes nothing.
+        if not self.cluster_id and op.cluster_id:
+            self.cluster_id = op.cluster_id
+            self.dirty.cluster_id = True
         # A primary change: every lease of an older epoch is gone; its message
         # is visible at once, retry count unchanged (infrastructure, not consumer).
         for lease in list(self.leases.values()):

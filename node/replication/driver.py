@@ -23,6 +23,7 @@ import grpc
 from node import logs
 from node.core import replication as R
 from node.engine import InstallBroken, mono_us, nobody_waits
+from node.tls import ANOTHER_CLUSTER, another_cluster
 from spooler.pb import replication_pb2 as pb
 from spooler.pb import replication_pb2_grpc as pb_grpc
 
@@ -89,7 +90,7 @@ class Driver:
         self.engine = engine
         self.join = join
         from node.tls import peer_metadata
-        self._peer_md = peer_metadata(getattr(engine, "cluster_key", ""))  # on every call to a member
+        self._key_md = peer_metadata(getattr(engine, "cluster_key", ""))
         self.id = node_id
         self.addresses = dict(peers)
         self.core = R.Replication(node_id, list(peers), failover_timeout_us=int(failover_timeout_s * 1e6),
@@ -134,6 +135,14 @@ class Driver:
         self.declined: Optional[str] = None  # the last switchover target that refused (stopping)
 
     # ------------------------------------------------------------ lifecycle
+    @property
+    def _peer_md(self) -> tuple:
+        """On every call to a member: the cluster's key, and its id once the
+        applied log names one (node/tls.py)."""
+        from node.tls import CLUSTER_ID_MD
+        cid = getattr(getattr(self.engine, "core", None), "cluster_id", "")
+        return self._key_md + ((CLUSTER_ID_MD, cid),) if cid else self._key_md
+
     def load(self) -> None:
         """Persistent state into the core (called after the engine loaded its store)."""
         st = self.engine.store
@@ -684,6 +693,10 @@ class Driver:
         if code == grpc.StatusCode.UNAUTHENTICATED:
             warn_once_a_minute(log, ("refused by", peer), "%s refuses this node's replication calls: the members' "
                                "--cluster-key differ (%s)", peer, e.details())
+        elif code == grpc.StatusCode.PERMISSION_DENIED and ANOTHER_CLUSTER in (e.details() or ""):
+            warn_once_a_minute(log, ("of another cluster", peer), "%s refuses this node's replication calls: %s "
+                               "(the address in --peers reaches a node of another cluster, or this node's store "
+                               "is another cluster's)", peer, e.details())
         elif code == grpc.StatusCode.PERMISSION_DENIED:
             warn_once_a_minute(log, ("not a member of", peer), "%s refuses this node's replication calls: %s "
                                "(its --peers do not name this node as they are given here)", peer, e.details())
@@ -1034,6 +1047,16 @@ class ReplicationServicer(pb_grpc.ReplicationServicer):
                           "it the cluster's key (--cluster-key), or the cluster is open through this node", peer)
         if not self.d.core.started:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self.d.id!r} is still loading its store")
+        # (after loading: the id is the applied log's)
+        mine = self.d.engine.core.cluster_id
+        theirs = another_cluster(context.invocation_metadata(), mine)
+        if theirs is not None:
+            peer = context.peer() or ""
+            warn_once_a_minute(log, ("another cluster", peer.rpartition(":")[0]), "refused a replication call "
+                               "from %s, a node of %s %s: this node's cluster is %s", peer, ANOTHER_CLUSTER,
+                               theirs, mine)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"node {self.d.id!r} is of cluster {mine}, not of {ANOTHER_CLUSTER} {theirs}")
 
     async def Stream(self, request_iterator, context):
         await self._loaded(context)

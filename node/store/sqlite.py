@@ -188,6 +188,7 @@ class CheckpointData:
     dedup: list       # (queue, key, msg_id or None = deleted, until)
     keys: list        # (id, sha256 or None = deleted, queue, scopes json)
     compact_upto: int = -1  # the log's records up to this lsn are deleted (compaction_point)
+    cluster_id: str = ""    # the cluster's identity once the applied log names one (Core.cluster_id)
 
 
 class Store:
@@ -410,6 +411,8 @@ class Store:
             for k, v in (("applied_lsn", c.lsn), ("applied_epoch", c.epoch), ("applied_crc", c.crc),
                          ("next_seq", c.next_seq)):
                 self.set_meta(k, v)
+            if c.cluster_id:
+                self.set_meta("cluster_id", c.cluster_id)
             # Bounded growth: the log keeps only a tail behind the checkpoint, in
             # records and in bytes (replicas that fall further behind get a
             # snapshot instead). The engine compacted its view of the log to the

@@ -174,7 +174,8 @@ def cmd_keys_delete(args):
 def cmd_cluster_status(args):
     d = _client(args).cluster()
     lines = [f"node {d['nodeId']} ({d['role']}), epoch {d['epoch']}, "
-             + (f"primary {d['primary']}" if d.get("primary") else "no primary known")]
+             + (f"primary {d['primary']}" if d.get("primary") else "no primary known")
+             + (f", cluster {d['clusterId']}" if d.get("clusterId") else "")]
     for n in d["nodes"]:
         heard = n.get("lastContactMs", "")
         heard = "" if heard == "" else ("  never heard" if heard is None else f"  heard {heard / 1e3:.1f} s ago")

@@ -331,7 +331,7 @@ class NodeInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., lsn: _Optional[int] = ..., match_lsn: _Optional[int] = ..., joining: _Optional[bool] = ..., last_contact_ms: _Optional[float] = ..., reachable: _Optional[bool] = ...) -> None: ...
 
 class ClusterInfo(_message.Message):
-    __slots__ = ("node_id", "role", "epoch", "primary", "nodes", "commit_lsn", "applied_lsn")
+    __slots__ = ("node_id", "role", "epoch", "primary", "nodes", "commit_lsn", "applied_lsn", "cluster_id")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +339,7 @@ class ClusterInfo(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     COMMIT_LSN_FIELD_NUMBER: _ClassVar[int]
     APPLIED_LSN_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     epoch: int
@@ -346,7 +347,8 @@ class ClusterInfo(_message.Message):
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     commit_lsn: int
     applied_lsn: int
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., primary: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., commit_lsn: _Optional[int] = ..., applied_lsn: _Optional[int] = ...) -> None: ...
+    cluster_id: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., primary: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., commit_lsn: _Optional[int] = ..., applied_lsn: _Optional[int] = ..., cluster_id: _Optional[str] = ...) -> None: ...
 
 class PromoteRequest(_message.Message):
     __slots__ = ("node",)

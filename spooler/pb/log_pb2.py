@@ -24,39 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14spooler/pb/log.proto\x12\nspooler.v1\"\xf9\x01\n\rQueueSettings\x12\x1d\n\x10lease_timeout_us\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0bmax_retries\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x19\n\x0cretention_us\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x1c\n\x0f\x64\x65\x64up_window_us\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x1a\n\rfailure_queue\x18\x05 \x01(\tH\x04\x88\x01\x01\x42\x13\n\x11_lease_timeout_usB\x0e\n\x0c_max_retriesB\x0f\n\r_retention_usB\x12\n\x10_dedup_window_usB\x10\n\x0e_failure_queue\"\x1d\n\nEpochBegin\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"E\n\x08QueuePut\x12\x0c\n\x04name\x18\x01 \x01(\t\x12+\n\x08settings\x18\x02 \x01(\x0b\x32\x19.spooler.v1.QueueSettings\"\x1b\n\x0bQueueDelete\x12\x0c\n\x04name\x18\x01 \x01(\t\"i\n\tSendEntry\x12\r\n\x05queue\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04\x62ody\x18\x03 \x01(\x0c\x12\x10\n\x08\x64\x65lay_us\x18\x04 \x01(\x03\x12\x11\n\tdedup_key\x18\x05 \x01(\t\x12\x0e\n\x06repeat\x18\x06 \x01(\x08\"\x98\x01\n\x04Send\x12&\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x15.spooler.v1.SendEntry\x12\x11\n\trun_queue\x18\x02 \x01(\t\x12\x15\n\rrun_id_prefix\x18\x03 \x01(\t\x12\x14\n\x0crun_id_first\x18\x04 \x01(\x04\x12\x14\n\x0crun_delay_us\x18\x05 \x01(\x03\x12\x12\n\nrun_bodies\x18\x06 \x03(\x0c\"v\n\x0bSettleEntry\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.spooler.v1.SettleKind\x12\r\n\x05queue\x18\x02 \x01(\t\x12\n\n\x02id\x18\x03 \x01(\t\x12\x10\n\x08\x64\x65lay_us\x18\x04 \x01(\x03\x12\x14\n\x0cpast_retries\x18\x05 \x01(\x08\"2\n\x06Settle\x12(\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x17.spooler.v1.SettleEntry\"\"\n\x04\x44rop\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\t\"\x18\n\x07Redrive\x12\r\n\x05queue\x18\x01 \x01(\t\"J\n\x06KeyPut\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rsecret_sha256\x18\x02 \x01(\x0c\x12\r\n\x05queue\x18\x03 \x01(\t\x12\x0e\n\x06scopes\x18\x04 \x03(\t\"\x17\n\tKeyDelete\x12\n\n\x02id\x18\x01 \x01(\t\"\xd4\x03\n\x06Record\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03lsn\x18\x02 \x01(\x04\x12\r\n\x05ts_us\x18\x03 \x01(\x03\x12-\n\x0b\x65poch_begin\x18\n \x01(\x0b\x32\x16.spooler.v1.EpochBeginH\x00\x12)\n\tqueue_put\x18\x0b \x01(\x0b\x32\x14.spooler.v1.QueuePutH\x00\x12/\n\x0cqueue_delete\x18\x0c \x01(\x0b\x32\x17.spooler.v1.QueueDeleteH\x00\x12 \n\x04send\x18\r \x01(\x0b\x32\x10.spooler.v1.SendH\x00\x12$\n\x06settle\x18\x0e \x01(\x0b\x32\x12.spooler.v1.SettleH\x00\x12 \n\x04\x64rop\x18\x0f \x01(\x0b\x32\x10.spooler.v1.DropH\x00\x12&\n\x07redrive\x18\x10 \x01(\x0b\x32\x13.spooler.v1.RedriveH\x00\x12%\n\x07key_put\x18\x11 \x01(\x0b\x32\x12.spooler.v1.KeyPutH\x00\x12+\n\nkey_delete\x18\x12 \x01(\x0b\x32\x15.spooler.v1.KeyDeleteH\x00\x12(\n\x0csend_compact\x18\x13 \x01(\x0b\x32\x10.spooler.v1.SendH\x00\x42\x04\n\x02op*C\n\nSettleKind\x12\x16\n\x12SETTLE_UNSPECIFIED\x10\x00\x12\x07\n\x03\x41\x43K\x10\x01\x12\x08\n\x04NACK\x10\x02\x12\n\n\x06\x45XPIRE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14spooler/pb/log.proto\x12\nspooler.v1\"\xf9\x01\n\rQueueSettings\x12\x1d\n\x10lease_timeout_us\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0bmax_retries\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x19\n\x0cretention_us\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x1c\n\x0f\x64\x65\x64up_window_us\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x1a\n\rfailure_queue\x18\x05 \x01(\tH\x04\x88\x01\x01\x42\x13\n\x11_lease_timeout_usB\x0e\n\x0c_max_retriesB\x0f\n\r_retention_usB\x12\n\x10_dedup_window_usB\x10\n\x0e_failure_queue\"1\n\nEpochBegin\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\ncluster_id\x18\x02 \x01(\t\"E\n\x08QueuePut\x12\x0c\n\x04name\x18\x01 \x01(\t\x12+\n\x08settings\x18\x02 \x01(\x0b\x32\x19.spooler.v1.QueueSettings\"\x1b\n\x0bQueueDelete\x12\x0c\n\x04name\x18\x01 \x01(\t\"i\n\tSendEntry\x12\r\n\x05queue\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04\x62ody\x18\x03 \x01(\x0c\x12\x10\n\x08\x64\x65lay_us\x18\x04 \x01(\x03\x12\x11\n\tdedup_key\x18\x05 \x01(\t\x12\x0e\n\x06repeat\x18\x06 \x01(\x08\"\x98\x01\n\x04Send\x12&\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x15.spooler.v1.SendEntry\x12\x11\n\trun_queue\x18\x02 \x01(\t\x12\x15\n\rrun_id_prefix\x18\x03 \x01(\t\x12\x14\n\x0crun_id_first\x18\x04 \x01(\x04\x12\x14\n\x0crun_delay_us\x18\x05 \x01(\x03\x12\x12\n\nrun_bodies\x18\x06 \x03(\x0c\"v\n\x0bSettleEntry\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.spooler.v1.SettleKind\x12\r\n\x05queue\x18\x02 \x01(\t\x12\n\n\x02id\x18\x03 \x01(\t\x12\x10\n\x08\x64\x65lay_us\x18\x04 \x01(\x03\x12\x14\n\x0cpast_retries\x18\x05 \x01(\x08\"2\n\x06Settle\x12(\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x17.spooler.v1.SettleEntry\"\"\n\x04\x44rop\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\t\"\x18\n\x07Redrive\x12\r\n\x05queue\x18\x01 \x01(\t\"J\n\x06KeyPut\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rsecret_sha256\x18\x02 \x01(\x0c\x12\r\n\x05queue\x18\x03 \x01(\t\x12\x0e\n\x06scopes\x18\x04 \x03(\t\"\x17\n\tKeyDelete\x12\n\n\x02id\x18\x01 \x01(\t\"\xd4\x03\n\x06Record\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03lsn\x18\x02 \x01(\x04\x12\r\n\x05ts_us\x18\x03 \x01(\x03\x12-\n\x0b\x65poch_begin\x18\n \x01(\x0b\x32\x16.spooler.v1.EpochBeginH\x00\x12)\n\tqueue_put\x18\x0b \x01(\x0b\x32\x14.spooler.v1.QueuePutH\x00\x12/\n\x0cqueue_delete\x18\x0c \x01(\x0b\x32\x17.spooler.v1.QueueDeleteH\x00\x12 \n\x04send\x18\r \x01(\x0b\x32\x10.spooler.v1.SendH\x00\x12$\n\x06settle\x18\x0e \x01(\x0b\x32\x12.spooler.v1.SettleH\x00\x12 \n\x04\x64rop\x18\x0f \x01(\x0b\x32\x10.spooler.v1.DropH\x00\x12&\n\x07redrive\x18\x10 \x01(\x0b\x32\x13.spooler.v1.RedriveH\x00\x12%\n\x07key_put\x18\x11 \x01(\x0b\x32\x12.spooler.v1.KeyPutH\x00\x12+\n\nkey_delete\x18\x12 \x01(\x0b\x32\x15.spooler.v1.KeyDeleteH\x00\x12(\n\x0csend_compact\x18\x13 \x01(\x0b\x32\x10.spooler.v1.SendH\x00\x42\x04\n\x02op*C\n\nSettleKind\x12\x16\n\x12SETTLE_UNSPECIFIED\x10\x00\x12\x07\n\x03\x41\x43K\x10\x01\x12\x08\n\x04NACK\x10\x02\x12\n\n\x06\x45XPIRE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'spooler.pb.log_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SETTLEKIND']._serialized_start=1487
-  _globals['_SETTLEKIND']._serialized_end=1554
+  _globals['_SETTLEKIND']._serialized_start=1507
+  _globals['_SETTLEKIND']._serialized_end=1574
   _globals['_QUEUESETTINGS']._serialized_start=37
   _globals['_QUEUESETTINGS']._serialized_end=286
   _globals['_EPOCHBEGIN']._serialized_start=288
-  _globals['_EPOCHBEGIN']._serialized_end=317
-  _globals['_QUEUEPUT']._serialized_start=319
-  _globals['_QUEUEPUT']._serialized_end=388
-  _globals['_QUEUEDELETE']._serialized_start=390
-  _globals['_QUEUEDELETE']._serialized_end=417
-  _globals['_SENDENTRY']._serialized_start=419
-  _globals['_SENDENTRY']._serialized_end=524
-  _globals['_SEND']._serialized_start=527
-  _globals['_SEND']._serialized_end=679
-  _globals['_SETTLEENTRY']._serialized_start=681
-  _globals['_SETTLEENTRY']._serialized_end=799
-  _globals['_SETTLE']._serialized_start=801
-  _globals['_SETTLE']._serialized_end=851
-  _globals['_DROP']._serialized_start=853
-  _globals['_DROP']._serialized_end=887
-  _globals['_REDRIVE']._serialized_start=889
-  _globals['_REDRIVE']._serialized_end=913
-  _globals['_KEYPUT']._serialized_start=915
-  _globals['_KEYPUT']._serialized_end=989
-  _globals['_KEYDELETE']._serialized_start=991
-  _globals['_KEYDELETE']._serialized_end=1014
-  _globals['_RECORD']._serialized_start=1017
-  _globals['_RECORD']._serialized_end=1485
+  _globals['_EPOCHBEGIN']._serialized_end=337
+  _globals['_QUEUEPUT']._serialized_start=339
+  _globals['_QUEUEPUT']._serialized_end=408
+  _globals['_QUEUEDELETE']._serialized_start=410
+  _globals['_QUEUEDELETE']._serialized_end=437
+  _globals['_SENDENTRY']._serialized_start=439
+  _globals['_SENDENTRY']._serialized_end=544
+  _globals['_SEND']._serialized_start=547
+  _globals['_SEND']._serialized_end=699
+  _globals['_SETTLEENTRY']._serialized_start=701
+  _globals['_SETTLEENTRY']._serialized_end=819
+  _globals['_SETTLE']._serialized_start=821
+  _globals['_SETTLE']._serialized_end=871
+  _globals['_DROP']._serialized_start=873
+  _globals['_DROP']._serialized_end=907
+  _globals['_REDRIVE']._serialized_start=909
+  _globals['_REDRIVE']._serialized_end=933
+  _globals['_KEYPUT']._serialized_start=935
+  _globals['_KEYPUT']._serialized_end=1009
+  _globals['_KEYDELETE']._serialized_start=1011
+  _globals['_KEYDELETE']._serialized_end=1034
+  _globals['_RECORD']._serialized_start=1037
+  _globals['_RECORD']._serialized_end=1505
 # @@protoc_insertion_point(module_scope)

@@ -33,10 +33,12 @@ class QueueSettings(_message.Message):
     def __init__(self, lease_timeout_us: _Optional[int] = ..., max_retries: _Optional[int] = ..., retention_us: _Optional[int] = ..., dedup_window_us: _Optional[int] = ..., failure_queue: _Optional[str] = ...) -> None: ...
 
 class EpochBegin(_message.Message):
-    __slots__ = ("node_id",)
+    __slots__ = ("node_id", "cluster_id")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
-    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+    cluster_id: str
+    def __init__(self, node_id: _Optional[str] = ..., cluster_id: _Optional[str] = ...) -> None: ...
 
 class QueuePut(_message.Message):
     __slots__ = ("name", "settings")

@@ -1107,3 +1107,80 @@ def test_replication_traffic_from_a_stranger_is_refused(cluster, node):
         assert target.get("/v1/cluster")[1]["epoch"] == before
     assert primary_of(nodes) == (p, epoch)
     assert node.get("/v1/cluster")[1]["role"] == "primary"
+
+
+def _own_lsn(doc):
+    return next(n for n in doc["nodes"] if n["id"] == doc["nodeId"])["lsn"]
+
+
+def _one_cluster_id(nodes):
+    """The id every live member's document names, once they all name the same one."""
+    ds = [view(n) for n in nodes.values() if n.alive()]
+    ids = {d.get("clusterId") for d in ds if d}
+    return len(ids) == 1 and all(ds) and ids.pop()
+
+
+def test_every_member_adopts_one_cluster_id_from_the_log_and_keeps_it_through_failover_and_restart(cluster):
+    """The first primary offers an id in its EpochBegin; each member adopts it
+    when it applies that record, and checkpoints it at once. The next primary
+    repeats it (that a later, different offer changes nothing is
+    tests/unit/test_core.py::test_the_first_epoch_begin_that_names_a_cluster_names_it_for_good),
+    and a restarted member reads it back from its store."""
+    nodes, _ = cluster
+    p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    cid = wait_until(lambda: _one_cluster_id(nodes), 15, what="one cluster id on every member")
+    assert len(cid) == 32, cid
+    nodes[p].kill()
+    q, _ = wait_until(lambda: primary_of(nodes, exclude=(p,)), 15, what="a new primary")
+    c = client(nodes[q])
+    until_ok(lambda: c.put_queue("q", leaseTimeoutSeconds=30))  # its EpochBegin committed before this
+    assert _one_cluster_id(nodes) == cid
+    nodes[p].start()
+    wait_until(lambda: (view(nodes[p]) or {}).get("appliedLsn", -1) >= document(nodes[q])["appliedLsn"], 15,
+               what="the old primary to catch up")
+    assert document(nodes[p])["clusterId"] == cid and _one_cluster_id(nodes) == cid
+
+
+def test_a_node_of_another_cluster_with_the_same_ids_is_refused_and_keeps_its_store(cluster, tmp_path):
+    """Nodes knew each other by id alone: a node of another cluster with the same
+    ids, at an address this cluster's --peers name (a cluster left running, a
+    store put back in the wrong place), was taken for a member. Its frames fed
+    one drill's replica records it could not square with its own primary's
+    (reliability.md, seed 11996). Now every replication call carries the
+    caller's cluster id, and a node that has one refuses a call naming another:
+    both sides log it, the stranger's store is left as it was, and this cluster
+    serves on with its epoch unchanged."""
+    nodes, _ = cluster
+    p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    ours = wait_until(lambda: _one_cluster_id(nodes), 15, what="one cluster id on every member")
+    r = next(i for i in nodes if i != p)
+    # another cluster with the same ids, a message in it, then stopped
+    others = start_cluster(str(tmp_path / "other"), 3, FAILOVER_S)
+    try:
+        wait_until(lambda: primary_of(others), 15, what="the other cluster's primary")
+        oc = client(others["n1"])
+        until_ok(lambda: oc.put_queue("theirs", leaseTimeoutSeconds=30))
+        send_until_ok(oc, "theirs", b"kept")
+        top = document(others["n1"])["commitLsn"]
+        wait_until(lambda: all_applied(others, top), 10, what="the other cluster's members to apply it")
+        theirs = wait_until(lambda: _one_cluster_id(others), 15, what="the other cluster's id")
+        held = _own_lsn(document(others[r]))  # where its log ends
+    finally:
+        for n in others.values():
+            n.kill()
+    assert theirs != ours
+    # one of our replicas' addresses now reaches the other cluster's node of that id
+    nodes[r].kill()
+    nodes[r].data_dir = others[r].data_dir
+    nodes[r].start()
+    assert document(nodes[r])["clusterId"] == theirs
+    wait_until(lambda: "of another cluster" in nodes[r].read_log() and "another cluster" in nodes[p].read_log(), 15,
+               what="each side to log the other cluster's calls")
+    # this cluster serves on (the primary and the other replica are a majority), in its epoch
+    c = client(nodes[p])
+    until_ok(lambda: c.put_queue("ours"))
+    send_until_ok(c, "ours", b"x")
+    assert primary_of(nodes, exclude=(r,)) == (p, epoch)
+    # and the stranger took nothing of ours: its cluster's id and records, as it had them
+    d = document(nodes[r])
+    assert d["clusterId"] == theirs and _own_lsn(d) == held and d["primary"] != p, d

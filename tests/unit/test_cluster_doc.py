@@ -7,7 +7,7 @@ from spooler.pb import api_pb2
 
 def test_the_cluster_document_round_trips_through_cluster_info():
     doc = {"nodeId": "n1", "role": "primary", "epoch": 7, "primary": "n1", "commitLsn": 41, "appliedLsn": 40,
-           "nodes": [{"id": "n1", "role": "primary", "address": "h1:1", "lsn": 41},
+           "clusterId": "5f0c8a", "nodes": [{"id": "n1", "role": "primary", "address": "h1:1", "lsn": 41},
                      {"id": "n2", "role": "replica", "address": "h2:1", "matchLsn": 41, "lastContactMs": 12.5,
                       "reachable": True},
                      {"id": "n3", "role": "replica", "address": "h3:1", "joining": True, "lastContactMs": None,
@@ -15,8 +15,9 @@ def test_the_cluster_document_round_trips_through_cluster_info():
                      {"id": "n4", "role": "replica", "address": "h4:1", "lastContactMs": 0.0}]}
     assert cluster_dict(cluster_pb(doc)) == doc
     # zeros are said, not dropped: a fresh primary's replicas have matchLsn 0, a new node lsn 0
+    # (and a cluster whose first epoch has not committed yet has no id: null)
     fresh = {"nodeId": "n2", "role": "primary", "epoch": 1, "primary": "n2", "commitLsn": 0, "appliedLsn": 0,
-             "nodes": [{"id": "n2", "role": "primary", "address": "h2:1", "lsn": 0},
+             "clusterId": None, "nodes": [{"id": "n2", "role": "primary", "address": "h2:1", "lsn": 0},
                        {"id": "n1", "role": "replica", "address": "h1:1", "matchLsn": 0, "lastContactMs": None}]}
     assert cluster_dict(cluster_pb(fresh)) == fresh
 
@@ -27,7 +28,7 @@ def test_an_older_nodes_cluster_info_reads_without_the_fields_it_never_sent():
                               nodes=[api_pb2.NodeInfo(id="n1", role="replica", address="h1:1", lsn=9),
                                      api_pb2.NodeInfo(id="n2", role="primary", address="h2:1")])
     d = cluster_dict(api_pb2.ClusterInfo.FromString(old.SerializeToString()))
-    assert d == {"nodeId": "n1", "role": "replica", "epoch": 3, "primary": "n2",
+    assert d == {"nodeId": "n1", "role": "replica", "epoch": 3, "primary": "n2", "clusterId": None,
                  "nodes": [{"id": "n1", "role": "replica", "address": "h1:1", "lsn": 9},
                            {"id": "n2", "role": "primary", "address": "h2:1"}]}
 

@@ -988,3 +988,22 @@ def test_the_benchmarks_measure_of_a_dedup_keys_memory_sees_the_key():
     short, long_ = key_bytes(n=2000, key_chars=8), key_bytes(n=2000, key_chars=200)
     assert short["bytes_per_key"] > 100, short
     assert long_["bytes_per_key"] > short["bytes_per_key"] + 150, (short, long_)
+
+
+def test_the_first_epoch_begin_that_names_a_cluster_names_it_for_good():
+    """Every node applies the same log, so the first id the log names is every
+    node's: an EpochBegin from before ids (none), then a primary's offer, then a
+    later primary's different offer (it opened its epoch before applying the
+    first) leave the first offer."""
+    lg = Log()
+    lg.new_epoch(0)  # a build before cluster ids: none named
+    assert lg.core.cluster_id == ""
+    for offer, at in (("c0ffee", 1), ("beef", 2)):
+        lg.epoch += 1
+        lg.commit(log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id="n2", cluster_id=offer)), at)
+        assert lg.core.cluster_id == "c0ffee"
+    # and a node that applies the same records from the start adopts the same one
+    other = Core(rand=lambda n: b"\x02" * n)
+    for data in lg.records:
+        other.apply(log_pb2.Record.FromString(data))
+    assert other.cluster_id == "c0ffee"
