@@ -170,6 +170,16 @@ class LogView:
         self.base_lsn, self.base_epoch, self.base_crc = upto_lsn, e[0], e[1]
 
 
+class CommittedConflict(AssertionError):
+    """A primary's log differs from a record this node holds as committed. That
+    cannot happen within one cluster (every primary holds every committed
+    record; raft's leader completeness): this node's store is not this
+    cluster's, or a committed write was lost (a disk that lied about an fsync,
+    a store copied back from before). Nothing this node could do keeps both
+    logs, so the edge stops the node (exit 70) rather than sit behind its
+    primary for good, answering nothing."""
+
+
 SPLIT_RETRY_US = 200_000  # a refused candidate retries within this (see _on_vote_resp)
 
 
@@ -785,6 +795,10 @@ class Replication:
         self.primary_gone = False
         self._reset_election_timer(now)
         mine = self.log.at(m.prev_lsn)
+        if mine is not None and m.prev_epoch >= 0 and mine != (m.prev_epoch, m.prev_crc) \
+                and m.prev_lsn <= self.commit_lsn:  # (-1: compacted on the primary, nothing to compare)
+            raise CommittedConflict(f"{self.id}: {m.primary}'s record {m.prev_lsn} (epoch {m.prev_epoch}) differs "
+                                    f"from the one committed here (epoch {mine[0]})")
         if m.prev_lsn > self.log.last_lsn or (mine is not None and mine != (m.prev_epoch, m.prev_crc)) \
                 or (mine is None and m.prev_lsn > self.commit_lsn):
             # we do not hold the primary's record at prev: tell it where to back off to
@@ -802,7 +816,9 @@ class Replication:
                 if have == (ep, crc):
                     continue
                 # a conflicting record: it was never committed (raft's log matching)
-                assert lsn > self.commit_lsn, f"{self.id}: conflict at committed lsn {lsn}"
+                if lsn <= self.commit_lsn:
+                    raise CommittedConflict(f"{self.id}: {m.primary}'s record {lsn} (epoch {ep}) differs from the "
+                                            f"one committed here (epoch {have[0]})")
                 out.append(Truncate(lsn - 1))
                 self.log.truncate(lsn - 1)
                 self.durable_lsn = min(self.durable_lsn, lsn - 1)

@@ -158,6 +158,9 @@ class Driver:
             a = st.applied_position()
             c.log = R.LogView(a.lsn, a.epoch, a.crc, [])
         c.epoch = max(c.epoch, c.log.last_epoch)
+        # what the store applied was committed: a primary's record that differs from
+        # it is a conflict to stop on (R.CommittedConflict), never a truncation
+        c.commit_lsn = max(c.commit_lsn, self.engine.core.lsn)
         # --join on a store that has never held anything: a replacement, joining
         # without a vote (Replication.joining) until it holds the cluster's history.
         # On any other store the flag changes nothing (a restart of a member that
@@ -861,6 +864,15 @@ class Driver:
                     [(e.lsn, e.epoch, e.crc) for e in f.entries], f.commit_lsn, f.sent_us,
                     f.primary_commit_lsn, f.lease_us), mono_us()))
                 return self._replies
+            except R.CommittedConflict as err:
+                # (before the check, the node resynced and sat behind its primary for good,
+                # answering nothing: a stop says it where an operator looks)
+                log.critical("the primary's log conflicts with records this node holds as committed: %s. This "
+                             "node's store is not this cluster's, or a committed write was lost here; it stops. "
+                             "Replace it: start it on an empty store with --join (operations.md)", err)
+                if self.engine.failed is None:
+                    self.engine._fail(err)
+                return []
             except Exception:
                 if self.engine.failed is not None:
                     return []  # the store failed (Engine._fail): the node is stopping, nothing to resync

@@ -1141,6 +1141,25 @@ def test_every_member_adopts_one_cluster_id_from_the_log_and_keeps_it_through_fa
     assert document(nodes[p])["clusterId"] == cid and _one_cluster_id(nodes) == cid
 
 
+def _another_clusters_store(tmp_path, node_id):
+    """Run another 3-node cluster with the same ids, a message in it, then stop
+    it: -> (the data directory of its node ``node_id``, its cluster id, where
+    that node's log ends)."""
+    others = start_cluster(str(tmp_path / "other"), 3, FAILOVER_S)
+    try:
+        wait_until(lambda: primary_of(others), 15, what="the other cluster's primary")
+        oc = client(others["n1"])
+        until_ok(lambda: oc.put_queue("theirs", leaseTimeoutSeconds=30))
+        send_until_ok(oc, "theirs", b"kept")
+        top = document(others["n1"])["commitLsn"]
+        wait_until(lambda: all_applied(others, top), 10, what="the other cluster's members to apply it")
+        theirs = wait_until(lambda: _one_cluster_id(others), 15, what="the other cluster's id")
+        return others[node_id].data_dir, theirs, _own_lsn(document(others[node_id]))
+    finally:
+        for n in others.values():
+            n.kill()
+
+
 def test_a_node_of_another_cluster_with_the_same_ids_is_refused_and_keeps_its_store(cluster, tmp_path):
     """Nodes knew each other by id alone: a node of another cluster with the same
     ids, at an address this cluster's --peers name (a cluster left running, a
@@ -1154,24 +1173,11 @@ def test_a_node_of_another_cluster_with_the_same_ids_is_refused_and_keeps_its_st
     p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
     ours = wait_until(lambda: _one_cluster_id(nodes), 15, what="one cluster id on every member")
     r = next(i for i in nodes if i != p)
-    # another cluster with the same ids, a message in it, then stopped
-    others = start_cluster(str(tmp_path / "other"), 3, FAILOVER_S)
-    try:
-        wait_until(lambda: primary_of(others), 15, what="the other cluster's primary")
-        oc = client(others["n1"])
-        until_ok(lambda: oc.put_queue("theirs", leaseTimeoutSeconds=30))
-        send_until_ok(oc, "theirs", b"kept")
-        top = document(others["n1"])["commitLsn"]
-        wait_until(lambda: all_applied(others, top), 10, what="the other cluster's members to apply it")
-        theirs = wait_until(lambda: _one_cluster_id(others), 15, what="the other cluster's id")
-        held = _own_lsn(document(others[r]))  # where its log ends
-    finally:
-        for n in others.values():
-            n.kill()
+    data_dir, theirs, held = _another_clusters_store(tmp_path, r)
     assert theirs != ours
     # one of our replicas' addresses now reaches the other cluster's node of that id
     nodes[r].kill()
-    nodes[r].data_dir = others[r].data_dir
+    nodes[r].data_dir = data_dir
     nodes[r].start()
     assert document(nodes[r])["clusterId"] == theirs
     wait_until(lambda: "of another cluster" in nodes[r].read_log() and "another cluster" in nodes[p].read_log(), 15,
@@ -1184,3 +1190,32 @@ def test_a_node_of_another_cluster_with_the_same_ids_is_refused_and_keeps_its_st
     # and the stranger took nothing of ours: its cluster's id and records, as it had them
     d = document(nodes[r])
     assert d["clusterId"] == theirs and _own_lsn(d) == held and d["primary"] != p, d
+
+
+def test_a_replica_whose_committed_records_differ_from_its_primarys_stops_with_status_70(cluster, tmp_path):
+    """A store of another cluster that names no cluster id (one from a build
+    before ids) at a member's place: nothing tells the clusters apart, the
+    primary streams to it, and its log differs from records the node holds as
+    committed. Before, the node resynced and sat behind that primary for good,
+    answering nothing (a drill's replica did, reliability.md seed 11996); now it
+    stops with status 70 and says why, and the cluster serves on without it."""
+    import apsw
+    nodes, _ = cluster
+    p, epoch = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    r = next(i for i in nodes if i != p)
+    c = client(nodes[p])
+    until_ok(lambda: c.put_queue("ours"))
+    for i in range(3):  # our log runs past the stranger's, so the primary sends it records
+        send_until_ok(c, "ours", b"x%d" % i)
+    data_dir, _, _ = _another_clusters_store(tmp_path, r)
+    con = apsw.Connection(os.path.join(data_dir, "spool.db"))
+    con.execute("DELETE FROM meta WHERE k = 'cluster_id'")
+    con.close()
+    nodes[r].kill()
+    nodes[r].data_dir = data_dir
+    nodes[r].start()
+    wait_until(lambda: nodes[r].proc.poll() is not None, 20, what="the stranger to stop")
+    assert nodes[r].proc.returncode == 70, nodes[r].read_log()
+    assert "conflicts with records this node holds as committed" in nodes[r].read_log()
+    send_until_ok(c, "ours", b"after")
+    assert primary_of(nodes, exclude=(r,)) == (p, epoch)

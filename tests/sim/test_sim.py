@@ -1310,3 +1310,44 @@ def test_a_mismatch_answered_before_a_snapshot_was_installed_does_not_send_anoth
     out = c.receive(R.AppendResp(1, "n2", False, 95, 1005), 1020)
     frames = [e.msg for e in out if isinstance(e, R.Send) and e.to == "n2"]
     assert [(f.prev_lsn, f.entries[0][0]) for f in frames] == [(95, 96)], frames
+
+
+def _replica_holding(committed: int, log: list):
+    """A started replica of n1's in epoch 5 whose log is ``log`` ((epoch, crc) per
+    lsn from 1), the first ``committed`` of them committed."""
+    T = 2_000_000
+    c = R.Replication("n2", ["n1", "n2", "n3"], T, rand=lambda: 0.5)
+    c.started = True
+    c.role, c.epoch, c.primary = R.REPLICA, 5, "n1"
+    c.log = R.LogView(0, 0, 0, list(log))
+    c.durable_lsn, c.commit_lsn = len(log), committed
+    c.last_contact = 10 * T
+    return c
+
+
+def test_a_primary_whose_log_differs_from_a_committed_record_stops_the_replica_loudly():
+    """A conflict with a record this replica holds as committed cannot come from
+    its own cluster's primary (a store of another cluster, a lost committed
+    write). It raises CommittedConflict, which the edge turns into a stop (exit
+    70), where before it resynced and sat behind that primary for good. A
+    conflict past the commit point is raft's plain truncation, and a primary
+    that compacted its record at prev (prev_epoch -1) is answered with a hint as
+    before."""
+    now = 20 * 2_000_000
+    held = [(1, 11), (1, 12), (2, 13)]
+    # the frame's prev is a committed record that differs
+    c = _replica_holding(2, held)
+    with pytest.raises(R.CommittedConflict, match="record 2"):
+        c.receive(R.AppendReq(5, "n1", 2, 1, 99, [(3, 5, 14)], 3, now), now)
+    # its entries overwrite a committed record
+    c = _replica_holding(2, held)
+    with pytest.raises(R.CommittedConflict, match="record 2"):
+        c.receive(R.AppendReq(5, "n1", 1, 1, 11, [(2, 4, 77), (3, 5, 78)], 3, now), now)
+    # past the commit point: truncated and replaced, as raft does
+    c = _replica_holding(2, held)
+    out = c.receive(R.AppendReq(5, "n1", 2, 1, 12, [(3, 5, 78)], 3, now), now)
+    assert [e.after_lsn for e in out if isinstance(e, R.Truncate)] == [2] and c.log.at(3) == (5, 78)
+    # compacted on the primary: nothing to compare, a hint back
+    c = _replica_holding(2, held)
+    out = c.receive(R.AppendReq(5, "n1", 2, -1, 0, [(3, 5, 78)], 3, now), now)
+    assert any(isinstance(e, R.Send) and not e.msg.ok for e in out), out
