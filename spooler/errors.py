@@ -122,10 +122,23 @@ class OperationUnconfirmed(SpoolerError):
 
 
 class Unavailable(SpoolerError):
-    """Known not to have been accepted: safe to retry after ``retry_after_s``."""
+    """Known not to have been accepted: safe to retry after ``retry_after_s``.
+
+    ``answer_lost`` is True when the gRPC SDK sent a read and its answer never
+    came back (no answer in time, the connection broke after the request left,
+    the Session stream broke). For most reads that changes nothing. For a
+    receive it means the node may have leased messages for it: the SDK does not
+    repeat that receive, asks the node once to give back whatever it leased for
+    it (a release by the receive's name) and raises this. A message so given
+    back is visible again at once with its retry count unchanged; if the
+    release fails, or lands after the lease ended (a lease shorter than the
+    call's timeout), the lease expires and counts as a retry
+    (docs/guarantees.md, S5). The HTTP client reports a receive whose
+    answer was lost as ``operation_unconfirmed`` instead (a POST that left)."""
 
     kind, http_status, grpc_code = "unavailable", 503, _CODE.UNAVAILABLE
     retry_safe = True
+    answer_lost = False  # (set on the instance: spooler._common.read_lost)
 
     def __init__(self, message: str = "", *, reason: str = "", retry_after_s: float = 1.0):
         super().__init__(message, reason=reason, retry_after_s=retry_after_s)
