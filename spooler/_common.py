@@ -23,6 +23,13 @@ from spooler.pb import api_pb2
 MESSAGE_BYTES_MAX = 16 * 1024 * 1024
 BODIES_BYTES_MAX = MESSAGE_BYTES_MAX - 64 * 1024  # room for the rest of the request
 NAME_CHARS_MAX = 16 * 1024  # a queue name or dedup key the SDK sends at all (see check_send_types)
+# A lease token the SDK sends at all: a node's tokens have at most 400 characters,
+# and refuses longer ones as malformed; far longer ones (a body passed by mistake)
+# would make a settle request gRPC cannot carry, and break the Session stream
+# under every call riding it. So would a settle batch of more items than a node
+# takes (BATCH_ITEMS_MAX, its batch_entries_max): both refused before sending.
+TOKEN_CHARS_MAX = 1024
+BATCH_ITEMS_MAX = 1000
 
 PING_INTERVAL_MS = 2_000
 PING_TIMEOUT_S = 5.0  # the clients' ping_timeout_s default
@@ -553,6 +560,9 @@ def settle_action(a) -> int:
 def _token(t) -> None:
     if not isinstance(t, str):
         raise TypeError(f"a lease token must be a str, not {type(t).__name__}")
+    if len(t) > TOKEN_CHARS_MAX:
+        raise errors.InvalidArgument(f"malformed lease token: {len(t)} characters, a token has at most "
+                                     f"{TOKEN_CHARS_MAX}")
 
 
 def lease_request(token: str, delay_s: float = 0.0) -> api_pb2.LeaseRequest:
@@ -583,6 +593,10 @@ def settle_request(items, action_of=settle_action) -> api_pb2.SettleBatchRequest
     it lives in the request, and a zero delay is left unset: in CPython that costs
     about a third of building Item messages and copying them in (a batch of 100
     acks: 90 against 250 us here)."""
+    if not isinstance(items, (list, tuple)):
+        items = list(items)
+    if len(items) > BATCH_ITEMS_MAX:
+        raise errors.InvalidArgument(f"at most {BATCH_ITEMS_MAX} items in a batch")
     req = api_pb2.SettleBatchRequest()
     add = req.items.add
     for item in items:

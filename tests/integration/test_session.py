@@ -900,3 +900,33 @@ def test_a_primary_refusing_for_its_own_load_keeps_the_client_where_it_is(reason
             await b.server.stop(None)
 
     asyncio.run(main())
+
+
+def _metrics(node) -> list:
+    import urllib.request
+    req = urllib.request.Request(node.http_url + "/metrics", headers={"Authorization": f"Bearer {node.admin_key}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.read().decode().splitlines()
+
+
+def test_an_ack_with_a_token_no_node_would_take_fails_alone_and_the_session_carries_on(node):
+    """An ack whose token is a 17 MB string (a body passed for a token) made a
+    Session request over gRPC's 16 MiB: the transport refused it, and the stream
+    broke under the long poll riding it. The SDK now refuses such a token
+    before sending: the ack fails alone, invalid_argument, and the long poll
+    on the same stream gets the message sent meanwhile."""
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("big-token")
+            poll = asyncio.ensure_future(c.receive("big-token", wait_s=20))
+            # (the poll is on the stream once the node counts it waiting)
+            deadline = time.monotonic() + 10
+            while "spooler_receives_waiting 1.0" not in await asyncio.to_thread(_metrics, node):
+                assert time.monotonic() < deadline, "the long poll never reached the node"
+                await asyncio.sleep(0.02)
+            with pytest.raises(errors.InvalidArgument):
+                await c.ack("t" * 17_000_000)
+            await c.send("big-token", b"after")
+            got = await asyncio.wait_for(poll, 20)
+            assert [m.body for m in got] == [b"after"]
+    asyncio.run(main())

@@ -151,3 +151,23 @@ def test_arguments_of_the_wrong_type_are_refused_saying_which_before_anything_is
     asyncio.run(main())
     assert list(key_request("q", "send, receive").scopes) == ["send", "receive"]
     assert list(key_request("q", ["admin"]).scopes) == ["admin"]
+
+
+def test_a_settle_request_no_node_would_take_is_refused_before_it_is_sent():
+    """A token far longer than any node's (a body passed by mistake), or more
+    items than a node takes in one batch, made a settle request that gRPC could
+    refuse as a whole (over 16 MiB), ending the Session stream under every call
+    riding it. Both are refused invalid_argument before sending; a node's own
+    limits below them are passed on for the node to answer."""
+    from spooler import errors
+    from spooler._common import BATCH_ITEMS_MAX, TOKEN_CHARS_MAX, lease_request, settle_request
+
+    with pytest.raises(errors.InvalidArgument, match="malformed lease token"):
+        settle_request([("t" * (TOKEN_CHARS_MAX + 1), "ack")])
+    with pytest.raises(errors.InvalidArgument, match="malformed lease token"):
+        lease_request("t" * 17_000_000)
+    with pytest.raises(errors.InvalidArgument, match=f"at most {BATCH_ITEMS_MAX} items"):
+        settle_request([("t" * 40, "ack")] * (BATCH_ITEMS_MAX + 1))
+    # within both: built, and a generator of items is taken as a list is
+    assert len(settle_request(("t" * TOKEN_CHARS_MAX, "ack") for _ in range(BATCH_ITEMS_MAX)).items) \
+        == BATCH_ITEMS_MAX
