@@ -661,8 +661,13 @@ class Engine:
             # log is caught up and every older lease is gone
             self.write_epoch = epoch
             self._epoch_begin_lsn = self.appended_lsn + 1
-            # (with the cluster's id, or a new one offered: Core._apply_epoch_begin)
-            cid = self.core.cluster_id or self.core.rand(16).hex()
+            # With the cluster's id, repeated (Core._apply_epoch_begin). A new one is
+            # offered only in the log's first record, the cluster's first epoch: past
+            # it, a node without an id cannot tell whether its log named one (a build
+            # before 0.4.31 applied that record and kept no id, a snapshot from such
+            # a primary), and an offer of its own would be the id it adopts while
+            # the others keep the first, each side then refusing the other's calls
+            cid = self.core.cluster_id or (self.core.rand(16).hex() if self._epoch_begin_lsn == 1 else "")
             nobody_waits(self.propose(log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id=self.node_id,
                                                                                    cluster_id=cid)),
                                       internal=True))

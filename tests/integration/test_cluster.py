@@ -1219,3 +1219,47 @@ def test_a_replica_whose_committed_records_differ_from_its_primarys_stops_with_s
     assert "conflicts with records this node holds as committed" in nodes[r].read_log()
     send_until_ok(c, "ours", b"after")
     assert primary_of(nodes, exclude=(r,)) == (p, epoch)
+
+
+def test_a_member_whose_store_names_no_cluster_id_never_names_another_when_it_leads(cluster):
+    """A member whose store applied the EpochBegin that named the cluster but
+    keeps no id (a build before 0.4.31 applied it and skipped the field; a
+    snapshot from such a primary) cannot tell that its log ever named one. Its
+    EpochBegin, once it leads, must not offer a new id: it would adopt that one
+    while the others keep the first, and from their next stream on each side
+    would refuse the other's calls (guarantees.md R9), a member of the cluster
+    cut off for good. Only a cluster's first record offers a new id."""
+    import apsw
+    nodes, _ = cluster
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    cid = wait_until(lambda: _one_cluster_id(nodes), 15, what="one cluster id on every member")
+    r, q = [i for i in sorted(nodes) if i != p]
+    c = client(nodes[p])
+    until_ok(lambda: c.put_queue("q", leaseTimeoutSeconds=30))
+    send_until_ok(c, "q", b"before")
+    top = document(nodes[p])["commitLsn"]
+    wait_until(lambda: all_applied(nodes, top), 10, what="every member to apply it")
+    # r's store as a build before cluster ids left it: the records applied, no id kept
+    nodes[r].kill()
+    con = apsw.Connection(os.path.join(nodes[r].data_dir, "spool.db"))
+    con.execute("DELETE FROM meta WHERE k = 'cluster_id'")
+    con.close()
+    nodes[r].start()
+    wait_until(lambda: (view(nodes[r]) or {}).get("appliedLsn", -1) >= top, 15, what=f"{r} to load its store")
+    assert document(nodes[r])["clusterId"] is None
+    # r leads: its epoch's first record commits and applies everywhere
+    until_ok(lambda: c.promote(r), what="the switchover to the member without an id")
+    wait_until(lambda: primary_of(nodes) == (r, document(nodes[r])["epoch"]), 15, what=f"{r} to lead")
+    cr = client(nodes[r])
+    send_until_ok(cr, "q", b"led by the member without an id")
+    top = document(nodes[r])["commitLsn"]
+    wait_until(lambda: all_applied(nodes, top), 10, what="every member to apply it")
+    ids = {i: document(n)["clusterId"] for i, n in nodes.items()}
+    assert ids[p] == cid and ids[q] == cid and ids[r] in (None, cid), (cid, ids)
+    # and a member whose stream from r reopens still follows it
+    nodes[q].kill()
+    nodes[q].start()
+    send_until_ok(cr, "q", b"after the restart")
+    top = document(nodes[r])["commitLsn"]
+    wait_until(lambda: all_applied(nodes, top), 15, what=f"{q} to follow {r} after its restart")
+    assert "another cluster" not in nodes[q].read_log() + nodes[r].read_log() + nodes[p].read_log()
