@@ -1139,6 +1139,12 @@ def test_every_member_adopts_one_cluster_id_from_the_log_and_keeps_it_through_fa
     wait_until(lambda: (view(nodes[p]) or {}).get("appliedLsn", -1) >= document(nodes[q])["appliedLsn"], 15,
                what="the old primary to catch up")
     assert document(nodes[p])["clusterId"] == cid and _one_cluster_id(nodes) == cid
+    # spoolctl names it beside the epoch
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "spooler", "--server", nodes[p].http_url, "--key", nodes[p].admin_key,
+                          "cluster", "status"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and f", cluster {cid}" in out.stdout.splitlines()[0], (out.stdout, out.stderr)
 
 
 def _another_clusters_store(tmp_path, node_id):
