@@ -40,7 +40,7 @@ DEFINITE_FAILURE_KINDS = frozenset({
 # Nemeses after which clients may be unable to write until the cluster recovers.
 DISRUPTIVE_NEMESES = frozenset({"kill", "stop", "term", "partition", "power_loss", "disk_loss", "fsync_error",
                                 "write_error"})
-DUPLICATE_CAUSES = ("nack", "lease_expired", "primary_changed", "unknown_ack", "other")
+DUPLICATE_CAUSES = ("nack", "lease_expired", "primary_changed", "unknown_ack", "answered_late", "other")
 REQUIRED_ZEROS = ("lost", "lost_after_delivery", "unexpected", "body_mismatches", "acked_then_redelivered",
                   "overlapping_leases", "settles_of_superseded_leases", "retry_count_decreases",
                   "failover_retry_increments", "double_primaries", "leases_behind_a_newer_epoch",
@@ -465,8 +465,16 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
                             expiry = new
             expired = expiry is not None and expiry < d.ok_t  # may have expired before the grant
             higher_epoch = (d.epoch is not None and prev.epoch is not None and d.epoch > prev.epoch)
+            # d's answer came after prev's, but d was granted first: it was asked for
+            # before prev was answered, and its lease had ended by then (an answer held
+            # on the way, delivered late). The chain's order is the answers' order; the
+            # pair's real order is the other way round, and prev is d's redelivery
+            d_end = None if d.expires_at is None else seen(d.expires_at, d.ok_t, prev.ok_t)
+            answered_late = d.inv_t < prev.ok_t and d_end is not None and d_end <= prev.ok_t
 
-            if nack_possible:
+            if answered_late:
+                cause = "answered_late"
+            elif nack_possible:
                 cause = "nack"
             elif expired and not ack_ok:
                 cause = "lease_expired"

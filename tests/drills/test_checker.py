@@ -120,7 +120,7 @@ def test_clean_history_reports_all_zeros():
     assert r["unknown_sends"] == 0
     assert r["ids_delivered_more_than_once"] == 2
     assert r["duplicate_deliveries"] == {"nack": 1, "lease_expired": 0, "primary_changed": 1,
-                                         "unknown_ack": 0, "other": 0}
+                                         "unknown_ack": 0, "answered_late": 0, "other": 0}
     assert r["nodes_agree"] is True and r["integrity_ok"] is True
     fu = r["failover_unavailability"]
     assert fu["count"] == 1 and fu["never_recovered"] == 0
@@ -251,6 +251,23 @@ def test_a_redelivery_within_the_slack_of_the_lease_end_is_other_and_says_how_cl
     assert [(o["f"], o["outcome"], o["done"]) for o in x["previous_settles"]] == [("renew", "fail", 3.01)]
 
 
+def test_a_lease_whose_answer_came_after_its_redelivery_was_answered_late_not_other():
+    """Seed 12104: a receive's answer was held on the way and came after the
+    message's next delivery (retry 1, granted once the first lease ended, then
+    acked). In the answers' order the first lease follows an acked one with a
+    lower count: put down to no cause (``other``). It was granted first, asked
+    for before the other was answered, and its lease had ended by then: its
+    cause is ``answered_late``, and no required zero counts it."""
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.1, 3.0, "m1", "b1", "t1", lease_s=-0.5)  # leased at once, ended 2.5, answered at 3.0
+    s.recv(2.55, 2.6, "m1", "b1", "t2", retry=1)
+    s.settle("ack", 2.65, 2.7, "m1", "t2")
+    r = s.check()
+    assert_only(r)
+    assert r["duplicate_deliveries"]["answered_late"] == 1 and r["duplicate_deliveries"]["other"] == 0
+
+
 def test_redelivery_after_lease_expiry_is_not_overlapping():
     s = Sim()
     s.send(1.0, 1.01, "b1", "m1")
@@ -334,7 +351,7 @@ def test_retry_increments_after_nack_and_expiry_are_legitimate(nack_outcome):
     r = s.check()
     assert_only(r)
     assert r["duplicate_deliveries"] == {"nack": 1, "lease_expired": 1, "primary_changed": 1,
-                                         "unknown_ack": 0, "other": 0}
+                                         "unknown_ack": 0, "answered_late": 0, "other": 0}
 
 
 def test_two_increments_after_one_nack_is_counted():
