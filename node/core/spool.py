@@ -276,9 +276,9 @@ class Core:
 
     def _apply_epoch_begin(self, op, ts):
         # The cluster's identity: the first one the log names, for good. Every
-        # node applies the same log, so every node adopts the same id; a later
-        # primary's offer (it opened its epoch before applying the one that won)
-        # changes nothing.
+        # node applies the same log, so every node adopts the same id. Only the
+        # log's first record offers one (Engine.on_role); later ones repeat it, so
+        # a node whose store kept none adopts it again from the next of them.
         if not self.cluster_id and op.cluster_id:
             self.cluster_id = op.cluster_id
             self.dirty.cluster_id = True

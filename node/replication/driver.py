@@ -23,7 +23,7 @@ import grpc
 from node import logs
 from node.core import replication as R
 from node.engine import InstallBroken, mono_us, nobody_waits
-from node.tls import ANOTHER_CLUSTER, another_cluster
+from node.tls import ANOTHER_CLUSTER, CLUSTER_ID_MD, another_cluster
 from spooler.pb import replication_pb2 as pb
 from spooler.pb import replication_pb2_grpc as pb_grpc
 
@@ -139,7 +139,6 @@ class Driver:
     def _peer_md(self) -> tuple:
         """On every call to a member: the cluster's key, and its id once the
         applied log names one (node/tls.py)."""
-        from node.tls import CLUSTER_ID_MD
         cid = getattr(getattr(self.engine, "core", None), "cluster_id", "")
         return self._key_md + ((CLUSTER_ID_MD, cid),) if cid else self._key_md
 
