@@ -902,13 +902,6 @@ def test_a_primary_refusing_for_its_own_load_keeps_the_client_where_it_is(reason
     asyncio.run(main())
 
 
-def _metrics(node) -> list:
-    import urllib.request
-    req = urllib.request.Request(node.http_url + "/metrics", headers={"Authorization": f"Bearer {node.admin_key}"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return r.read().decode().splitlines()
-
-
 def test_an_ack_with_a_token_no_node_would_take_fails_alone_and_the_session_carries_on(node):
     """An ack whose token is a 17 MB string (a body passed for a token) made a
     Session request over gRPC's 16 MiB: the transport refused it, and the stream
@@ -921,7 +914,7 @@ def test_an_ack_with_a_token_no_node_would_take_fails_alone_and_the_session_carr
             poll = asyncio.ensure_future(c.receive("big-token", wait_s=20))
             # (the poll is on the stream once the node counts it waiting)
             deadline = time.monotonic() + 10
-            while "spooler_receives_waiting 1.0" not in await asyncio.to_thread(_metrics, node):
+            while await asyncio.to_thread(node.metric, "spooler_receives_waiting") != 1:
                 assert time.monotonic() < deadline, "the long poll never reached the node"
                 await asyncio.sleep(0.02)
             with pytest.raises(errors.InvalidArgument):
