@@ -271,6 +271,7 @@ class Engine:
         self.primary_id: Optional[str] = None
         self._epoch_begin_lsn = 0
         self.failed: Optional[BaseException] = None
+        self.failed_what = "storage failure"  # what stopped it (_fail), once failed
         self.on_apply = []                # callables(record, result) for metrics
         self.metrics = None
 
@@ -438,7 +439,7 @@ class Engine:
         for back-pressure (they are bounded by the leases and messages that exist).
         ``reply``: tell it instead of a future (returned as given)."""
         if self.failed is not None:
-            raise errors.Unavailable("node stopped after a storage failure", retry_after_s=1.0)
+            raise errors.Unavailable(f"node stopped after a {self.failed_what}", retry_after_s=1.0)
         if self.role != "primary" or (not internal and not self.serving()):
             raise errors.Unavailable("not the primary, or no quorum", retry_after_s=0.5)
         if not internal and len(self._pending) >= self.limits.pending_records_max:
@@ -703,17 +704,21 @@ class Engine:
     def may_lease(self) -> bool:
         return self.serving() and self.repl.may_lease()
 
-    def _fail(self, e: BaseException) -> None:
-        log.critical("storage failure, the node stops serving: %r", e)
+    def _fail(self, e: BaseException, what: str = "storage failure") -> None:
+        """Stop serving for good (the process exits 70 through ``on_fatal``).
+        ``what`` names the cause in the critical line and in the errors given to
+        the writes it leaves unconfirmed."""
+        log.critical("%s, the node stops serving: %r", what, e)
         self.failed = e
+        self.failed_what = what
         self.ready = False
-        err = errors.OperationUnconfirmed(f"storage failure: {e}")
+        err = errors.OperationUnconfirmed(f"{what}: {e}")
         for _, (_, _, fut) in self.unapplied.items():
             if fut is not None and not fut.done():
                 fut.set_exception(err)
         for _, fut in self._pending:
             if not fut.done():
-                fut.set_exception(errors.Unavailable("node stopped after a storage failure"))
+                fut.set_exception(errors.Unavailable(f"node stopped after a {what}"))
         self._pending.clear()
         if self.on_fatal:
             self.on_fatal(e)
@@ -727,7 +732,7 @@ class Engine:
         e = t.exception()
         if e is not None:
             log.critical("task %s died: %r", t.get_name(), e, exc_info=e)
-            self._fail(e)
+            self._fail(e, "internal failure")
 
     # ---------------------------------------------------------- receivers
     def _wake_receivers(self) -> None:

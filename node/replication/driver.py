@@ -870,7 +870,7 @@ class Driver:
                              "node's store is not this cluster's, or a committed write was lost here; it stops. "
                              "Replace it: start it on an empty store with --join (operations.md)", err)
                 if self.engine.failed is None:
-                    self.engine._fail(err)
+                    self.engine._fail(err, "log conflict with committed records")
                 return []
             except Exception:
                 if self.engine.failed is not None:

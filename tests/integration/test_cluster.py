@@ -1231,7 +1231,11 @@ def test_a_replica_whose_committed_records_differ_from_its_primarys_stops_with_s
     nodes[r].start()
     wait_until(lambda: nodes[r].proc.poll() is not None, 20, what="the stranger to stop")
     assert nodes[r].proc.returncode == 70, nodes[r].read_log()
-    assert "conflicts with records this node holds as committed" in nodes[r].read_log()
+    log_text = nodes[r].read_log()
+    assert "conflicts with records this node holds as committed" in log_text
+    # the stop names its cause, not a storage failure (Engine._fail's ``what``)
+    assert "log conflict with committed records, the node stops serving" in log_text
+    assert "storage failure" not in log_text
     send_until_ok(c, "ours", b"after")
     assert primary_of(nodes, exclude=(r,)) == (p, epoch)
 
