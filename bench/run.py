@@ -95,7 +95,7 @@ def machine() -> dict:
     return {"nproc": os.cpu_count(), "usable_cpus": usable, "cpu_model": cpu_model, "mem_gb": mem_gb,
             "python": platform.python_version(), "kernel": platform.release(),
             "loadavg_at_start": [round(x, 2) for x in os.getloadavg()], "git_commit": commit,
-            "fdatasync_256b_ms": fsync_probe()}
+            "fdatasync_256b_ms": fsync_probe(), "fdatasync_after_idle_ms": fsync_idle_probe()}
 
 
 def fsync_probe(n: int = 300) -> dict:
@@ -119,6 +119,38 @@ def fsync_probe(n: int = 300) -> dict:
         shutil.rmtree(d, ignore_errors=True)
     lat.sort()
     return {"n": n, "p50": round(statistics.median(lat) * 1e3, 3), "p99": round(lat[int(0.99 * n)] * 1e3, 3)}
+
+
+def fsync_idle_probe(gaps_ms=(0, 0.25, 0.5, 1.0), n: int = 100, rounds: int = 2) -> dict:
+    """The same write + fdatasync (256 bytes, overwriting a file of that size, so no
+    size changes), each one after an idle gap: {gap in ms: median ms}. On a virtual
+    disk a flush that follows a pause can take many times one that follows another
+    flush; a one-at-a-time workload pauses between its commits for its own round
+    trip, so this is the disk that workload meets. The gaps take turns, ``rounds``
+    times, so that a change of the disk's mood during the probe falls on all of them."""
+    d = tempfile.mkdtemp(prefix="spooler-bench-fsync-idle-")
+    lat: dict = {g: [] for g in gaps_ms}
+    try:
+        fd = os.open(os.path.join(d, "probe"), os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, b"\0" * (256 * n))
+            os.fsync(fd)
+            for _ in range(rounds):
+                for g in gaps_ms:
+                    for i in range(n):
+                        if g:
+                            time.sleep(g / 1e3)
+                        t = time.perf_counter()
+                        os.pwrite(fd, b"x" * 256, 256 * i)
+                        os.fdatasync(fd)
+                        lat[g].append(time.perf_counter() - t)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        return {"error": str(e)}
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return {str(g): round(statistics.median(v) * 1e3, 3) for g, v in lat.items()}
 
 
 def ratios(spooler: dict, peers: dict) -> dict:
