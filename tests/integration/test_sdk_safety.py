@@ -234,7 +234,7 @@ def test_a_burst_of_large_messages_goes_out_in_several_batches(node):
 def test_a_read_that_times_out_is_unavailable_not_unconfirmed(node):
     with Client(node.grpc_target, node.admin_key) as setup:  # (a write: the default timeout)
         setup.put_queue("t")
-    with Client(node.grpc_target, node.admin_key, timeout_s=1) as c:
+    with Client(node.grpc_target, node.admin_key, timeout_s=1, retry_attempts=2) as c:
         c.get_queue("t")  # connected
         os.kill(node.pid, signal.SIGSTOP)
         try:
