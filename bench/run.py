@@ -98,27 +98,40 @@ def machine() -> dict:
             "fdatasync_256b_ms": fsync_probe(), "fdatasync_after_idle_ms": fsync_idle_probe()}
 
 
-def fsync_probe(n: int = 300) -> dict:
-    """Append 256 bytes + fdatasync, n times, in the temp dir (where the node's and the peers'
-    data live during the run): the floor under every durable write on this disk."""
-    d = tempfile.mkdtemp(prefix="spooler-bench-fsync-")
-    lat = []
+def _on_probe_file(prefix: str, flags: int, run) -> dict:
+    """``run(fd)`` on a file in a new temp dir (where the node's and the peers' data
+    live during the run), which is then removed; an OSError is the probe's result."""
+    d = tempfile.mkdtemp(prefix=prefix)
     try:
-        fd = os.open(os.path.join(d, "probe"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = os.open(os.path.join(d, "probe"), flags, 0o600)
         try:
-            for _ in range(n):
-                t = time.perf_counter()
-                os.write(fd, b"x" * 256)
-                os.fdatasync(fd)
-                lat.append(time.perf_counter() - t)
+            return run(fd)
         finally:
             os.close(fd)
     except OSError as e:
         return {"error": str(e)}
     finally:
         shutil.rmtree(d, ignore_errors=True)
-    lat.sort()
-    return {"n": n, "p50": round(statistics.median(lat) * 1e3, 3), "p99": round(lat[int(0.99 * n)] * 1e3, 3)}
+
+
+def _synced_write(fd: int, offset: "int | None" = None) -> float:
+    """Seconds for a 256-byte write (appended, or at ``offset``) and its fdatasync."""
+    t = time.perf_counter()
+    if offset is None:
+        os.write(fd, b"x" * 256)
+    else:
+        os.pwrite(fd, b"x" * 256, offset)
+    os.fdatasync(fd)
+    return time.perf_counter() - t
+
+
+def fsync_probe(n: int = 300) -> dict:
+    """Append 256 bytes + fdatasync, n times: the floor under every durable write on
+    this disk."""
+    def run(fd):
+        lat = sorted(_synced_write(fd) for _ in range(n))
+        return {"n": n, "p50": round(statistics.median(lat) * 1e3, 3), "p99": round(lat[int(0.99 * n)] * 1e3, 3)}
+    return _on_probe_file("spooler-bench-fsync-", os.O_WRONLY | os.O_CREAT | os.O_APPEND, run)
 
 
 def fsync_idle_probe(gaps_ms=(0, 0.25, 0.5, 1.0), n: int = 100, rounds: int = 2) -> dict:
@@ -128,29 +141,18 @@ def fsync_idle_probe(gaps_ms=(0, 0.25, 0.5, 1.0), n: int = 100, rounds: int = 2)
     flush; a one-at-a-time workload pauses between its commits for its own round
     trip, so this is the disk that workload meets. The gaps take turns, ``rounds``
     times, so that a change of the disk's mood during the probe falls on all of them."""
-    d = tempfile.mkdtemp(prefix="spooler-bench-fsync-idle-")
-    lat: dict = {g: [] for g in gaps_ms}
-    try:
-        fd = os.open(os.path.join(d, "probe"), os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, b"\0" * (256 * n))
-            os.fsync(fd)
-            for _ in range(rounds):
-                for g in gaps_ms:
-                    for i in range(n):
-                        if g:
-                            time.sleep(g / 1e3)
-                        t = time.perf_counter()
-                        os.pwrite(fd, b"x" * 256, 256 * i)
-                        os.fdatasync(fd)
-                        lat[g].append(time.perf_counter() - t)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        return {"error": str(e)}
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-    return {str(g): round(statistics.median(v) * 1e3, 3) for g, v in lat.items()}
+    def run(fd):
+        os.write(fd, b"\0" * (256 * n))
+        os.fsync(fd)
+        lat: dict = {g: [] for g in gaps_ms}
+        for _ in range(rounds):
+            for g in gaps_ms:
+                for i in range(n):
+                    if g:
+                        time.sleep(g / 1e3)
+                    lat[g].append(_synced_write(fd, 256 * i))
+        return {str(g): round(statistics.median(v) * 1e3, 3) for g, v in lat.items()}
+    return _on_probe_file("spooler-bench-fsync-idle-", os.O_WRONLY | os.O_CREAT, run)
 
 
 def ratios(spooler: dict, peers: dict) -> dict:
