@@ -114,7 +114,7 @@ def _on_probe_file(prefix: str, flags: int, run) -> dict:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _synced_write(fd: int, offset: "int | None" = None) -> float:
+def _synced_write(fd: int, offset: int | None = None) -> float:
     """Seconds for a 256-byte write (appended, or at ``offset``) and its fdatasync."""
     t = time.perf_counter()
     if offset is None:
