@@ -35,6 +35,9 @@ log = logging.getLogger("spooler.aio")
 # clients together); one past both waits here for a turn, its wait counted from then.
 SESSION_POLLS_MAX = 256
 UNARY_POLLS_MAX = 1024
+# How long close() waits for its cancelled streams to end (they end at once: the
+# wait only spares a closed loop the late completions; it never holds close up long).
+CLOSE_READERS_TIMEOUT_S = 1.0
 
 
 class _NoSession(Exception):
@@ -83,12 +86,15 @@ class _Session:
         # stream whose write hangs (a node that accepted the connection and says
         # nothing) holds up none opened after it to another node
         self.writers: set = set()
+        self.readers: set = set()   # each stream's reader task, until its stream is over
         self.next_id = 0
 
     def _open(self) -> None:
         self.stub, self.chan = self.c.stub, self.c.channel
         self.call = self.stub.Session(metadata=self.c.md)
-        asyncio.ensure_future(self._read(self.call))
+        t = asyncio.ensure_future(self._read(self.call))
+        self.readers.add(t)
+        t.add_done_callback(self.readers.discard)
 
     def _retire(self) -> None:
         """Move to a new stream; the old one stops taking requests but answers
@@ -345,7 +351,8 @@ class AsyncClient(Nodes):
     async def close(self) -> None:
         """Sends already handed to the client still go out, and acks, nacks and
         settle_batches already called get their answers (within its timeout);
-        then the channels close. (An ack cut off here would cost its message a redelivery.)"""
+        then the channels close, and close returns once its streams have ended.
+        (An ack cut off here would cost its message a redelivery.)"""
         if self._loop is not asyncio.get_running_loop():
             if self._loop is not None and self._loop.is_running():
                 self._busy_elsewhere()  # raises
@@ -367,6 +374,13 @@ class AsyncClient(Nodes):
         self._channels_closed = True
         for ch in self._all_channels():
             await ch.close()
+        # Each stream's reader sees its stream end (the channels' close cancelled
+        # them) before this returns: grpc's completion queue outlives the event
+        # loop, and a completion still on its way when the loop closes (the end of
+        # an ``asyncio.run``) would be handed to that closed loop by the next one,
+        # a traceback on stderr each time.
+        if self.session.readers:
+            await asyncio.wait(list(self.session.readers), timeout=CLOSE_READERS_TIMEOUT_S)
 
     async def __aenter__(self):
         return self

@@ -2,6 +2,7 @@
 against a real node, plus the SDK's behaviour when a session breaks or is missing."""
 import asyncio
 import contextlib
+import os
 import time
 
 import grpc
@@ -923,3 +924,37 @@ def test_an_ack_with_a_token_no_node_would_take_fails_alone_and_the_session_carr
             got = await asyncio.wait_for(poll, 20)
             assert [m.body for m in got] == [b"after"]
     asyncio.run(main())
+
+
+_ROUNDS_SCRIPT = r"""
+import asyncio, sys
+from spooler import AsyncClient
+
+async def one(i):
+    async with AsyncClient(sys.argv[1], sys.argv[2], timeout_s=10) as c:
+        await c.put_queue("rounds")
+        await asyncio.gather(*[c.send("rounds", b"m%d" % j) for j in range(20)])
+        for m in await c.receive("rounds", wait_s=0.2, max_messages=5):
+            await c.ack(m.token)
+
+for i in range(10):
+    asyncio.run(one(i))
+print("rounds done")
+"""
+
+
+@pytest.mark.parametrize("io", ["legacy", "default"])
+def test_a_client_closed_as_its_loop_ends_leaves_grpc_nothing_to_hand_that_loop(node, io, tmp_path):
+    """A script that runs ``asyncio.run`` more than once, each time with a client
+    it closes: grpc's completion queue outlives each loop, and a completion of
+    the closed client's Session stream that arrived after its loop ended was
+    handed to that closed loop from the next one: "RuntimeError: Event loop is
+    closed" tracebacks on stderr, several per round. ``close()`` waits for its
+    streams' readers to see their end."""
+    import subprocess
+    import sys
+    env = {**os.environ, "SPOOLER_GRPC_IO": io, "PYTHONPATH": os.pathsep.join(sys.path)}
+    p = subprocess.run([sys.executable, "-c", _ROUNDS_SCRIPT, node.grpc_target, node.admin_key],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0 and "rounds done" in p.stdout, (p.stdout, p.stderr[-3000:])
+    assert "Event loop is closed" not in p.stderr, p.stderr[-3000:]
