@@ -35,8 +35,9 @@ log = logging.getLogger("spooler.aio")
 # clients together); one past both waits here for a turn, its wait counted from then.
 SESSION_POLLS_MAX = 256
 UNARY_POLLS_MAX = 1024
-# How long close() waits for its cancelled streams to end (they end at once: the
-# wait only spares a closed loop the late completions; it never holds close up long).
+# How long close() waits for the node to end its idle streams, and then for its
+# streams' readers (a node ends an idle stream within a round trip; a cancelled
+# stream's reader ends at once).
 CLOSE_READERS_TIMEOUT_S = 1.0
 
 
@@ -242,6 +243,22 @@ class _Session:
                 w.fut.set_exception(errors.OperationUnconfirmed("session stream broke") if w.write
                                     else read_lost("session stream broke"))
 
+    async def finish(self, timeout_s: float) -> None:
+        """End the streams the way the node ends a finished one: with nothing left
+        waiting on them, close their sending side and wait (up to ``timeout_s``)
+        for the node to end them, so that grpc has nothing of theirs still on its
+        way when the caller's event loop closes (see AsyncClient.close)."""
+        if self.waiting or self.outbox:
+            return  # (a long poll still out: close cancels instead, at once)
+        call = self.call
+        if call is not None and not call.done():
+            try:
+                await asyncio.wait_for(call.done_writing(), timeout_s)
+            except (Exception, asyncio.TimeoutError):  # noqa: BLE001 - close cancels it next
+                return
+        if self.readers:
+            await asyncio.wait(list(self.readers), timeout=timeout_s)
+
     def close(self) -> None:
         call = self.call
         if call is not None:
@@ -370,15 +387,18 @@ class AsyncClient(Nodes):
         if self._releases:  # each is one call with a short deadline
             await asyncio.wait(list(self._releases), timeout=RELEASE_TIMEOUT_S + 0.5)
         self._closed = True
+        # grpc's completion queue outlives the event loop: a completion of a stream
+        # still on its way when the loop closes (the end of an ``asyncio.run``) is
+        # handed to that closed loop by the next one, a traceback on stderr each
+        # time. A stream the node ends has none left once its reader has seen the
+        # end; a cancelled one may still have its status on the way. So the
+        # streams are ended, not cancelled, when nothing waits on them; what is
+        # left is cancelled, and its readers are waited for all the same.
+        await self.session.finish(CLOSE_READERS_TIMEOUT_S)
         self.session.close()
         self._channels_closed = True
         for ch in self._all_channels():
             await ch.close()
-        # Each stream's reader sees its stream end (the channels' close cancelled
-        # them) before this returns: grpc's completion queue outlives the event
-        # loop, and a completion still on its way when the loop closes (the end of
-        # an ``asyncio.run``) would be handed to that closed loop by the next one,
-        # a traceback on stderr each time.
         if self.session.readers:
             await asyncio.wait(list(self.session.readers), timeout=CLOSE_READERS_TIMEOUT_S)
 

@@ -937,7 +937,7 @@ async def one(i):
         for m in await c.receive("rounds", wait_s=0.2, max_messages=5):
             await c.ack(m.token)
 
-for i in range(10):
+for i in range(20):
     asyncio.run(one(i))
 print("rounds done")
 """
@@ -947,10 +947,11 @@ print("rounds done")
 def test_a_client_closed_as_its_loop_ends_leaves_grpc_nothing_to_hand_that_loop(node, io, tmp_path):
     """A script that runs ``asyncio.run`` more than once, each time with a client
     it closes: grpc's completion queue outlives each loop, and a completion of
-    the closed client's Session stream that arrived after its loop ended was
-    handed to that closed loop from the next one: "RuntimeError: Event loop is
-    closed" tracebacks on stderr, several per round. ``close()`` waits for its
-    streams' readers to see their end."""
+    the closed client's Session stream that arrived after its loop ended (the
+    cancelled stream's status) was handed to that closed loop from the next
+    one: "RuntimeError: Event loop is closed" tracebacks on stderr, about one
+    per round. ``close()`` ends an idle stream as the node would, and waits for
+    the node to end it (``_Session.finish``) before it closes the channels."""
     import subprocess
     import sys
     env = {**os.environ, "SPOOLER_GRPC_IO": io, "PYTHONPATH": os.pathsep.join(sys.path)}
