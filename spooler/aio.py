@@ -254,7 +254,7 @@ class _Session:
         if call is not None and not call.done():
             try:
                 await asyncio.wait_for(call.done_writing(), timeout_s)
-            except (Exception, asyncio.TimeoutError):  # noqa: BLE001 - close cancels it next
+            except Exception:  # noqa: BLE001 - (a timeout too) close cancels it next
                 return
         if self.readers:
             await asyncio.wait(list(self.readers), timeout=timeout_s)
