@@ -96,6 +96,30 @@ class Spool:
         self.procs.append(p)
         return p
 
+    def freeze_outside_write_lock(self, proc: subprocess.Popen, tries: int = 50) -> None:
+        """SIGSTOP ``proc`` at a moment it does not hold the spool's write lock.
+
+        A worker frozen inside one of its short transactions (a heartbeat, a claim,
+        a reap pass) blocks every other process's writes on the spool until it goes
+        on (guarantees.md, J2's failure mode): a test of what happens to a hung
+        worker's job means one hung outside them. After each stop, take the lock
+        for a moment (waiting up to 0.2 s); if the frozen process holds it, let it
+        go on and stop it again."""
+        import apsw
+        for _ in range(tries):
+            proc.send_signal(signal.SIGSTOP)
+            c = apsw.Connection(os.path.join(self.path, "spool.db"))
+            try:
+                c.setbusytimeout(200)
+                c.execute("BEGIN IMMEDIATE")
+                c.execute("ROLLBACK")
+                return
+            except apsw.BusyError:
+                proc.send_signal(signal.SIGCONT)
+            finally:
+                c.close()
+        raise AssertionError(f"pid {proc.pid} held the spool's write lock at each of {tries} stops")
+
     def attempt_pgids(self) -> list:
         """(process group id, the attempt's token) of every attempt that had one."""
         try:

@@ -324,7 +324,7 @@ def test_a_hung_cluster_worker_is_reaped_and_on_waking_gives_its_lease_back_coun
         wait_until(lambda: first.exists() and first.read_text().strip(), 20, what="the attempt running")
         orphan = int(first.read_text())
         wait_until(lambda: spool.job(msg_id)["attempts"][0]["pid"], 10, what="the attempt's pid recorded")
-        w1.send_signal(signal.SIGSTOP)
+        spool.freeze_outside_write_lock(w1)  # (frozen inside a transaction, nobody could reap it)
         w2 = spool.start_worker("--queue", "q14-other", global_args=g(node),
                                 env={"SPOOLCTL_TEST_REAP_THRESHOLD": "0.3"})
         wait_until(lambda: pid_gone(orphan), 30, what="the hung worker's command killed by the reaper")
