@@ -271,7 +271,7 @@ class Engine:
         self.primary_id: Optional[str] = None
         self._epoch_begin_lsn = 0
         self.failed: Optional[BaseException] = None
-        self.failed_what = "storage failure"  # what stopped it (_fail), once failed
+        self.stopped_why = ""  # once failed: what clients are told (_fail names the cause)
         self.on_apply = []                # callables(record, result) for metrics
         self.metrics = None
 
@@ -439,7 +439,7 @@ class Engine:
         for back-pressure (they are bounded by the leases and messages that exist).
         ``reply``: tell it instead of a future (returned as given)."""
         if self.failed is not None:
-            raise errors.Unavailable(f"node stopped after a {self.failed_what}", retry_after_s=1.0)
+            raise errors.Unavailable(self.stopped_why, retry_after_s=1.0)
         if self.role != "primary" or (not internal and not self.serving()):
             raise errors.Unavailable("not the primary, or no quorum", retry_after_s=0.5)
         if not internal and len(self._pending) >= self.limits.pending_records_max:
@@ -710,7 +710,7 @@ class Engine:
         the writes it leaves unconfirmed."""
         log.critical("%s, the node stops serving: %r", what, e)
         self.failed = e
-        self.failed_what = what
+        self.stopped_why = f"node stopped after a {what}"
         self.ready = False
         err = errors.OperationUnconfirmed(f"{what}: {e}")
         for _, (_, _, fut) in self.unapplied.items():
@@ -718,7 +718,7 @@ class Engine:
                 fut.set_exception(err)
         for _, fut in self._pending:
             if not fut.done():
-                fut.set_exception(errors.Unavailable(f"node stopped after a {what}"))
+                fut.set_exception(errors.Unavailable(self.stopped_why))
         self._pending.clear()
         if self.on_fatal:
             self.on_fatal(e)

@@ -116,7 +116,7 @@ def _not_ready(e) -> str:
     if e.stopping:
         return "the node is shutting down"
     if e.failed is not None:
-        return f"node stopped after a {e.failed_what}"
+        return e.stopped_why
     return "this node is taking over as primary"
 
 

@@ -195,7 +195,7 @@ class _BareEngine:
         self.pending_releases: dict = {}
         self.fatal: list = []
 
-    def _fail(self, e):  # as Engine._fail: the node is told to stop (here, noted)
+    def _fail(self, e, what="storage failure"):  # as Engine._fail: the node is told to stop (here, noted)
         self.failed = e
         self.fatal.append(e)
 
