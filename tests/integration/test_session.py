@@ -3,6 +3,8 @@ against a real node, plus the SDK's behaviour when a session breaks or is missin
 import asyncio
 import contextlib
 import os
+import subprocess
+import sys
 import time
 
 import grpc
@@ -944,7 +946,7 @@ print("rounds done")
 
 
 @pytest.mark.parametrize("io", ["legacy", "default"])
-def test_a_client_closed_as_its_loop_ends_leaves_grpc_nothing_to_hand_that_loop(node, io, tmp_path):
+def test_a_client_closed_as_its_loop_ends_leaves_grpc_nothing_to_hand_that_loop(node, io):
     """A script that runs ``asyncio.run`` more than once, each time with a client
     it closes: grpc's completion queue outlives each loop, and a completion of
     the closed client's Session stream that arrived after its loop ended (the
@@ -952,8 +954,6 @@ def test_a_client_closed_as_its_loop_ends_leaves_grpc_nothing_to_hand_that_loop(
     one: "RuntimeError: Event loop is closed" tracebacks on stderr, about one
     per round. ``close()`` ends an idle stream as the node would, and waits for
     the node to end it (``_Session.finish``) before it closes the channels."""
-    import subprocess
-    import sys
     env = {**os.environ, "SPOOLER_GRPC_IO": io, "PYTHONPATH": os.pathsep.join(sys.path)}
     p = subprocess.run([sys.executable, "-c", _ROUNDS_SCRIPT, node.grpc_target, node.admin_key],
                        capture_output=True, text=True, timeout=120, env=env)
