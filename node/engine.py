@@ -41,6 +41,12 @@ from node.waits import wait_event
 
 log = logging.getLogger("spooler.engine")
 
+# What stops a node for good (Engine._fail): named in its critical line and in the
+# errors clients get, and (node.main.exit_status) the process's exit status.
+STORAGE_FAILURE = "storage failure"            # a write or fsync of the store failed
+LOG_CONFLICT = "log conflict with committed records"  # its primary's log differs from what it committed
+INTERNAL_FAILURE = "internal failure"          # a background task died: a bug, not the disk
+
 
 def wall_us() -> int:
     return time.time_ns() // 1000
@@ -271,6 +277,7 @@ class Engine:
         self.primary_id: Optional[str] = None
         self._epoch_begin_lsn = 0
         self.failed: Optional[BaseException] = None
+        self.failed_what = ""  # once failed: its cause (STORAGE_FAILURE, LOG_CONFLICT, INTERNAL_FAILURE)
         self.stopped_why = ""  # once failed: what clients are told (_fail names the cause)
         self.on_apply = []                # callables(record, result) for metrics
         self.metrics = None
@@ -704,12 +711,14 @@ class Engine:
     def may_lease(self) -> bool:
         return self.serving() and self.repl.may_lease()
 
-    def _fail(self, e: BaseException, what: str = "storage failure") -> None:
-        """Stop serving for good (the process exits 70 through ``on_fatal``).
-        ``what`` names the cause in the critical line and in the errors given to
-        the writes it leaves unconfirmed."""
+    def _fail(self, e: BaseException, what: str = STORAGE_FAILURE) -> None:
+        """Stop serving for good (the process exits through ``on_fatal``, with the
+        status ``node.main.exit_status`` gives ``what``). ``what`` names the cause
+        in the critical line and in the errors given to the writes it leaves
+        unconfirmed."""
         log.critical("%s, the node stops serving: %r", what, e)
         self.failed = e
+        self.failed_what = what
         self.stopped_why = f"node stopped after a {what}"
         self.ready = False
         err = errors.OperationUnconfirmed(f"{what}: {e}")
@@ -732,7 +741,7 @@ class Engine:
         e = t.exception()
         if e is not None:
             log.critical("task %s died: %r", t.get_name(), e, exc_info=e)
-            self._fail(e, "internal failure")
+            self._fail(e, INTERNAL_FAILURE)
 
     # ---------------------------------------------------------- receivers
     def _wake_receivers(self) -> None:

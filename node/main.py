@@ -28,15 +28,19 @@ from node.api import http_conns
 from node.api.http import CLIENT_TIMEOUT_S, CONNECTIONS, RUNNER_OPTIONS, build_app
 from node.api.metrics import Metrics
 from node.api.service import KEY_CHARS_MAX, Service
-from node.engine import Engine, Limits
+from node.engine import INTERNAL_FAILURE, Engine, Limits
 from spooler import __version__
 
 log = logging.getLogger("spooler.node")
 
 # The exit status of a node that stopped because its store failed (a write or
-# fsync error): restarting it on the same disk would not help, and
+# fsync error), or because its primary's log conflicts with records it holds as
+# committed: restarting it on the same store would fail the same way, and
 # deploy/systemd/spooler-node.service tells systemd not to loop on it.
 EXIT_STORE_FAILED = 70
+# A background task died (a bug, not the disk): a restart may well serve again,
+# and the systemd unit restarts on it (Restart=on-failure).
+EXIT_INTERNAL_FAILURE = 71
 EXIT_CANNOT_LISTEN = 1   # an address in --http or --grpc cannot be bound (taken, or not this host's)
 
 
@@ -454,7 +458,7 @@ async def serve(args) -> int:
 
     def fatal(e):
         nonlocal exit_code
-        exit_code = EXIT_STORE_FAILED
+        exit_code = exit_status(engine.failed_what)
         stop.set()
 
     engine.on_fatal = fatal
@@ -525,6 +529,11 @@ async def serve(args) -> int:
     await svc.fwd.drain(2.0)  # a replica: give back what its forwarded polls leased
     await engine.stop()
     return exit_code
+
+
+def exit_status(what: str) -> int:
+    """The status a node exits with after ``Engine._fail(e, what)``."""
+    return EXIT_INTERNAL_FAILURE if what == INTERNAL_FAILURE else EXIT_STORE_FAILED
 
 
 def main(argv=None, grpc_io: str = "") -> int:

@@ -31,10 +31,14 @@ class UnmarkedNodeStart(AssertionError):
 
 class NodeProc:
     def __init__(self, data_dir: str, node_id: str = "n1", admin_key: str = ADMIN_KEY, extra_args=(),
-                 http_port: int = 0, grpc_port: int = 0, env: Optional[dict] = None, env_only: bool = False):
+                 http_port: int = 0, grpc_port: int = 0, env: Optional[dict] = None, env_only: bool = False,
+                 entry: Optional[list] = None):
         """``env_only``: start ``spooler-node`` with no flags at all; ``env`` carries
         every setting (SPOOLER_ID, SPOOLER_DATA, ...), as a container's manifest
-        does, and the test's own SPOOLER_* variables are not passed on."""
+        does, and the test's own SPOOLER_* variables are not passed on.
+        ``entry``: the interpreter's arguments before the node's flags (by
+        default ``-m node.main``; ``-c CODE`` runs a node with a fault put in)."""
+        self.entry = list(entry or ["-m", "node.main"])
         self.env_only = env_only
         self.data_dir = data_dir
         self.node_id = node_id
@@ -54,7 +58,7 @@ class NodeProc:
             raise UnmarkedNodeStart("this test starts a spooler-node: mark it integration "
                                     "(every test under tests/integration/ is)")
         os.makedirs(self.data_dir, exist_ok=True)
-        cmd = [sys.executable, "-m", "node.main"]
+        cmd = [sys.executable, *self.entry]
         env = {**os.environ, **(self.env or {})}
         if self.env_only:
             env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLER_")} | (self.env or {})

@@ -22,7 +22,7 @@ import grpc
 
 from node import logs
 from node.core import replication as R
-from node.engine import InstallBroken, mono_us, nobody_waits
+from node.engine import LOG_CONFLICT, InstallBroken, mono_us, nobody_waits
 from node.tls import ANOTHER_CLUSTER, CLUSTER_ID_MD, another_cluster
 from spooler.pb import replication_pb2 as pb
 from spooler.pb import replication_pb2_grpc as pb_grpc
@@ -870,7 +870,7 @@ class Driver:
                              "node's store is not this cluster's, or a committed write was lost here; it stops. "
                              "Replace it: start it on an empty store with --join (operations.md)", err)
                 if self.engine.failed is None:
-                    self.engine._fail(err, "log conflict with committed records")
+                    self.engine._fail(err, LOG_CONFLICT)
                 return []
             except Exception:
                 if self.engine.failed is not None:

@@ -223,7 +223,7 @@ def test_a_checkpoint_under_way_when_the_node_stops_is_written(tmp_path, busy):
 
 def test_a_background_task_that_dies_stops_the_node(tmp_path):
     """A background task that dies (here the lease timer, on a broken invariant)
-    stops the node (S8): it is told to exit (on_fatal, exit code 70 in a process),
+    stops the node (S8): it is told to exit (on_fatal, exit code 71 in a process),
     stops serving and refuses writes, instead of running on without the task."""
     async def main():
         e = Engine(str(tmp_path / "n"))
@@ -248,3 +248,46 @@ def test_a_background_task_that_dies_stops_the_node(tmp_path):
             await e.stop()
 
     asyncio.run(main())
+
+
+# spooler-node whose lease timer raises once the file named by BREAK_FILE exists:
+# a background task that dies on a broken invariant, in a real process
+BROKEN_NODE = """
+import os, sys
+from node import process
+io = process.prepare()
+from node.core.spool import Core
+due = Core.due_expiries
+def broken(self, *args, **kw):
+    if os.path.exists(os.environ["BREAK_FILE"]):
+        raise RuntimeError("a broken invariant")
+    return due(self, *args, **kw)
+Core.due_expiries = broken
+from node.main import main
+sys.exit(main(grpc_io=io))
+"""
+
+
+def test_a_node_stopped_by_a_dead_task_exits_71_which_the_systemd_unit_restarts(tmp_path):
+    """A background task that dies is a bug, not the disk: the process exits 71,
+    which ``RestartPreventExitStatus`` (70: a store that failed, or a committed-log
+    conflict, fails again on the same store) leaves to ``Restart=on-failure``.
+    Its critical line names an internal failure, not a storage failure."""
+    from node.main import EXIT_INTERNAL_FAILURE, EXIT_STORE_FAILED
+    trigger = tmp_path / "break"
+    n = NodeProc(str(tmp_path / "n"), entry=["-c", BROKEN_NODE], env={"BREAK_FILE": str(trigger)}).start()
+    try:
+        with Client(n.grpc_target, ADMIN_KEY) as c:
+            c.put_queue("q")
+            c.send("q", b"before")
+        trigger.touch()
+        assert n.proc.wait(timeout=15) == EXIT_INTERNAL_FAILURE == 71, n.read_log()
+        text = n.read_log()
+        assert "internal failure, the node stops serving: RuntimeError('a broken invariant')" in text, text
+        assert "storage failure" not in text, text
+    finally:
+        n.kill()
+    unit = open(os.path.join(REPO, "deploy", "systemd", "spooler-node.service")).read()
+    assert "Restart=on-failure" in unit.splitlines()
+    assert f"RestartPreventExitStatus={EXIT_STORE_FAILED}" in unit.splitlines()
+    assert str(EXIT_INTERNAL_FAILURE) not in unit.split("RestartPreventExitStatus=")[1].splitlines()[0].split()
