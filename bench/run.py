@@ -64,6 +64,34 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _meminfo_kb(field: str):
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+SETTLES: list = []
+
+
+def settle_disk(what: str) -> None:
+    """Before each system is measured: write back every dirty page the machine
+    holds (``sync``), so that one system's figures do not pay for the writes of
+    the one measured before it (a peer's shutdown leaves tens of MB behind, which
+    the kernel would otherwise flush during the next workload's fsyncs). Kept in
+    ``machine.settles``: the dirty kB found and how long the sync took."""
+    dirty = _meminfo_kb("Dirty")
+    t0 = time.perf_counter()
+    os.sync()
+    took = time.perf_counter() - t0
+    SETTLES.append({"before": what, "dirty_kb": dirty, "sync_s": round(took, 3)})
+    log(f"settle before {what}: {dirty} kB dirty, sync took {took:.3f} s")
+
+
 def machine() -> dict:
     cpu_model = None
     try:
@@ -260,6 +288,7 @@ def run_cluster(a, peers_mod, peer_results: dict) -> dict:
     out = {"setup": "3 spooler-node processes on 127.0.0.1, a send answered after fsync on a quorum (2 of 3), "
                     f"every node fsyncs every record, failover timeout {a.failover_timeout} s"}
     log(f"cluster: 3 nodes, failover timeout {a.failover_timeout} s, same workload x{a.repeats}")
+    settle_disk("spooler 3 nodes")
     out["spooler"] = cluster_mod.run_workload(n=a.n, n_seq=a.n_seq, n_batches=a.batches, repeats=a.repeats,
                                               failover_timeout_s=a.failover_timeout, log=log)
     if "error" in out["spooler"]:
@@ -368,6 +397,7 @@ def main(argv=None) -> int:
     log(f"the benchmark's client runs gRPC's {client_io} I/O path; the nodes run theirs (legacy by default)")
 
     log(f"spooler: 1 node, N={a.n}, sequential {a.n_seq}, {a.batches} batches of 100, x{a.repeats}")
+    settle_disk("spooler 1 node")
     result["spooler"] = spool.run(n=a.n, n_seq=a.n_seq, n_batches=a.batches, repeats=a.repeats, log=log)
     if "error" in result["spooler"]:
         log(f"spooler: ERROR {result['spooler']['error']}")
@@ -382,6 +412,7 @@ def main(argv=None) -> int:
     if a.no_bare:
         result["bare_stack"] = {"skipped": "--no-bare"}
     else:
+        settle_disk("bare stack")
         result["bare_stack"] = floor.run(n=a.n, n_seq=a.n_seq, n_batches=a.batches, repeats=a.repeats, log=log)
     bare = result["bare_stack"]
     result["spooler_share_of_bare"] = floor.share(result["spooler"].get("median", {}), bare.get("one_node") or {})
@@ -401,6 +432,7 @@ def main(argv=None) -> int:
             if only is not None and name not in only:
                 result["peers"][name] = {"skipped": "not selected (--peers)"}
                 continue
+            settle_disk(name)
             result["peers"][name] = peers_mod.run_peer(name, n=a.n, repeats=a.repeats, log=log)
             p = result["peers"][name]
             if "skipped" in p or "error" in p:
@@ -421,6 +453,7 @@ def main(argv=None) -> int:
         passed = {k: v.get("passed") for k, v in result["cluster"]["targets"].items() if isinstance(v, dict)}
         log(f"cluster targets: {passed}")
     result["memory_beside_peers"] = memory_beside_peers(result)
+    result["machine"]["settles"] = SETTLES
     result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     result["elapsed_s"] = round(time.perf_counter() - t0, 1)
 
