@@ -81,9 +81,10 @@ SETTLES: list = []
 def settle_disk(what: str) -> None:
     """Before each system is measured: write back every dirty page the machine
     holds (``sync``), so that one system's figures do not pay for the writes of
-    the one measured before it (a peer's shutdown leaves tens of MB behind, which
-    the kernel would otherwise flush during the next workload's fsyncs). Kept in
-    ``machine.settles``: the dirty kB found and how long the sync took."""
+    the one measured before it (the kernel's writeback would otherwise flush them
+    during the next workload's fsyncs). Kept in ``machine.settles``: the dirty kB
+    found and how long the sync took (docs/benchmarks.md: so far too little to
+    move a figure; it rules that cause out)."""
     dirty = _meminfo_kb("Dirty")
     t0 = time.perf_counter()
     os.sync()
@@ -102,14 +103,8 @@ def machine() -> dict:
                     break
     except OSError:
         pass
-    mem_gb = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    mem_gb = round(int(line.split()[1]) / 1024 / 1024, 1)
-    except (OSError, ValueError):
-        pass
+    total_kb = _meminfo_kb("MemTotal")
+    mem_gb = round(total_kb / 1024 / 1024, 1) if total_kb is not None else None
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
