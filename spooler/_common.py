@@ -22,7 +22,10 @@ from spooler.pb import api_pb2
 # and on a Session that would break the stream under every call riding it.
 MESSAGE_BYTES_MAX = 16 * 1024 * 1024
 BODIES_BYTES_MAX = MESSAGE_BYTES_MAX - 64 * 1024  # room for the rest of the request
-NAME_CHARS_MAX = 16 * 1024  # a queue name or dedup key the SDK sends at all (see check_send_types)
+# A queue name or dedup key the SDK sends at all, in UTF-8 bytes (see check_name): far
+# over any node's limit (255 and 128 characters), and two of them fit in the room
+# BODIES_BYTES_MAX leaves.
+NAME_BYTES_MAX = 16 * 1024
 # A lease token the SDK sends at all: a node's tokens have at most 400 characters,
 # and refuses longer ones as malformed; far longer ones (a body passed by mistake)
 # would make a settle request gRPC cannot carry, and break the Session stream
@@ -212,6 +215,14 @@ def queue_dict(q: api_pb2.Queue) -> dict:
 _NOT_SENT = ("failed to connect to all addresses", "dns resolution failed", "errors resolving")
 
 
+def refused_before_it_ran(e: grpc.RpcError) -> bool:
+    """gRPC's RESOURCE_EXHAUSTED that is not a size (errors.from_grpc_trailers): the
+    node's gRPC refused the call before any of it ran, e.g. at its cap on concurrent
+    calls. Nothing was done."""
+    return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and isinstance(
+        errors.from_grpc_trailers(e.code(), e.details(), e.trailing_metadata()), errors.Unavailable)
+
+
 def map_rpc_error(e: grpc.RpcError, write: bool = False) -> errors.SpoolerError:
     """The client half of the error table. ``write``: the call changes state, so a
     transport failure after it left us means the outcome is unknown; one before it
@@ -221,7 +232,7 @@ def map_rpc_error(e: grpc.RpcError, write: bool = False) -> errors.SpoolerError:
         # a read that timed out changed nothing: plain unavailable (retry-safe), except
         # for a receive, which leases (see read_lost)
         return read_lost(f"no answer in time: {e.details()}")
-    if isinstance(err, errors.Unavailable) and not _has_detail(e) and e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+    if isinstance(err, errors.Unavailable) and not _has_detail(e) and not refused_before_it_ran(e):
         # (RESOURCE_EXHAUSTED that is not a size: gRPC refused the call before it
         # ran, e.g. the node's cap on concurrent calls; nothing was done)
         if never_sent(e):
@@ -435,6 +446,7 @@ def receive_request(queue: str, wait_s: float, max_messages: int) -> api_pb2.Rec
     call at once as a timeout (``unavailable``, which reads as try again)."""
     if not isinstance(queue, str):
         raise TypeError(f"queue must be a str, not {type(queue).__name__}")
+    check_name("queue name", queue)
     if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
         # (0 would reach the node as "unset", which it reads as 1)
         raise errors.InvalidArgument(f"max_messages must be a whole number of at least 1, not {max_messages!r}")
@@ -460,12 +472,19 @@ def auth_metadata(key: str) -> tuple:
 BATCH_BYTES_MAX = 4 * 1024 * 1024
 
 
-def batch_size(pending: list, batch_max: int, body_of) -> int:
+def entry_bytes(queue: str, body: bytes, dedup_key: str) -> int:
+    """A send's bound in an auto-batch: its body, and its queue name and key at 4
+    bytes a character (the most UTF-8 takes), so that names and keys count too."""
+    return len(body) + 4 * (len(queue) + len(dedup_key))
+
+
+def batch_size(pending: list, batch_max: int, size_of) -> int:
     """How many of the ``pending`` sends the next auto-batch takes: at most
-    ``batch_max``, and no more bodies than BATCH_BYTES_MAX (but always one)."""
+    ``batch_max``, and no more than BATCH_BYTES_MAX of their ``size_of``
+    (entry_bytes; but always one)."""
     n, total = min(batch_max, len(pending)), 0
     for i in range(n):
-        total += len(body_of(pending[i]))
+        total += size_of(pending[i])
         if total > BATCH_BYTES_MAX and i:
             return i
     return n
@@ -494,18 +513,23 @@ def check_send_types(queue, body, delay_s, dedup_key) -> None:
         raise TypeError(f"dedup_key must be a str, not {type(dedup_key).__name__}")
     if len(body) > BODIES_BYTES_MAX:
         raise errors.MessageTooLarge(f"message of {len(body)} bytes; no node takes more than {BODIES_BYTES_MAX}")
-    if len(queue) > NAME_CHARS_MAX or len(dedup_key) > NAME_CHARS_MAX:
-        # far over any node's limit (255, 128) and within the request's spare room:
-        # refused here, so that it fails alone instead of breaking the Session
-        raise errors.InvalidArgument(f"a queue name or dedup key of over {NAME_CHARS_MAX} characters")
-    for what, s in (("queue name", queue), ("dedup key", dedup_key)):
-        if not s.isascii():
-            try:  # (a lone surrogate, e.g. a file name read with surrogate escapes)
-                s.encode()
-            except UnicodeEncodeError:
-                # a request cannot carry it: refused here, so that it fails this
-                # caller alone instead of the auto-batch it would join
-                raise errors.InvalidArgument(f"the {what} is not valid UTF-8 text: {s!r}") from None
+    check_name("queue name", queue)
+    check_name("dedup key", dedup_key)
+
+
+def check_name(what: str, s: str) -> None:
+    """A queue name or dedup key that a Session request can carry: one that is not
+    (text UTF-8 cannot encode, or over NAME_BYTES_MAX bytes) is refused
+    here, so that it fails this caller alone instead of the stream, or the
+    auto-batch, that every other caller shares."""
+    n = len(s)
+    if not s.isascii():
+        try:  # (a lone surrogate, e.g. a file name read with surrogate escapes)
+            n = len(s.encode())
+        except UnicodeEncodeError:
+            raise errors.InvalidArgument(f"the {what} is not valid UTF-8 text: {s!r}") from None
+    if n > NAME_BYTES_MAX:
+        raise errors.InvalidArgument(f"a {what} of over {NAME_BYTES_MAX} bytes")
 
 
 def _framed(n: int) -> int:
@@ -774,6 +798,11 @@ class Nodes:
             # flushed, or calls never made
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, not {v!r}")
+        if batch_max > BATCH_ITEMS_MAX:
+            # a node refuses a batch of more entries whole, and each of its sends
+            # would then go again alone, one after another
+            raise ValueError(f"batch_max must be at most {BATCH_ITEMS_MAX} (a node's entries per batch), "
+                             f"not {batch_max!r}")
         if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                 or not 0 < timeout_s <= TIMEOUT_S_MAX):
             # (past about 1e10 s gRPC's deadline overflows and every call fails at

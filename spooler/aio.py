@@ -21,7 +21,7 @@ from typing import Awaitable, Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (MOVE_ON, Nodes, LeaseEnd, key_request, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, batch_request, compact_request, settle_request, settle_outcomes, batch_results, call_with_retries,
+from spooler._common import (MOVE_ON, Nodes, refused_before_it_ran, entry_bytes, LeaseEnd, key_request, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, batch_request, compact_request, settle_request, settle_outcomes, batch_results, call_with_retries,
                              _has_detail, map_rpc_error, messages_of, never_sent, read_lost, queue_dict, renew_delay_s, resend_groups, send_outcomes, settle_after_unconfirmed,
                              settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request, lease_request,
                              release_request, settle_failed, unconfirmed_after)
@@ -187,8 +187,10 @@ class _Session:
 
     async def _read(self, call) -> None:
         err: Optional[BaseException] = None
+        answered = False
         try:
             async for resp in call:
+                answered = True
                 w = self.waiting.get(resp.id)
                 if w is not None and not w.fut.done():
                     # on_ok first: the callers it answers are woken before the
@@ -205,7 +207,7 @@ class _Session:
             err = None
         except Exception as e:  # noqa: BLE001 - the stream is gone either way
             err = e
-        self._broken(call, err)
+        self._broken(call, err, answered)
 
     def _fail_unwritten(self, e: BaseException) -> None:
         for rid, _ in self.outbox:
@@ -214,8 +216,9 @@ class _Session:
                 w.fut.set_exception(e)
         self.outbox.clear()
 
-    def _broken(self, call, e: Optional[BaseException]) -> None:
-        """The stream ``call`` is over: fail what waits on it."""
+    def _broken(self, call, e: Optional[BaseException], answered: bool = True) -> None:
+        """The stream ``call`` is over: fail what waits on it. ``answered``: the
+        node answered something on it (so it took the stream)."""
         current = call is self.call  # (a retired stream's break does not move the client again)
         if current:
             self.call = None
@@ -231,6 +234,10 @@ class _Session:
             if e.code() in MOVE_ON and current:  # as a unary call that ended so would
                 self.c._next_target(self.chan)
             if _has_detail(e):  # the node said why (e.g. unauthenticated): that is the answer
+                detail = map_rpc_error(e)
+            elif not answered and refused_before_it_ran(e):
+                # gRPC refused the stream itself (the node's cap on concurrent calls):
+                # no request on it ran, so each is plainly unavailable, safe to resend
                 detail = map_rpc_error(e)
         for w in list(self.waiting.values()):
             if w.call is not call or w.fut.done():
@@ -543,7 +550,7 @@ class AsyncClient(Nodes):
     async def _flush(self) -> None:
         try:
             while self._pending:
-                n = batch_size(self._pending, self.batch_max, lambda x: x[0][1])
+                n = batch_size(self._pending, self.batch_max, lambda x: entry_bytes(x[0][0], x[0][1], x[0][3]))
                 batch = self._pending[:n]
                 del self._pending[:n]
                 await self._send_batch_now(batch)

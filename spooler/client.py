@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import grpc
 
 from spooler import errors
-from spooler._common import (MOVE_ON, Nodes, LeaseEnd, key_request, keep_renewing_after, batch_size, check_batch, check_send_types, Message, SendResult, batch_request, settle_outcomes, batch_results, call_with_retries_sync,
+from spooler._common import (MOVE_ON, Nodes, entry_bytes, LeaseEnd, key_request, keep_renewing_after, batch_size, check_batch, check_send_types, Message, SendResult, batch_request, settle_outcomes, batch_results, call_with_retries_sync,
                              map_rpc_error, messages_of, queue_dict, renew_delay_s, resend_groups, send_outcomes, settle_after_unconfirmed,
                              settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request, lease_request,
                              release_request, settle_failed, settle_request, unconfirmed_after)
@@ -189,7 +189,8 @@ class Client(Nodes):
                 if not self._pending:
                     self._in_flight -= 1
                     return
-                n = batch_size(self._pending, self.batch_max, lambda x: x[0].body)
+                n = batch_size(self._pending, self.batch_max,
+                               lambda x: entry_bytes(x[0].queue, x[0].body, x[0].dedup_key))
                 batch = self._pending[:n]
                 del self._pending[:n]
             try:

@@ -202,6 +202,84 @@ def test_resource_exhausted_is_too_large_only_when_it_is_about_size():
             assert retryable(e)
 
 
+def test_a_session_stream_refused_before_it_ran_fails_what_was_written_to_it_unavailable():
+    """gRPC refuses a call past the node's cap on concurrent calls before any of it
+    runs. A unary call so refused was a plain, retried ``unavailable``; a Session
+    stream so refused after its requests were written failed its send
+    ``operation_unconfirmed`` (never resent without a key) and its receive with its
+    answer counted lost, though nothing on it ran. A stream that answered
+    something was taken by the node: what it leaves is still of unknown outcome."""
+    from spooler.aio import _Session, _Waiter
+
+    class Client:
+        def _next_target(self, chan):
+            pass
+
+    refused = FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!")
+
+    async def broken(answered):
+        loop, call = asyncio.get_running_loop(), object()
+        s = _Session(Client())
+        s.call = call
+        s.waiting = {1: _Waiter(loop.create_future(), True, None, "send_batch"),
+                     2: _Waiter(loop.create_future(), False, None, "receive")}
+        for w in s.waiting.values():
+            w.call = call  # written to it
+        s._broken(call, refused, answered)
+        return [w.fut.exception() for w in s.waiting.values()]
+
+    send, receive = asyncio.run(broken(answered=False))
+    assert type(send) is errors.Unavailable and "nothing was done" in str(send), send
+    assert type(receive) is errors.Unavailable and not receive.answer_lost, receive
+    send, receive = asyncio.run(broken(answered=True))
+    assert isinstance(send, errors.OperationUnconfirmed), send
+    assert isinstance(receive, errors.Unavailable) and receive.answer_lost, receive
+
+
+def test_a_session_stream_refused_at_the_nodes_call_cap_fails_its_calls_unavailable():
+    """The same end to end, against a server that takes one call at a time and is
+    held by another stream: the SDK's send and receive are ``unavailable``, nothing
+    done (here the refusal came before the requests were written)."""
+    import threading
+    from concurrent import futures
+
+    from spooler.aio import AsyncClient
+
+    held, done = threading.Event(), threading.Event()
+
+    def session(requests, ctx):
+        held.set()
+        done.wait(10)
+        return iter(())
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), maximum_concurrent_rpcs=1)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("spooler.v1.Spooler", {
+        "Session": grpc.stream_stream_rpc_method_handler(session)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    blocker = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        holding = blocker.stream_stream("/spooler.v1.Spooler/Session")(iter(()))
+        assert held.wait(10), "the holding stream never reached the server"
+
+        async def main():
+            async with AsyncClient(f"127.0.0.1:{port}", "k", retry_attempts=1, timeout_s=5) as c:
+                with pytest.raises(errors.Unavailable) as sent:
+                    await c.send("q", b"x")
+                with pytest.raises(errors.Unavailable) as got:
+                    await c.receive("q")
+                return sent.value, got.value
+        sent, got = asyncio.run(main())
+        assert not isinstance(sent, errors.OperationUnconfirmed), sent
+        assert "nothing was done" in str(sent), sent
+        assert not getattr(got, "answer_lost", False), got
+    finally:
+        done.set()
+        holding.cancel()
+        blocker.close()
+        server.stop(0)
+
+
 def test_an_ack_retried_after_an_unknown_outcome_reads_stale_lease_by_its_reason():
     """After an attempt whose outcome is unknown: ``settled`` means it landed
     (done); ``primary_changed`` cannot say whether it did, so the unknown outcome

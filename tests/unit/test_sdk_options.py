@@ -65,15 +65,67 @@ def test_a_batch_over_grpcs_limit_only_with_its_framing_is_refused_before_it_is_
     check_batch("q", [b"x" * 100] * 100_000, 0)  # well inside: passes
 
 
+@pytest.mark.parametrize("char", ["n", "\U0001F600"])
 @pytest.mark.parametrize("field", ["queue", "dedup_key"])
-def test_a_name_or_key_too_long_for_any_node_is_refused_before_it_is_sent(field):
+def test_a_name_or_key_too_long_for_any_node_is_refused_before_it_is_sent(field, char):
+    """Counted in UTF-8 bytes, the room a request leaves them: 16,384 emoji (64 KiB)
+    passed a count of characters, and with a body at the limit the request was over
+    gRPC's 16 MiB and broke the Session under every other call on it."""
     from spooler import errors
-    from spooler._common import NAME_CHARS_MAX, check_send_types
+    from spooler._common import NAME_BYTES_MAX, check_send_types
 
-    args = {"queue": "q", "dedup_key": "k", field: "n" * (NAME_CHARS_MAX + 1)}
-    with pytest.raises(errors.InvalidArgument):
+    fits = NAME_BYTES_MAX // len(char.encode())
+    args = {"queue": "q", "dedup_key": "k", field: char * (fits + 1)}
+    with pytest.raises(errors.InvalidArgument, match=f"over {NAME_BYTES_MAX} bytes"):
         check_send_types(args["queue"], b"x", 0, args["dedup_key"])
+    check_send_types(*{"queue": (char * fits, b"x", 0, "k"), "dedup_key": ("q", b"x", 0, char * fits)}[field])
     check_send_types("q" * 255, b"x", 0, "k" * 128)  # a node's own limits: passed on, it answers
+
+
+def test_a_receive_whose_queue_name_no_request_can_carry_is_refused_before_it_is_sent():
+    """A receive checked only that its queue name was a str: one of 17 MB made a
+    Session request over gRPC's limit, and the stream broke under another caller's
+    long poll (both unavailable, answer lost)."""
+    from spooler import errors
+    from spooler._common import NAME_BYTES_MAX, receive_request
+
+    for bad in ("x" * 17_000_000, "\U0001F600" * (NAME_BYTES_MAX // 4 + 1), "\udc80"):
+        with pytest.raises(errors.InvalidArgument):
+            receive_request(bad, 0, 1)
+    assert receive_request("q" * 255, 0, 1).queue == "q" * 255
+
+
+def test_an_auto_batch_counts_names_and_keys_toward_its_size():
+    """batch_size counted bodies only: 1,000 small sends each with a queue name and
+    a dedup key of 16 KiB made one request of over 16 MiB, which gRPC refused and
+    the Session broke under. Each entry's queue name and key now count, at 4 bytes a
+    character, so the requests it makes stay under gRPC's limit."""
+    from spooler._common import (BATCH_BYTES_MAX, BATCH_ITEMS_MAX, MESSAGE_BYTES_MAX, NAME_BYTES_MAX,
+                                 batch_request, batch_size, check_send_types, entry_bytes)
+
+    def size_of(send):
+        return entry_bytes(send[0], send[1], send[3])
+
+    for char in ("k", "\U0001F600"):
+        name = char * (NAME_BYTES_MAX // len(char.encode()) - 1)
+        pending = [(name, b"x", 0.0, name + str(i % 10)) for i in range(1000)]
+        check_send_types(*pending[0])  # each send alone is one the SDK takes
+        assert batch_request(pending).ByteSize() > MESSAGE_BYTES_MAX  # all at once: too large
+        n = batch_size(pending, BATCH_ITEMS_MAX, size_of)
+        assert 1 <= n < 1000 and batch_request(pending[:n]).ByteSize() <= BATCH_BYTES_MAX + 16 * n
+    small = [("q", b"x" * 256, 0.0, "k" * 36)] * 1000
+    assert batch_size(small, 100, size_of) == 100
+
+
+def test_a_batch_max_over_a_nodes_entries_per_batch_is_refused():
+    """batch_max=5000 was taken; a node refuses a batch of over 1,000 entries whole,
+    and each of its sends then went again alone: 6,000 sends took 5,002 calls."""
+    from spooler._common import BATCH_ITEMS_MAX
+
+    for cls in (Client, AsyncClient):
+        with pytest.raises(ValueError, match=f"at most {BATCH_ITEMS_MAX}"):
+            cls("127.0.0.1:9", batch_max=BATCH_ITEMS_MAX + 1)
+    Client("127.0.0.1:9", batch_max=BATCH_ITEMS_MAX).close()
 
 
 def test_a_call_failing_because_close_closed_its_channel_opens_no_new_one():
