@@ -648,11 +648,12 @@ def send_outcomes(r: api_pb2.SendBatchResponse, n: Optional[int] = None) -> list
     that was not stored (its queue was deleted while the batch was committed).
     ``n``: how many sends the request held; an answer that names another number of
     outcomes cannot be matched to them (a faulty node): operation_unconfirmed."""
+    got = len(r.results) + (r.run_count or len(r.run_ids))
+    if n is not None and got != n:  # (counted before a run's ids are made: a faulty count may be huge)
+        raise errors.OperationUnconfirmed(f"the node answered {got} outcomes for {n} sends")
     out = [errors.from_detail(x.error) if x.HasField("error") else SendResult(x.id, x.duplicate) for x in r.results]
     ids = run_ids(r.run_id_prefix, r.run_id_first, r.run_count) if r.run_count else r.run_ids
     out.extend(map(SendResult, ids, repeat(False, len(ids))))
-    if n is not None and len(out) != n:
-        raise errors.OperationUnconfirmed(f"the node answered {len(out)} outcomes for {n} sends")
     return out
 
 
@@ -669,9 +670,10 @@ def settle_outcomes(r, n: int, started: Optional[float] = None) -> list:
             for x in r.results]
 
 
-def batch_results(r: api_pb2.SendBatchResponse) -> list:
-    """send_batch's answer: every SendResult, or the first message's error raised."""
-    out = send_outcomes(r)
+def batch_results(r: api_pb2.SendBatchResponse, n: Optional[int] = None) -> list:
+    """send_batch's answer: every SendResult, or the first message's error raised
+    (``n``: as for send_outcomes)."""
+    out = send_outcomes(r, n)
     if r.results:  # (an answer of compact runs only holds no error)
         for x in out:
             if isinstance(x, errors.SpoolerError):

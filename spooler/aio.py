@@ -287,6 +287,9 @@ def _deliver(batch: list, r: api_pb2.SendBatchResponse) -> None:
     except errors.SpoolerError as e:  # not one outcome per caller: none can be told which is theirs
         _fail_all(batch, e)
         return
+    except Exception as e:  # noqa: BLE001 - an answer no node of ours gives: never leave its callers waiting
+        _fail_all(batch, errors.OperationUnconfirmed(f"the node's answer could not be read: {e!r}"))
+        return
     for (_, fut), res in zip(batch, outcomes):
         if fut.done():
             continue
@@ -605,7 +608,7 @@ class AsyncClient(Nodes):
         # already the compact form (one queue, one delay, bodies only): made once, not checked per attempt
         run = compact_request(queue, bodies, delay_s)
         return batch_results(await call_with_retries(lambda: self._send_request(sends, compact=run),
-                                                     self.retry_attempts, stop_when=self._gone))
+                                                     self.retry_attempts, stop_when=self._gone), len(bodies))
 
     async def _send_request(self, sends: list, on_ok=None, compact=None) -> api_pb2.SendBatchResponse:
         """One send batch: on the Session in the compact form when it fits, else

@@ -240,7 +240,7 @@ class Client(Nodes):
         bodies = list(bodies)
         check_batch(queue, bodies, delay_s)
         req = batch_request([(queue, b, delay_s, "") for b in bodies], compact=False)
-        return batch_results(self._retried("SendBatch", req, write=True))
+        return batch_results(self._retried("SendBatch", req, write=True), len(bodies))
 
     # --------------------------------------------------------- receiving
     def receive(self, queue: str, *, wait_s: float = 0.0, max_messages: int = 1) -> list:

@@ -33,6 +33,40 @@ def test_an_answer_with_another_number_of_outcomes_is_unconfirmed():
         send_outcomes(r, 3)
 
 
+def test_an_answer_counting_a_huge_run_is_unconfirmed_before_its_ids_are_made():
+    """A run's count is checked before its ids are made: a faulty answer naming
+    4 billion of them made the SDK try to build that many ids (memory, and a caller
+    waiting for ever). send_batch's answer is checked against its bodies too."""
+    from spooler._common import batch_results
+
+    r = api_pb2.SendBatchResponse(run_id_prefix="p", run_id_first=1, run_count=2 ** 32 - 1)
+    t = time.monotonic()
+    with pytest.raises(errors.OperationUnconfirmed):
+        send_outcomes(r, 2)
+    with pytest.raises(errors.OperationUnconfirmed):
+        batch_results(r, 2)
+    assert time.monotonic() - t < 1
+
+
+def test_an_answer_that_cannot_be_read_fails_its_callers_instead_of_leaving_them_waiting(monkeypatch):
+    """_deliver caught only the SDK's own errors: anything else raised from reading
+    an answer ended the flush task and left the batch's callers waiting for ever."""
+    from spooler import aio
+
+    def unreadable(r, n=None):
+        raise ValueError("no node of ours answers so")
+
+    monkeypatch.setattr(aio, "send_outcomes", unreadable)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        batch = [(("q", b"x", 0.0, ""), loop.create_future()) for _ in range(3)]
+        aio._deliver(batch, api_pb2.SendBatchResponse())
+        return [f.exception() for _, f in batch]
+    for e in asyncio.run(main()):
+        assert isinstance(e, errors.OperationUnconfirmed) and "could not be read" in str(e), e
+
+
 def test_a_settle_answer_with_another_number_of_outcomes_is_unconfirmed():
     """Not an IndexError (which would end a consume) nor outcomes matched to the
     wrong items: the settles may have been applied, so operation_unconfirmed."""
@@ -234,50 +268,6 @@ def test_a_session_stream_refused_before_it_ran_fails_what_was_written_to_it_una
     send, receive = asyncio.run(broken(answered=True))
     assert isinstance(send, errors.OperationUnconfirmed), send
     assert isinstance(receive, errors.Unavailable) and receive.answer_lost, receive
-
-
-def test_a_session_stream_refused_at_the_nodes_call_cap_fails_its_calls_unavailable():
-    """The same end to end, against a server that takes one call at a time and is
-    held by another stream: the SDK's send and receive are ``unavailable``, nothing
-    done (here the refusal came before the requests were written)."""
-    import threading
-    from concurrent import futures
-
-    from spooler.aio import AsyncClient
-
-    held, done = threading.Event(), threading.Event()
-
-    def session(requests, ctx):
-        held.set()
-        done.wait(10)
-        return iter(())
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), maximum_concurrent_rpcs=1)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("spooler.v1.Spooler", {
-        "Session": grpc.stream_stream_rpc_method_handler(session)}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    blocker = grpc.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        holding = blocker.stream_stream("/spooler.v1.Spooler/Session")(iter(()))
-        assert held.wait(10), "the holding stream never reached the server"
-
-        async def main():
-            async with AsyncClient(f"127.0.0.1:{port}", "k", retry_attempts=1, timeout_s=5) as c:
-                with pytest.raises(errors.Unavailable) as sent:
-                    await c.send("q", b"x")
-                with pytest.raises(errors.Unavailable) as got:
-                    await c.receive("q")
-                return sent.value, got.value
-        sent, got = asyncio.run(main())
-        assert not isinstance(sent, errors.OperationUnconfirmed), sent
-        assert "nothing was done" in str(sent), sent
-        assert not getattr(got, "answer_lost", False), got
-    finally:
-        done.set()
-        holding.cancel()
-        blocker.close()
-        server.stop(0)
 
 
 def test_an_ack_retried_after_an_unknown_outcome_reads_stale_lease_by_its_reason():
