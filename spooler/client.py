@@ -177,7 +177,12 @@ class Client(Nodes):
             self._pending.append((req, fut))
             if self._in_flight < self.batches_in_flight_max:
                 self._in_flight += 1
-                self._pool.submit(self._flush)
+                try:
+                    self._pool.submit(self._flush)
+                except BaseException:  # (the interpreter is shutting down): this send never leaves
+                    self._in_flight -= 1
+                    self._pending.pop()  # (ours: appended above, under the same lock)
+                    raise
         return fut
 
     def _flush(self) -> None:

@@ -223,3 +223,25 @@ def test_a_settle_request_no_node_would_take_is_refused_before_it_is_sent():
     # within both: built, and a generator of items is taken as a list is
     assert len(settle_request(("t" * TOKEN_CHARS_MAX, "ack") for _ in range(BATCH_ITEMS_MAX)).items) \
         == BATCH_ITEMS_MAX
+
+
+def test_a_send_whose_flush_cannot_be_started_is_not_sent_later(monkeypatch):
+    """If the sync client's pool refused to start a flush (the interpreter shutting
+    down), the send raised but stayed queued, and the next flush would have sent
+    it: a send its caller was told had failed, stored after all. It is taken out,
+    and the flush count with it, so later sends still go."""
+    from spooler.pb import api_pb2
+
+    c = Client("127.0.0.1:9", retry_attempts=1)
+    try:
+        real = c._pool.submit
+
+        def refuse(fn, *a, **kw):
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+        monkeypatch.setattr(c._pool, "submit", refuse)
+        with pytest.raises(RuntimeError, match="interpreter shutdown"):
+            c.send_async(api_pb2.SendRequest(queue="q", body=b"x"))
+        assert c._pending == [] and c._in_flight == 0
+        monkeypatch.setattr(c._pool, "submit", real)
+    finally:
+        c.close()
