@@ -234,6 +234,31 @@ def test_timeout_kills_the_whole_group_including_grandchildren(tmp_path):
         kill_group_of(res.pid, gpid)
 
 
+def escape_to_own_group(gc) -> str:
+    """Shell that starts a member which moves to a process group of its own
+    (setpgid, as GNU timeout and job-control shells do; still in the attempt's
+    session), and waits until it has moved: it writes its pid to ``gc`` then."""
+    import sys
+    code = "import os, sys, time; os.setpgid(0, 0); open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(300)"
+    return f"{sys.executable} -c \"{code}\" {gc} & while [ ! -s {gc} ]; do sleep 0.01; done; "
+
+
+def test_timeout_kills_a_member_that_moved_to_a_group_of_its_own(tmp_path):
+    """A group kill alone missed a descendant in a group of its own (`timeout 100
+    cmd` in a job): the attempt was recorded as timed out while it ran on. The kill
+    reaches every process of the attempt's session too."""
+    gc = tmp_path / "escaped.pid"
+    res = run_bounded(["sh", "-c", escape_to_own_group(gc) + "sleep 300"], tmp_path, timeout_s=2.0, grace_s=0.5,
+                      limit_s=8.0)
+    gpid = int(gc.read_text()) if gc.exists() else None
+    try:
+        assert res.reason == states.TIMEOUT
+        assert gpid is not None and os.getpgid(gpid) == gpid != res.pid or pid_gone(gpid), "it never moved"
+        wait_until(lambda: pid_gone(gpid), 5.0, what="the member in its own group killed")
+    finally:
+        kill_group_of(res.pid, gpid)
+
+
 def test_timeout_escalates_to_sigkill_when_term_is_ignored(tmp_path):
     gc = tmp_path / "gc.pid"
     script = f"trap '' TERM; sh -c 'trap \"\" TERM; sleep 300' & echo $! > {gc}; sleep 300"
@@ -563,6 +588,7 @@ def test_an_output_file_that_cannot_be_made_fails_the_attempt_not_the_worker(spo
     ("sleep 300 & echo $! > {gc}; exit 0", None),   # a normal end
     ("env -i sleep 300 & echo $! > {gc}; exit 0", None),   # a member that carries no token
     ("sh -c 'trap \"\" TERM; sleep 300' & echo $! > {gc}; sleep 0.3; kill -9 $$", states.NONZERO_EXIT),
+    (escape_to_own_group("{gc}") + "exit 0", None),   # a member in a group of its own, in the session
 ])
 def test_what_a_command_leaves_running_in_its_group_ends_with_it(tmp_path, script, reason):
     """The command exits (on its own, or killed) before its timeout and leaves a
@@ -645,3 +671,35 @@ def test_a_group_the_worker_may_not_signal_is_waited_for_boundedly_and_stops_not
     finally:
         p.kill()
         p.wait(timeout=10)
+
+
+def test_a_worker_told_to_stop_after_its_claim_starts_nothing(tmp_path, monkeypatch):
+    """The stop was checked at the top of a slot's loop only: a SIGTERM landing
+    during the claim (or the reap pass before it) still started the command, to
+    kill it and requeue the job some 50 ms later. The runner asks once more
+    before it starts anything: the attempt ends worker_stopped, never started,
+    and the job waits queued for the next worker, counting nothing."""
+    from spooler.jobs.worker import Worker
+
+    spool_dir, ledger = str(tmp_path / "spool"), tmp_path / "ran"
+    s = Store(spool_dir)
+    job_id, _ = s.submit(["sh", "-c", f"echo ran >> {ledger}"])
+    s.close()
+    w = Worker(spool_dir, settings=knobs.Settings(), drain=True)
+    claim_next = Store.claim_next
+
+    def claim_then_stop(self, *args, **kw):
+        claim = claim_next(self, *args, **kw)
+        w.stop()   # the stop lands between the claim and the start
+        return claim
+    monkeypatch.setattr(Store, "claim_next", claim_then_stop)
+    summary = w.run()
+    assert summary["claimed"] == 1 and not ledger.exists(), summary
+    s = Store(spool_dir)
+    try:
+        job = s.get(job_id)
+    finally:
+        s.close()
+    assert job["state"] == "queued", job
+    assert [(a["exit_code"], a["failure_reason"]) for a in job["attempts"]] == [(None, states.WORKER_STOPPED)], job
+    assert job["crash_count"] == 0, job

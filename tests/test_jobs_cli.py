@@ -490,3 +490,27 @@ def test_a_forced_retry_of_a_running_job_says_what_was_refused():
     with pytest.raises(states.JobStateConflict) as e:
         states.transition(states.DEAD, "retry")
     assert str(e.value) == "cannot retry a job that is dead (use --force)"
+
+
+@pytest.mark.parametrize("command", [["status", "--json"], ["submit", "--json", "--", "true"]])
+def test_a_spool_of_a_newer_schema_is_refused_and_left_as_it_is(spool, command):
+    """A spool stamped with a schema newer than this spoolctl's was quietly stamped
+    back to this one's by any command, a plain status too. It is spool_unusable
+    (exit 1) now, and its stamp and its jobs stay as they were."""
+    import apsw
+
+    job_id = spool.submit_direct("true")
+    db = os.path.join(spool.path, "spool.db")
+    c = apsw.Connection(db)
+    c.execute("PRAGMA user_version=2")
+    c.close()
+    r = spool.run(*command, check=False)
+    assert r.returncode == 1, r
+    e = json.loads(r.stdout)["error"]
+    assert e["kind"] == "spool_unusable" and "newer" in e["message"], e
+    c = apsw.Connection(db)
+    try:
+        assert c.execute("PRAGMA user_version").fetchall()[0][0] == 2
+        assert [x[0] for x in c.execute("SELECT id FROM jobs")] == [job_id]
+    finally:
+        c.close()

@@ -1,9 +1,11 @@
 """Run one attempt: spawn in a new session, stdout/stderr straight to files,
 enforce the timeout by killing the whole process group.
 
-The command is a process-group leader (``start_new_session=True``), so the
-group id is its pid and a group kill reaches everything it forked, unless a
-descendant calls setsid() itself.
+The command is a session and process-group leader (``start_new_session=True``),
+so the group id and the session id are its pid. A kill reaches everything it
+forked: the group, and every process still in its session, which catches a
+descendant that moved to a group of its own (``setpgid``: GNU ``timeout``, a
+job-control shell). Only a descendant that calls setsid() itself escapes.
 """
 from __future__ import annotations
 
@@ -30,23 +32,26 @@ class Result:
 
 
 def _live(pgid: Optional[int]):
-    """The pids of live (non-zombie) processes in group ``pgid`` (any group with
-    None), read from /proc."""
+    """The pids of live (non-zombie) processes of the attempt whose leader's pid is
+    ``pgid``: in its group, or in its session (a descendant that moved to a group
+    of its own); any process with None. Read from /proc."""
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/stat", "rb") as f:
                 stat = f.read()
-            rest = stat[stat.rfind(b")") + 2:].split()  # rest[0] = state, rest[2] = pgrp
-            if len(rest) > 2 and rest[0] != b"Z" and (pgid is None or int(rest[2]) == pgid):
+            rest = stat[stat.rfind(b")") + 2:].split()  # rest[0] = state, rest[2] = pgrp, rest[3] = session
+            if len(rest) > 3 and rest[0] != b"Z" and (pgid is None or int(rest[2]) == pgid
+                                                       or int(rest[3]) == pgid):
                 yield int(name)
         except (OSError, ValueError):
             continue
 
 
 def _group_members(pgid: int) -> Optional[int]:
-    """How many live (non-zombie) processes are in the group; None without /proc."""
+    """How many live (non-zombie) processes are in the group or its session; None
+    without /proc."""
     if not os.path.isdir("/proc"):
         return None
     return sum(1 for _ in _live(pgid))
@@ -119,24 +124,37 @@ def group_carries(pgid: int, token: str) -> Optional[bool]:
 
 
 def group_alive(pgid: int) -> bool:
+    """Whether a live process of the group, or of its session, remains."""
+    members = _group_members(pgid)
+    if members is not None:
+        return members > 0
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    members = _group_members(pgid)
-    return True if members is None else members > 0
+    return True
 
 
 def _killpg(pgid: int, sig: int) -> bool:
-    """Signal the group. False when nothing of it could be signalled: gone, or every
-    member someone else's (a setuid program the command ran, for a worker not root)."""
+    """Signal the group, and each process of its session outside it (``_live``).
+    False when nothing of it could be signalled: gone, or every member someone
+    else's (a setuid program the command ran, for a worker not root)."""
     try:
         os.killpg(pgid, sig)
-        return True
+        done = True
     except (ProcessLookupError, PermissionError):
-        return False
+        done = False
+    if os.path.isdir("/proc"):
+        for pid in _live(pgid):
+            try:
+                if os.getpgid(pid) != pgid:  # (the group's members had it from killpg)
+                    os.kill(pid, sig)
+                    done = True
+            except (ProcessLookupError, PermissionError):
+                continue
+    return done
 
 
 def kill_group(pgid: int, proc: Optional[subprocess.Popen] = None, grace_s: float = knobs.TERM_GRACE_S) -> None:
@@ -170,20 +188,24 @@ def kill_group(pgid: int, proc: Optional[subprocess.Popen] = None, grace_s: floa
 
 def end_leftovers(pgid: int, grace_s: float = knobs.TERM_GRACE_S) -> bool:
     """The command (the group's leader) has exited and been waited for: stop what
-    it left running in its group (``sleep 100 &``, ``env -i cmd &``), as a
-    timeout or a cancel would, so that no attempt outlives its own end (and none
-    runs on past its timeout). One syscall when nothing is left. True if
-    something was stopped.
+    it left running in its group or its session (``sleep 100 &``, ``env -i cmd
+    &``, ``timeout 100 cmd &``), as a timeout or a cancel would, so that no
+    attempt outlives its own end (and none runs on past its timeout). A syscall
+    and one read of /proc when nothing is left. True if something was stopped.
 
     Whether the group is still the attempt's needs no token (a member may have
     cleaned its environment): the kernel hands out a process id again only when
     no process, group or session uses it. So while a member of the attempt's
-    group remains, no new process can have the leader's pid; and a group with
-    that id whose leader is alive is a later one's, which is left alone."""
+    group or session remains, no new process can have the leader's pid; and a
+    group with that id whose leader is alive is a later one's, which is left
+    alone."""
     try:
         os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
+    except PermissionError:
         return False
+    except ProcessLookupError:  # the group is empty: what of its session?
+        if not _group_members(pgid):
+            return False
     try:
         os.kill(pgid, 0)   # the leader was reaped: a process with its pid is another's
         return False
@@ -201,7 +223,11 @@ def run(argv: list, stdout_path: str, stderr_path: str, timeout_s: Optional[floa
         should_stop: Callable[[], Optional[str]] = lambda: None,
         grace_s: float = knobs.TERM_GRACE_S) -> Result:
     """Run ``argv`` to completion. ``should_stop`` returns a failure reason
-    (canceled, worker_stopped, lease_lost) when the worker wants it killed."""
+    (canceled, worker_stopped, lease_lost) when the worker wants it killed; asked
+    once before anything starts too (a worker told to stop after its claim)."""
+    stop = should_stop()
+    if stop:
+        return Result(stop, None, f"not started: {stop}")
     try:  # an output file that cannot be made is this attempt's spawn failure, not the worker's
         os.makedirs(os.path.dirname(stdout_path), exist_ok=True)
         with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:

@@ -190,7 +190,11 @@ class Store:
         # contention the lock is free again within a millisecond or two, so poll
         # it faster (same deadline, same outcome: BusyError when it passes)
         self.conn.setbusyhandler(self._on_busy)
-        self._init()
+        try:
+            self._init()
+        except BaseException:
+            self.conn.close()
+            raise
 
     def close(self) -> None:
         self.conn.close()
@@ -210,8 +214,14 @@ class Store:
         if c.execute("PRAGMA journal_mode").fetchall()[0][0] != "wal":
             c.execute("PRAGMA journal_mode=WAL").fetchall()
         c.execute("PRAGMA synchronous=FULL").fetchall()   # fsync the WAL on every commit
-        if c.execute("PRAGMA user_version").fetchall()[0][0] == SCHEMA_VERSION:
+        version = c.execute("PRAGMA user_version").fetchall()[0][0]
+        if version == SCHEMA_VERSION:
             return
+        if version > SCHEMA_VERSION:
+            # a newer spoolctl's spool: never stamped back to this version (its
+            # tables may mean more than this build knows), and nothing written
+            raise states.SpoolUnusable(f"spool {self.spool_dir} has schema {version}, newer than this "
+                                       f"spoolctl's {SCHEMA_VERSION}: use the spoolctl that made it")
         with self.immediate():
             for stmt in SCHEMA:
                 c.execute(stmt)
