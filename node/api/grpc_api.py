@@ -215,11 +215,20 @@ _HANDLER = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): 
             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
 
 
+# Unary on the wire, served as server-streaming: the handler writes its one answer
+# itself (SpoolerServicer._answer_or_give_back), so that it knows whether the write
+# failed. A unary handler's answer is sent after it returns, and a failed send
+# ends the call without it being cancelled: nothing could tell that the leases
+# of a receive nobody got should go back. One message then the status is the
+# same on the wire either way.
+ANSWER_WRITTEN_BY_HANDLER = ("Receive", "ReceiveBatch")
+
+
 def add_spooler_service(servicer, server) -> None:
     """The generated ``add_SpoolerServicer_to_server``, with lenient request
     deserializers (see Malformed); built from the service's descriptor."""
     desc = api_pb2.DESCRIPTOR.services_by_name["Spooler"]
-    handlers = {m.name: _HANDLER[(m.client_streaming, m.server_streaming)](
+    handlers = {m.name: _HANDLER[(m.client_streaming, m.server_streaming or m.name in ANSWER_WRITTEN_BY_HANDLER)](
         getattr(servicer, m.name), request_deserializer=_lenient(getattr(api_pb2, m.input_type.name).FromString),
         response_serializer=getattr(api_pb2, m.output_type.name).SerializeToString) for m in desc.methods}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
@@ -316,25 +325,31 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
     @rpc
     async def Receive(self, p, req, ctx):
         got = await self.svc.receive(p, req.queue, req.wait_seconds, 1, req.receive_id, req.caller_receive_id)
-        self._give_back_if_lost(ctx, p, [d.token for d in got])
-        return api_pb2.ReceiveResponse(messages=[_delivery_pb(d) for d in got])
+        await self._answer_or_give_back(ctx, p, [d.token for d in got],
+                                        api_pb2.ReceiveResponse(messages=[_delivery_pb(d) for d in got]))
 
     @rpc
     async def ReceiveBatch(self, p, req, ctx):
         out = await _receive_batch(self.svc, p, req)
-        self._give_back_if_lost(ctx, p, [d.lease_token for d in out.messages])
-        return out
+        await self._answer_or_give_back(ctx, p, [d.lease_token for d in out.messages], out)
 
     @rpc
     async def ReleaseReceive(self, p, req, ctx):
         n = await self.svc.release_receive(p, req.queue, req.receive_id)
         return api_pb2.ReleaseReceiveResponse(released=n)
 
-    def _give_back_if_lost(self, ctx, p, tokens: list) -> None:
-        """If this call ends cancelled (the caller's connection broke, its deadline
-        passed) its answer was never delivered: give the leases back."""
-        if tokens:
-            ctx.add_done_callback(lambda c: self.svc.give_back(tokens, p.auth) if c.cancelled() else None)
+    async def _answer_or_give_back(self, ctx, p, tokens: list, resp) -> None:
+        """Write a receive's answer (ANSWER_WRITTEN_BY_HANDLER). If the write fails
+        (the caller's connection broke, its deadline passed while the answer was
+        held up), nobody got it: its leases go back at once, as a Session's do."""
+        try:
+            await ctx.write(resp)
+        except BaseException as e:
+            if tokens:
+                self.svc.give_back(tokens, p.auth)
+            if not isinstance(e, Exception):
+                raise  # (cancelled: the call is over)
+            log.debug("a receive's answer could not be written: %r", e)
 
     @rpc
     async def Ack(self, p, req, ctx):

@@ -725,3 +725,61 @@ def test_releases_ride_on_acks_bounded_and_each_is_done_once(monkeypatch):
     svc._release_from_peer(many)
     assert len(svc._peer_releases) == 4096
     assert ("q", "m4999", "Bearer k") in svc._peer_releases and ("q", "m0", "Bearer k") not in svc._peer_releases
+
+
+def test_a_unary_receive_whose_answer_cannot_be_written_gives_its_leases_back(node):
+    """A unary ReceiveBatch whose answer is held up on the way back (the link stops
+    passing the node's bytes after 1 MB of a 4 MB answer) until the caller's
+    deadline passes: nobody got the messages, and their leases go back at once,
+    retry counts kept. The node gave back only a call that ended cancelled, but a
+    unary answer that fails to go out ends its call without that: the leases
+    stayed for their 60 s and the messages came back counting a retry. It now
+    writes the answer itself and gives back when the write fails."""
+    ch, stub = _stub(node)
+    md = _md(node.admin_key)
+    with ch:
+        _setup(stub, node.admin_key, "held", [])
+        stub.SendBatch(api_pb2.SendBatchRequest(queue="held", bodies=[b"x" * 200_000] * 20), metadata=md)
+    host, port = node.grpc_target.rsplit(":", 1)
+
+    async def main():
+        async def link(cr, cw):
+            sr, sw = await asyncio.open_connection(host, int(port))
+
+            async def up():
+                while d := await cr.read(65536):
+                    sw.write(d)
+                    await sw.drain()
+
+            async def down():
+                n = 0
+                while n <= 1_000_000 and (d := await sr.read(65536)):
+                    n += len(d)
+                    cw.write(d)
+                    await cw.drain()
+                await asyncio.sleep(30)  # held: nothing more reaches the caller
+
+            try:
+                await asyncio.gather(up(), down(), return_exceptions=True)
+            finally:
+                sw.close()
+                cw.close()
+        srv = await asyncio.start_server(link, "127.0.0.1", 0)
+        via = f"127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        try:
+            async with grpc.aio.insecure_channel(via, options=[("grpc.http2.bdp_probe", 0)]) as held:
+                with pytest.raises(grpc.RpcError):
+                    await api_pb2_grpc.SpoolerStub(held).ReceiveBatch(
+                        api_pb2.ReceiveRequest(queue="held", max_messages=20), metadata=md, timeout=2)
+        finally:
+            srv.close()
+    asyncio.run(main())
+    ch, stub = _stub(node)
+    with ch:
+        deadline = time.monotonic() + 10
+        while (st := stub.GetQueue(api_pb2.QueueRequest(name="held"), metadata=md).stats).leased \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (st.leased, st.visible) == (0, 20), st
+        got = stub.ReceiveBatch(api_pb2.ReceiveRequest(queue="held", max_messages=20), metadata=md).messages
+        assert len(got) == 20 and {d.retry_count for d in got} == {0}

@@ -508,11 +508,13 @@ def test_requests_failed_by_a_break_are_never_sent_later():
 
 
 class _FakeContext:
-    """Enough of a grpc.aio ServicerContext to call a servicer method directly."""
+    """Enough of a grpc.aio ServicerContext to call a servicer method directly.
+    ``fails``: what its write of the answer raises (None: it is written)."""
 
-    def __init__(self, key):
+    def __init__(self, key, fails=None):
         self.md = (("authorization", f"Bearer {key}"),)
-        self.callbacks = []
+        self.fails = fails
+        self.written = []
 
     def invocation_metadata(self):
         return self.md
@@ -520,25 +522,30 @@ class _FakeContext:
     def set_trailing_metadata(self, md):
         pass
 
-    def add_done_callback(self, cb):
-        self.callbacks.append(cb)
+    async def write(self, resp):
+        if self.fails is not None:
+            raise self.fails
+        self.written.append(resp)
 
-    def cancelled(self):
-        return True  # the caller went away: the answer was never delivered
 
-
-def test_a_receive_whose_answer_is_lost_gives_its_messages_back(tmp_path):
-    """A receive call that ends cancelled (the caller's connection broke after the
-    leases were granted, e.g. a forwarding replica cut off from the primary) gives
-    the messages back at once, retry count unchanged: nobody received them."""
+@pytest.mark.parametrize("fails", [None, ConnectionResetError("the caller went away"), asyncio.CancelledError()])
+def test_a_receive_whose_answer_is_lost_gives_its_messages_back(tmp_path, fails):
+    """A unary receive whose answer cannot be written (the caller's connection
+    broke after the leases were granted, e.g. a forwarding replica cut off from the
+    primary; or the call was cancelled) gives the messages back at once, retry
+    count unchanged: nobody received them. One whose answer is written keeps its
+    lease."""
     async def main():
         async with _one_message(tmp_path) as (svc, admin, servicer, mid):
-            ctx = _FakeContext("k")
-            out = await servicer.ReceiveBatch(api_pb2.ReceiveRequest(queue="q", max_messages=5), ctx)
-            assert [d.id for d in out.messages] == [mid]
-            assert await svc.receive(admin, "q", 0) == []  # leased
-            for cb in ctx.callbacks:  # the call ends cancelled
-                cb(ctx)
+            ctx = _FakeContext("k", fails)
+            try:
+                await servicer.ReceiveBatch(api_pb2.ReceiveRequest(queue="q", max_messages=5), ctx)
+            except asyncio.CancelledError:
+                assert isinstance(fails, asyncio.CancelledError)  # (re-raised: the call is over)
+            if fails is None:
+                assert [d.id for m in ctx.written for d in m.messages] == [mid]
+                assert await svc.receive(admin, "q", 0) == []  # leased, delivered
+                return
             [d] = await svc.receive(admin, "q", 0)  # back at once
             assert (d.id, d.retry_count) == (mid, 0)
 
