@@ -253,7 +253,7 @@ def test_timeout_kills_a_member_that_moved_to_a_group_of_its_own(tmp_path):
     gpid = int(gc.read_text()) if gc.exists() else None
     try:
         assert res.reason == states.TIMEOUT
-        assert gpid is not None and os.getpgid(gpid) == gpid != res.pid or pid_gone(gpid), "it never moved"
+        assert gpid is not None, "it never wrote its pid (it writes it once it has moved)"
         wait_until(lambda: pid_gone(gpid), 5.0, what="the member in its own group killed")
     finally:
         kill_group_of(res.pid, gpid)
