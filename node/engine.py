@@ -278,7 +278,6 @@ class Engine:
         self._epoch_begin_lsn = 0
         self.failed: Optional[BaseException] = None
         self.failed_what = ""  # once failed: its cause (STORAGE_FAILURE, LOG_CONFLICT, INTERNAL_FAILURE)
-        self.stopped_why = ""  # once failed: what clients are told (_fail names the cause)
         self.on_apply = []                # callables(record, result) for metrics
         self.metrics = None
 
@@ -719,7 +718,6 @@ class Engine:
         log.critical("%s, the node stops serving: %r", what, e)
         self.failed = e
         self.failed_what = what
-        self.stopped_why = f"node stopped after a {what}"
         self.ready = False
         err = errors.OperationUnconfirmed(f"{what}: {e}")
         for _, (_, _, fut) in self.unapplied.items():
@@ -733,6 +731,11 @@ class Engine:
             self.on_fatal(e)
 
     on_fatal = None
+
+    @property
+    def stopped_why(self) -> str:
+        """Once failed: what clients are told (``_fail`` names the cause)."""
+        return f"node stopped after a {self.failed_what}" if self.failed_what else ""
 
     def _task_ended(self, t: asyncio.Task) -> None:
         """A background task that dies stops the node: never hang on a broken invariant."""
