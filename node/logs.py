@@ -1,7 +1,8 @@
 """Log lines that a caller can cause, at most one a minute for each kind.
 
 A client (with a key or none) can make a node refuse a request, give back a
-lease, or run out of file descriptors as often as it likes; each used to be
+lease, send metadata that is not UTF-8, hang up before its answer is sent,
+or run out of file descriptors as often as it likes; each used to be
 one log line (or a traceback), so a loop of such requests filled the disk
 with the log. Such lines go through ``throttled``: the first is logged, the
 others within the minute are counted, and the next line says how many were
@@ -71,8 +72,22 @@ def _accept_failure(record: logging.LogRecord):
     return ("asyncio", "accept") if str(record.msg).startswith("socket.accept() out of system resource") else None
 
 
+def _grpc_line(record: logging.LogRecord):
+    # grpc's own lines with a traceback each that any caller can cause, with a key
+    # or none: an Authorization (any metadata) value that is not UTF-8, and an
+    # answer it could not send because the caller had gone (each handler that
+    # writes its own answer meets that when the write fails)
+    msg = str(record.msg)
+    if msg.startswith("Invalid encoding on"):
+        return ("grpc", "metadata encoding")
+    if "raised in core by servicer method" in msg:
+        return ("grpc", "answer not sent")
+    return None
+
+
 def install() -> None:
     """The filters on the libraries' loggers (once per process)."""
-    lg = logging.getLogger("asyncio")
-    if not any(isinstance(f, ThrottleFilter) and f.match is _accept_failure for f in lg.filters):
-        lg.addFilter(ThrottleFilter(_accept_failure))
+    for name, match in (("asyncio", _accept_failure), ("grpc._cython.cygrpc", _grpc_line)):
+        lg = logging.getLogger(name)
+        if not any(isinstance(f, ThrottleFilter) and f.match is match for f in lg.filters):
+            lg.addFilter(ThrottleFilter(match))

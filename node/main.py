@@ -549,7 +549,7 @@ def main(argv=None, grpc_io: str = "") -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {args.id.replace('%', '%%')} %(levelname)s %(name)s %(message)s",
                         stream=sys.stderr)
-    logs.install()  # asyncio's and aiohttp's lines that clients can cause: at most one a minute
+    logs.install()  # asyncio's, aiohttp's and grpc's lines that clients can cause: at most one a minute
     log.info("gRPC I/O path: %s (GRPC_EXPERIMENTS=%s)", grpc_io or "not settled (node.process not run)",
              os.environ.get("GRPC_EXPERIMENTS", ""))
     try:

@@ -427,11 +427,44 @@ RECEIVE_DEFINITE = (errors.InvalidArgument, errors.Unauthenticated, errors.Forbi
 RELEASE_TIMEOUT_S = 2.0
 
 
-def note_release_failure(client, e: Exception, log) -> None:
-    """After a failed ReleaseReceive: stop asking a node that has no such call (an
-    older one); otherwise only log (the leases expire as they would have)."""
+# how long the client takes a node's UNIMPLEMENTED for a call (Session,
+# ReleaseReceive) as that node's answer, before it asks again (a node upgraded
+# in place keeps its address)
+UNSUPPORTED_RECHECK_S = 300.0
+
+
+class Lacking:
+    """The nodes, by channel, that answered a call UNIMPLEMENTED (older nodes): the
+    client uses the older form with those nodes only, and asks again after
+    UNSUPPORTED_RECHECK_S. Per node, not for good: a client that met one older
+    node once, in a rolling upgrade, would else never use the call again."""
+
+    def __init__(self):
+        self._since: dict = {}  # channel -> monotonic time it answered UNIMPLEMENTED
+
+    def lacks(self, channel) -> bool:
+        t = self._since.get(channel)
+        if t is None:
+            return False
+        if time.monotonic() - t >= UNSUPPORTED_RECHECK_S:
+            del self._since[channel]
+            return False
+        return True
+
+    def found(self, channel, lacking: bool = True) -> None:
+        self._since.pop(channel, None)
+        if lacking:
+            if len(self._since) >= 64:  # (channels of loops gone by: the oldest first)
+                self._since.pop(next(iter(self._since)))
+            self._since[channel] = time.monotonic()
+
+
+def note_release_failure(client, e: Exception, log, channel=None) -> None:
+    """After a failed ReleaseReceive: stop asking the node (``channel``, else the
+    current one) if it has no such call (an older one); otherwise only log (the
+    leases expire as they would have)."""
     if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
-        client._release_supported = False
+        client._no_release.found(client.channel if channel is None else channel)
     log.info("could not release a receive whose answer was lost: %r", e)
 
 
@@ -819,7 +852,7 @@ class Nodes:
         self._pending: list = []     # sends waiting for auto-batching
         self._in_flight = 0          # auto-batching's send batches awaiting their answer
         self.send_rpcs = 0           # SendBatch RPCs made by auto-batching (observability, tests)
-        self._release_supported = True
+        self._no_release = Lacking()  # nodes without ReleaseReceive
         self._init_client()
 
     def _init_client(self) -> None:
@@ -852,6 +885,11 @@ class Nodes:
         # node together (``_current``), never the stub of one and the channel of the next)
         self._current = got
         self.channel, self.stub = got
+
+    @property
+    def _release_supported(self) -> bool:
+        """The node this client talks to now has ReleaseReceive, as far as it knows."""
+        return not self._no_release.lacks(self.channel)
 
     def _all_channels(self) -> list:
         return [ch for ch, _ in self._channels.values()]

@@ -24,7 +24,7 @@ from spooler import errors
 from spooler._common import (MOVE_ON, Nodes, refused_before_it_ran, entry_bytes, LeaseEnd, key_request, Message, keep_renewing_after, batch_size, check_batch, check_send_types, SendResult, batch_request, compact_request, settle_request, settle_outcomes, batch_results, call_with_retries,
                              _has_detail, map_rpc_error, messages_of, never_sent, read_lost, queue_dict, renew_delay_s, resend_groups, send_outcomes, settle_after_unconfirmed,
                              settings_pb, DedupWindow, RECEIVE_DEFINITE, RELEASE_TIMEOUT_S, note_release_failure, receive_request, lease_request,
-                             release_request, settle_failed, unconfirmed_after)
+                             release_request, settle_failed, unconfirmed_after, Lacking)
 from spooler.pb import api_pb2
 
 log = logging.getLogger("spooler.aio")
@@ -80,7 +80,7 @@ class _Session:
         self.call = None
         self.stub = None
         self.chan = None            # the channel of self.call (to move on from it only once)
-        self.supported = True
+        self.lacking = Lacking()    # nodes without a Session (older ones): unary calls there
         self.waiting: dict = {}     # id -> _Waiter
         self.outbox: list = []      # (id, SessionRequest) for self.call, not yet written
         # streams with a writer task: one per stream, never one for all, so that a
@@ -89,6 +89,15 @@ class _Session:
         self.writers: set = set()
         self.readers: set = set()   # each stream's reader task, until its stream is over
         self.next_id = 0
+
+    @property
+    def supported(self) -> bool:
+        """The node the client talks to now has the Session, as far as it knows."""
+        return not self.lacking.lacks(self.c.channel)
+
+    @supported.setter
+    def supported(self, yes: bool) -> None:
+        self.lacking.found(self.c.channel, not yes)
 
     def _open(self) -> None:
         self.stub, self.chan = self.c.stub, self.c.channel
@@ -224,7 +233,8 @@ class _Session:
             self.call = None
             self._fail_unwritten(errors.Unavailable("session stream closed before the request was sent"))
         if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
-            self.supported = False
+            if current:  # (a retired stream's node is not the one the client uses now)
+                self.lacking.found(self.chan)
             for w in list(self.waiting.values()):
                 if w.call is call and not w.fut.done():
                     w.fut.set_exception(_NoSession())
@@ -673,12 +683,13 @@ class AsyncClient(Nodes):
         """The answer of receive ``req`` may have been lost on the way: ask the node
         to give back whatever it leased for it (retry counts kept). One attempt; if it
         fails too, those leases expire as they would have."""
-        if not self._release_supported or self._closed:
+        ch, stub = self._current
+        if self._no_release.lacks(ch) or self._closed:
             return
         try:
-            await self.stub.ReleaseReceive(release_request(req), metadata=self.md, timeout=RELEASE_TIMEOUT_S)
+            await stub.ReleaseReceive(release_request(req), metadata=self.md, timeout=RELEASE_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - e.g. the channel closed meanwhile: never replace the receive's error
-            note_release_failure(self, e, log)
+            note_release_failure(self, e, log, ch)
 
     async def _settle_one(self, action: str, token: str, delay_s: float = 0.0):
         """One ack/nack/renew: a one-item SettleBatch on the session (the unary

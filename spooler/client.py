@@ -284,12 +284,13 @@ class Client(Nodes):
 
     def _release(self, req) -> None:
         """As AsyncClient._release: one attempt to give back a lost answer's leases."""
-        if not self._release_supported:
+        ch, stub = self._current
+        if self._no_release.lacks(ch):
             return
         try:
-            self.stub.ReleaseReceive(release_request(req), metadata=self.md, timeout=RELEASE_TIMEOUT_S)
+            stub.ReleaseReceive(release_request(req), metadata=self.md, timeout=RELEASE_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - e.g. the channel closed meanwhile: never replace the receive's error
-            note_release_failure(self, e, log)
+            note_release_failure(self, e, log, ch)
 
     @contextlib.contextmanager
     def _waited_for_by_close(self):

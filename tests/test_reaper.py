@@ -235,6 +235,59 @@ def test_reap_rechecks_staleness_inside_the_transaction(store, procs):
     assert job["state"] == "running" and job["crash_count"] == 0 and job["attempts"][0]["finished_at"] is None
 
 
+def test_a_worker_that_heartbeats_after_the_scan_keeps_its_command(store, procs, monkeypatch):
+    """The heartbeat lands between the candidate scan and the reap: the job is left
+    alone, and its command is not killed either (the kill used to come before the
+    re-check, so a hung worker that woke in that gap kept its job with its command
+    killed, and recorded that against its retries)."""
+    job_id, _ = store.submit(["true"])
+    w, c = claim_as(store, dead_pid(procs))
+    killed = []
+    monkeypatch.setattr(reaper.executor, "kill_orphans", lambda pgid, token: killed.append(token))
+    other = Store(store.spool_dir)
+    try:
+        def kill(pid, sig):   # the liveness probe runs between scan and reap
+            other.heartbeat(w, {(c.job_id, c.n)}, now=T0 + 31)
+            raise ProcessLookupError
+        [r] = reaper.reap_pass(store, now=T0 + 31, kill=kill)
+    finally:
+        other.close()
+    assert (r.verdict, r.new_state) == (reaper.DEAD, None)
+    assert killed == []
+
+
+def test_no_heartbeat_lands_between_the_reap_s_recheck_and_its_kill(store, procs, monkeypatch):
+    """The kill runs inside the reap's transaction, which holds the spool's write
+    lock: a worker waking during the kill cannot heartbeat until the reap has
+    committed, and then learns it lost the attempt (its command is the one killed).
+    With the kill before the re-check, the heartbeat went in first and the reap
+    left the job, its command killed all the same."""
+    job_id, _ = store.submit(["true"])
+    w, c = claim_as(store, dead_pid(procs))
+    other = Store(store.spool_dir)
+    beat: dict = {}
+
+    def wakes():
+        beat["lost"] = other.heartbeat(w, {(c.job_id, c.n)}, now=T0 + 31)
+
+    t = threading.Thread(target=wakes)
+
+    def kill_orphans(pgid, token):
+        t.start()
+        t.join(1.0)  # time enough for the heartbeat to go in, were the lock not held
+        beat["during_kill"] = dict(beat)
+
+    monkeypatch.setattr(reaper.executor, "kill_orphans", kill_orphans)
+    try:
+        [r] = reaper.reap_pass(store, now=T0 + 31)
+        t.join(30)
+    finally:
+        other.close()
+    assert beat["during_kill"] == {}  # it waited for the lock
+    assert (r.verdict, r.new_state) == (reaper.DEAD, states.QUEUED)
+    assert beat["lost"] == {(c.job_id, c.n)}
+
+
 def test_reap_rechecks_ownership_inside_the_transaction(store, procs):
     """Another reaper requeued it and a worker reclaimed it (attempt 2): a late reap of
     the attempt-1 candidate must not touch attempt 2, even though it is stale too."""

@@ -72,6 +72,12 @@ def _num(x: float) -> str:
 KEY_CHARS_MAX = 512
 
 
+def _bearer(authorization: str) -> tuple:
+    """An Authorization value -> (scheme, key), the blanks around each dropped."""
+    scheme, _, key = authorization.strip().partition(" ")
+    return scheme, key.strip()
+
+
 @dataclass(frozen=True)
 class Principal:
     admin: bool          # a bootstrap admin key: everything
@@ -309,8 +315,7 @@ class Service:
     def _authenticate(self, authorization: Optional[str]) -> Principal:
         if not authorization:
             raise errors.Unauthenticated("missing Authorization: Bearer <key>")
-        scheme, _, key = authorization.strip().partition(" ")
-        key = key.strip()
+        scheme, key = _bearer(authorization)
         if scheme.lower() != "bearer" or not key or len(key) > KEY_CHARS_MAX:
             raise errors.Unauthenticated("expected Authorization: Bearer <key>")
         digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
@@ -869,8 +874,9 @@ class Service:
 
     @staticmethod
     def _caller(p: Principal) -> str:
-        """Whose receive names are whose: a key's id, else a digest of the key."""
-        return p.key_id or hashlib.sha256(p.auth.encode()).hexdigest()[:24]
+        """Whose receive names are whose: a key's id, else a digest of the key (the
+        key alone: ``Bearer k`` and ``bearer  k`` are one caller, as they are one key)."""
+        return p.key_id or hashlib.sha256(_bearer(p.auth)[1].encode("utf-8", "surrogateescape")).hexdigest()[:24]
 
     def _trim_receipts(self, now: int) -> None:
         r, lim = self._receipts, self.limits
@@ -988,12 +994,16 @@ class Service:
         return lease
 
     def _settle_shape(self, token: str, action: str, delay_s: float, decode: bool = True) -> int:
-        """-> the delay in us. ``decode``: also check the token's form."""
+        """-> the delay in us. ``decode``: also check the token's form. Only a nack
+        has a delay: an ack's or a renew's is ignored, as the unary Ack and Renew
+        (and HTTP's ack and renew, whatever Spooler-Delay-Seconds says) ignore it."""
         if action not in ("ack", "nack", "renew"):
             raise errors.InvalidArgument(f"unknown action {action!r}")
         if decode:
             self.decode_token(token)
-        return round(self._seconds(delay_s, "delay", 0.0, self.limits.delay_s_max) * US) if delay_s else 0
+        if action != "nack" or not delay_s:
+            return 0
+        return round(self._seconds(delay_s, "delay", 0.0, self.limits.delay_s_max) * US)
 
     async def ack(self, p: Principal, token: str) -> None:
         await self.settle(p, [(token, "ack", 0.0)])

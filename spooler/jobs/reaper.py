@@ -182,12 +182,14 @@ def _reap_one(store, cand, verdicts, now, now_s, threshold_override_s, my_host, 
     detail = (f"worker pid {cand.worker_pid} on {cand.worker_host} is {verdict}; "
               f"last heartbeat {age:.1f}s ago")
     # the clock inside reap() is read again: the candidate scan and the liveness
-    # probe took time, and the re-check must use the time of the transaction
+    # probe took time, and the re-check must use the time of the transaction.
     # The dead worker's command may still run (it has its own session). Stop it
-    # BEFORE the requeue commits, so no new attempt can start while it runs; only
-    # processes carrying this attempt's token are touched. A command whose pid
-    # was never written (its worker died within PID_RECORD_AFTER_S of the spawn)
-    # is looked for by the token alone.
-    executor.kill_orphans(cand.pgid or None, f"{cand.job_id}:{cand.n}")
-    new_state = store.reap(cand, detail, None if now is None else now, threshold_override_s)
+    # BEFORE the requeue commits, so no new attempt can start while it runs, and
+    # only once reap() has checked again, under the spool's write lock, that the
+    # worker is still stale (a hung worker that woke and heartbeated keeps its
+    # command); only processes carrying this attempt's token are touched. A
+    # command whose pid was never written (its worker died within
+    # PID_RECORD_AFTER_S of the spawn) is looked for by the token alone.
+    new_state = store.reap(cand, detail, None if now is None else now, threshold_override_s,
+                           before=lambda: executor.kill_orphans(cand.pgid or None, f"{cand.job_id}:{cand.n}"))
     return ReapResult(cand.job_id, verdict, new_state)

@@ -20,7 +20,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import apsw
 
@@ -423,12 +423,18 @@ class Store:
         return [Candidate(*r) for r in rows]
 
     def reap(self, cand: Candidate, detail: str, now: Optional[float] = None,
-             threshold_override_s: Optional[float] = None) -> Optional[str]:
+             threshold_override_s: Optional[float] = None, before: Optional[Callable[[], object]] = None) -> Optional[str]:
         """Requeue (or bury) a candidate whose worker was confirmed dead.
 
         Re-checks inside the transaction that the job is still stale and still
         owned by the same worker and attempt: a worker that heartbeated since
         the scan is left alone. Returns the new state, or None if untouched.
+        ``before``: run once the re-check has passed, still inside the
+        transaction, before anything moves (the reaper kills the attempt's
+        command there). The transaction holds the spool's write lock, so the
+        worker cannot heartbeat between the re-check and ``before``: a worker
+        that wakes meanwhile finds, once it gets the lock, that it lost the
+        attempt. It is never a worker that heartbeated whose command is killed.
         """
         with self.immediate() as c:
             now = time.time() if now is None else now
@@ -438,6 +444,8 @@ class Store:
                 (cand.job_id, cand.worker_id, cand.n, *self._stale_args(now, threshold_override_s)))
             if row is None:
                 return None
+            if before is not None:
+                before()
             state, failures, crashes, max_crashes, backend = row
             if backend != "local":
                 # a cluster job: its queue decides what comes next (the lease expires

@@ -90,6 +90,29 @@ def test_a_nack_delay_travels_in_every_settle_form_and_counts_come_back(node, cl
     assert isinstance(refused, errors.InvalidArgument)
 
 
+def test_only_a_nack_has_a_delay_in_a_settle_batch_as_in_the_unary_calls(node, client):
+    """An ack's or a renew's delay means nothing: it is ignored in a SettleBatch as the
+    unary Ack ignores it, so the one form cannot refuse what the other takes. A nack's
+    delay out of range is still refused."""
+    client.put_queue("g10", leaseTimeoutSeconds=30)
+    client.send_batch("g10", [b"a", b"b", b"c", b"d"])
+    ms = client.receive("g10", wait_s=1, max_messages=4)
+    assert len(ms) == 4
+    md = (("authorization", f"Bearer {node.admin_key}"),)
+    A = api_pb2.SettleBatchRequest.Item
+    with grpc.insecure_channel(node.grpc_target) as ch:
+        stub = api_pb2_grpc.SpoolerStub(ch)
+        stub.Ack(api_pb2.LeaseRequest(token=ms[0].token, delay_seconds=-5), metadata=md)
+        r = stub.SettleBatch(api_pb2.SettleBatchRequest(items=[
+            A(token=ms[1].token, action=api_pb2.SETTLE_ACK, delay_seconds=-5),
+            A(token=ms[2].token, action=api_pb2.SETTLE_RENEW, delay_seconds=1e12),
+            A(token=ms[3].token, action=api_pb2.SETTLE_NACK, delay_seconds=-5)]), metadata=md)
+    assert [x.HasField("error") for x in r.results] == [False, False, True]
+    assert r.results[2].error.kind == "invalid_argument"
+    st = client.get_queue("g10")["stats"]
+    assert (st["ackedTotal"], st["leased"]) == (2, 2)
+
+
 def test_messages_sent_in_the_compact_form_are_counted_in_metrics(node, client):
     """A batch in the compact form (one log record, its run returned by apply as
     three figures) counts every message it stored in spooler_sends_total; one sent

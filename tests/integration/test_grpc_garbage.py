@@ -192,3 +192,35 @@ def test_well_framed_but_wrong_message_type(gnode):
 
 def test_node_serves_after_all_the_garbage(gnode):
     assert_serving(gnode, queue="after")
+
+
+def _h2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def _hpack_literal(name: bytes, value: bytes) -> bytes:
+    """A header as an HPACK literal, not indexed, new name, no Huffman (short strings only)."""
+    assert len(name) < 127 and len(value) < 127
+    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+
+def test_an_authorization_that_is_not_utf8_is_logged_once_a_minute_not_per_call(node):
+    """grpc's own ERROR line, with a traceback, for every call whose metadata is not
+    UTF-8 (grpc's clients never send it, so the call is written frame by frame): any
+    caller without a key could fill the node's log. 30 such calls now log one line."""
+    headers = b"".join(_hpack_literal(k, v) for k, v in (
+        (b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/spooler.v1.Spooler/ListQueues"),
+        (b":authority", b"spooler"), (b"content-type", b"application/grpc"), (b"te", b"trailers"),
+        (b"authorization", b"Bearer \xff\xfe")))
+    call = (PREFACE + _h2_frame(4, 0, 0, b"") + _h2_frame(1, 4, 1, headers)
+            + _h2_frame(0, 1, 1, b"\x00\x00\x00\x00\x00"))
+    for _ in range(30):
+        with socket.create_connection(_host_port(node), timeout=TIMEOUT_S) as s:
+            s.sendall(call)
+            got = b""
+            while b"grpc-status" not in got and (chunk := s.recv(65536)):
+                got += chunk
+    assert_serving(node)
+    log = node.read_log()
+    assert log.count("Invalid encoding on") == 1, log[-3000:]
+    assert "UnicodeDecodeError" not in log, log[-3000:]

@@ -61,6 +61,19 @@ def test_release_by_receive_id_gives_back_with_the_retry_count_kept(node):
         stub.Ack(api_pb2.LeaseRequest(token=again[0].lease_token), metadata=md)
 
 
+def test_one_key_written_two_ways_is_one_caller_for_a_release(node):
+    """Receive names are the caller's: the key, not how its Authorization line is spelled."""
+    ch, stub = _stub(node)
+    with ch:
+        _setup(stub, node.admin_key, "spelt", [b"a"])
+        got = stub.ReceiveBatch(api_pb2.ReceiveRequest(queue="spelt", receive_id="s-1"),
+                                metadata=_md(node.admin_key)).messages
+        assert [d.body for d in got] == [b"a"]
+        r = stub.ReleaseReceive(api_pb2.ReleaseReceiveRequest(queue="spelt", receive_id="s-1"),
+                                metadata=(("authorization", f"bearer   {node.admin_key} "),))
+        assert r.released == 1
+
+
 def _reuse_refused_then_next_is(stub, md, queue, name, body):
     """A receive under ``name`` again is refused; a plain receive then gets ``body``, uncounted."""
     with pytest.raises(grpc.RpcError) as ei:

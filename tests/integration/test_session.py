@@ -245,6 +245,37 @@ def test_sdk_falls_back_to_unary_without_a_session():
     asyncio.run(main())
 
 
+def test_a_node_without_a_session_turns_it_off_for_that_node_only(node, monkeypatch):
+    """A client that met an older node (no Session) in a rolling upgrade uses the
+    unary calls with that node only: moved on to a node with a Session, it uses the
+    Session there. It turned the Session off for good before. And it asks the older
+    node again after a while (UNSUPPORTED_RECHECK_S): one upgraded in place keeps
+    its address."""
+    from spooler import _common
+
+    async def main():
+        srv = await _NoSessionServer().start()
+        try:
+            async with AsyncClient(f"127.0.0.1:{srv.port},{node.grpc_target}", node.admin_key) as c:
+                assert (await c.send("q", b"x")).id == "u0"  # at the older node, unary
+                assert not c.session.supported
+                c._next_target(c.channel)  # what a failed call there does
+                await c.put_queue("s-mixed")
+                assert c.session.supported
+                r = await c.send("s-mixed", b"y")
+                assert c.session.call is not None and c.session.chan is c.channel  # over the Session
+                assert [m.body for m in await c.receive("s-mixed")] == [b"y"] and r.id
+                c._next_target(c.channel)  # back to the older node: still unary there
+                assert not c.session.supported
+                assert (await c.send("q", b"z")).id == "u0"
+                monkeypatch.setattr(_common, "UNSUPPORTED_RECHECK_S", 0.0)
+                assert c.session.supported  # asked again once the while is over
+        finally:
+            await srv.server.stop(None)
+
+    asyncio.run(main())
+
+
 def test_the_unary_fallback_goes_to_the_node_the_client_moved_to():
     """While a receive or an ack tries the Session, the client moves to its next
     node (another call found the first one gone), then learns there is no Session

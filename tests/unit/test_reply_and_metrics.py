@@ -1,5 +1,7 @@
 """The engine's Reply (a proposal answered by a call, not a future) and the
 lock-free metrics figures the write path updates."""
+import sys
+
 from prometheus_client import CollectorRegistry, generate_latest
 
 from node.api.metrics import Buckets, Count, _LoopCollector
@@ -235,3 +237,30 @@ def test_lines_a_client_can_cause_are_logged_at_most_once_a_minute_with_a_count(
     lines = [r.getMessage() for r in caplog.records if r.name == "throttle-test"]
     assert lines == ["gave back 1", "another kind 2",
                      "gave back 1 (and 499 more like it in the last minute, not logged)"]
+
+
+def test_grpc_lines_a_caller_can_cause_are_throttled_without_their_tracebacks(monkeypatch, caplog):
+    """grpc's own ERROR lines, each with a traceback, for a metadata value that is not
+    UTF-8 and for an answer it could not send: any caller can cause them, so they go
+    through the same once-a-minute throttle. Its other lines are left alone."""
+    import logging
+
+    from node import logs
+
+    monkeypatch.setattr(logs, "_last", {})
+    lg = logging.getLogger("grpc._cython.cygrpc")
+    monkeypatch.setattr(lg, "filters", [])
+    logs.install()
+    try:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+    except UnicodeDecodeError:
+        exc = sys.exc_info()
+    with caplog.at_level(logging.ERROR, logger="grpc._cython.cygrpc"):
+        for i in range(50):
+            lg.error("Invalid encoding on %s", b"Bearer \xff", exc_info=exc)
+            lg.error("ExecuteBatchError raised in core by servicer method [%s]", f"/m{i}", exc_info=exc)
+        lg.error("Error adding port to server: %s", "x")
+    got = [(r.getMessage(), r.exc_info) for r in caplog.records if r.name == "grpc._cython.cygrpc"]
+    assert got == [("Invalid encoding on b'Bearer \\xff'", None),
+                   ("ExecuteBatchError raised in core by servicer method [/m0]", None),
+                   ("Error adding port to server: x", None)]
