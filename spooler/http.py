@@ -147,7 +147,9 @@ class HttpClient:
         if delay_s is not None:
             h["Spooler-Delay-Seconds"] = seconds(delay_s)
         if dedup_key is not None:  # "" too: the node answers invalid_argument, not a send without a key
-            h["Spooler-Dedup-Key"] = dedup_key
+            # as UTF-8, the bytes the node reads it as: the key a gRPC send of the
+            # same string names (http.client would encode Latin-1, and refuse the rest)
+            h["Spooler-Dedup-Key"] = dedup_key.encode("utf-8", "surrogateescape")
         _, _, data = self.request("POST", f"/v1/queues/{self._name(queue)}/messages", body, h)
         return json.loads(data)
 

@@ -60,6 +60,21 @@ def test_every_spool_command_round_trips_in_json(node):
     assert run_json(node, "queue", "delete", "jobs") == (0, {"deleted": "jobs"})
 
 
+def test_a_dedup_key_beyond_ascii_is_the_same_key_as_over_grpc(node):
+    """The key goes out as UTF-8, the bytes the node reads a header as, so that a
+    send through spoolctl and one through the gRPC SDK with the same key are one
+    message. spoolctl refused such a key before (http.client encodes Latin-1)."""
+    from spooler import Client
+
+    with Client(node.grpc_target, node.admin_key) as c:
+        c.put_queue("dk", dedupWindowSeconds=300)
+        first = c.send("dk", b"x", dedup_key="clé-日本")
+    rc, d = run_json(node, "send", "dk", "x", "--dedup-key", "clé-日本")
+    assert rc == 0 and d == {"id": first.id, "duplicate": True}, d
+    rc, d = run_json(node, "send", "dk", "y", "--dedup-key", "cle")
+    assert rc == 0 and d["duplicate"] is False
+
+
 def test_json_may_come_before_or_after_the_action(node):
     """API.md: ``spoolctl COMMAND [--json] ...``, and every command takes --json:
     for the commands with actions, both ``queue --json list`` and ``queue list --json``."""
