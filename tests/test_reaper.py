@@ -218,28 +218,11 @@ def test_other_host_worker_is_never_judged(store, procs):
     assert r.new_state is None and store.get(job_id)["state"] == "running"
 
 
-def test_reap_rechecks_staleness_inside_the_transaction(store, procs):
-    """The worker heartbeats between the candidate scan and the reap: untouched."""
-    job_id, _ = store.submit(["true"])
-    w, c = claim_as(store, dead_pid(procs))
-    other = Store(store.spool_dir)
-    try:
-        def kill(pid, sig):   # the liveness probe runs between scan and reap
-            other.heartbeat(w, {(c.job_id, c.n)}, now=T0 + 31)
-            raise ProcessLookupError
-        [r] = reaper.reap_pass(store, now=T0 + 31, kill=kill)
-    finally:
-        other.close()
-    assert (r.verdict, r.new_state) == (reaper.DEAD, None)
-    job = store.get(job_id)
-    assert job["state"] == "running" and job["crash_count"] == 0 and job["attempts"][0]["finished_at"] is None
-
-
-def test_a_worker_that_heartbeats_after_the_scan_keeps_its_command(store, procs, monkeypatch):
-    """The heartbeat lands between the candidate scan and the reap: the job is left
-    alone, and its command is not killed either (the kill used to come before the
-    re-check, so a hung worker that woke in that gap kept its job with its command
-    killed, and recorded that against its retries)."""
+def test_reap_rechecks_staleness_inside_the_transaction(store, procs, monkeypatch):
+    """The worker heartbeats between the candidate scan and the reap: untouched, and
+    its command is not killed either (the kill used to come before the re-check, so
+    a hung worker that woke in that gap kept its job with its command killed, and
+    recorded that against its retries)."""
     job_id, _ = store.submit(["true"])
     w, c = claim_as(store, dead_pid(procs))
     killed = []
@@ -253,6 +236,8 @@ def test_a_worker_that_heartbeats_after_the_scan_keeps_its_command(store, procs,
     finally:
         other.close()
     assert (r.verdict, r.new_state) == (reaper.DEAD, None)
+    job = store.get(job_id)
+    assert job["state"] == "running" and job["crash_count"] == 0 and job["attempts"][0]["finished_at"] is None
     assert killed == []
 
 
