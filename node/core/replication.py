@@ -245,7 +245,8 @@ class Replication:
         self.pre_votes: dict = {}
         self.next: dict = {}
         self.match: dict = {}
-        self.inflight: dict = {}
+        self.inflight: dict = {}     # peer -> frames of records sent it and not yet acknowledged
+        self.frame_ends: dict = {}   # peer -> the last lsn of each of those frames, oldest first
         self.snapshot_at: dict = {}  # peer -> when it last reported a snapshot of ours installed
         self.last_sent: dict = {}
         self.acked_sent: dict = {}  # peer -> sent_us of the latest append it acknowledged in our epoch
@@ -516,7 +517,7 @@ class Replication:
         self.stream_lost_at[peer] = now
         if self.match.get(peer, 0) > 0:  # else the next frame's refusal says where to go back to
             self.next[peer] = min(self.next.get(peer, self.log.last_lsn + 1), self.match[peer] + 1)
-        self.inflight[peer] = 0
+        self._no_frames_in_flight(peer)
         self._send_append(peer, now, out, heartbeat=True)
         return out
 
@@ -537,7 +538,7 @@ class Replication:
             return out
         self.match[peer] = max(self.match.get(peer, 0), min(lsn, self.durable_lsn))
         self.next[peer] = lsn + 1
-        self.inflight[peer] = 0
+        self._no_frames_in_flight(peer)
         self.snapshot_at[peer] = now  # answers to frames sent before this predate the copy
         self._advance_commit(out)
         self._send_append(peer, now, out, heartbeat=True)
@@ -676,7 +677,12 @@ class Replication:
         self.last_sent[p] = now
         if entries:
             self.next[p] = upto + 1  # pipelined: assume it lands; a refusal rewinds
-            self.inflight[p] = self.inflight.get(p, 0) + 1
+            self.frame_ends.setdefault(p, []).append(upto)
+            self.inflight[p] = len(self.frame_ends[p])
+
+    def _no_frames_in_flight(self, p: str) -> None:
+        self.inflight[p] = 0
+        self.frame_ends[p] = []
 
     def contact(self, m: AppendResp, now: int) -> None:
         """Primary: an acknowledgement ``m`` has arrived (of a frame, or contact
@@ -701,8 +707,16 @@ class Replication:
         if m.contact:
             return  # contact only (heard): the frame's own acknowledgement follows its fsync
         self.peer_joining[p] = m.joining
-        self.inflight[p] = max(0, self.inflight.get(p, 0) - 1)
         if m.ok:
+            # a frame is in flight until an acknowledgement covers its last record.
+            # Counted by lsn, not one per acknowledgement: a heartbeat's (sent while
+            # the most frames are out) and each part's of a frame the shell split
+            # took no slot, and freeing one for each let a slow replica that still
+            # answers have ever more frames queued for it, and fall ever further behind
+            ends = self.frame_ends.setdefault(p, [])
+            while ends and ends[0] <= m.match_lsn:
+                ends.pop(0)
+            self.inflight[p] = len(ends)
             if m.match_lsn > self.match.get(p, 0):
                 self.match[p] = m.match_lsn
             self._advance_commit(out)
@@ -712,7 +726,7 @@ class Replication:
             # sent before a snapshot was installed there: its answer predates the copy,
             # and would send the replica another one)
             self.next[p] = max(1, min(self.next.get(p, 1) - 1, m.match_lsn + 1))
-            self.inflight[p] = 0
+            self._no_frames_in_flight(p)
         if self.next.get(p, 0) <= self.log.last_lsn:
             self._send_append(p, now, out)
 
@@ -956,7 +970,7 @@ class Replication:
         for p in self.peers:
             self.next[p] = self.log.last_lsn + 1
             self.match[p] = 0
-            self.inflight[p] = 0
+            self._no_frames_in_flight(p)
             self.snapshot_at.pop(p, None)
             # a vote for our epoch is contact: that voter no longer follows anyone older
             self.acked_sent[p] = self.campaign_at if p in self.votes else -1 << 62

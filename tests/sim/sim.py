@@ -71,8 +71,11 @@ class SimNode:
 
     def boot(self):
         sim = self.sim
+        entries, frames = sim.rng.choice([1, 3, 64]), sim.rng.choice([1, 4])
+        # (one frame of one record in flight is one record a round trip: no faster
+        # than the sim writes, so a replica that fell behind would never catch up)
         c = R.Replication(self.id, sim.members, failover_timeout_us=sim.timeout_for(self.id), rand=sim.rng.random,
-                          frame_entries_max=sim.rng.choice([1, 3, 64]), frames_in_flight_max=sim.rng.choice([1, 4]))
+                          frame_entries_max=entries, frames_in_flight_max=2 if entries == frames == 1 else frames)
         c.epoch, c.voted_for, c.joining = self.disk.epoch, self.disk.voted_for, self.disk.joining
         c.lease_seen = self.disk.lease_seen
         c.log.entries = [(e, crc) for e, crc, _ in self.disk.log]
