@@ -479,6 +479,7 @@ async def serve(args) -> int:
 
     app = build_app(svc, metrics)
     guard = http_conns.ConnectionGuard(args.http_max_connections)
+    guard.epoch_of = lambda: engine.known_epoch
     app[CONNECTIONS], app[CLIENT_TIMEOUT_S] = guard, args.http_client_timeout
     # aiohttp's keep-alive timer closes a connection whose next request head has
     # not come whole within it, from its opening or its last answer: an idle

@@ -353,8 +353,9 @@ def build_app(svc: Service, metrics) -> web.Application:
         reserved = 0
         if n is not None:
             try:
+                svc.check_send_to(p, queue)  # a body it may not send is neither held nor read
                 svc.check_sending_room(n)  # before the body is read: refused, it is never held
-            except errors.Unavailable:
+            except errors.SpoolerError:
                 request[CLOSE] = True  # (its body stays unread)
                 raise
             svc.sending_bytes += n  # held while it is read (then counted as the send's own)
@@ -547,7 +548,11 @@ def _errors_mw(metrics):
             # for an answer that never comes. Answered, then closed, its client
             # sees that at once and can send it again on a new connection.
             request[CLOSE] = True
-        r = await answer(request, handler)
+        try:
+            r = await answer(request, handler)
+        finally:
+            if guard is not None:
+                guard.request_answered(request)
         if request.get(CLOSE) and isinstance(r, web.Response) and not r.prepared:
             await _answer_then_close(request, r)  # whatever the answer (set where a body could not be read)
         return r

@@ -19,14 +19,28 @@ Three rules, each with its own mechanism:
 * **How long a client may take to send a body**: node/api/http.py's ``_read``
   waits for a body for the client timeout at most.
 
+* **How large a request head may be**: ``HEAD_BYTES_MAX`` from the request
+  line to the blank line that ends the head. aiohttp bounds each header line
+  (8,190 bytes) and their number (128), not their sum, and keeps every line of
+  a head that has not come whole: about 1 MiB a connection, 4 GiB over the
+  connection bound, from clients without a key (the review's run: 1,000 such
+  connections took a node from 71 to 1,939 MiB, and it kept the memory).
+  ``_Heads`` counts each connection's head bytes as they arrive (the body's
+  bytes are skipped by the head's Content-Length, or not counted until the
+  request is answered when the body is chunked); past the bound the connection
+  is answered 400 ``invalid_argument`` and closed, before aiohttp sees the bytes.
+
 aiohttp has no connection bound of its own: ``attach`` wraps the connection
 callbacks its ``Server`` gets from every connection handler.
 """
 from __future__ import annotations
 
 import asyncio
+import re
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from spooler import errors
 
 # Routes answered even on a connection over the bound (then closed): probes
 UNBOUNDED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
@@ -37,6 +51,85 @@ SPARE_DEFAULT = 256       # connections past the bound still told why, at once
 GRACE_S_DEFAULT = 5.0     # how long such a connection may take to send its request
 CLIENT_TIMEOUT_S_DEFAULT = 75.0   # aiohttp's own keep-alive default under run_app
 CLIENT_TIMEOUT_S_MIN, CLIENT_TIMEOUT_S_MAX = 0.1, 3600.0
+
+
+# a request head's bytes, request line to blank line: far over what this API's
+# requests carry (a key, a dedup key of 128 characters, a lease token of 400)
+HEAD_BYTES_MAX = 32 * 1024
+
+_CONTENT_LENGTH = re.compile(rb"^content-length[ \t]*:[ \t]*(\d{1,18})[ \t]*\r?$", re.I | re.M)
+_CHUNKED = re.compile(rb"^transfer-encoding[ \t]*:", re.I | re.M)
+
+
+class _Heads:
+    """One connection's request head bytes, counted as they arrive (see above).
+    ``feed(data)`` -> False once the head being received passes HEAD_BYTES_MAX."""
+    __slots__ = ("head", "body_left", "in_body")
+
+    def __init__(self):
+        self.head = bytearray()  # the head so far (at most HEAD_BYTES_MAX + 4 bytes)
+        self.body_left = 0       # bytes of the last head's body still to come (not counted)
+        self.in_body = False     # a body of unknown length (chunked): counted again once answered
+
+    def feed(self, data: bytes) -> bool:
+        pos, n = 0, len(data)
+        while pos < n:
+            if self.body_left:
+                take = min(self.body_left, n - pos)
+                self.body_left -= take
+                pos += take
+                continue
+            if self.in_body:
+                return True
+            start = max(0, len(self.head) - 3)  # the blank line may straddle two reads
+            piece = data[pos:pos + HEAD_BYTES_MAX + 4 - len(self.head)]
+            self.head += piece
+            end = self.head.find(b"\r\n\r\n", start)
+            if end < 0:
+                if len(self.head) > HEAD_BYTES_MAX:
+                    return False
+                pos += len(piece)
+                continue
+            end += 4
+            if end > HEAD_BYTES_MAX:
+                return False
+            pos += end - (len(self.head) - len(piece))
+            head, self.head = bytes(self.head[:end]), bytearray()
+            if _CHUNKED.search(head):
+                self.in_body = True
+            else:
+                m = _CONTENT_LENGTH.search(head)
+                self.body_left = int(m.group(1)) if m else 0
+        return True
+
+    def answered(self) -> None:
+        self.in_body = False
+
+
+class _Metered(asyncio.Protocol):
+    """The protocol the transport talks to: ``inner`` (aiohttp's handler), with
+    its bytes counted by ``heads`` first; ``over()`` when a head is too large."""
+
+    def __init__(self, inner, heads: _Heads, over):
+        self.inner, self.heads, self.over = inner, heads, over
+
+    def data_received(self, data: bytes) -> None:
+        if self.heads.feed(data):
+            self.inner.data_received(data)
+        else:
+            self.over()
+
+    def eof_received(self):
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc) -> None:
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
 
 
 class ConnectionGuard:
@@ -51,6 +144,8 @@ class ConnectionGuard:
         self.over: dict = {}
         self.answered = 0        # connections told 503 too_many_connections
         self.closed = 0          # connections closed unanswered (past the spare, or silent past the grace)
+        self.heads: dict = {}    # handler -> _Heads
+        self.heads_too_large = 0  # connections closed for a request head over HEAD_BYTES_MAX
 
     def attach(self, server) -> None:
         """Count the connections of aiohttp's low-level ``server`` (AppRunner.server)."""
@@ -60,6 +155,7 @@ class ConnectionGuard:
         def connection_made(handler, transport):
             made(handler, transport)
             self.live.add(handler)
+            self._meter(handler, transport)
             n = len(self.live)
             if n > self.most + self.spare:
                 self.closed += 1
@@ -69,10 +165,43 @@ class ConnectionGuard:
 
         def connection_lost(handler, exc=None):
             self.live.discard(handler)
+            self.heads.pop(handler, None)
             self._forget(handler)
             lost(handler, exc)
 
         server.connection_made, server.connection_lost = connection_made, connection_lost
+
+    def _meter(self, handler, transport) -> None:
+        """Count ``handler``'s request head bytes before aiohttp gets them; past
+        HEAD_BYTES_MAX answer 400 and close (nothing of that read is parsed)."""
+        heads = self.heads[handler] = _Heads()
+
+        def over() -> None:
+            if not transport.is_closing():
+                self.heads_too_large += 1
+                transport.write(self._head_answer())
+                transport.close()
+
+        # (aiohttp's handler has __slots__: its data_received cannot be wrapped on
+        # it, so the transport is given a protocol in front of it)
+        transport.set_protocol(_Metered(handler, heads, over))
+
+    epoch_of = None  # () -> the epoch answers name (set where the app is made)
+
+    def _head_answer(self) -> bytes:
+        """400 invalid_argument, in the contract's JSON, naming the epoch; then closed."""
+        e = errors.InvalidArgument(f"request head over {HEAD_BYTES_MAX} bytes")
+        body = errors.http_body(e)
+        epoch = f"Spooler-Epoch: {self.epoch_of()}\r\n" if self.epoch_of is not None else ""
+        return (f"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n{epoch}"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+    def request_answered(self, request) -> None:
+        """A request's handler is done: a chunked body's end is not counted
+        (``_Heads.in_body``); the connection's next head is."""
+        heads = self.heads.get(request.protocol)
+        if heads is not None:
+            heads.answered()
 
     def _forget(self, handler) -> None:
         timer = self.over.pop(handler, None)
@@ -114,3 +243,6 @@ class ConnectionGuard:
         c.add_metric(["answered"], self.answered)
         c.add_metric(["closed"], self.closed)
         yield c
+        yield CounterMetricFamily("spooler_http_heads_too_large",
+                                  f"HTTP connections closed for a request head over {HEAD_BYTES_MAX} bytes",
+                                  value=self.heads_too_large)

@@ -656,6 +656,21 @@ class Service:
     def _recount(self, core, of) -> None:
         self._held, self._held_since, self._held_lsn, self._held_of = core.messages_held(), 0, core.lsn, of
 
+    def check_send_to(self, p: Principal, queue: str) -> None:
+        """The checks of an HTTP send that need no body, made before its declared
+        length is set aside in ``sending_bytes`` and its body is read: the queue's
+        name, the caller's send scope on it (when this node knows the key), and, on
+        the node that holds the primary's state, that the queue exists. Else any key
+        could hold the whole budget with bodies it never sends to queues it may not
+        send to, and refuse every other send on the node (HTTP and gRPC) for the
+        client timeout. send_begin makes the same checks again, in the same order."""
+        self.check_name_any(queue)
+        if self.forwards() and self.unknown_here(p):
+            return  # the primary knows the key (forwarded, it says 401 or 403)
+        self.authorize(p, "send", queue)
+        if not self.forwards() and self.engine.ready:  # (not ready: send_begin says so)
+            self._queue(queue)
+
     def check_sending_room(self, n_bytes: int) -> None:
         """503 if ``n_bytes`` more of bodies would pass sending_bytes_max (one send
         always fits when none is on its way)."""

@@ -380,6 +380,54 @@ def test_http_sends_are_refused_before_their_bodies_are_read_past_the_byte_budge
         node.kill()
 
 
+def test_heads_of_sends_a_key_may_not_make_hold_none_of_the_byte_budget(tmp_path):
+    """A send's declared length was set aside before its key's scope or its queue
+    was checked: a key that may only receive, from an unrelated queue, could open
+    heads declaring bodies it never sent and hold the whole budget, so that every
+    other send on the node was 503 for the client timeout. Such a send is now
+    403 (or 404 for a queue that does not exist) at once, holding nothing, and
+    the others are stored."""
+    import json
+    import socket
+    import urllib.request
+
+    from nodeproc import NodeProc
+
+    node = NodeProc(str(tmp_path / "n"), env={"SPOOLER_TEST_SENDING_BYTES_MAX": "1000000"}).start()
+    socks = []
+
+    def call(method, path, body=b"", key=None):
+        req = urllib.request.Request(node.http_url + path, data=body, method=method,
+                                     headers={"Authorization": f"Bearer {key or node.admin_key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+    try:
+        for q in ("q", "unrelated"):
+            assert call("PUT", f"/v1/queues/{q}", b"{}")[0] in (200, 201)
+        status, k = call("POST", "/v1/keys", json.dumps({"queue": "unrelated", "scopes": ["receive"]}).encode())
+        assert status == 201, k
+        answers = []
+        for path, key in (("/v1/queues/q/messages", k["key"]), ("/v1/queues/unrelated/messages", k["key"]),
+                          ("/v1/queues/no-such-queue/messages", node.admin_key)):
+            for _ in range(4):  # 12 x 250,000 declared: three times the budget of 1,000,000, were they held
+                s = socket.create_connection(("127.0.0.1", node.http_port), timeout=10)
+                socks.append(s)
+                s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+                          f"Content-Length: 250000\r\n\r\n".encode())
+                data = s.recv(65536)  # answered at once, its body never sent
+                answers.append((int(data.split(b" ", 2)[1]), json.loads(data.partition(b"\r\n\r\n")[2])["kind"]))
+        assert answers == [(403, "forbidden")] * 8 + [(404, "queue_not_found")] * 4, answers
+        status, sent = call("POST", "/v1/queues/q/messages", b"b" * 250_000)
+        assert status == 201, sent
+    finally:
+        for s in socks:
+            s.close()
+        node.kill()
+
+
 def test_the_node_wide_message_cap_counts_every_queue_and_refuses_whole_batches(tmp_path):
     """Limits.messages_max bounds the messages of every queue together (each holds
     memory): a send that would pass it is refused whole, 503 node_full, storing

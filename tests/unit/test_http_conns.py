@@ -29,9 +29,13 @@ class _Server:
 class _Transport:
     def __init__(self):
         self.aborted = False
+        self.protocol = None
 
     def abort(self):
         self.aborted = True
+
+    def set_protocol(self, protocol):
+        self.protocol = protocol
 
 
 class _Handler:
@@ -130,3 +134,25 @@ def test_a_connection_answered_or_gone_past_the_bound_ends_its_grace_timer():
         assert not asked.forced and not probed.forced and not gone.forced
         assert guard.answered == 1 and guard.closed == 0
     asyncio.run(run())
+
+
+def test_a_head_is_counted_across_reads_and_a_body_is_skipped_by_its_length():
+    """_Heads, the request head meter: the blank line may come split over two
+    reads; a body's bytes (by Content-Length) are not a head, nor a chunked one's
+    until its request is answered; a head past HEAD_BYTES_MAX is refused however
+    it is cut."""
+    from node.api.http_conns import HEAD_BYTES_MAX, _Heads
+
+    h = _Heads()
+    head = b"POST /v1/queues/q/messages HTTP/1.1\r\nContent-Length: 50000\r\n\r"
+    assert h.feed(head) and h.feed(b"\n" + b"b" * 30_000) and h.feed(b"b" * 20_000)
+    assert (h.body_left, bytes(h.head)) == (0, b"")
+    # two pipelined heads and a body in one read, then a chunked one
+    assert h.feed(b"GET / HTTP/1.1\r\n\r\nPOST / HTTP/1.1\r\ncontent-length:3\r\n\r\nabcGET")
+    assert bytes(h.head) == b"GET"
+    assert h.feed(b" / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + b"x" * (2 * HEAD_BYTES_MAX))
+    assert h.in_body
+    h.answered()
+    assert h.feed(b"G" * HEAD_BYTES_MAX) and not h.feed(b"E")  # one byte past: refused
+    assert not _Heads().feed(b"x" * (HEAD_BYTES_MAX - 2) + b"\r\n\r\n" + b"y" * 20)  # whole, but too large
+    assert _Heads().feed(b"x" * (HEAD_BYTES_MAX - 4) + b"\r\n\r\n" + b"y" * 20)  # whole, and just fits
