@@ -25,6 +25,7 @@ time (see docs/DESIGN.md, "Elections and fencing").
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -157,6 +158,13 @@ class LogView:
         if 0 <= i < len(self.entries):
             return self.entries[i]
         return None
+
+    def first_of_epoch(self, epoch: int, upto: int, floor: int) -> int:
+        """The first lsn in (floor, upto] whose record is of ``epoch``, the record at
+        ``upto`` being of it (epochs never go down along a log: a bisection)."""
+        lo = max(0, floor - self.base_lsn)
+        i = bisect.bisect_left(self.entries, epoch, lo, upto - self.base_lsn - 1, key=lambda e: e[0])
+        return self.base_lsn + 1 + i
 
     def truncate(self, after_lsn: int) -> None:
         del self.entries[max(0, after_lsn - self.base_lsn):]
@@ -817,6 +825,12 @@ class Replication:
                 or (mine is None and m.prev_lsn > self.commit_lsn):
             # we do not hold the primary's record at prev: tell it where to back off to
             hint = max(min(self.log.last_lsn, m.prev_lsn - 1), self.commit_lsn)
+            if mine is not None and m.prev_epoch >= 0 and mine[0] != m.prev_epoch and m.prev_lsn > self.log.base_lsn:
+                # ours at prev is of another epoch: so is every record of ours of that
+                # epoch before it (raft's conflict-term hint), back to the commit point.
+                # Back off past all of them at once, not a record a round trip: a
+                # deposed primary's tail of N records took N frames to set right
+                hint = max(self.log.first_of_epoch(mine[0], m.prev_lsn, self.commit_lsn) - 1, self.commit_lsn)
             # (still joining or not, as in every answer: a replacement being sent a
             # snapshot answers these all the while, and must not look joined)
             out.append(Send(m.primary, AppendResp(self.epoch, self.id, False, hint, m.sent_us, self.joining)))

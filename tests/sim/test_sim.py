@@ -1400,3 +1400,43 @@ def test_a_primary_whose_log_differs_from_a_committed_record_stops_the_replica_l
     c = _replica_holding(2, held)
     out = c.receive(R.AppendReq(5, "n1", 2, -1, 0, [(3, 5, 78)], 3, now), now)
     assert any(isinstance(e, R.Send) and not e.msg.ok for e in out), out
+
+
+def test_a_deposed_primary_s_divergent_tail_is_set_right_in_a_frame_per_epoch_not_per_record():
+    """P, primary of epoch 1, wrote 2,000 records while cut off; Q, primary of
+    epoch 2, wrote 6,000 since the last common one. Q's first frame to P finds its
+    record at prev of another epoch: P answers with the record before its first of
+    that epoch (raft's conflict-term hint), not prev - 1, so Q backs off past the
+    whole tail at once and then sends what P lacks, 512 records a frame. It used
+    to back off one record a round trip: 2,000 records took 2,009 frames."""
+    n, T = 2000, 2_000_000
+    common = [(1, 1000 + i) for i in range(100)]  # 100 committed records of epoch 1
+    P = R.Replication("P", ["P", "Q", "S"], T, rand=lambda: 0.5)
+    Q = R.Replication("Q", ["P", "Q", "S"], T, rand=lambda: 0.5)
+    P.log.entries = common + [(1, 5000 + i) for i in range(n)]
+    Q.log.entries = common + [(2, 9000 + i) for i in range(3 * n)]
+    for c in (P, Q):
+        c.start(0)
+        c.commit_lsn, c.durable_lsn = 100, c.log.last_lsn
+    P.epoch, Q.epoch = 1, 2
+    Q.role, Q.primary = R.PRIMARY, "Q"
+    for p in Q.peers:
+        Q.next[p], Q.match[p], Q.inflight[p], Q.acked_sent[p], Q.last_sent[p] = Q.log.last_lsn + 1, 0, 0, 0, -1 << 62
+    now, frames, hints = 10, 0, []
+    msgs = [e.msg for e in Q.tick(now) if isinstance(e, R.Send) and e.to == "P"]
+    while msgs and P.log.entries != Q.log.entries and frames < 10_000:
+        m = msgs.pop(0)
+        now += 1
+        if isinstance(m, R.AppendReq):
+            frames += 1
+            out = P.receive(m, now)
+            for e in list(out):
+                if isinstance(e, R.Store):
+                    out += P.stored(e.req, now)
+            msgs += [e.msg for e in out if isinstance(e, R.Send)]
+            hints += [e.msg.match_lsn for e in out if isinstance(e, R.Send) and not e.msg.ok]
+        elif isinstance(m, R.AppendResp):
+            msgs += [e.msg for e in Q.receive(m, now) if isinstance(e, R.Send) and e.to == "P"]
+    assert P.log.entries == Q.log.entries
+    assert hints == [100 + n, 100], hints  # its end, then straight back to the last record the two share
+    assert frames <= 2 + -(-3 * n // Q.frame_entries_max), frames
