@@ -530,7 +530,16 @@ class Service:
         """
         fut = self.send_begin(p, entries, run)
         if fut is None:
-            return await self.fwd.send(self._remote(p), p.auth, entries, run)
+            # forwarded: its bodies are held here until the primary answers, and
+            # count against sending_bytes_max as the primary's own sends do (a
+            # replica with a stopped primary held every forwarded body it was sent)
+            total = sum(len(e[1]) for e in entries) + (sum(map(len, run[1])) if run else 0)
+            self.check_sending_room(total)
+            self.sending_bytes += total
+            try:
+                return await self.fwd.send(self._remote(p), p.auth, entries, run)
+            finally:
+                self.sending_bytes -= total
         return self.send_results(await fut)
 
     def send_begin(self, p: Principal, entries: list, run: Optional[tuple] = None, reply=None):
