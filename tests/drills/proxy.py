@@ -500,7 +500,13 @@ class FaultProxy:
             for t in pumps:
                 t.cancel()
             if pumps:
-                await asyncio.gather(*pumps, return_exceptions=True)
+                try:
+                    await asyncio.gather(*pumps, return_exceptions=True)
+                except asyncio.CancelledError:
+                    # cancelled again while the pumps end (the proxy stopping): this
+                    # connection's task must not end cancelled, or asyncio's stream
+                    # server logs a traceback for it ("Exception in callback")
+                    conn.reset = True
             if conn.reset:
                 _reset(dw)
                 _reset(conn.up)
