@@ -32,6 +32,8 @@ from array import array
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
+import apsw
+
 from spooler import errors
 from spooler.pb import log_pb2
 from node.core.spool import QUEUES_MAX, Core
@@ -1108,8 +1110,17 @@ class Engine:
         # Our WAL is deleted below, so first every frame of it goes into our file,
         # checked (closing does the same, but keeps the WAL silently when it fails,
         # and deleting that WAL would lose writes this node acknowledged). A failure
-        # up to here leaves our store as it was, open, and the install is refused.
-        st.fold_wal()
+        # up to here leaves our store as it was, open, and the install is refused:
+        # a reader holding the WAL (BusyError, or frames the checkpoint left). But
+        # a write or fsync of our own file that fails is our store failing: after a
+        # failed fsync the page cache can no longer be trusted (S9), so the node
+        # stops, as after any failed write, instead of refusing and going on
+        try:
+            st.fold_wal()
+        except (apsw.BusyError, RuntimeError):
+            raise
+        except Exception as err:
+            raise InstallBroken(f"folding this node's WAL before a snapshot install failed: {err!r}") from err
         # The point of no return: from closing our store on, a failure leaves the
         # node without a store it can use, and it stops (InstallBroken, S9). A crash
         # leaves our old file (its WAL folded in) or the copy, each whole.
@@ -1191,5 +1202,6 @@ class Engine:
 
 
 class InstallBroken(Exception):
-    """A snapshot install failed after the node's old store was closed: the node
-    has no store it can use, and stops (Driver._install_locked)."""
+    """A snapshot install failed after the node's old store was closed, or its old
+    store failed a write or fsync on the way: the node has no store it can trust,
+    and stops (Driver._install_locked)."""

@@ -435,3 +435,36 @@ def test_a_refused_copy_leaves_neither_its_file_nor_its_wal_behind(tmp_path, mon
             await r.stop()
 
     asyncio.run(main())
+
+
+def test_our_store_failing_its_fsync_while_folding_its_wal_stops_the_node(tmp_path, monkeypatch):
+    """S9: before a copy is installed, our WAL is folded into our file, which
+    fsyncs it. A write or fsync of our own file that fails there is our store
+    failing, not a copy to refuse: the node stops (status 70), as after any
+    failed write. It was refused as a bad copy, and the node went on confirming
+    writes on a store whose fsync had failed (found by a review). A reader
+    holding the WAL is still a refusal (the test above)."""
+    async def main():
+        a = str(tmp_path / "A.db")
+        await _primary_snapshot(str(tmp_path / "pa"), "qa", 3, 1000, a)
+        r = await _replica(str(tmp_path / "r"))
+        stopped = []
+        r.on_fatal = stopped.append
+        ours = os.path.join(r.data_dir, "spool.db")
+        fold = Store.fold_wal
+
+        def failing_fsync(self):
+            if self.path == ours:
+                raise apsw.IOError("disk I/O error (fsync)")
+            return fold(self)
+        monkeypatch.setattr(Store, "fold_wal", failing_fsync)
+        try:
+            with pytest.raises(InstallBroken):
+                await r.repl.serve_snapshot(_chunks(a, 6, "n1"), None)
+            assert isinstance(r.failed, InstallBroken) and stopped == [r.failed]
+            assert isinstance(r.failed.__cause__, apsw.IOError)
+        finally:
+            monkeypatch.undo()
+            await r.stop()
+
+    asyncio.run(main())
