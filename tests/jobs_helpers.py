@@ -46,7 +46,7 @@ def pid_gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # (the second: it went between the open and the read)
         return True
     return stat[stat.rfind(b")") + 2:].split()[0] == b"Z"
 
