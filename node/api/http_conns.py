@@ -144,7 +144,6 @@ class ConnectionGuard:
         self.over: dict = {}
         self.answered = 0        # connections told 503 too_many_connections
         self.closed = 0          # connections closed unanswered (past the spare, or silent past the grace)
-        self.heads: dict = {}    # handler -> _Heads
         self.heads_too_large = 0  # connections closed for a request head over HEAD_BYTES_MAX
 
     def attach(self, server) -> None:
@@ -165,7 +164,6 @@ class ConnectionGuard:
 
         def connection_lost(handler, exc=None):
             self.live.discard(handler)
-            self.heads.pop(handler, None)
             self._forget(handler)
             lost(handler, exc)
 
@@ -174,7 +172,7 @@ class ConnectionGuard:
     def _meter(self, handler, transport) -> None:
         """Count ``handler``'s request head bytes before aiohttp gets them; past
         HEAD_BYTES_MAX answer 400 and close (nothing of that read is parsed)."""
-        heads = self.heads[handler] = _Heads()
+        heads = _Heads()
 
         def over() -> None:
             if not transport.is_closing():
@@ -199,9 +197,10 @@ class ConnectionGuard:
     def request_answered(self, request) -> None:
         """A request's handler is done: a chunked body's end is not counted
         (``_Heads.in_body``); the connection's next head is."""
-        heads = self.heads.get(request.protocol)
-        if heads is not None:
-            heads.answered()
+        t = request.transport
+        metered = t.get_protocol() if t is not None else None
+        if isinstance(metered, _Metered):
+            metered.heads.answered()
 
     def _forget(self, handler) -> None:
         timer = self.over.pop(handler, None)

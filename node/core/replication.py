@@ -253,8 +253,9 @@ class Replication:
         self.pre_votes: dict = {}
         self.next: dict = {}
         self.match: dict = {}
-        self.inflight: dict = {}     # peer -> frames of records sent it and not yet acknowledged
-        self.frame_ends: dict = {}   # peer -> the last lsn of each of those frames, oldest first
+        # peer -> the last lsn of each frame of records sent it and not yet
+        # acknowledged, oldest first (their number is what is in flight)
+        self.frame_ends: dict = {}
         self.snapshot_at: dict = {}  # peer -> when it last reported a snapshot of ours installed
         self.last_sent: dict = {}
         self.acked_sent: dict = {}  # peer -> sent_us of the latest append it acknowledged in our epoch
@@ -663,7 +664,7 @@ class Replication:
     # ------------------------------------------------------------ primary
     def _send_append(self, p: str, now: int, out: list, heartbeat: bool = False) -> None:
         nxt = self.next.get(p, self.log.last_lsn + 1)
-        full = self.inflight.get(p, 0) >= self.frames_in_flight_max
+        full = len(self.frame_ends.get(p, ())) >= self.frames_in_flight_max
         if full and not heartbeat:
             return
         prev = nxt - 1
@@ -686,10 +687,8 @@ class Replication:
         if entries:
             self.next[p] = upto + 1  # pipelined: assume it lands; a refusal rewinds
             self.frame_ends.setdefault(p, []).append(upto)
-            self.inflight[p] = len(self.frame_ends[p])
 
     def _no_frames_in_flight(self, p: str) -> None:
-        self.inflight[p] = 0
         self.frame_ends[p] = []
 
     def contact(self, m: AppendResp, now: int) -> None:
@@ -724,7 +723,6 @@ class Replication:
             ends = self.frame_ends.setdefault(p, [])
             while ends and ends[0] <= m.match_lsn:
                 ends.pop(0)
-            self.inflight[p] = len(ends)
             if m.match_lsn > self.match.get(p, 0):
                 self.match[p] = m.match_lsn
             self._advance_commit(out)

@@ -1154,7 +1154,7 @@ def test_a_slow_replica_gets_no_more_frames_of_records_than_the_in_flight_limit(
     c.start(0)
     c.epoch, c.role, c.primary = 1, R.PRIMARY, "n1"
     for p in c.peers:
-        c.next[p], c.match[p], c.inflight[p], c.acked_sent[p], c.last_sent[p] = 1, 0, 0, 0, -1 << 62
+        c.next[p], c.match[p], c.frame_ends[p], c.acked_sent[p], c.last_sent[p] = 1, 0, [], 0, -1 << 62
     now, lsn, with_records, heartbeats = 0, 0, 0, 0
     for _ in range(50):  # 5 s in steps of 100 ms
         now += 100_000
@@ -1190,7 +1190,7 @@ def test_a_slow_replica_that_answers_every_frame_still_has_at_most_the_limit_in_
     c.start(0)
     c.epoch, c.role, c.primary = 1, R.PRIMARY, "n1"
     for p in c.peers:
-        c.next[p], c.match[p], c.inflight[p], c.acked_sent[p], c.last_sent[p] = 1, 0, 0, 0, -1 << 62
+        c.next[p], c.match[p], c.frame_ends[p], c.acked_sent[p], c.last_sent[p] = 1, 0, [], 0, -1 << 62
     queued = collections.deque()
     now = lsn = next_answer = 0
     most = 0
@@ -1217,7 +1217,7 @@ def test_a_slow_replica_that_answers_every_frame_still_has_at_most_the_limit_in_
         most = max(most, sum(1 for m in queued if m.entries))
     assert c.role == R.PRIMARY
     assert most <= c.frames_in_flight_max, most
-    assert c.inflight["n2"] <= c.frames_in_flight_max
+    assert len(c.frame_ends["n2"]) <= c.frames_in_flight_max
 
 
 def _replica_n2_of_n1(T, lease_us):
@@ -1421,7 +1421,7 @@ def test_a_deposed_primary_s_divergent_tail_is_set_right_in_a_frame_per_epoch_no
     P.epoch, Q.epoch = 1, 2
     Q.role, Q.primary = R.PRIMARY, "Q"
     for p in Q.peers:
-        Q.next[p], Q.match[p], Q.inflight[p], Q.acked_sent[p], Q.last_sent[p] = Q.log.last_lsn + 1, 0, 0, 0, -1 << 62
+        Q.next[p], Q.match[p], Q.frame_ends[p], Q.acked_sent[p], Q.last_sent[p] = Q.log.last_lsn + 1, 0, [], 0, -1 << 62
     now, frames, hints = 10, 0, []
     msgs = [e.msg for e in Q.tick(now) if isinstance(e, R.Send) and e.to == "P"]
     while msgs and P.log.entries != Q.log.entries and frames < 10_000:
