@@ -38,7 +38,7 @@ from spooler import errors
 from spooler.pb import log_pb2
 from node.core.spool import QUEUES_MAX, Core
 from node.process import release_memory
-from node.store.sqlite import CheckpointData, Store, chain
+from node.store.sqlite import CheckpointData, Position, Store, chain
 from node.waits import wait_event
 
 log = logging.getLogger("spooler.engine")
@@ -1085,13 +1085,16 @@ class Engine:
         """Writer thread: replace the store with a primary's copy, keep our vote,
         the longest lease we answered, and whether we are still joining."""
         st = self.store
+        if not os.path.isfile(path):  # Store() would make an empty one, and we would install that
+            raise FileNotFoundError(path)
+        held = self._copy_held(path)
+        if held is not None:
+            raise CopyHeld(held)
         keep = {k: st.get_meta(k) for k in ("repl_epoch", "voted_for", "lease_seen_us", "joining")}
         # ours, not the primary's, written into the copy (one transaction, fsync'd)
         # before it replaces our store: a crash at any point leaves either our old
         # store or the copy with our values, never the primary's. A value we never
         # had is written as "none" too, not inherited (lease_seen 0: not known).
-        if not os.path.isfile(path):  # Store() would make an empty one, and we would install that
-            raise FileNotFoundError(path)
         incoming = Store(path, vfs=st.vfs, synchronous=st.synchronous, prefill_wal=False)  # closed at once
         try:
             with incoming.db:
@@ -1151,6 +1154,46 @@ class Engine:
             # into a half-installed one)
             self.store_generation += 1
 
+    def _copy_held(self, path: str) -> Optional[Position]:
+        """Writer thread: the end of the copy's log, if our log already holds it
+        and goes further (None: install it).
+
+        A copy can come late: made before frames this node has since stored and
+        acknowledged (a retry after the primary's deadline, say, whose first
+        stream still got here). Installing it would throw those records away,
+        and the primary may have counted this node for them: a committed record
+        would then be on fewer nodes than a quorum. So, as a raft follower keeps
+        the entries after a snapshot that its log already holds, we keep our
+        log. Our log holds the copy's end when we have applied past it (applied
+        records are committed, and every legitimate primary's log agrees with
+        them up to there), or when our record at that lsn has the copy's epoch
+        and checksum (the checksum chains every record before it). A copy
+        ending where our log ends is installed as before."""
+        import apsw
+        st = self.store
+        ours = st.last_position()
+        flags = apsw.SQLITE_OPEN_READWRITE  # (a read-only open of a WAL file needs its -shm)
+        db = apsw.Connection(path, flags=flags, vfs=st.vfs) if st.vfs else apsw.Connection(path, flags=flags)
+        try:
+            end = None
+            for lsn, epoch, crc in db.execute("SELECT lsn, epoch, crc FROM log ORDER BY lsn DESC LIMIT 1"):
+                end = Position(epoch, lsn, crc)
+            if end is None:  # an empty log: the copy ends at its applied position
+                meta = dict(db.execute("SELECT k, v FROM meta WHERE k IN "
+                                       "('applied_epoch', 'applied_lsn', 'applied_crc')"))
+                end = Position(int(meta.get("applied_epoch") or 0), int(meta.get("applied_lsn") or 0),
+                               int(meta.get("applied_crc") or 0))
+        finally:
+            db.close()
+        if end.lsn >= ours.lsn:
+            return None
+        if end.lsn <= self.core.lsn:
+            return end
+        for epoch, crc in st.db.execute("SELECT epoch, crc FROM log WHERE lsn = ?", (end.lsn,)):
+            if (epoch, crc) == (end.epoch, end.crc):
+                return end
+        return None
+
     # -------------------------------------------------------------- reading
     @staticmethod
     def _body_at(seg, i: int) -> tuple:
@@ -1199,6 +1242,11 @@ class Engine:
             self._anchor_ts, self._anchor_mono = t, m
             return t
         return floor
+
+
+class CopyHeld(Exception):
+    """A snapshot copy whose log this node's log already holds, and more
+    (Engine._copy_held): not installed. ``args[0]``: the copy's end (Position)."""
 
 
 class InstallBroken(Exception):

@@ -22,7 +22,7 @@ import grpc
 
 from node import logs
 from node.core import replication as R
-from node.engine import LOG_CONFLICT, InstallBroken, mono_us, nobody_waits
+from node.engine import LOG_CONFLICT, CopyHeld, InstallBroken, mono_us, nobody_waits
 from node.tls import ANOTHER_CLUSTER, CLUSTER_ID_MD, another_cluster
 from spooler.pb import replication_pb2 as pb
 from spooler.pb import replication_pb2_grpc as pb_grpc
@@ -655,6 +655,11 @@ class Driver:
             try:
                 try:
                     await e.store_io(e.install_snapshot_sync, path)
+                except CopyHeld as held:  # a late copy: our log holds it and more; keep ours
+                    end = held.args[0]
+                    log.info("kept this node's log (to lsn %d) over a snapshot from %s that ends at lsn %d",
+                             self.core.log.last_lsn, primary, end.lsn)
+                    return pb.SnapshotAck(epoch=self.core.epoch, ok=True, last_lsn=end.lsn)
                 except InstallBroken as err:  # our store is gone: stop, as after a failed write (S9)
                     if e.failed is None:
                         e._fail(err)

@@ -468,3 +468,77 @@ def test_our_store_failing_its_fsync_while_folding_its_wal_stops_the_node(tmp_pa
             await r.stop()
 
     asyncio.run(main())
+
+
+def test_a_late_copy_that_our_log_holds_and_passes_is_not_installed_over_it(tmp_path):
+    """A copy made before records this replica has since stored (and may have
+    acknowledged, so the primary counted it for them) arrives late: the replica
+    keeps its log and answers with the copy's end, as a raft follower keeps the
+    entries after a snapshot its log holds. A copy of another history that ends
+    before our log's end is still installed."""
+    async def main():
+        early, mid, full, other = (str(tmp_path / f"{n}.db") for n in ("early", "mid", "full", "other"))
+        p = Engine(str(tmp_path / "p"))
+        await p.start()
+        await p.propose(log_pb2.Record(queue_put=log_pb2.QueuePut(name="q")))
+        for i in range(5):
+            rec = log_pb2.Record()
+            rec.send.entries.add(queue="q", id=f"a{i}", body=b"x" * 100)
+            await p.propose(rec)
+        await p.checkpoint_now()
+        await p.snapshot_to(early)
+        k = p.store.applied_position().lsn
+        for i in range(5):
+            rec = log_pb2.Record()
+            rec.send.entries.add(queue="q", id=f"b{i}", body=b"y" * 100)
+            await p.propose(rec)
+            if i == 1:
+                await p.snapshot_to(mid)
+                k2 = p.store.last_position().lsn
+        after = p.store.records_after(k)
+        m = after[-1][0]
+        await p.checkpoint_now()
+        await p.snapshot_to(full)
+        await p.stop()
+        # another history: ends between k and m, its record there differs from ours
+        o_end = await _primary_snapshot(str(tmp_path / "o"), "other", 7, 100, other)
+
+        r = await _replica(str(tmp_path / "r"))
+        try:
+            assert (await r.repl.serve_snapshot(_chunks(early, 5, "n1"), None)).ok
+            assert r.store.last_position().lsn == k
+            # frames stored after it, not yet applied (no commit point heard for them)
+            await r.store_io(r.store.append, after)
+            assert r.store.last_position().lsn == m > r.core.lsn == k
+
+            # late copies: one ending at what we applied, one past it, at a record we hold
+            for copy, end in ((early, k), (mid, k2)):
+                ack = await r.repl.serve_snapshot(_chunks(copy, 5, "n1"), None)
+                assert ack.ok and ack.last_lsn == end, ack
+                assert r.core.lsn == k <= end < m
+                assert [row[0] for row in r.store.records_after(k)] == list(range(k + 1, m + 1))
+
+            assert k < o_end.lsn < m, (k, o_end, m)
+            ack = await r.repl.serve_snapshot(_chunks(other, 5, "n1"), None)
+            assert ack.ok and ack.last_lsn == o_end.lsn, ack
+            assert [q[0] for q in r.store.load_queues()] == ["other"]
+        finally:
+            await r.stop()
+
+        # a replica that applied past the copy's end and has trimmed its log since
+        # (no record at the copy's end to compare): what it applied is committed
+        r = Engine(str(tmp_path / "r2"), node_id="n3", peers=PEERS, log_keep_records=1)
+        await r.store_io(r.load)
+        await r.store_io(r.repl.load)
+        try:
+            assert (await r.repl.serve_snapshot(_chunks(full, 5, "n1"), None)).ok
+            await r.checkpoint_now()
+            assert r.core.lsn == m
+            assert not [row for row in r.store.records_after(0) if row[0] <= k]  # trimmed
+            ack = await r.repl.serve_snapshot(_chunks(early, 5, "n1"), None)
+            assert ack.ok and ack.last_lsn == k, ack
+            assert r.core.lsn == m and r.store.last_position().lsn == m
+        finally:
+            await r.stop()
+
+    asyncio.run(main())
