@@ -290,7 +290,14 @@ class Engine:
         applied = st.applied_position()
         # the newest applied record always stays in the log (compaction_point): its
         # stamp is where this node's time resumes, even if the clock went back
-        for _, _, _, data in st.records_after(applied.lsn - 1, limit=1) if applied.lsn else ():
+        for lsn, epoch, crc, data in st.records_after(applied.lsn - 1, limit=1) if applied.lsn else ():
+            # ... and it is what the checkpoint says it applied: the replay below
+            # chains its checksums from there, so a log that is not the one the
+            # tables were checkpointed from is caught here, not taken for theirs
+            if lsn == applied.lsn and (epoch, crc) != (applied.epoch, applied.crc):
+                raise RuntimeError(f"the log's record {lsn} (epoch {epoch}, checksum {crc}) is not the one the "
+                                   f"checkpoint applied (epoch {applied.epoch}, checksum {applied.crc}): "
+                                   "store is corrupt")
             self.last_ts = max(self.last_ts, log_pb2.Record.FromString(data).ts_us)
         now = self.now_us()
         for name, settings, counters in st.load_queues():
@@ -321,10 +328,10 @@ class Engine:
             if not rows:
                 break
             for lsn, epoch, crc, data in rows:
-                rec = log_pb2.Record.FromString(data)
-                expect = chain(self.crc, data)
-                if expect != crc:
+                # the checksum first: bytes that do not chain are not parsed as a record
+                if chain(self.crc, data) != crc:
                     raise RuntimeError(f"log checksum mismatch at lsn {lsn}: store is corrupt")
+                rec = log_pb2.Record.FromString(data)
                 self.crc = crc
                 self.appended_lsn = lsn
                 self._remember(lsn, data)

@@ -136,3 +136,60 @@ def test_the_prefill_never_goes_past_the_size_the_wal_is_cut_back_to(tmp_path):
     st = Store(path, wal_keep_bytes=1 << 20)
     assert os.path.getsize(path + "-wal") == 1 << 20
     st.close()
+
+
+def test_a_log_that_is_not_the_checkpoint_s_is_refused_when_the_store_opens(tmp_path):
+    """load() checks the log against what the checkpoint applied (the record at
+    the applied lsn: its epoch and chained checksum) and each record it replays
+    against the chain: a store whose tables and log part ways does not start."""
+    import asyncio
+
+    import apsw
+
+    from node.engine import Engine
+    from spooler.pb import log_pb2
+
+    d = str(tmp_path / "n")
+
+    async def fill():
+        e = Engine(d)
+        await e.start()
+        await e.propose(log_pb2.Record(queue_put=log_pb2.QueuePut(name="q")))
+        for i in range(4):
+            rec = log_pb2.Record()
+            rec.send.entries.add(queue="q", id=f"m{i}", body=b"x")
+            await e.propose(rec)
+        await e.stop()
+    asyncio.run(fill())
+
+    def opens() -> str:
+        e = Engine(d)
+        try:
+            e.load()
+            return "ok"
+        except RuntimeError as err:
+            return str(err)
+        finally:
+            e.store.close()
+
+    assert opens() == "ok"
+    db = apsw.Connection(os.path.join(d, "spool.db"))
+    (applied,), = db.execute("SELECT v FROM meta WHERE k = 'applied_lsn'")
+    applied = int(applied)
+    (crc,), = db.execute("SELECT crc FROM log WHERE lsn = ?", (applied,))
+    db.execute("UPDATE log SET crc = ? WHERE lsn = ?", (crc + 1, applied))
+    db.close()
+    assert "is not the one the checkpoint applied" in opens()
+
+    db = apsw.Connection(os.path.join(d, "spool.db"))
+    db.execute("UPDATE log SET crc = ? WHERE lsn = ?", (crc, applied))
+    # the checkpoint one record back (as if the last had not been applied): that
+    # record is replayed, and its bytes no longer chain to its checksum
+    (prev_epoch, prev_crc), = db.execute("SELECT epoch, crc FROM log WHERE lsn = ?", (applied - 1,))
+    for k, v in (("applied_lsn", applied - 1), ("applied_epoch", prev_epoch), ("applied_crc", prev_crc)):
+        db.execute("UPDATE meta SET v = ? WHERE k = ?", (v, k))
+    assert opens() == "ok"
+    (rec,), = db.execute("SELECT rec FROM log WHERE lsn = ?", (applied,))
+    db.execute("UPDATE log SET rec = ? WHERE lsn = ?", (bytes(rec) + b"\0", applied))
+    db.close()
+    assert f"checksum mismatch at lsn {applied}" in opens()
