@@ -724,7 +724,10 @@ class Engine:
         status ``node.main.exit_status`` gives ``what``). ``what`` names the cause
         in the critical line and in the errors given to the writes it leaves
         unconfirmed."""
-        log.critical("%s, the node stops serving: %r", what, e)
+        # (the error a failed WAL checkpoint raises out of its commit is SQLite's
+        # "SQL logic error"; the I/O error behind it is its cause or context)
+        behind = e.__cause__ or e.__context__
+        log.critical("%s, the node stops serving: %r%s", what, e, f" (behind it: {behind!r})" if behind else "")
         self.failed = e
         self.failed_what = what
         self.ready = False

@@ -191,6 +191,26 @@ class CheckpointData:
     cluster_id: str = ""    # the cluster's identity once the applied log names one (Core.cluster_id)
 
 
+WAL_CHECKPOINT_PAGES = 1000  # SQLite's own automatic checkpoint's threshold
+
+
+def _checkpoint_wal(db: apsw.Connection, name: str, pages: int) -> int:
+    """After each commit (SQLite's WAL hook): once the WAL holds this many pages,
+    copy them into the database file. SQLite's own automatic checkpoint does
+    the same but drops its result, so a write or fsync of the database file
+    that failed there went unseen and the node went on confirming writes (S9).
+    Here it raises out of the commit that triggered it: that commit is in the
+    WAL, fsync'd, but its caller sees the error and the node stops. A checkpoint
+    another connection holds off (busy) is left for the next commit, as
+    SQLite's is."""
+    if pages >= WAL_CHECKPOINT_PAGES:
+        try:
+            db.wal_checkpoint(name, apsw.SQLITE_CHECKPOINT_PASSIVE)
+        except apsw.BusyError:
+            pass
+    return apsw.SQLITE_OK
+
+
 class Store:
     def __init__(self, path: str, vfs: Optional[str] = None, log_keep_records: int = 100_000,
                  synchronous: str = "FULL", log_keep_bytes: int = 256 << 20, wal_keep_bytes: int = 64 << 20,
@@ -245,6 +265,7 @@ class Store:
         # size instead of keeping it at its largest for ever. Ordinary commits
         # cycle well inside it (SQLite checkpoints the WAL every 1,000 pages).
         db.execute(f"PRAGMA journal_size_limit={int(self.wal_keep_bytes)}")
+        db.set_wal_hook(_checkpoint_wal)
         return db
 
     def _prefill_wal(self) -> None:

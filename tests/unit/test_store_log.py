@@ -193,3 +193,55 @@ def test_a_log_that_is_not_the_checkpoint_s_is_refused_when_the_store_opens(tmp_
     db.execute("UPDATE log SET rec = ? WHERE lsn = ?", (bytes(rec) + b"\0", applied))
     db.close()
     assert f"checksum mismatch at lsn {applied}" in opens()
+
+
+def test_a_wal_checkpoint_that_fails_fails_the_commit_that_ran_it(tmp_path, monkeypatch):
+    """S9: SQLite checkpoints the WAL into the database file every 1,000 pages,
+    after a commit, and its own automatic checkpoint drops the result: a write
+    or fsync of the database file that failed there went unseen. The store's
+    WAL hook (``_checkpoint_wal``) runs that checkpoint instead and raises out
+    of the commit. The failure is injected into the checkpoint's result (a
+    Python VFS cannot show it: apsw raises a VFS method's exception at the next
+    call whatever SQLite did with its error code)."""
+    import apsw
+
+    import node.store.sqlite as sq
+
+    class Failing:
+        def __init__(self, db):
+            self.db = db
+
+        def wal_checkpoint(self, name, mode):
+            raise apsw.IOError("disk I/O error (fsync of the database file)")
+
+    ran, real = [], sq._checkpoint_wal
+
+    def hook(db, name, pages):
+        ran.append(pages)
+        return real(Failing(db) if failing else db, name, pages)
+    monkeypatch.setattr(sq, "_checkpoint_wal", hook)
+    failing = False
+    st = Store(os.path.join(str(tmp_path), "spool.db"))
+    try:
+        _append(st, 1, 10, 100)
+        failing = True
+        with pytest.raises(apsw.Error) as e:
+            for lsn in range(11, 3000):  # a page or more each: the WAL passes 1,000 pages
+                _append(st, lsn, 1, 5000)
+        # out of the commit as SQLite's error for it, the I/O error behind it
+        assert isinstance(e.value, apsw.IOError) or isinstance(e.value.__context__, apsw.IOError), repr(e.value)
+        assert max(ran) >= sq.WAL_CHECKPOINT_PAGES and lsn < 2999
+        failing = False
+        # the commit that ran the checkpoint is in the WAL: nothing written is lost
+        assert _log(st)[1] == lsn
+        # and one another connection holds off is left for a later commit
+        assert real(_Busy(), "main", 5000) == apsw.SQLITE_OK
+    finally:
+        failing = False
+        st.close()
+
+
+class _Busy:
+    def wal_checkpoint(self, name, mode):
+        import apsw
+        raise apsw.BusyError("database is locked")
