@@ -525,7 +525,7 @@ class Engine:
             rows.append((rec.lsn, rec.epoch, self.crc, data))
             self.unapplied[rec.lsn] = (rec, self.crc, fut)
             self._remember(rec.lsn, data)
-        meta = [(r[0], r[1], r[2]) for r in rows]
+        meta = [(r[0], r[1], r[2], len(r[3])) for r in rows]
         if self.cluster:
             # 1. ship to the replicas first: they write while we do (the
             #    replication core does not count this node yet). A few turns of

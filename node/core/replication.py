@@ -141,6 +141,9 @@ class LogView:
     base_epoch: int = 0
     base_crc: int = 0
     entries: list = field(default_factory=list)  # index i -> lsn base_lsn + 1 + i: (epoch, crc)
+    # index i -> the bytes of that record, where known (0: not known, e.g. set
+    # by hand in a test); may be shorter than entries, never longer
+    sizes: list = field(default_factory=list)
 
     @property
     def last_lsn(self) -> int:
@@ -166,8 +169,27 @@ class LogView:
         i = bisect.bisect_left(self.entries, epoch, lo, upto - self.base_lsn - 1, key=lambda e: e[0])
         return self.base_lsn + 1 + i
 
+    def add(self, epoch: int, crc: int, size: int = 0) -> None:
+        """The next record: its epoch, chained checksum and size in bytes."""
+        if len(self.sizes) < len(self.entries):
+            self.sizes.extend([0] * (len(self.entries) - len(self.sizes)))
+        self.entries.append((epoch, crc))
+        self.sizes.append(size)
+
+    def frame_end(self, prev: int, upto: int, bytes_max: int) -> int:
+        """The last lsn of a frame of the records after ``prev`` up to ``upto``
+        that holds at most ``bytes_max`` bytes of them, and at least one record
+        (records of unknown size count nothing)."""
+        sizes, total = self.sizes, 0
+        for i in range(prev - self.base_lsn, min(upto - self.base_lsn, len(sizes))):
+            total += sizes[i]
+            if total > bytes_max:
+                return max(prev + 1, self.base_lsn + i)
+        return upto
+
     def truncate(self, after_lsn: int) -> None:
         del self.entries[max(0, after_lsn - self.base_lsn):]
+        del self.sizes[max(0, after_lsn - self.base_lsn):]
 
     def compact(self, upto_lsn: int) -> None:
         """Forget (epoch, crc) before ``upto_lsn`` (the store compacted its log)."""
@@ -175,7 +197,15 @@ class LogView:
             return
         e = self.at(upto_lsn)
         del self.entries[:upto_lsn - self.base_lsn]
+        del self.sizes[:upto_lsn - self.base_lsn]
         self.base_lsn, self.base_epoch, self.base_crc = upto_lsn, e[0], e[1]
+
+
+# The records of one frame, in bytes (a single larger record goes alone): 8
+# frames in flight to a lagging replica then hold at most ~32 MiB of records
+# plus at most one record (8 MiB of bodies) each, whatever the log holds. The
+# driver splits a frame over its gRPC message bound anyway (FRAME_BYTES_MAX).
+FRAME_RECORD_BYTES_MAX = 4 << 20
 
 
 class CommittedConflict(AssertionError):
@@ -193,7 +223,8 @@ SPLIT_RETRY_US = 200_000  # a refused candidate retries within this (see _on_vot
 
 class Replication:
     def __init__(self, node_id: str, members: list, failover_timeout_us: int, rand: Callable[[], float],
-                 heartbeat_us: Optional[int] = None, frame_entries_max: int = 512, frames_in_flight_max: int = 8):
+                 heartbeat_us: Optional[int] = None, frame_entries_max: int = 512, frames_in_flight_max: int = 8,
+                 frame_bytes_max: int = FRAME_RECORD_BYTES_MAX):
         assert node_id in members
         self.id = node_id
         self.members = sorted(members)
@@ -211,6 +242,7 @@ class Replication:
         self.rand = rand
         self.frame_entries_max = frame_entries_max
         self.frames_in_flight_max = frames_in_flight_max
+        self.frame_bytes_max = frame_bytes_max
         # persistent (loaded by the shell before use)
         self.epoch = 0
         self.voted_for = ""
@@ -453,9 +485,10 @@ class Replication:
         when that fsync is done: until then this node does not count towards a
         quorum, and nothing commits past it (answers wait for this node AND a
         quorum)."""
-        for lsn, epoch, crc in records:
+        for r in records:
+            lsn, epoch, crc = r[:3]
             assert epoch == self.epoch and lsn == self.log.last_lsn + 1, (lsn, epoch, self.log.last_lsn)
-            self.log.entries.append((epoch, crc))
+            self.log.add(epoch, crc, r[3] if len(r) > 3 else 0)
             if durable:
                 self.durable_lsn = lsn
         out: list = []
@@ -677,6 +710,11 @@ class Replication:
         # a slow replica that still answers must not have frame after frame queued
         # for it (it still says whether the peer is alive and where its log ends)
         upto = min(self.log.last_lsn, prev + self.frame_entries_max) if pe[0] >= 0 and not full else prev
+        if upto > prev:
+            # and by bytes: with frames_in_flight_max frames out, what a peer that
+            # lags is sent and not yet acknowledged stays within about that many
+            # times this, here and in the replica's read-ahead (not the log's size)
+            upto = self.log.frame_end(prev, upto, self.frame_bytes_max)
         if upto <= prev and not heartbeat and now - self.last_sent.get(p, -1 << 62) < self.heartbeat:
             return
         entries = [(lsn,) + self.log.at(lsn) for lsn in range(prev + 1, upto + 1)]
@@ -834,7 +872,8 @@ class Replication:
             out.append(Send(m.primary, AppendResp(self.epoch, self.id, False, hint, m.sent_us, self.joining)))
             return
         new = []
-        for lsn, ep, crc in m.entries:
+        for e in m.entries:
+            lsn, ep, crc = e[:3]
             have = self.log.at(lsn)
             if have is None and lsn <= self.log.base_lsn:
                 continue  # compacted here: committed, so it matches
@@ -849,7 +888,7 @@ class Replication:
                 self.log.truncate(lsn - 1)
                 self.durable_lsn = min(self.durable_lsn, lsn - 1)
             new.append((lsn, ep, crc))
-            self.log.entries.append((ep, crc))
+            self.log.add(ep, crc, e[3] if len(e) > 3 else 0)
         if new:
             out.append(Store(AppendReq(m.epoch, m.primary, new[0][0] - 1, 0, 0, new, m.commit_lsn, m.sent_us,
                                        m.primary_commit)))

@@ -34,6 +34,13 @@ log = logging.getLogger("spooler.replication")
 # every time it was sent. A longer frame goes out as several, each with at least
 # one record (one record holds one request: at most 8 MiB of bodies).
 FRAME_BYTES_MAX = 12 << 20
+# A replica reads frames ahead of the one it is storing (each answered with a
+# contact acknowledgement) up to this many bytes; past it, it reads no more
+# until it has worked through them, and gRPC's flow control holds the sender.
+# A correct primary never has that much out to one replica (8 frames of at
+# most R.FRAME_RECORD_BYTES_MAX, or one record, each); a member that sends
+# more is held, instead of filling this node's memory.
+READ_AHEAD_BYTES_MAX = 128 << 20
 SNAPSHOT_INCOMING = "snapshot-incoming-"   # + a unique part + ".db": a copy being received
 RELEASE_RESEND_S = 0.25  # a pending lost-answer release rides on an ack at most this often
 RELEASES_PER_ACK = 64
@@ -149,10 +156,11 @@ class Driver:
         c.epoch = int(st.get_meta("repl_epoch") or 0)
         c.voted_for = st.get_meta("voted_for") or ""
         c.lease_seen = int(st.get_meta("lease_seen_us") or 0)
-        rows = list(st.db.execute("SELECT lsn, epoch, crc FROM log ORDER BY lsn"))
+        rows = list(st.db.execute("SELECT lsn, epoch, crc, length(rec) FROM log ORDER BY lsn"))
         if rows:
             first = rows[0]
-            c.log = R.LogView(first[0], first[1], first[2], [(e, crc) for _, e, crc in rows[1:]])
+            c.log = R.LogView(first[0], first[1], first[2], [(e, crc) for _, e, crc, _ in rows[1:]],
+                              [size for *_, size in rows[1:]])
         else:
             a = st.applied_position()
             c.log = R.LogView(a.lsn, a.epoch, a.crc, [])
@@ -757,12 +765,14 @@ class Driver:
         sender = None
         it = request_iterator.__aiter__()
         ahead: list = []          # frames read while an earlier one was being handled
+        ahead_bytes = 0           # ... and their size: reading stops past READ_AHEAD_BYTES_MAX
         reading = None            # the pending read of the next frame, if any
         read_end = None           # how reading ended while a frame was handled (StopAsyncIteration, error)
         try:
             while not self.closing and self.engine.failed is None:  # (a failed store: the node is stopping)
                 if ahead:
                     f = ahead.pop(0)
+                    ahead_bytes -= f.ByteSize()
                 elif read_end is not None:
                     if isinstance(read_end, StopAsyncIteration):
                         break
@@ -782,7 +792,7 @@ class Driver:
                 # the log on disk and the core's view of it would part ways.
                 done, value = start_shielded(self._handle_frame(f))
                 while not done:
-                    if reading is None and read_end is None:
+                    if reading is None and read_end is None and ahead_bytes < READ_AHEAD_BYTES_MAX:
                         reading = asyncio.ensure_future(it.__anext__())
                     waits = {value} if reading is None else {value, reading}
                     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -794,6 +804,7 @@ class Driver:
                             read_end = e
                         else:
                             ahead.append(nxt)
+                            ahead_bytes += nxt.ByteSize()
                             for ack in self._contact_acks(nxt):
                                 inbound[me] = False
                                 yield ack
@@ -865,7 +876,7 @@ class Driver:
             try:
                 await self._run(self.core.receive(R.AppendReq(
                     f.epoch, f.primary, f.prev_lsn, f.prev_epoch, f.prev_crc,
-                    [(e.lsn, e.epoch, e.crc) for e in f.entries], f.commit_lsn, f.sent_us,
+                    [(e.lsn, e.epoch, e.crc, len(e.rec)) for e in f.entries], f.commit_lsn, f.sent_us,
                     f.primary_commit_lsn, f.lease_us), mono_us()))
                 return self._replies
             except R.CommittedConflict as err:

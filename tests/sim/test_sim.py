@@ -1220,6 +1220,44 @@ def test_a_slow_replica_that_answers_every_frame_still_has_at_most_the_limit_in_
     assert len(c.frame_ends["n2"]) <= c.frames_in_flight_max
 
 
+def test_frames_to_a_lagging_replica_are_bounded_in_bytes_not_only_in_records():
+    """A replica that lags behind a log of large records (catching up after a
+    restart, say) is sent frames of at most frame_bytes_max bytes of records (a
+    larger record alone), so what is out to it, here and in its read-ahead,
+    stays within frames_in_flight_max such frames whatever the log holds. By
+    records alone, 8 frames of 512 records of 1 MiB (4 GiB) could be out."""
+    MiB = 1 << 20
+    c = R.Replication("n1", ["n1", "n2", "n3"], failover_timeout_us=2_000_000, rand=lambda: 0.5)
+    c.start(0)
+    c.epoch, c.role, c.primary = 1, R.PRIMARY, "n1"
+    for p in c.peers:
+        c.next[p], c.match[p], c.frame_ends[p], c.acked_sent[p], c.last_sent[p] = 1, 0, [], 0, -1 << 62
+    sizes = [MiB] * 300 + [9 * MiB] + [3 * MiB, 2 * MiB] + [100] * 2000
+    out = c.appended([(i + 1, 1, 0, size) for i, size in enumerate(sizes)], 1_000)
+    frames, now = [], 1_000
+    while len(frames) < 200:  # n3 keeps up; n2 acknowledges each frame only after the next 8 are out
+        got = [e.msg for e in out if isinstance(e, R.Send) and e.to == "n2" and e.msg.entries]
+        frames += got
+        assert len(c.frame_ends["n2"]) <= c.frames_in_flight_max
+        out_bytes = sum(sizes[lsn - 1] for f in frames[-len(c.frame_ends["n2"]):] for lsn, *_ in f.entries) \
+            if c.frame_ends["n2"] else 0
+        assert out_bytes <= c.frames_in_flight_max * 9 * MiB, out_bytes
+        if not c.frame_ends["n2"]:
+            break
+        now += 1_000
+        out = c.receive(R.AppendResp(1, "n2", True, c.frame_ends["n2"][0], now), now) + \
+            c.receive(R.AppendResp(1, "n3", True, len(sizes), now), now)
+    got = [[lsn for lsn, *_ in f.entries] for f in frames]
+    assert [lsn for g in got for lsn in g] == list(range(1, len(sizes) + 1))  # all of it, in order
+    for g in got:
+        size = sum(sizes[lsn - 1] for lsn in g)
+        assert size <= c.frame_bytes_max or len(g) == 1, (g[0], len(g), size)
+    assert [len(g) for g in got[:75]] == [4] * 75   # 1 MiB records: four a frame
+    assert got[75] == [301]                          # 9 MiB: alone
+    assert got[76] == [302] and got[77][0] == 303    # 3 MiB, then 2 MiB + small ones
+    assert max(len(g) for g in got) == c.frame_entries_max  # small records: the record bound
+
+
 def _replica_n2_of_n1(T, lease_us):
     """n2, a replica following n1 in epoch 1, having acknowledged one heartbeat of
     ``lease_us`` at time 10 (its lease_seen is that lease now)."""

@@ -838,3 +838,99 @@ def test_a_replica_whose_store_write_fails_stops_and_acknowledges_nothing():
     assert [type(e) for e in eng.fatal] == [apsw.IOError], "the node was not told to stop"
     assert not [a for a in acks if a.ok and a.match_lsn >= 1], acks  # nothing acknowledged as held
     assert not resyncs  # a stopping node does not reload its view of the store
+
+
+def test_a_replica_reads_ahead_of_a_busy_frame_only_up_to_its_byte_bound(monkeypatch):
+    """A frame read while an earlier one is being stored waits in memory
+    (serve_stream's read-ahead). Past READ_AHEAD_BYTES_MAX of such frames the
+    replica reads no more until it has worked through them, and gRPC's flow
+    control holds the sender: a member that sends more than a correct primary
+    ever has out (R.FRAME_RECORD_BYTES_MAX a frame, 8 frames) cannot fill the
+    node's memory. Every frame is still handled, in order."""
+    import node.replication.driver as drv
+    monkeypatch.setattr(drv, "READ_AHEAD_BYTES_MAX", 8 << 20)
+    T = 1_000_000
+
+    async def main():
+        d = _following_n1(_BareEngine(), T, T // 2)
+        pulled, handled, release = [], [], asyncio.Event()
+
+        async def frames():
+            for i in range(100):
+                pulled.append(i)
+                yield pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=T,
+                                     entries=[pb.Entry(lsn=10_000 + i, epoch=1, rec=bytes(1 << 20))])
+
+        async def handle(f):
+            handled.append(f.entries[0].lsn - 10_000)
+            if len(handled) == 1:
+                await release.wait()  # the first frame's disk is slow
+            return []
+        d._handle_frame = handle
+
+        served = asyncio.ensure_future(_drain(d.serve_stream(frames(), None)))
+        for _ in range(2000):  # the event loop's turns, no wall-clock wait: reads that can happen, happen
+            await asyncio.sleep(0)
+        while_busy = len(pulled)
+        release.set()
+        await asyncio.wait_for(served, 10)
+        return while_busy, handled
+
+    while_busy, handled = asyncio.run(main())
+    # the frame being handled, and 8 of about 1 MiB read ahead of it
+    assert while_busy == 1 + 8, while_busy
+    assert handled == list(range(100))
+
+
+async def _drain(agen) -> list:
+    return [a async for a in agen]
+
+
+def test_the_replication_core_knows_each_record_s_size_as_written_received_and_loaded(tmp_path):
+    """Frames are bounded in bytes by the sizes in the core's LogView: a
+    primary's records give theirs as they are written (Engine's commit), a
+    replica's as a frame brings them (Driver._handle_frame), and a restart reads
+    them back with the log (Driver.load). Without them, every size is 0 and the
+    byte bound does nothing."""
+    e = Engine(str(tmp_path / "p"), node_id="n1", peers=PEERS)
+
+    async def primary():
+        c = _loaded_as_primary(e, heard=("n2", "n3"))
+        e.write_epoch = 1
+        rec = log_pb2.Record(queue_put=log_pb2.QueuePut(name="q" * 200))
+        e._pending.append((rec, asyncio.get_running_loop().create_future()))
+        e._wake = asyncio.Event()
+        e._wake.set()
+        loop_task = asyncio.create_task(e._commit_loop())
+        try:
+            for _ in range(500):
+                if c.log.last_lsn >= 1 and e.appended_lsn >= 1:
+                    break
+                await asyncio.sleep(0.01)
+            return list(c.log.sizes)
+        finally:
+            loop_task.cancel()
+
+    written = asyncio.run(primary())
+    (stored,), = e.store.db.execute("SELECT length(rec) FROM log WHERE lsn = 1")
+    assert written == [stored] and stored > 200
+    e.store.close()
+
+    async def replica():
+        d = _following_n1(_BareEngine(), 1_000_000, 500_000)
+        frame = pb.AppendFrame(epoch=1, primary="n1", sent_us=mono_us(), lease_us=1_000_000,
+                               entries=[pb.Entry(lsn=1, epoch=1, crc=7, rec=b"r" * 300)])
+        d._run = _noop_run
+        await d._handle_frame(frame)
+        return list(d.core.log.sizes)
+    assert asyncio.run(replica()) == [300]
+
+    e2 = Engine(str(tmp_path / "r"), node_id="n2", peers=PEERS)
+    e2.store.append([(1, 1, 0, b"a" * 10), (2, 1, 0, b"b" * 20), (3, 1, 0, b"c" * 30)])
+    e2.repl.load()
+    assert e2.repl.core.log.base_lsn == 1 and e2.repl.core.log.sizes == [20, 30]
+    e2.store.close()
+
+
+async def _noop_run(effects) -> None:
+    return None
