@@ -23,7 +23,7 @@ import bisect
 import json
 import math
 import sys
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any, Iterable
 
 try:  # run as ``python -m tests.drills.checker`` or imported as ``drills.checker``
@@ -44,10 +44,19 @@ DUPLICATE_CAUSES = ("nack", "lease_expired", "primary_changed", "unknown_ack", "
 REQUIRED_ZEROS = ("lost", "lost_after_delivery", "unexpected", "body_mismatches", "acked_then_redelivered",
                   "overlapping_leases", "settles_of_superseded_leases", "retry_count_decreases",
                   "failover_retry_increments", "double_primaries", "leases_behind_a_newer_epoch",
-                  "keyed_duplicates")
+                  "keyed_duplicates", "duplicated_messages", "unkeyed_answered_duplicate")
 # Expiry stamps come from the server's wall clock converted to the monotonic clock; the
 # two clock reads of the conversion differ by microseconds. Overlap must exceed this.
 DEFAULT_SLACK_S = 0.001
+# How much a lease's length seen from its answer (expiry minus answer) may exceed
+# the queue's lease: the expiry's conversion between clocks and timer steps.
+LEASE_SEEN_SLACK_S = 0.05
+# A kill is recorded just before its signal is sent: the killed primary may still
+# commit for this long after the recorded time.
+KILL_SLACK_S = 0.1
+# Nemeses after which the node named (when it was the primary of ``epoch``) commits
+# nothing more in that epoch.
+PRIMARY_ENDING_NEMESES = frozenset({"kill", "power_loss", "disk_loss"})
 DETAILS_MAX = 50  # examples kept per anomaly list (counts are always exact)
 
 INF = float("inf")
@@ -225,23 +234,58 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
             behind += 1
             _keep(behind_details, {"older": d.brief(), "newer": newest[1].brief()})
     by_token = {d.token: d for d in deliveries if d.token is not None}
-    hidden_index = {q: _Intervals(v) for q, v in unknown_receives.items()}
 
-    # The shortest lease seen in each queue (expiry minus answer; the grant came before
-    # the answer, so a lease lasts at least this): a hidden lease raises the count only
-    # by expiring, so only a receive that began at least that long before ``hi`` counts.
+    # A lower bound on each queue's lease length: every lease of a queue is as long
+    # (the drill's receives name no lease of their own), and each answer shows at
+    # least that much of its lease left (expiry minus answer; the grant came before
+    # the answer), so the longest seen, less a little for the clocks' conversion. A
+    # hidden lease raises the count only by expiring, so only a receive that began
+    # at least that long before ``hi`` counts. (The shortest seen was used: a single
+    # answer held past its own lease, as a partition or a stopped process makes
+    # one, brought it to 0 for the whole run.)
     lease_min: dict = {}
     for d in deliveries:
         if d.expires_at is not None:
-            left = d.expires_at - d.ok_t
-            lease_min[d.queue] = min(left, lease_min.get(d.queue, left))
+            left = d.expires_at - d.ok_t - LEASE_SEEN_SLACK_S
+            lease_min[d.queue] = max(left, lease_min.get(d.queue, left))
 
-    def hidden_leases(queues: set, lo: float, hi: float) -> int:
-        """Receives of unknown outcome that may have leased the message in (lo, hi)
-        and whose lease may have expired (+1) before hi."""
+    def hidden_window(queues: set, lo: float, hi: float) -> tuple:
+        """(queues, lo, latest start): the receives of unknown outcome that may have
+        leased the message in (lo, hi) and whose lease may have expired (+1) before hi
+        are those in these queues in flight somewhere in (lo, latest start)."""
         qs = set(queues) | {None}
         shortest = min((lease_min[q] for q in qs if q in lease_min), default=0.0)
-        return sum(hidden_index[q].count(lo, hi - max(0.0, shortest)) for q in qs if q in hidden_index)
+        return qs, lo, hi - max(0.0, shortest)
+
+    # The receives of unknown outcome, each of which may have leased one message
+    # (a receive answers one), whose expiry then added one to its count: one such
+    # receive explains at most one increment in the whole run (matched below).
+    hidden_recv: dict[Any, list] = {q: sorted(v) for q, v in unknown_receives.items()}
+
+    # When each epoch's primary committed last, at the latest: when a newer epoch was
+    # seen (a role event, or a lease granted in it), or when that primary was killed.
+    # A lease of that epoch expiring later was dropped by the next primary, which
+    # adds nothing to the count (a failover redelivers without a retry).
+    primary_of: dict = {}
+    for r in roles:
+        if r.get("role") == "primary" and isinstance(r.get("epoch"), int):
+            primary_of.setdefault(r["epoch"], set()).add(r.get("node"))
+    seen_epochs = sorted([(r["t"], r["epoch"]) for r in roles if r.get("role") == "primary"
+                          and isinstance(r.get("epoch"), int)]
+                         + [(d.ok_t, d.epoch) for d in deliveries if isinstance(d.epoch, int)])
+    epoch_end_cache: dict = {}
+
+    def epoch_end(ep: Any) -> float:
+        if not isinstance(ep, int):
+            return INF
+        if ep not in epoch_end_cache:
+            end = next((t for t, e2 in seen_epochs if e2 > ep), INF)
+            for nm in nemeses:
+                if (nm.get("f") in PRIMARY_ENDING_NEMESES and nm.get("role") == "primary"
+                        and nm.get("epoch") == ep and nm.get("node") in primary_of.get(ep, {nm.get("node")})):
+                    end = min(end, nm["t"] + KILL_SLACK_S)
+            epoch_end_cache[ep] = end
+        return epoch_end_cache[ep]
 
     # -- sends ---------------------------------------------------------------------------------
     final: dict = {}
@@ -267,6 +311,7 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
     unknown_sends = unknown_sends_appeared = 0
     send_oks: list[tuple[float, float]] = []  # (invoke t, ok t)
     keyed_ids: dict[Any, set] = defaultdict(set)  # dedup key -> the message ids its sends were answered
+    unkeyed_dup, unkeyed_dup_details = 0, []
     for op in sends:
         body = op.inv.get("body")
         key = op.inv.get("key")
@@ -280,8 +325,13 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
             if key is not None:
                 keyed_ids[key].add(mid)
             # a keyed resend answered "duplicate" confirms the first attempt's message
-            # (whose own answer may have been lost): counted once per id
-            if not op.res.get("duplicate") or (key is not None and mid not in body_of_id):
+            # (whose own answer may have been lost): counted once per id. An unkeyed
+            # send is never a duplicate: answered so, it is counted (below) and
+            # confirmed all the same, so that its loss is seen
+            if key is None and op.res.get("duplicate"):
+                unkeyed_dup += 1
+                _keep(unkeyed_dup_details, {"id": mid, "body": body, "answered_at": op.done_t})
+            if key is None or not op.res.get("duplicate") or mid not in body_of_id:
                 confirmed += 1
                 body_of_id[mid] = body
                 if mid not in delivered_ids and mid not in failed_queue_ids and mid not in expired_ids:
@@ -304,10 +354,32 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
             keyed_dups += 1
             _keep(keyed_dup_details, {"key": key, "ids": sorted(map(str, ids))})
 
+    # -- one send, one message: an unkeyed body (each is sent by one call, never
+    # again) delivered or answered under more ids than the calls with it that may
+    # have stored it was stored twice (an unsafe resend inside a client or a node)
+    ids_of_body: dict[Any, set] = defaultdict(set)
+    may_have_stored: dict[Any, int] = defaultdict(int)
+    for op in sends:
+        if op.inv.get("key") is None:
+            if op.outcome == "ok" and op.res.get("id") is not None:
+                ids_of_body[op.inv.get("body")].add(op.res["id"])
+            if op.outcome != "fail":
+                may_have_stored[op.inv.get("body")] += 1
+    for d in deliveries:
+        if d.body is not None and d.body not in key_of_body:
+            ids_of_body[d.body].add(d.id)
+    dup_msgs, dup_msg_details = 0, []
+    for body, ids in ids_of_body.items():
+        if len(ids) > max(1, may_have_stored.get(body, 0)):
+            dup_msgs += 1
+            _keep(dup_msg_details, {"body": body, "ids": sorted(map(str, ids)),
+                                    "sends": may_have_stored.get(body, 0)})
+
     unexpected = 0
     unexpected_details: list = []
     body_mismatches = 0
     body_mismatch_details: list = []
+    first_body: dict = {}  # id -> the body it was first delivered with
     for d in deliveries:
         if d.body is None:
             continue
@@ -318,9 +390,11 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         elif outcomes == {"fail"}:
             unexpected += 1
             _keep(unexpected_details, {**d.brief(), "body": d.body, "why": "send_failed"})
-        if d.id in body_of_id and body_of_id[d.id] != d.body:
+        # the body its send was answered with, else (its answer lost) its first delivery's
+        expect = body_of_id[d.id] if d.id in body_of_id else first_body.setdefault(d.id, d.body)
+        if expect != d.body:
             body_mismatches += 1
-            _keep(body_mismatch_details, {**d.brief(), "body": d.body, "sent_body": body_of_id[d.id]})
+            _keep(body_mismatch_details, {**d.brief(), "body": d.body, "sent_body": expect})
 
     # -- lost after a delivery: a confirmed message delivered, never acked (no ack of any
     # of its leases that succeeded or may have), not in the failure queue, not expired,
@@ -430,6 +504,7 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
 
     superseded, superseded_details, superseded_seen = 0, [], set()
     retry_down, retry_down_details = 0, []
+    demands: list = []  # (increments only hidden leases can explain, hidden_window, details)
     for mid, chain in chains.items():
         first = chain[0]
         # First delivery: retry count starts at 0; only a lease nobody saw (or one whose
@@ -437,11 +512,11 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         body = first.body if first.body is not None else body_of_id.get(mid)
         sent_t = body_first_send.get(body)
         if sent_t is not None and isinstance(first.retry, int):
-            allowed = hidden_leases({first.queue, body_send_queue.get(body)}, sent_t, first.ok_t) + \
-                concurrent_ended(chain, (first,), sent_t, first.ok_t, None, first.retry)
-            if first.retry > allowed:
-                retry_incr += 1
-                _keep(retry_details, {**first.brief(), "previous": None, "allowed": allowed})
+            base = concurrent_ended(chain, (first,), sent_t, first.ok_t, None, first.retry)
+            if first.retry > base:  # what only hidden leases can explain, if any (matched below)
+                demands.append((first.retry - base, hidden_window({first.queue, body_send_queue.get(body)},
+                                                                  sent_t, first.ok_t),
+                                {**first.brief(), "previous": None, "allowed": base}))
         if len(chain) > 1:
             ids_delivered_more_than_once += 1
         for prev, d in zip(chain, chain[1:]):
@@ -496,15 +571,18 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
                                           "done": None if op.done_t == INF else op.done_t}  # (None: no answer)
                                          for op in settles.get(prev.token, ())]})
 
-            # Retry count: +1 at most per lease settled by its consumer (nack) or expiring;
-            # a primary change adds nothing. Leases of unknown receives may add one each.
+            # Retry count: +1 at most per lease settled by its consumer (nack) or expiring
+            # while its epoch's primary could still commit (a lease the next primary
+            # dropped adds nothing: a primary change adds nothing). Leases of unknown
+            # receives may add one each, each receive once in the run (matched below).
             if isinstance(d.retry, int) and isinstance(prev.retry, int):
-                allowed = (1 if (nack_possible or expired) else 0) + hidden_leases(
-                    {prev.queue, d.queue}, prev.inv_t, d.ok_t) + concurrent_ended(
+                counted = expired and expiry < epoch_end(prev.epoch)
+                base = (1 if (nack_possible or counted) else 0) + concurrent_ended(
                     chain, (prev, d), prev.inv_t, d.ok_t, prev.retry, d.retry)
-                if d.retry > prev.retry + allowed:
-                    retry_incr += 1
-                    _keep(retry_details, {**d.brief(), "previous": prev.brief(), "allowed": allowed})
+                if d.retry > prev.retry + base:
+                    demands.append((d.retry - prev.retry - base, hidden_window({prev.queue, d.queue}, prev.inv_t,
+                                                                               d.ok_t),
+                                    {**d.brief(), "previous": prev.brief(), "allowed": base}))
 
         # Overlap, against every earlier delivery of the message in the same epoch (not
         # only the one answered just before: a lease of another epoch may come between).
@@ -555,6 +633,10 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
                     retry_down += 1
                     _keep(retry_down_details, {**d.brief(), "previous": e.brief()})
                     break
+
+    for details in unexplained_increments(demands, hidden_recv):
+        retry_incr += 1
+        _keep(retry_details, details)
 
     # -- roles ----------------------------------------------------------------------------------
     primaries: dict[Any, set] = defaultdict(set)
@@ -630,6 +712,10 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
                                         and op.outcome == "ok" and op.res.get("duplicate")),
         "keyed_duplicates": keyed_dups,
         "keyed_duplicates_details": keyed_dup_details,
+        "duplicated_messages": dup_msgs,
+        "duplicated_messages_details": dup_msg_details,
+        "unkeyed_answered_duplicate": unkeyed_dup,
+        "unkeyed_answered_duplicate_details": unkeyed_dup_details,
         "failover_unavailability": {
             "count": len(windows),
             "never_recovered": sum(1 for w in windows if w["unavailable_s"] is None),
@@ -649,6 +735,60 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
     report["required_zeros_ok"] = (all(report[k] == 0 for k in REQUIRED_ZEROS)
                                    and nodes_agree is not False and integrity_ok is not False)
     return report
+
+
+def unexplained_increments(demands: list, receives: dict) -> list:
+    """The retry increments that no receive of unknown outcome can explain. Each
+    demand is (n, (queues, lo, latest start), details): n increments of one
+    delivery that only hidden leases could have made; a receive in one of those
+    queues in flight somewhere in (lo, latest start) may have made one of them,
+    and each receive makes at most one in the whole run (it answers one message,
+    whose lease expires once). A maximum matching (augmenting paths) of
+    increments to receives: what is left unmatched is unexplained, whatever
+    order the demands came in. -> the details of each demand with an unmatched
+    increment ("allowed": what explained it, plus the receives matched to it)."""
+    starts = {q: [r[0] for r in rs] for q, rs in receives.items()}
+    units, cands = [], []
+    for i, (n, (qs, lo, latest), _) in enumerate(demands):
+        c = [(q, j) for q in qs if q in receives
+             for j in range(bisect.bisect_left(starts[q], latest)) if receives[q][j][1] > lo]
+        for _ in range(n):
+            units.append(i)
+            cands.append(c)
+    owner: dict = {}     # receive -> the unit it explains
+    assigned: dict = {}  # unit -> its receive
+
+    def place(u: int) -> bool:
+        """An augmenting path from unit u (breadth first, no recursion)."""
+        reached_from: dict = {}
+        todo = deque([u])
+        while todo:
+            x = todo.popleft()
+            for r in cands[x]:
+                if r in reached_from:
+                    continue
+                reached_from[r] = x
+                if r in owner:
+                    todo.append(owner[r])
+                    continue
+                while True:  # r is free: shift every receive along the path
+                    x2 = reached_from[r]
+                    held = assigned.get(x2)
+                    owner[r], assigned[x2] = x2, r
+                    if x2 == u:
+                        return True
+                    r = held
+        return False
+
+    matched = [place(u) for u in range(len(units))]
+    out, got = [], defaultdict(int)
+    for u, ok in enumerate(matched):
+        if ok:
+            got[units[u]] += 1
+    for i, (n, _, details) in enumerate(demands):
+        if got.get(i, 0) < n:
+            out.append({**details, "allowed": details.get("allowed", 0) + got.get(i, 0)})
+    return out
 
 
 def client_partition_windows(nemeses: list) -> list:

@@ -423,6 +423,16 @@ class Drill:
                 c.pick()
                 self.stop_load.wait(0.05 + rng.random() * 0.1)
                 continue
+            if len(res) != len(bodies):
+                # an answer of another length than the batch (batch_results is not told
+                # the length, to see it here): a node's defect. Each entry's outcome is
+                # unknown, and the seed fails (as for a client thread's error), instead
+                # of the entries left without an answer passing as unknown sends
+                for op in ops:
+                    op.unknown(error="short_answer")
+                self.thread_errors.append(f"{name}: SendBatch of {len(bodies)} answered {len(res)} results")
+                self.stop_load.set()
+                continue
             for op, r in zip(ops, res):
                 op.ok(id=r.id, duplicate=r.duplicate)
             c.moved()

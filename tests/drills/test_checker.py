@@ -75,7 +75,12 @@ def delivered_once(s, t, mid, body, token, epoch=1):
 REQUIRED = ("lost", "lost_after_delivery", "unexpected", "body_mismatches", "acked_then_redelivered",
             "overlapping_leases", "settles_of_superseded_leases", "retry_count_decreases",
             "failover_retry_increments", "double_primaries", "leases_behind_a_newer_epoch",
-            "keyed_duplicates")
+            "keyed_duplicates", "duplicated_messages", "unkeyed_answered_duplicate")
+
+
+def test_the_required_zeros_here_are_the_checker_s():
+    from drills.checker import REQUIRED_ZEROS
+    assert set(REQUIRED) == set(REQUIRED_ZEROS)
 
 
 def assert_only(report, **expected):
@@ -930,3 +935,165 @@ def test_a_keyed_resend_answered_duplicate_confirms_the_first_message():
     assert_only(r, lost=1)
     assert r["lost_ids"] == ["m2"] and r["confirmed_sends"] == 2
     assert r["keyed_sends"] == 4 and r["keyed_answered_duplicate"] == 2
+
+
+# --- found by a review of the checker (2026-12-06); each failed before its fix ------------
+
+@pytest.mark.parametrize("answered", [True, False])
+def test_one_unkeyed_send_stored_as_two_messages_is_a_duplicated_message(answered):
+    """Each unkeyed body is sent by one call: delivered under two ids, the send was
+    stored twice (an unsafe resend in a client or a node). Per id, each was
+    delivered once and acked, so nothing else saw it. Whether the send's answer
+    came or was lost."""
+    s = Sim()
+    s.role(0, "n1", 1)
+    if answered:
+        s.send(1.0, 1.01, "b1", "m1")
+    else:
+        s.send(1.0, 4.0, "b1", outcome="unknown")
+    s.recv(4.1, 4.11, "m1", "b1", "t1")
+    s.settle("ack", 4.2, 4.21, "m1", "t1")
+    s.recv(4.3, 4.31, "m1x", "b1", "t2")
+    s.settle("ack", 4.4, 4.41, "m1x", "t2")
+    s.final(drained=True)
+    r = s.check()
+    assert_only(r, duplicated_messages=1)
+    assert r["duplicated_messages_details"][0]["ids"] == ["m1", "m1x"]
+
+
+def test_a_keyed_body_sent_twice_is_judged_by_its_key_not_as_a_duplicated_message():
+    s = Sim()
+    s.role(0, "n1", 1)
+    s.send(1.0, 1.01, "k1", "m1", key="k1")
+    s.send(2.0, 2.01, "k1", "m1", duplicate=True, key="k1")
+    s.recv(2.1, 2.11, "m1", "k1", "t1")
+    s.settle("ack", 2.2, 2.21, "m1", "t1")
+    s.final(drained=True)
+    assert_only(s.check())
+
+
+def test_a_lease_ending_after_its_primary_was_killed_adds_nothing_to_the_count():
+    """The primary of epoch 1 is killed 0.3 s before the lease's end: it cannot
+    count that expiry, and the next primary drops the lease without a retry. A
+    redelivery answered after the lease's end with retry 1 is a failover retry
+    increment (it was taken for an expiry before: the lease had ended by the
+    answer). The control: the same with the kill after the lease's end."""
+    def run(kill_t):
+        s = Sim()
+        s.role(0, "n1", 1)
+        s.send(1.0, 1.01, "b1", "m1")
+        s.recv(1.1, 1.11, "m1", "b1", "t1", epoch=1, lease_s=2.0)  # its lease ends at 3.11
+        s.nemesis(kill_t, "kill", "n1", role="primary", epoch=1)
+        s.role(kill_t + 0.2, "n2", 2)
+        s.recv(kill_t + 0.25, max(kill_t + 0.4, 3.2), "m1", "b1", "t2", retry=1, epoch=2, lease_s=2.0)
+        s.settle("ack", 5.0, 5.01, "m1", "t2", epoch=2)
+        s.final(drained=True)
+        return s.check()
+    assert_only(run(2.8), failover_retry_increments=1)
+    assert_only(run(3.3))  # expired at 3.11 while n1 was alive: it may have counted it
+
+
+def test_a_lease_ending_after_a_newer_epoch_was_seen_adds_nothing_to_the_count():
+    s = Sim()
+    s.role(0, "n1", 1)
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.1, 1.11, "m1", "b1", "t1", epoch=1, lease_s=2.0)  # ends at 3.11
+    s.role(2.9, "n2", 2)  # n1 was cut off: a new primary by 2.9
+    s.recv(3.0, 3.5, "m1", "b1", "t2", retry=1, epoch=2, lease_s=2.0)
+    s.settle("ack", 3.6, 3.61, "m1", "t2", epoch=2)
+    s.final(drained=True)
+    assert_only(s.check(), failover_retry_increments=1)
+
+
+def test_one_receive_of_unknown_outcome_explains_one_increment_not_one_per_message():
+    """A receive answers one message: if it timed out, it may have leased one
+    whose expiry added one to its count, not one to each of five."""
+    s = Sim()
+    s.role(0, "n1", 1)
+    for i in range(5):
+        s.send(1.0 + i * 0.01, 1.005 + i * 0.01, f"b{i}", f"m{i}")
+    s.recv(1.2, 4.2, None, None, None, outcome="unknown", lease_s=1.0)
+    for i in range(5):
+        t = 5.0 + i * 0.1
+        s.recv(t, t + 0.01, f"m{i}", f"b{i}", f"t{i}", retry=1, lease_s=1.0)
+        s.settle("ack", t + 0.02, t + 0.03, f"m{i}", f"t{i}")
+    s.final(drained=True)
+    r = s.check()
+    assert_only(r, failover_retry_increments=4)
+    # and two unknown receives explain two
+    s = Sim()
+    s.role(0, "n1", 1)
+    for i in range(2):
+        s.send(1.0 + i * 0.01, 1.005 + i * 0.01, f"b{i}", f"m{i}")
+        s.recv(1.2 + i * 0.01, 4.2, None, None, None, outcome="unknown", lease_s=1.0)
+    for i in range(2):
+        s.recv(5.0 + i, 5.01 + i, f"m{i}", f"b{i}", f"t{i}", retry=1, lease_s=1.0)
+        s.settle("ack", 5.02 + i, 5.03 + i, f"m{i}", f"t{i}")
+    s.final(drained=True)
+    assert_only(s.check())
+
+
+def test_the_matching_of_increments_to_receives_does_not_depend_on_their_order():
+    """Receive A (early) could explain either message's increment, receive B
+    (late) only the second's: matched greedily in order, A went to the first and
+    B to the second; the other order of checking must find the same."""
+    from drills.checker import unexplained_increments
+    a, b = (1.0, 2.0), (6.0, 7.0)
+    receives = {"q": sorted([a, b])}
+    early_only = (1, ({"q"}, 0.5, 3.0), {"who": "early"})   # receives starting before 3.0 and ending after 0.5
+    both = (1, ({"q"}, 0.5, 8.0), {"who": "late"})
+    assert unexplained_increments([both, early_only], receives) == []
+    assert unexplained_increments([early_only, both], receives) == []
+    assert unexplained_increments([both, early_only, both], receives) == [{"who": "late", "allowed": 0}]
+
+
+def test_one_answer_held_past_its_lease_does_not_switch_off_the_hidden_lease_guard():
+    """A receive of unknown outcome can add one only once its lease has expired:
+    one begun too recently before a redelivery excuses nothing. The lease's
+    length is what the answers show of it; one answer held past its own lease
+    (a partition, a stopped process) used to bring it to 0 for the whole run."""
+    def run(late_elsewhere):
+        s = Sim()
+        s.role(0, "n1", 1)
+        s.send(1.0, 1.01, "b1", "m1")
+        s.recv(1.1, 1.11, "m1", "b1", "t1", lease_s=LEASE_S)
+        s.settle("nack", 1.2, 1.21, "m1", "t1")
+        s.recv(2.0, 2.5, None, None, None, outcome="unknown")  # too recent: its lease is 10 s
+        s.recv(3.0, 3.01, "m1", "b1", "t2", retry=2)
+        s.settle("ack", 3.1, 3.11, "m1", "t2")
+        if late_elsewhere:
+            s.send(40.0, 40.01, "b9", "m9")
+            s.recv(41.0, 60.0, "m9", "b9", "t9", lease_s=-9.0)  # answered 9 s after its lease ended
+            s.settle("ack", 60.1, 60.11, "m9", "t9", outcome="fail", error="stale_lease")
+            s.recv(61.0, 61.01, "m9", "b9", "t9b", retry=1)
+            s.settle("ack", 61.1, 61.11, "m9", "t9b")
+        s.final(drained=True)
+        return s.check()
+    assert_only(run(False), failover_retry_increments=1)
+    assert_only(run(True), failover_retry_increments=1)
+
+
+def test_a_message_whose_send_answer_was_lost_still_keeps_one_body():
+    s = Sim()
+    s.role(0, "n1", 1)
+    s.send(1.0, 4.0, "b1", outcome="unknown")
+    s.send(1.0, 1.01, "b2", "m2")
+    s.recv(1.1, 1.11, "m2", "b2", "tz")
+    s.settle("ack", 1.2, 1.21, "m2", "tz")
+    s.recv(4.1, 4.11, "m1", "b1", "t1")
+    s.settle("nack", 4.2, 4.21, "m1", "t1")
+    s.recv(4.3, 4.31, "m1", "b2", "t2", retry=1)  # m1 now carries b2
+    s.settle("ack", 4.4, 4.41, "m1", "t2")
+    s.final(drained=True)
+    r = s.check()
+    assert r["body_mismatches"] == 1 and r["required_zeros_ok"] is False
+
+
+def test_an_unkeyed_send_answered_duplicate_is_counted_and_checked_for_loss():
+    s = Sim()
+    s.role(0, "n1", 1)
+    s.send(1.0, 1.01, "b1", "m1", duplicate=True)
+    s.final(drained=True)
+    r = s.check()
+    assert_only(r, unkeyed_answered_duplicate=1, lost=1)
+    assert r["confirmed_sends"] == 1
