@@ -72,6 +72,12 @@ def delivered_once(s, t, mid, body, token, epoch=1):
     s.settle("ack", t + 0.2, t + 0.21, mid, token, epoch=epoch)
 
 
+def received_and_acked(s, t, mid, body, token):
+    """receive -> ack of ``mid``, starting at t."""
+    s.recv(t, t + 0.01, mid, body, token)
+    s.settle("ack", t + 0.1, t + 0.11, mid, token)
+
+
 REQUIRED = ("lost", "lost_after_delivery", "unexpected", "body_mismatches", "acked_then_redelivered",
             "overlapping_leases", "settles_of_superseded_leases", "retry_count_decreases",
             "failover_retry_increments", "double_primaries", "leases_behind_a_newer_epoch",
@@ -909,10 +915,8 @@ def test_two_messages_for_one_dedup_key_are_a_keyed_duplicate():
     s = Sim()
     s.send(0.0, 0.2, "k-body", outcome="fail", error="operation_unconfirmed", key="k1")  # it landed as m1
     s.send(0.5, 0.6, "k-body", "m2", key="k1")  # the resend was stored again: dedup failed
-    s.recv(1.0, 1.01, "m1", "k-body", "t1")
-    s.settle("ack", 1.1, 1.11, "m1", "t1")
-    s.recv(1.2, 1.21, "m2", "k-body", "t2")
-    s.settle("ack", 1.3, 1.31, "m2", "t2")
+    received_and_acked(s, 1.0, "m1", "k-body", "t1")
+    received_and_acked(s, 1.2, "m2", "k-body", "t2")
     s.final(drained=True)
     r = s.check()
     assert_only(r, keyed_duplicates=1)
@@ -951,10 +955,8 @@ def test_one_unkeyed_send_stored_as_two_messages_is_a_duplicated_message(answere
         s.send(1.0, 1.01, "b1", "m1")
     else:
         s.send(1.0, 4.0, "b1", outcome="unknown")
-    s.recv(4.1, 4.11, "m1", "b1", "t1")
-    s.settle("ack", 4.2, 4.21, "m1", "t1")
-    s.recv(4.3, 4.31, "m1x", "b1", "t2")
-    s.settle("ack", 4.4, 4.41, "m1x", "t2")
+    received_and_acked(s, 4.1, "m1", "b1", "t1")
+    received_and_acked(s, 4.3, "m1x", "b1", "t2")
     s.final(drained=True)
     r = s.check()
     assert_only(r, duplicated_messages=1)
