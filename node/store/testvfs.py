@@ -106,7 +106,12 @@ class BufferedFile(apsw.VFSFile):
             end = min(offset + amount, self.size)
             if end <= offset:
                 return b""
-            base_len = min(end, super().xFileSize()) - offset
+            # the disk's bytes, but none past a truncation not yet synced: the file
+            # reads as zeros from there until something is written again
+            disk = super().xFileSize()
+            if self.truncated_to is not None:
+                disk = min(disk, self.truncated_to)
+            base_len = min(end, disk) - offset
             buf = bytearray(super().xRead(base_len, offset) if base_len > 0 else b"")
             buf.extend(b"\0" * (end - offset - len(buf)))
             for off, data in self.pending.items():
@@ -126,8 +131,11 @@ class BufferedFile(apsw.VFSFile):
         with self.vfs.lock:
             self.size = newsize
             self.truncated_to = newsize
-            for off in [o for o in self.pending if o >= newsize]:
-                del self.pending[off]
+            for off in list(self.pending):
+                if off >= newsize:
+                    del self.pending[off]
+                elif off + len(self.pending[off]) > newsize:  # one straddling the new end: cut
+                    self.pending[off] = self.pending[off][:newsize - off]
 
     def xFileSize(self):
         return self.size

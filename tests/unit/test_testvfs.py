@@ -90,3 +90,29 @@ def test_sqlites_checkpoint_into_the_database_file_fails_too(vfs, tmp_path):
     finally:
         fail.unlink(missing_ok=True)
         st.close()
+
+
+def test_a_truncation_cuts_a_write_across_it_and_the_file_reads_zeros_past_it(vfs, tmp_path):
+    """As a file does: a truncation to n drops what a write held past n (one that
+    straddles n keeps its part before it), and once the file grows again, the
+    bytes between n and the new writes read as zeros, not as the disk's old
+    bytes (the truncation is not on the disk until the next sync)."""
+    from node.store.testvfs import BufferedFile
+    path = str(tmp_path / "f")
+    with open(path, "wb") as f:
+        f.write(b"D" * 100)  # on the disk
+    flags = [apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_MAIN_DB, 0]
+    f = BufferedFile(vfs, path, flags)
+    try:
+        f.xWrite(b"W" * 20, 30)      # pending: bytes 30-49
+        f.xTruncate(40)              # cuts that write at 40
+        assert f.xFileSize() == 40
+        assert f.xRead(40, 0) == b"D" * 30 + b"W" * 10
+        f.xWrite(b"N" * 10, 60)      # grows again: 40-59 are a gap
+        assert f.xFileSize() == 70
+        assert f.xRead(70, 0) == b"D" * 30 + b"W" * 10 + b"\0" * 20 + b"N" * 10
+        f.xSync(apsw.SQLITE_SYNC_NORMAL)  # and the disk then holds the same
+        with open(path, "rb") as disk:
+            assert disk.read() == b"D" * 30 + b"W" * 10 + b"\0" * 20 + b"N" * 10
+    finally:
+        f.xClose()
