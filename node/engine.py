@@ -298,6 +298,9 @@ class Engine:
                 raise RuntimeError(f"the log's record {lsn} (epoch {epoch}, checksum {crc}) is not the one the "
                                    f"checkpoint applied (epoch {applied.epoch}, checksum {applied.crc}): "
                                    "store is corrupt")
+            if lsn > applied.lsn + 1:  # (the replay's checksums would not chain either)
+                raise RuntimeError(f"the log lacks records {applied.lsn + 1} to {lsn - 1}, after what the "
+                                   f"checkpoint applied: store is corrupt")
             self.last_ts = max(self.last_ts, log_pb2.Record.FromString(data).ts_us)
         now = self.now_us()
         for name, settings, counters in st.load_queues():

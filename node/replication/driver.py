@@ -37,9 +37,10 @@ FRAME_BYTES_MAX = 12 << 20
 # A replica reads frames ahead of the one it is storing (each answered with a
 # contact acknowledgement) up to this many bytes; past it, it reads no more
 # until it has worked through them, and gRPC's flow control holds the sender.
-# A correct primary never has that much out to one replica (8 frames of at
-# most R.FRAME_RECORD_BYTES_MAX, or one record, each); a member that sends
-# more is held, instead of filling this node's memory.
+# A correct primary of this version has far less out to one replica (8
+# frames counted, of at most R.FRAME_RECORD_BYTES_MAX or one record each, and
+# a few more on their way after a refusal or a lost stream resets that count);
+# a member that sends more is held, instead of filling this node's memory.
 READ_AHEAD_BYTES_MAX = 128 << 20
 SNAPSHOT_INCOMING = "snapshot-incoming-"   # + a unique part + ".db": a copy being received
 RELEASE_RESEND_S = 0.25  # a pending lost-answer release rides on an ack at most this often

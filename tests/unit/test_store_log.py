@@ -194,6 +194,17 @@ def test_a_log_that_is_not_the_checkpoint_s_is_refused_when_the_store_opens(tmp_
     db.close()
     assert f"checksum mismatch at lsn {applied}" in opens()
 
+    # records missing between what the checkpoint applied and the rest of the log
+    db = apsw.Connection(os.path.join(d, "spool.db"))
+    db.execute("UPDATE log SET rec = ? WHERE lsn = ?", (bytes(rec), applied))
+    (a3_epoch, a3_crc), = db.execute("SELECT epoch, crc FROM log WHERE lsn = ?", (applied - 3,))
+    for k, v in (("applied_lsn", applied - 3), ("applied_epoch", a3_epoch), ("applied_crc", a3_crc)):
+        db.execute("UPDATE meta SET v = ? WHERE k = ?", (v, k))
+    assert opens() == "ok"
+    db.execute("DELETE FROM log WHERE lsn IN (?, ?)", (applied - 3, applied - 2))
+    db.close()
+    assert f"the log lacks records {applied - 2} to {applied - 2}" in opens()
+
 
 def test_a_wal_checkpoint_that_fails_fails_the_commit_that_ran_it(tmp_path, monkeypatch):
     """S9: SQLite checkpoints the WAL into the database file every 1,000 pages,
