@@ -59,9 +59,13 @@ class NodeProc:
                                     "(every test under tests/integration/ is)")
         os.makedirs(self.data_dir, exist_ok=True)
         cmd = [sys.executable, *self.entry]
-        env = {**os.environ, **(self.env or {})}
+        # every /metrics read answered afresh: a render that took long is otherwise
+        # answered again for ten times its length, and under load a read right after
+        # a call showed the figures of before it (a before/after count then failed)
+        fresh = {"SPOOLER_TEST_METRICS_REUSE_FROM_S": "inf"}
+        env = {**os.environ, **fresh, **(self.env or {})}
         if self.env_only:
-            env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLER_")} | (self.env or {})
+            env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLER_")} | fresh | (self.env or {})
         else:
             cmd += ["--id", self.node_id, "--data", self.data_dir, "--http", f"127.0.0.1:{self.http_port}",
                     "--grpc", f"127.0.0.1:{self.grpc_port}", "--admin-key", self.admin_key, *self.extra_args]
@@ -173,6 +177,18 @@ def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.02, what: st
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(interval_s)
+
+
+def reaches(read, expected, timeout_s: float = 10.0, what: str = "a figure"):
+    """Poll ``read()`` until it returns ``expected``; fail with the last value read.
+    For /metrics figures: a render that took long is answered again for ten times
+    its length (node/api/metrics.py), so under load a read right after another
+    may show the figures of before the call a test just made."""
+    seen = []
+    try:
+        wait_until(lambda: seen.append(read()) or seen[-1] == expected, timeout_s, what=what)
+    except AssertionError as e:
+        raise AssertionError(f"{e}: last read {seen[-1] if seen else None!r}, expected {expected!r}") from None
 
 
 async def until(pred, timeout_s: float = 10.0, interval_s: float = 0.01, what: str = "condition"):

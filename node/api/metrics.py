@@ -7,6 +7,7 @@ Counter.inc and Histogram.observe take a lock each time; a commit observed
 both ways took about 9 µs in a running node."""
 from __future__ import annotations
 
+import os
 import time
 from bisect import bisect_left
 
@@ -138,7 +139,10 @@ class Metrics:
     # RENDER_REUSE_FROM_S or more is answered again to whoever asks within ten
     # times as long, so that scraping holds the loop at most a tenth of the time;
     # a cheap one (a node with few queues) is never reused, so it is never stale.
-    RENDER_REUSE_FROM_S = 0.01
+    # (SPOOLER_TEST_METRICS_REUSE_FROM_S: the integration tests' nodes set "inf",
+    # never reuse, so that a test reads what its last call did; the reuse itself
+    # is tested in process, tests/unit/test_reply_and_metrics.py)
+    RENDER_REUSE_FROM_S = float(os.environ.get("SPOOLER_TEST_METRICS_REUSE_FROM_S", "") or 0.01)
 
     def render(self) -> bytes:
         now = time.monotonic()

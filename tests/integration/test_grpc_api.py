@@ -6,7 +6,7 @@ import threading
 import grpc
 import pytest
 
-from nodeproc import wait_until
+from nodeproc import reaches, wait_until
 from spooler import AsyncClient, Client, errors
 from spooler.pb import api_pb2, api_pb2_grpc
 
@@ -135,7 +135,7 @@ def test_messages_sent_in_the_compact_form_are_counted_in_metrics(node, client):
                 await c.send_batch("no-such-queue", [b"h", b"i"])
 
     asyncio.run(main())
-    assert sends() == before + 7
+    reaches(sends, before + 7, what="spooler_sends_total to count the 7 stored")
 
 
 def test_error_kinds_travel_in_trailers(node, client):
