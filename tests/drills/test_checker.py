@@ -649,9 +649,12 @@ def test_jsonl_round_trip(tmp_path):
 
 def test_main_exit_codes(tmp_path, capsys):
     good = tmp_path / "good.jsonl"
-    clean_sim().h.to_jsonl(str(good))
+    s = clean_sim()
+    s.h.final(drained=True)  # the whole drill's final facts: drained, node states, integrity
+    s.h.to_jsonl(str(good))
     assert main([str(good)]) == 0
-    assert "required zeros: OK" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "required zeros: OK" in out and "unchecked" not in out
 
     s = clean_sim()
     s.send(7.0, 7.01, "b6", "m6")
@@ -1099,3 +1102,39 @@ def test_an_unkeyed_send_answered_duplicate_is_counted_and_checked_for_loss():
     r = s.check()
     assert_only(r, unkeyed_answered_duplicate=1, lost=1)
     assert r["confirmed_sends"] == 1
+
+
+def test_main_fails_a_history_that_leaves_checks_out_unless_told_it_is_partial(tmp_path, capsys):
+    """A drill that did not drain, or recorded no node states or integrity results,
+    passes those checks vacuously; the command line says so and exits 1 for it."""
+    undrained = tmp_path / "undrained.jsonl"
+    clean_sim().h.to_jsonl(str(undrained))  # node states and integrity, no drain
+    assert main([str(undrained)]) == 1
+    out = capsys.readouterr().out
+    assert "required zeros: OK" in out and "unchecked: not drained" in out
+    assert main(["--partial", str(undrained)]) == 0
+    capsys.readouterr()
+    assert main(["--json", str(undrained)]) == 1
+    assert json.loads(capsys.readouterr().out)["unchecked"] == ["not drained: lost_after_delivery not checked"]
+
+    bare = Sim()
+    delivered_once(bare, 1.0, "m1", "b1", "t1")
+    bare.h.final(drained=True)  # drained, but neither node states nor integrity
+    path = tmp_path / "bare.jsonl"
+    bare.h.to_jsonl(str(path))
+    assert main([str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "unchecked: no node states" in out and "unchecked: no integrity results" in out
+
+    unfinished = Sim()
+    delivered_once(unfinished, 1.0, "m1", "b1", "t1")
+    path = tmp_path / "unfinished.jsonl"
+    unfinished.h.to_jsonl(str(path))
+    assert main([str(path)]) == 1
+    assert "unchecked: no final record" in capsys.readouterr().out
+
+    s = clean_sim()  # a real anomaly fails whatever --partial says
+    s.send(7.0, 7.01, "b6", "m6")
+    bad = tmp_path / "bad.jsonl"
+    s.h.to_jsonl(str(bad))
+    assert main(["--partial", str(bad)]) == 1
