@@ -664,7 +664,7 @@ class Driver:
             try:
                 try:
                     await e.store_io(e.install_snapshot_sync, path)
-                except CopyHeld as held:  # a late copy: our log holds it and more; keep ours
+                except CopyHeld as held:  # a late copy: our log holds it (Engine._copy_held); keep ours
                     end = held.args[0]
                     log.info("kept this node's log (to lsn %d) over a snapshot from %s that ends at lsn %d",
                              self.core.log.last_lsn, primary, end.lsn)
