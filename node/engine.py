@@ -1169,7 +1169,7 @@ class Engine:
 
     def _copy_held(self, path: str) -> Optional[Position]:
         """Writer thread: the end of the copy's log, if our log already holds it
-        and goes further (None: install it).
+        and the copy would take nothing from us (None: install it).
 
         A copy can come late: made before frames this node has since stored and
         acknowledged (a retry after the primary's deadline, say, whose first
@@ -1180,26 +1180,35 @@ class Engine:
         log. Our log holds the copy's end when we have applied past it (applied
         records are committed, and every legitimate primary's log agrees with
         them up to there), or when our record at that lsn has the copy's epoch
-        and checksum (the checksum chains every record before it). A copy
-        ending where our log ends is installed as before."""
+        and checksum (the checksum chains every record before it).
+
+        A copy ending where our log ends is kept out too when its last record
+        is our last record (same lsn, epoch and checksum) and we have applied at
+        least what the copy applied (its checkpoint's position, where a node
+        that installs it resumes applying): installing it would only take our
+        applied state back, until the commit point next moves. A copy that
+        applied more than we did is installed, as is a copy ending past our
+        log's end, an empty copy, and a copy whose last record is not ours."""
         import apsw
         st = self.store
         ours = st.last_position()
         flags = apsw.SQLITE_OPEN_READWRITE  # (a read-only open of a WAL file needs its -shm)
         db = apsw.Connection(path, flags=flags, vfs=st.vfs) if st.vfs else apsw.Connection(path, flags=flags)
         try:
-            end = None
+            meta = dict(db.execute("SELECT k, v FROM meta WHERE k IN "
+                                   "('applied_epoch', 'applied_lsn', 'applied_crc')"))
+            applied = Position(int(meta.get("applied_epoch") or 0), int(meta.get("applied_lsn") or 0),
+                               int(meta.get("applied_crc") or 0))
+            end = applied  # an empty log: the copy ends at its applied position
             for lsn, epoch, crc in db.execute("SELECT lsn, epoch, crc FROM log ORDER BY lsn DESC LIMIT 1"):
                 end = Position(epoch, lsn, crc)
-            if end is None:  # an empty log: the copy ends at its applied position
-                meta = dict(db.execute("SELECT k, v FROM meta WHERE k IN "
-                                       "('applied_epoch', 'applied_lsn', 'applied_crc')"))
-                end = Position(int(meta.get("applied_epoch") or 0), int(meta.get("applied_lsn") or 0),
-                               int(meta.get("applied_crc") or 0))
         finally:
             db.close()
-        if end.lsn >= ours.lsn:
+        if end.lsn > ours.lsn:
             return None
+        if end.lsn == ours.lsn:  # only at our very last record, and taking back nothing we applied
+            same = end.lsn > 0 and (end.epoch, end.crc) == (ours.epoch, ours.crc)
+            return end if same and applied.lsn <= self.core.lsn else None
         if end.lsn <= self.core.lsn:
             return end
         for epoch, crc in st.db.execute("SELECT epoch, crc FROM log WHERE lsn = ?", (end.lsn,)):
@@ -1258,8 +1267,8 @@ class Engine:
 
 
 class CopyHeld(Exception):
-    """A snapshot copy whose log this node's log already holds, and more
-    (Engine._copy_held): not installed. ``args[0]``: the copy's end (Position)."""
+    """A snapshot copy whose log this node's log already holds, and that would
+    take nothing from it (Engine._copy_held): not installed. ``args[0]``: the copy's end (Position)."""
 
 
 class InstallBroken(Exception):

@@ -664,7 +664,7 @@ class Driver:
             try:
                 try:
                     await e.store_io(e.install_snapshot_sync, path)
-                except CopyHeld as held:  # a late copy: our log holds it and more; keep ours
+                except CopyHeld as held:  # a late copy: our log holds it (Engine._copy_held); keep ours
                     end = held.args[0]
                     log.info("kept this node's log (to lsn %d) over a snapshot from %s that ends at lsn %d",
                              self.core.log.last_lsn, primary, end.lsn)
@@ -765,15 +765,15 @@ class Driver:
         inbound[me] = True
         sender = None
         it = request_iterator.__aiter__()
-        ahead: list = []          # frames read while an earlier one was being handled
-        ahead_bytes = 0           # ... and their size: reading stops past READ_AHEAD_BYTES_MAX
+        ahead: list = []          # (frame, its size) read while an earlier one was being handled
+        ahead_bytes = 0           # ... their sizes' sum: reading stops past READ_AHEAD_BYTES_MAX
         reading = None            # the pending read of the next frame, if any
         read_end = None           # how reading ended while a frame was handled (StopAsyncIteration, error)
         try:
             while not self.closing and self.engine.failed is None:  # (a failed store: the node is stopping)
                 if ahead:
-                    f = ahead.pop(0)
-                    ahead_bytes -= f.ByteSize()
+                    f, size = ahead.pop(0)
+                    ahead_bytes -= size
                 elif read_end is not None:
                     if isinstance(read_end, StopAsyncIteration):
                         break
@@ -804,8 +804,9 @@ class Driver:
                         except (StopAsyncIteration, Exception) as e:  # noqa: BLE001 - met in its turn
                             read_end = e
                         else:
-                            ahead.append(nxt)
-                            ahead_bytes += nxt.ByteSize()
+                            size = nxt.ByteSize()  # computed once: taken off again when its turn comes
+                            ahead.append((nxt, size))
+                            ahead_bytes += size
                             for ack in self._contact_acks(nxt):
                                 inbound[me] = False
                                 yield ack

@@ -542,3 +542,70 @@ def test_a_late_copy_that_our_log_holds_and_passes_is_not_installed_over_it(tmp_
             await r.stop()
 
     asyncio.run(main())
+
+
+def test_a_late_copy_that_ends_where_our_log_ends_does_not_take_our_applied_state_back(tmp_path):
+    """A copy whose log ends at our log's last record (same lsn, epoch and
+    checksum) but that applied less than we did (its checkpoint is older) is
+    not installed: it would only take what we applied back, until the commit
+    point next moves. A copy ending there that applied more than we did is
+    installed, and so is one of another history."""
+    async def main():
+        early, late, full, other = (str(tmp_path / f"{n}.db") for n in ("early", "late", "full", "other"))
+        p = Engine(str(tmp_path / "p"))
+        await p.start()
+        await p.propose(log_pb2.Record(queue_put=log_pb2.QueuePut(name="q")))
+        for i in range(5):
+            rec = log_pb2.Record()
+            rec.send.entries.add(queue="q", id=f"a{i}", body=b"x" * 100)
+            await p.propose(rec)
+        await p.checkpoint_now()
+        await p.snapshot_to(early)
+        k = p.store.applied_position().lsn
+        for i in range(5):
+            rec = log_pb2.Record()
+            rec.send.entries.add(queue="q", id=f"b{i}", body=b"y" * 100)
+            await p.propose(rec)
+        await p.snapshot_to(late)  # its log ends at m, its checkpoint at k
+        assert p.store.applied_position().lsn == k
+        after = p.store.records_after(k)
+        m = after[-1][0]
+        await p.checkpoint_now()
+        await p.snapshot_to(full)  # its log ends at m, its checkpoint at m
+        await p.stop()
+        o_end = await _primary_snapshot(str(tmp_path / "o"), "other", 10, 100, other)
+
+        r = await _replica(str(tmp_path / "r"))
+        try:
+            assert (await r.repl.serve_snapshot(_chunks(early, 5, "n1"), None)).ok
+            await r.store_io(r.store.append, after)  # stored, not applied (no commit point heard)
+            assert r.store.last_position().lsn == m > r.core.lsn == k
+
+            # ends where our log ends (its last record is ours), applied as much as we did (k): kept out
+            ack = await r.repl.serve_snapshot(_chunks(late, 5, "n1"), None)
+            assert ack.ok and ack.last_lsn == m, ack
+            assert r.core.lsn == k and r.store.last_position().lsn == m
+
+            # ends there too and applied more than we did: installed
+            ack = await r.repl.serve_snapshot(_chunks(full, 5, "n1"), None)
+            assert ack.ok and ack.last_lsn == m, ack
+            assert r.core.lsn == m and r.core.queues["q"].size == 10
+
+            # ends there, applied less than we did now: kept out, nothing we applied goes back
+            ack = await r.repl.serve_snapshot(_chunks(late, 5, "n1"), None)
+            assert ack.ok and ack.last_lsn == m, ack
+            assert r.core.lsn == m and r.core.queues["q"].size == 10
+            assert r.store.applied_position().lsn == m and r.store.last_position().lsn == m
+            await r.checkpoint_now()
+            assert r.store.applied_position().lsn == m
+
+            # another history ending at our log's end (its last record is not ours): installed
+            assert o_end.lsn == m and o_end != r.store.last_position(), (o_end, m)
+            ack = await r.repl.serve_snapshot(_chunks(other, 5, "n1"), None)
+            assert ack.ok and ack.last_lsn == m, ack
+            assert [q[0] for q in r.store.load_queues()] == ["other"]
+            assert r.core.lsn == m and "q" not in r.core.queues
+        finally:
+            await r.stop()
+
+    asyncio.run(main())
