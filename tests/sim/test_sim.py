@@ -610,7 +610,8 @@ def test_the_node_with_the_longest_log_but_an_older_epoch_still_gets_elected(see
         payload = f"r{i}".encode()
         crc = zlib.crc32(payload, crc)
         sim.payloads[(i + 1, 1, crc)] = payload
-        log.append((1, crc, payload))
+        sim.sizes[(i + 1, 1, crc)] = len(payload)
+        log.append((1, crc, payload, len(payload)))
     sim.nodes["n1"].disk = Disk(epoch=1, voted_for="n1", log=list(log))
     sim.nodes["n2"].disk = Disk(epoch=2, voted_for="n3", log=list(log[:1]))
     sim.restart("n1")
