@@ -13,8 +13,12 @@ Invariants checked after every step:
   * every commit agrees with every earlier commit at the same lsn (committed
     records are never lost or changed), and a node that becomes primary holds
     every record committed before;
+  * every frame delivered holds at most the core's R.FRAME_RECORD_BYTES_MAX
+    bytes of records, or a single record (records have sizes, mostly small,
+    now and then of a few MiB);
 and at the end (network healed, everyone up): the logs of caught-up nodes are
-identical and every acknowledged write is in them.
+identical and every acknowledged write is in them, and each core knows the
+size of every record its disk holds.
 
 Replay a failure: ``python -m tests.sim.sim SEED [nodes]`` prints the trace.
 """
@@ -24,7 +28,7 @@ import heapq
 import random
 import sys
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from node.core import replication as R
 
@@ -52,7 +56,7 @@ class Disk:
     epoch: int = 0
     voted_for: str = ""
     lease_seen: int = 0
-    log: list = field(default_factory=list)  # [(epoch, crc, payload)], lsn = index + 1
+    log: list = field(default_factory=list)  # [(epoch, crc, payload, size)], lsn = index + 1
     joining: bool = False  # a replacement's empty disk (--join) until it has joined
 
 
@@ -66,7 +70,7 @@ class SimNode:
         self.pending = []  # (lsn, epoch, crc) written as primary, not yet known committed
         # a primary's records shipped before its own fsync completed (appended with
         # durable=False): on no disk here yet; a crash loses them
-        self.volatile = []  # (lsn, epoch, crc, payload)
+        self.volatile = []  # (lsn, epoch, crc, payload, size)
         self.incarnation = 0
 
     def boot(self):
@@ -78,7 +82,9 @@ class SimNode:
                           frame_entries_max=entries, frames_in_flight_max=2 if entries == frames == 1 else frames)
         c.epoch, c.voted_for, c.joining = self.disk.epoch, self.disk.voted_for, self.disk.joining
         c.lease_seen = self.disk.lease_seen
-        c.log.entries = [(e, crc) for e, crc, _ in self.disk.log]
+        # as Driver.load: (epoch, crc) and the size of every record the disk holds
+        c.log = R.LogView(0, 0, 0, [(e, crc) for e, crc, *_ in self.disk.log],
+                          [size for *_, size in self.disk.log])
         self.core = c
         self.run(c.start(sim.now))
 
@@ -91,9 +97,9 @@ class SimNode:
         """The writer thread finishes the pending local writes, in order (it does so
         before any later store operation: truncation, replica appends)."""
         while self.volatile and (upto is None or self.volatile[0][0] <= upto):
-            lsn, ep, crc, payload = self.volatile.pop(0)
+            lsn, ep, crc, payload, size = self.volatile.pop(0)
             assert lsn == len(self.disk.log) + 1, (self.id, "volatile write out of order", lsn)
-            self.disk.log.append((ep, crc, payload))
+            self.disk.log.append((ep, crc, payload, size))
 
     def local_sync(self, m: LocalSync):
         if not self.up or m.incarnation != self.incarnation:
@@ -123,7 +129,7 @@ class SimNode:
             elif isinstance(eff, R.Store):
                 for lsn, ep, crc in eff.req.entries:
                     assert lsn == len(self.disk.log) + 1, (self.id, lsn, len(self.disk.log))
-                    self.disk.log.append((ep, crc, sim.payloads[(lsn, ep, crc)]))
+                    self.disk.log.append((ep, crc, sim.payloads[(lsn, ep, crc)], sim.sizes[(lsn, ep, crc)]))
                 self.run(self.core.stored(eff.req, sim.now))
             elif isinstance(eff, R.Send):
                 sim.send(self.id, eff.to, eff.msg)
@@ -167,7 +173,15 @@ class Sim:
         self.backlog_rng = random.Random(f"backlog-{seed}")
         self.p_backlog = self.backlog_rng.choice([0.0, 0.05, 0.2])
         self.backlog_until: dict = {}  # node -> when the frames waiting behind its busy disk are received
+        # the records' sizes in bytes: mostly small, now and then a few MiB, so that
+        # frames to a replica that lags are cut by the core's byte bound
+        # (FRAME_RECORD_BYTES_MAX) as well as by its record bound (its own
+        # generator, as the backlog's: the other draws of a seed stay what they were)
+        self.size_rng = random.Random(f"sizes-{seed}")
         self.payloads: dict = {}
+        self.sizes: dict = {}          # (lsn, epoch, crc) -> the record's size in bytes
+        self.frames = 0                # frames of records sent
+        self.frames_cut_by_bytes = 0   # ... that ended early on the byte bound
         self.committed: dict = {}      # lsn -> (epoch, crc): the one committed history
         self.acked: list = []          # (lsn, epoch, crc) of writes a primary answered
         self.primaries: dict = {}      # epoch -> node id
@@ -190,6 +204,8 @@ class Sim:
 
     # ---------------------------------------------------------- network
     def send(self, frm, to, msg):
+        if isinstance(msg, R.AppendReq) and msg.entries:
+            msg = self.on_the_wire(self.nodes[frm], msg)
         if (frm, to) in self.blocked or self.rng.random() < self.p_drop:
             return
         copies = 2 if self.rng.random() < self.p_dup else 1
@@ -198,6 +214,36 @@ class Sim:
             at = self.now + self.rng.randint(lo, hi) * MS
             self.seq += 1
             heapq.heappush(self.queue, (at, self.seq, to, msg, frm))
+
+    def on_the_wire(self, sender, msg):
+        """A frame of records as the driver sends it: each record's bytes go with
+        it, and the receiving driver hands the core their sizes (Driver._handle_frame).
+        Counts the frame, and whether the byte bound ended it (the sender's log
+        went on, its record bound did not, and the next record would have taken
+        the frame past FRAME_RECORD_BYTES_MAX)."""
+        entries = [(lsn, ep, crc, self.sizes[(lsn, ep, crc)]) for lsn, ep, crc in msg.entries]
+        self.frames += 1
+        c, upto = sender.core, entries[-1][0]
+        nxt = c.log.at(upto + 1)
+        if len(entries) < c.frame_entries_max and nxt is not None:
+            total = sum(e[3] for e in entries) + self.sizes[(upto + 1,) + nxt]
+            if total > R.FRAME_RECORD_BYTES_MAX:
+                self.frames_cut_by_bytes += 1
+        return replace(msg, entries=entries)
+
+    def check_frame(self, to, msg):
+        """A frame delivered holds at most the core's byte bound of records, or one record."""
+        if isinstance(msg, R.AppendReq) and len(msg.entries) > 1:
+            total = sum(self.sizes[tuple(e[:3])] for e in msg.entries)
+            assert total <= R.FRAME_RECORD_BYTES_MAX, \
+                f"frame {msg.primary}->{to} of lsn {msg.entries[0][0]}..{msg.entries[-1][0]} " \
+                f"({len(msg.entries)} records) holds {total} bytes > {R.FRAME_RECORD_BYTES_MAX}"
+
+    def record_size(self) -> int:
+        r = self.size_rng.random()
+        if r < 0.08:
+            return self.size_rng.randint(256 << 10, 6 << 20)  # large: up to 6 MiB (> the frame bound)
+        return self.size_rng.randint(40, 4000)
 
     # ------------------------------------------------------------ events
     def on_role(self, node, eff):
@@ -267,19 +313,21 @@ class Sim:
                 lsn, ep = c.log.last_lsn + 1, c.epoch
                 self.writes += 1
                 payload = f"w{self.writes}".encode()
+                size = self.record_size()  # (the payload stands for that many bytes)
                 crc = zlib.crc32(payload, n.crc_at(lsn - 1))
                 self.payloads[(lsn, ep, crc)] = payload
+                self.sizes[(lsn, ep, crc)] = size
                 n.pending.append((lsn, ep, crc))
                 if n.volatile or self.rng.random() < self.p_parallel:
                     # shipped first; the local fsync completes later (or a crash loses it)
-                    n.volatile.append((lsn, ep, crc, payload))
+                    n.volatile.append((lsn, ep, crc, payload, size))
                     self.seq += 1
                     heapq.heappush(self.queue, (self.now + self.rng.randint(0, 30) * MS, self.seq, n.id,
                                                 LocalSync(lsn, ep, n.incarnation), n.id))
-                    n.run(c.appended([(lsn, ep, crc)], self.now, durable=False))
+                    n.run(c.appended([(lsn, ep, crc, size)], self.now, durable=False))
                 else:
-                    n.disk.log.append((ep, crc, payload))  # the group commit's fsync
-                    n.run(c.appended([(lsn, ep, crc)], self.now))
+                    n.disk.log.append((ep, crc, payload, size))  # the group commit's fsync
+                    n.run(c.appended([(lsn, ep, crc, size)], self.now))
 
     def check_leases(self):
         holders = [n.id for n in self.nodes.values() if n.up and n.core.may_lease(self.now)]
@@ -352,6 +400,7 @@ class Sim:
         """The earliest message in flight arrives (or a node's disk sync ends)."""
         at, _, to, msg, _frm = heapq.heappop(self.queue)
         self.now = max(self.now, at)
+        self.check_frame(to, msg)
         n = self.nodes[to]
         if isinstance(msg, LocalSync):
             n.local_sync(msg)
@@ -411,6 +460,7 @@ class Sim:
         if self.queue and self.queue[0][0] <= tick_at:
             at, _, to, msg, frm = heapq.heappop(self.queue)
             self.now = max(self.now, at)
+            self.check_frame(to, msg)
             n = self.nodes[to]
             if isinstance(msg, LocalSync):
                 n.local_sync(msg)
@@ -438,6 +488,9 @@ class Sim:
             assert lg[:top] == logs[p.id][:top], f"{nid}'s log differs from the primary's"
         for lsn, ep, crc in self.acked:
             assert lsn <= top and logs[p.id][lsn - 1] == (ep, crc), f"acknowledged write lsn {lsn} lost"
+        for n in self.nodes.values():  # sizes survived restarts, reloads and truncations
+            held = min(len(n.disk.log), n.core.log.last_lsn)
+            assert n.core.log.sizes[:held] == [x[3] for x in n.disk.log[:held]], f"{n.id}'s core lost record sizes"
 
 
 def run_seed(seed: int, nodes: int = 3, steps: int = 400, verbose: bool = False, mixed: bool = False) -> Sim:
