@@ -1188,7 +1188,7 @@ class Engine:
         that installs it resumes applying): installing it would only take our
         applied state back, until the commit point next moves. A copy that
         applied more than we did is installed, as is a copy ending past our
-        log's end, an empty copy, and a copy whose last record is not ours."""
+        log's end, a copy that ends at lsn 0, and a copy whose last record is not ours."""
         import apsw
         st = self.store
         ours = st.last_position()
