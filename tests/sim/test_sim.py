@@ -62,8 +62,9 @@ def test_three_nodes_with_mixed_failover_timeouts(block):
 
 @functools.cache
 def _first_random_runs():
-    """Seeds 0-19 of the three-node random runs (test_three_nodes[0] runs them
-    too), run once for the tests below that show the runs are not vacuous."""
+    """Seeds 0-19 of the three-node random runs (test_three_nodes runs them too
+    unless SIM_SEEDS is set lower), run once for the tests below that show the
+    runs are not vacuous."""
     return [run_seed(seed, nodes=3) for seed in range(20)]
 
 
