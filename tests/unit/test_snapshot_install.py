@@ -470,6 +470,28 @@ def test_our_store_failing_its_fsync_while_folding_its_wal_stops_the_node(tmp_pa
     asyncio.run(main())
 
 
+async def _sends_then_a_copy_then_more(p, early, after_each=None):
+    """Start primary ``p``: queue q, five sends, a checkpoint and a copy of it to
+    ``early``, then five more sends (``after_each(i)`` after each). Returns the
+    lsn the copy's checkpoint applied."""
+    await p.start()
+    await p.propose(log_pb2.Record(queue_put=log_pb2.QueuePut(name="q")))
+    for i in range(5):
+        rec = log_pb2.Record()
+        rec.send.entries.add(queue="q", id=f"a{i}", body=b"x" * 100)
+        await p.propose(rec)
+    await p.checkpoint_now()
+    await p.snapshot_to(early)
+    k = p.store.applied_position().lsn
+    for i in range(5):
+        rec = log_pb2.Record()
+        rec.send.entries.add(queue="q", id=f"b{i}", body=b"y" * 100)
+        await p.propose(rec)
+        if after_each is not None:
+            await after_each(i)
+    return k
+
+
 def test_a_late_copy_that_our_log_holds_and_passes_is_not_installed_over_it(tmp_path):
     """A copy made before records this replica has since stored (and may have
     acknowledged, so the primary counted it for them) arrives late: the replica
@@ -479,22 +501,15 @@ def test_a_late_copy_that_our_log_holds_and_passes_is_not_installed_over_it(tmp_
     async def main():
         early, mid, full, other = (str(tmp_path / f"{n}.db") for n in ("early", "mid", "full", "other"))
         p = Engine(str(tmp_path / "p"))
-        await p.start()
-        await p.propose(log_pb2.Record(queue_put=log_pb2.QueuePut(name="q")))
-        for i in range(5):
-            rec = log_pb2.Record()
-            rec.send.entries.add(queue="q", id=f"a{i}", body=b"x" * 100)
-            await p.propose(rec)
-        await p.checkpoint_now()
-        await p.snapshot_to(early)
-        k = p.store.applied_position().lsn
-        for i in range(5):
-            rec = log_pb2.Record()
-            rec.send.entries.add(queue="q", id=f"b{i}", body=b"y" * 100)
-            await p.propose(rec)
+        k2 = None
+
+        async def after_the_second(i):
+            nonlocal k2
             if i == 1:
                 await p.snapshot_to(mid)
                 k2 = p.store.last_position().lsn
+
+        k = await _sends_then_a_copy_then_more(p, early, after_each=after_the_second)
         after = p.store.records_after(k)
         m = after[-1][0]
         await p.checkpoint_now()
@@ -553,19 +568,7 @@ def test_a_late_copy_that_ends_where_our_log_ends_does_not_take_our_applied_stat
     async def main():
         early, late, full, other = (str(tmp_path / f"{n}.db") for n in ("early", "late", "full", "other"))
         p = Engine(str(tmp_path / "p"))
-        await p.start()
-        await p.propose(log_pb2.Record(queue_put=log_pb2.QueuePut(name="q")))
-        for i in range(5):
-            rec = log_pb2.Record()
-            rec.send.entries.add(queue="q", id=f"a{i}", body=b"x" * 100)
-            await p.propose(rec)
-        await p.checkpoint_now()
-        await p.snapshot_to(early)
-        k = p.store.applied_position().lsn
-        for i in range(5):
-            rec = log_pb2.Record()
-            rec.send.entries.add(queue="q", id=f"b{i}", body=b"y" * 100)
-            await p.propose(rec)
+        k = await _sends_then_a_copy_then_more(p, early)
         await p.snapshot_to(late)  # its log ends at m, its checkpoint at k
         assert p.store.applied_position().lsn == k
         after = p.store.records_after(k)
