@@ -90,7 +90,7 @@ def _same_after_load(data_dir: str) -> tuple:
 async def _random_writes(rng: random.Random, eng: Engine, svc: Service, images: list, base: str, steps: int):
     tokens: list = []
     keys: list = []
-    for step in range(steps):
+    for _ in range(steps):
         q = rng.choice(QUEUES)
         op = rng.random()
         try:
