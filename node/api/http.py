@@ -445,9 +445,9 @@ def build_app(svc: Service, metrics) -> web.Application:
 
     routes = [
         web.put("/v1/queues/{queue}", put_queue),
-        web.get("/v1/queues/{queue}", get_queue, allow_head=False),
+        web.get("/v1/queues/{queue}", get_queue),
         web.delete("/v1/queues/{queue}", delete_queue),
-        web.get("/v1/queues", list_queues, allow_head=False),
+        web.get("/v1/queues", list_queues),
         web.post("/v1/queues/{queue}/redrive", redrive),
         web.post("/v1/queues/{queue}/messages", send),
         web.post("/v1/queues/{queue}/receive", receive),
@@ -455,11 +455,11 @@ def build_app(svc: Service, metrics) -> web.Application:
         web.post("/v1/leases/{token}/nack", nack),
         web.post("/v1/leases/{token}/renew", renew),
         web.post("/v1/keys", create_key),
-        web.get("/v1/keys", list_keys, allow_head=False),
+        web.get("/v1/keys", list_keys),
         web.delete("/v1/keys/{id}", delete_key),
-        web.get("/v1/cluster", cluster, allow_head=False),
+        web.get("/v1/cluster", cluster),
         web.post("/v1/cluster/promote", promote),
-        # HEAD too, for probes and load balancers that check with it
+        # (every GET answers HEAD too: the same status and headers, no body)
         web.get("/healthz", healthz),
         web.get("/readyz", readyz),
         web.get("/metrics", metrics_route),

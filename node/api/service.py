@@ -528,6 +528,8 @@ class Service:
         None, or the SpoolerError of an entry that apply refused (its queue was
         deleted in the same group commit); the other entries are stored.
         """
+        if not self.engine.ready and not self.forwards():
+            await self.until_ready()  # (a Session's sends are not held: the SDK tries them again)
         fut = self.send_begin(p, entries, run)
         if fut is None:
             # forwarded: its bodies are held here until the primary answers, and
@@ -791,8 +793,8 @@ class Service:
                                               release_for_s=self._release_for_s())
             finally:
                 self.forwarded_polls -= polls
-        if not self.engine.ready:  # (as _remote: a queue may exist that this node has not applied yet)
-            raise errors.Unavailable(_not_ready(self.engine), retry_after_s=0.5)
+        # (as _remote: a queue may exist that this node has not applied yet)
+        await self.until_ready()
         self.authorize(p, "receive", queue)
         self._queue(queue)
         keys = [(self._caller(p), queue, self._check_receive_id(n)) for n in (receive_id, caller_receive_id) if n]
@@ -807,6 +809,7 @@ class Service:
                 return []
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
+        held = False
         while True:
             if not self.engine.serving():
                 raise errors.Unavailable("node is not serving", retry_after_s=1.0)
@@ -822,8 +825,16 @@ class Service:
                 if not self.engine.may_lease() and self.core.stats(queue, self.engine.now_us())["visible"]:
                     # messages are visible, but this node may not lease them yet: "nothing
                     # became visible" would be false. A new primary waits out older ones'
-                    # leases; a primary whose majority is slow to answer waits for it
+                    # leases (at most about a failover timeout after it took office); a
+                    # primary whose majority is slow to answer waits for it. The receive
+                    # is held that long, once, so that the messages a failover made
+                    # visible again are handed out by the first receive after it (API.md:
+                    # "visible again at once"), not refused; past it, 503.
                     wait = self.engine.repl.lease_wait_s()
+                    if not held:
+                        held = True
+                        deadline = loop.time() + min(wait, self.lease_hold_max_s())
+                        continue
                     raise errors.Unavailable(f"this primary may not hand out leases for about {wait:.2f} s (an older "
                                              "primary's may still run, or a majority has not answered lately)",
                                              retry_after_s=wait)
@@ -885,6 +896,31 @@ class Service:
         if not isinstance(rid, str) or not RECEIVE_ID_RE.match(rid):
             raise errors.InvalidArgument("receive id must be 1-64 characters of [A-Za-z0-9._-]")
         return rid
+
+    async def until_ready(self) -> None:
+        """A primary taking over (elected, its EpochBegin not yet committed: a round
+        trip and an fsync, longer while its majority is slow) serves in a moment.
+        A send or receive asked meanwhile waits for that, at most
+        ``lease_hold_max_s``, instead of being refused: a client that saw the new
+        primary named (its own cluster document names it from its election) and
+        asks it at once gets an answer, not 503. Past that, or once the node is
+        not taking over any more (stepped down, stopping, failed), 503 as before."""
+        e = self.engine
+        if e.ready:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.lease_hold_max_s()
+        while (not e.ready and e.role == "primary" and not e.stopping and e.failed is None
+               and loop.time() < deadline):
+            await asyncio.sleep(0.01)
+        if not e.ready:
+            raise errors.Unavailable(_not_ready(e), retry_after_s=0.5)
+
+    def lease_hold_max_s(self) -> float:
+        """The longest a receive is held for a primary that may not lease yet: a
+        new one waits out older primaries' leases for at most about a failover
+        timeout (DESIGN.md, "Serving and leasing")."""
+        return self.engine.repl.core.timeout / US + 0.5
 
     def _release_for_s(self) -> float:
         """How long a forwarding node keeps trying to release a lost answer: as long

@@ -142,12 +142,16 @@ def test_sigkill_primary_fails_over_without_loss(cluster):
     assert set(sent) - {again.id} <= got
 
 
-def test_a_dead_primarys_leased_message_is_never_answered_with_nothing(cluster):
+def test_a_dead_primarys_leased_message_is_handed_out_by_the_first_receive_after_it(cluster):
     """R3. Right after a primary dies its successor waits out the old leases (R2:
-    at most half a failover timeout past the old primary's last contact). In that
-    time a receive of a queue whose messages are visible answers 503 unavailable
-    with Retry-After, never 204 ("nothing became visible"), and then hands the
-    message out with its retry count kept."""
+    at most half a failover timeout past the old primary's last contact; the
+    replicas see the dead primary's streams break and elect within about 0.1 s,
+    so most of that wait comes after the election). A receive that does not
+    wait, asked then, of a queue whose messages are visible, is held until the
+    successor may lease and hands the message out with its retry count kept
+    (API.md: "visible again at once"): never 204 ("nothing became visible"),
+    and not 503 either. Without the hold it answered 503 with Retry-After until
+    the wait was over (seen: 0.9 s of them with a 2 s failover timeout)."""
     nodes, _ = cluster
     p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
     c = client(nodes[p])
@@ -156,7 +160,7 @@ def test_a_dead_primarys_leased_message_is_never_answered_with_nothing(cluster):
     leased = wait_until(lambda: c.receive("dead", wait_s=1), 10, what="a lease")
     nodes[p].kill()
     killed_at = time.monotonic()
-    q, _ = wait_until(lambda: primary_of(nodes, exclude=(p,)), 15, what="a new primary")
+    q, _ = wait_until(lambda: primary_of(nodes, exclude=(p,)), 15, interval_s=0.01, what="a new primary")
     c2, answers = client(nodes[q]), []
     first_at = time.monotonic() - killed_at  # the first receive's start, after the kill
     deadline = time.monotonic() + 10
@@ -180,9 +184,9 @@ def test_a_dead_primarys_leased_message_is_never_answered_with_nothing(cluster):
     # timeout; a successor that did not wait hands the message out at once
     earliest = FAILOVER_S / 2 - FAILOVER_S / 10 - 0.1
     assert took >= earliest, (took, answers)
-    if first_at < earliest:  # asked while the successor surely still waited: it said so
-        assert answers[0][0] == "503", (first_at, answers)
-    print(f"redelivered {took:.2f} s after the SIGKILL, {len(answers) - 1} earlier answers were 503")
+    if first_at < earliest:  # asked while the successor surely still waited: held, then answered
+        assert answers == [("200",)], (first_at, answers)
+    print(f"redelivered {took:.2f} s after the SIGKILL; first asked {first_at:.2f} s after it; answers {answers}")
 
 
 def _meta(node, key):

@@ -1004,10 +1004,21 @@ def test_settings_a_window_never_rounds_to_off_and_an_integral_float_is_an_integ
     assert api.put_queue(new_name(), {"maxRetries": 2.5}).status == 400
 
 
-def test_head_on_the_probes(api):
+def test_head_on_the_probes_and_every_get(api):
+    """HEAD wherever GET is (RFC 9110): the GET's status and headers, no body.
+    Before 0.4.37 the API's GET routes answered HEAD with 405."""
     for path in ("/healthz", "/readyz", "/metrics"):
         r = api.req("HEAD", path, key=None, check=False)
         assert r.status == 200 and r.h("Spooler-Epoch") is not None and r.body == b"", (path, r)
+    name = make_queue(api)
+    for path in (f"/v1/queues/{name}", "/v1/queues", "/v1/keys", "/v1/cluster"):
+        r = api.req("HEAD", path, check=False)
+        assert r.status == 200 and r.h("Spooler-Epoch") is not None and r.body == b"", (path, r)
+        assert (r.h("Content-Type") or "").startswith("application/json"), (path, r)
+        r = api.req("HEAD", path, key=None, check=False)
+        assert r.status == 401 and r.body == b"", (path, r)
+    r = api.req("HEAD", "/v1/queues/no-such-queue", check=False)
+    assert r.status == 404 and r.body == b"", r
 
 
 def test_create_key_refuses_unknown_fields(api):
