@@ -12,6 +12,7 @@ import logging
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from spooler import errors
 from spooler.pb import api_pb2, api_pb2_grpc
@@ -670,6 +671,13 @@ def server_options(max_connections: int = CONNECTIONS_MAX_DEFAULT,
     ]
 
 
+# what server reflection lists: the client service, health, and reflection itself
+# (not the node-to-node Replication service: it is for members only)
+REFLECTED_SERVICES = (api_pb2.DESCRIPTOR.services_by_name["Spooler"].full_name,
+                      health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                      reflection.SERVICE_NAME)
+
+
 async def build_server(svc: Service, metrics, address: str, tls=None,
                        max_connections: int = CONNECTIONS_MAX_DEFAULT,
                        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S_DEFAULT) -> tuple:
@@ -681,6 +689,10 @@ async def build_server(svc: Service, metrics, address: str, tls=None,
     replication_pb2_grpc.add_ReplicationServicer_to_server(ReplicationServicer(svc.engine.repl), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    # Server reflection, so that grpcurl and other generic clients can list the
+    # client service and its messages without proto/ at hand (no key needed: it
+    # tells what proto/ says, nothing of the node's data)
+    reflection.enable_server_reflection(REFLECTED_SERVICES, server)
     server.add_generic_rpc_handlers((_NoSuchMethod(svc, metrics),))  # after every service: the fallback
     try:
         port = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)

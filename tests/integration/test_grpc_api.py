@@ -515,6 +515,29 @@ def test_health_service(node):
     ch.close()
 
 
+def test_server_reflection_lists_the_client_service_and_describes_its_messages(node):
+    """grpcurl and other generic clients find the API without proto/: server
+    reflection lists the client service (not the members-only Replication
+    service) and describes its methods and messages from the same descriptors
+    the node serves. No key is needed for it."""
+    from google.protobuf import descriptor_pool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    ch = grpc.insecure_channel(node.grpc_target)
+    try:
+        db = ProtoReflectionDescriptorDatabase(ch)
+        services = set(db.get_services())
+        assert {"spooler.v1.Spooler", "grpc.health.v1.Health"} <= services, services
+        assert not any("Replication" in s for s in services), services
+        pool = descriptor_pool.DescriptorPool(db)
+        svc = pool.FindServiceByName("spooler.v1.Spooler")
+        want = api_pb2.DESCRIPTOR.services_by_name["Spooler"]
+        assert {m.name for m in svc.methods} == {m.name for m in want.methods}
+        send = pool.FindMessageTypeByName("spooler.v1.SendRequest")
+        assert [f.name for f in send.fields] == [f.name for f in api_pb2.SendRequest.DESCRIPTOR.fields]
+    finally:
+        ch.close()
+
+
 # ------------------------------------------------- found by an outside audit (2026-11-30)
 
 def _stub(node):
