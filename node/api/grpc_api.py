@@ -12,7 +12,8 @@ import logging
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+from google.protobuf import descriptor_pb2, descriptor_pool
 
 from spooler import errors
 from spooler.pb import api_pb2, api_pb2_grpc
@@ -678,6 +679,27 @@ REFLECTED_SERVICES = (api_pb2.DESCRIPTOR.services_by_name["Spooler"].full_name,
                       reflection.SERVICE_NAME)
 
 
+def reflected_pool() -> descriptor_pool.DescriptorPool:
+    """The descriptors reflection answers from: the files of the services it
+    lists and what they import, nothing else. (Reflection answers a symbol's
+    file from its pool whatever it lists; from the default pool it described
+    the members-only Replication service and the log's records too.)"""
+    pool, added = descriptor_pool.DescriptorPool(), set()
+
+    def add(fd) -> None:
+        if fd.name in added:
+            return
+        for dep in fd.dependencies:
+            add(dep)
+        proto = descriptor_pb2.FileDescriptorProto()
+        fd.CopyToProto(proto)
+        pool.Add(proto)
+        added.add(fd.name)
+    for fd in (api_pb2.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
+        add(fd)
+    return pool
+
+
 async def build_server(svc: Service, metrics, address: str, tls=None,
                        max_connections: int = CONNECTIONS_MAX_DEFAULT,
                        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S_DEFAULT) -> tuple:
@@ -692,7 +714,7 @@ async def build_server(svc: Service, metrics, address: str, tls=None,
     # Server reflection, so that grpcurl and other generic clients can list the
     # client service and its messages without proto/ at hand (no key needed: it
     # tells what proto/ says, nothing of the node's data)
-    reflection.enable_server_reflection(REFLECTED_SERVICES, server)
+    reflection.enable_server_reflection(REFLECTED_SERVICES, server, pool=reflected_pool())
     server.add_generic_rpc_handlers((_NoSuchMethod(svc, metrics),))  # after every service: the fallback
     try:
         port = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)

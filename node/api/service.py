@@ -117,6 +117,10 @@ def _carriable(authorization: str) -> bool:
     return authorization.isascii() and authorization.isprintable()
 
 
+# the most a call is held for a primary that does not serve or lease yet (lease_hold_max_s)
+LEASE_HOLD_S_MAX = 5.0
+
+
 def _not_ready(e) -> str:
     """Why a primary does not serve yet (or any more)."""
     if e.stopping:
@@ -212,6 +216,7 @@ class Service:
         end as unavailable once what they had read is answered. Writes already
         proposed still commit and answer."""
         self.engine.stopping = True
+        self.engine.readiness_changed()
         self.engine.wake_all_receivers()
         self.fwd.shut_down()  # a replica's forwarded long polls end too
         for wake in list(self.session_wakes):
@@ -529,7 +534,16 @@ class Service:
         deleted in the same group commit); the other entries are stored.
         """
         if not self.engine.ready and not self.forwards():
-            await self.until_ready()  # (a Session's sends are not held: the SDK tries them again)
+            # (a Session stream's sends are not held, they go straight to send_begin:
+            # the SDK tries them again.) The bodies count against sending_bytes_max
+            # while they wait, as a forwarded send's do below.
+            total = sum(len(e[1]) for e in entries) + (sum(map(len, run[1])) if run else 0)
+            self.check_sending_room(total)
+            self.sending_bytes += total
+            try:
+                await self.until_ready(asyncio.get_running_loop().time() + self.lease_hold_max_s())
+            finally:
+                self.sending_bytes -= total
         fut = self.send_begin(p, entries, run)
         if fut is None:
             # forwarded: its bodies are held here until the primary answers, and
@@ -783,7 +797,10 @@ class Service:
         if self.forwards():
             if receive_id:
                 self._check_receive_id(receive_id)
-            polls = 1 if wait_s else 0  # (one that does not wait is not held on the primary)
+            # (one that does not wait is held on the primary only right after a
+            # failover, until it may lease, and counts there against
+            # receives_waiting_max: not here, so that it still goes through)
+            polls = 1 if wait_s else 0
             if polls and self.forwarded_polls >= self.limits.forwarded_polls_max:
                 raise errors.Unavailable(f"this node forwards {self.forwarded_polls} long polls to the primary "
                                          "already: try again, or ask the primary", retry_after_s=1.0)
@@ -793,8 +810,12 @@ class Service:
                                               release_for_s=self._release_for_s())
             finally:
                 self.forwarded_polls -= polls
+        loop = asyncio.get_running_loop()
+        # how long this receive may be held, past its own wait, for a primary that
+        # does not serve or lease yet: one budget for both holds below
+        hold_until = loop.time() + self.lease_hold_max_s()
         # (as _remote: a queue may exist that this node has not applied yet)
-        await self.until_ready()
+        await self.until_ready(hold_until)
         self.authorize(p, "receive", queue)
         self._queue(queue)
         keys = [(self._caller(p), queue, self._check_receive_id(n)) for n in (receive_id, caller_receive_id) if n]
@@ -807,7 +828,6 @@ class Service:
                 logs.throttled(log, logging.INFO, ("released before",), "a receive released by its caller "
                                "before it arrived leased nothing")
                 return []
-        loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         held = False
         while True:
@@ -822,6 +842,10 @@ class Service:
                 return out
             left = deadline - loop.time()
             if left <= 0:
+                if self.engine.may_lease() and not held and self.core.next_visible_at(queue) is not None \
+                        and self.core.next_visible_at(queue) <= self.engine.now_us():
+                    held = True  # it may lease since the check above: one more look
+                    continue
                 if not self.engine.may_lease() and self.core.stats(queue, self.engine.now_us())["visible"]:
                     # messages are visible, but this node may not lease them yet: "nothing
                     # became visible" would be false. A new primary waits out older ones'
@@ -831,9 +855,9 @@ class Service:
                     # visible again are handed out by the first receive after it (API.md:
                     # "visible again at once"), not refused; past it, 503.
                     wait = self.engine.repl.lease_wait_s()
-                    if not held:
+                    if not held and loop.time() < hold_until:
                         held = True
-                        deadline = loop.time() + min(wait, self.lease_hold_max_s())
+                        deadline = min(loop.time() + wait, hold_until)
                         continue
                     raise errors.Unavailable(f"this primary may not hand out leases for about {wait:.2f} s (an older "
                                              "primary's may still run, or a majority has not answered lately)",
@@ -897,30 +921,46 @@ class Service:
             raise errors.InvalidArgument("receive id must be 1-64 characters of [A-Za-z0-9._-]")
         return rid
 
-    async def until_ready(self) -> None:
+    async def until_ready(self, deadline: float) -> None:
         """A primary taking over (elected, its EpochBegin not yet committed: a round
         trip and an fsync, longer while its majority is slow) serves in a moment.
-        A send or receive asked meanwhile waits for that, at most
-        ``lease_hold_max_s``, instead of being refused: a client that saw the new
-        primary named (its own cluster document names it from its election) and
-        asks it at once gets an answer, not 503. Past that, or once the node is
-        not taking over any more (stepped down, stopping, failed), 503 as before."""
+        A send or receive asked meanwhile waits for that, until ``deadline`` (the
+        loop's clock) at the latest, instead of being refused: a client that saw
+        the new primary named (its own cluster document names it from its
+        election) and asks it at once gets an answer, not 503. Past that, or once
+        the node is not taking over any more (stepped down, stopping, failed), 503
+        as before. Such waits count against receives_waiting_max with the long
+        polls (past it, 503 at once), and wake on the engine's readiness_changes,
+        not on a timer."""
         e = self.engine
         if e.ready:
             return
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.lease_hold_max_s()
-        while (not e.ready and e.role == "primary" and not e.stopping and e.failed is None
-               and loop.time() < deadline):
-            await asyncio.sleep(0.01)
+        if e.role == "primary" and not e.stopping and e.failed is None and loop.time() < deadline:
+            if e.receives_waiting >= self.limits.receives_waiting_max:
+                raise errors.Unavailable(f"{self.limits.receives_waiting_max} calls are waiting on this node "
+                                         "already: try again", retry_after_s=1.0, reason=errors.OVERLOADED)
+            e.receives_waiting += 1
+            try:
+                while (not e.ready and e.role == "primary" and not e.stopping and e.failed is None
+                       and (left := deadline - loop.time()) > 0):
+                    try:
+                        await asyncio.wait_for(asyncio.shield(e.readiness_changes()), left)
+                    except asyncio.TimeoutError:
+                        break
+            finally:
+                e.receives_waiting -= 1
         if not e.ready:
             raise errors.Unavailable(_not_ready(e), retry_after_s=0.5)
 
     def lease_hold_max_s(self) -> float:
-        """The longest a receive is held for a primary that may not lease yet: a
-        new one waits out older primaries' leases for at most about a failover
-        timeout (DESIGN.md, "Serving and leasing")."""
-        return self.engine.repl.core.timeout / US + 0.5
+        """The longest a send or receive is held, past its own wait, for a primary
+        that does not serve or lease yet: a new one waits out older primaries'
+        leases for at most about half a failover timeout past their last contact
+        (DESIGN.md, "Serving and leasing"). A failover timeout and half a second,
+        and never over 5 s: a replica forwarding the call waits 10 s for it
+        (Forwarder.timeout_s) before it takes the answer for lost."""
+        return min(self.engine.repl.core.timeout / US + 0.5, LEASE_HOLD_S_MAX)
 
     def _release_for_s(self) -> float:
         """How long a forwarding node keeps trying to release a lost answer: as long

@@ -519,7 +519,9 @@ def test_server_reflection_lists_the_client_service_and_describes_its_messages(n
     """grpcurl and other generic clients find the API without proto/: server
     reflection lists the client service (not the members-only Replication
     service) and describes its methods and messages from the same descriptors
-    the node serves. No key is needed for it."""
+    the node serves, and nothing of the members' schema (the replication
+    service, the log's records: with reflection's default pool both were
+    described when asked by name). No key is needed for it."""
     from google.protobuf import descriptor_pool
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
     ch = grpc.insecure_channel(node.grpc_target)
@@ -534,6 +536,10 @@ def test_server_reflection_lists_the_client_service_and_describes_its_messages(n
         assert {m.name for m in svc.methods} == {m.name for m in want.methods}
         send = pool.FindMessageTypeByName("spooler.v1.SendRequest")
         assert [f.name for f in send.fields] == [f.name for f in api_pb2.SendRequest.DESCRIPTOR.fields]
+        # nor is the members' schema described (a symbol's file, asked by name)
+        for symbol in ("spooler.v1.Replication", "spooler.v1.Record"):
+            with pytest.raises(KeyError):
+                db.FindFileContainingSymbol(symbol)
     finally:
         ch.close()
 

@@ -129,6 +129,30 @@ def test_sync_client_survives_a_cancelled_send(node):
         assert c.send("cx", b"after").id  # the client is not wedged
 
 
+def test_calls_waiting_for_a_primary_taking_over_are_bounded_in_number_and_bytes(tmp_path):
+    """Those waits are bounded like long polls: they count against
+    receives_waiting_max (past it, 503 at once), and a waiting send's bodies
+    count against the bytes of sends the node holds (sending_bytes_max), as a
+    forwarded send's do. Found by a review: uncounted, they were neither."""
+    async def body(eng, svc):
+        await svc.put_queue(ADMIN, "q", {})
+        eng.ready = False
+        svc.lease_hold_max_s = lambda: 5.0
+        first = asyncio.ensure_future(svc.send(ADMIN, [("q", b"x" * 1000, 0.0, "")]))
+        await asyncio.sleep(0.1)
+        assert not first.done() and eng.receives_waiting == 1 and svc.sending_bytes == 1000
+        for call in (lambda: svc.send(ADMIN, [("q", b"y", 0.0, "")]), lambda: svc.receive(ADMIN, "q", 0.0)):
+            with pytest.raises(errors.Unavailable) as e:
+                await asyncio.wait_for(call(), 1)  # refused at once, not held
+            assert e.value.reason == errors.OVERLOADED, e.value
+        eng.ready = True
+        eng.readiness_changed()
+        [(mid, _, error)] = await asyncio.wait_for(first, 5)
+        assert mid and error is None
+        assert eng.receives_waiting == 0 and svc.sending_bytes == 0
+    run(body, tmp_path, receives_waiting_max=1)
+
+
 def test_retention_drops_each_message_within_a_tenth_of_a_second_or_so_of_its_end(tmp_path):
     """S7: a message past its retention is counted in expiredTotal (and leaves
     `visible`) within the retention timer's tick, 0.1 s, plus a commit. Five
@@ -155,6 +179,37 @@ def test_retention_drops_each_message_within_a_tenth_of_a_second_or_so_of_its_en
         for q in ends:
             st = eng.core.stats(q, eng.now_us())
             assert (st["visible"], st["expiredTotal"]) == (0, 1), (q, st)
+    run(body, tmp_path)
+
+
+def test_many_queues_expiring_at_once_make_one_drop_record_each_a_second_not_ten(tmp_path):
+    """The retention timer ticks every 0.1 s, but while more than 100 queues
+    have drops due at a tick it ticks every second: 150 queues whose 20
+    messages each expire one after another over two seconds (a trickle nobody
+    consumes) make about one Drop record per queue a second. At 0.1 s ticks
+    they made one per message, 3,000, ten times as many records to replicate
+    and commit (found by a review)."""
+    async def body(eng, svc):
+        queues = [f"t{i}" for i in range(150)]
+        for q in queues:
+            await svc.put_queue(ADMIN, q, {"retentionSeconds": 0.3})
+        drops = []
+        propose = eng.propose
+
+        def counting(rec, *a, **kw):
+            if rec.HasField("drop"):
+                drops.append(len(rec.drop.ids))
+            return propose(rec, *a, **kw)
+        eng.propose = counting
+        for k in range(20):  # retention counts from visibility: each message's ends 0.1 s after the last's
+            await svc.send(ADMIN, [(q, b"m", 0.1 * k, "") for q in queues])
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while loop.time() < deadline and sum(drops) < 3000:
+            await asyncio.sleep(0.05)
+        assert sum(drops) == 3000, sum(drops)
+        assert len(drops) < 1000, len(drops)
+        assert all(eng.core.stats(q, eng.now_us())["expiredTotal"] == 20 for q in queues)
     run(body, tmp_path)
 
 
@@ -241,6 +296,7 @@ def test_a_send_or_receive_asked_of_a_primary_taking_over_waits_for_its_epoch_to
         await asyncio.sleep(0.2)
         assert not send.done() and not receive.done(), (send, receive)  # waiting, not refused
         eng.ready = True
+        eng.readiness_changed()  # (as Engine._opened_epoch)
         [(mid, duplicate, error)] = await asyncio.wait_for(send, 5)
         assert mid and not duplicate and error is None
         [d] = await asyncio.wait_for(receive, 5)
