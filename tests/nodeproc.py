@@ -181,9 +181,9 @@ def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.02, what: st
 
 def reaches(read, expected, timeout_s: float = 10.0, what: str = "a figure"):
     """Poll ``read()`` until it returns ``expected``; fail with the last value read.
-    For /metrics figures: a render that took long is answered again for ten times
-    its length (node/api/metrics.py), so under load a read right after another
-    may show the figures of before the call a test just made."""
+    For figures that settle a moment after the call that moves them (a /metrics
+    counter counted when a commit applies, a gauge a timer updates). (The test
+    nodes never reuse a /metrics render: SPOOLER_TEST_METRICS_REUSE_FROM_S.)"""
     seen = []
     try:
         wait_until(lambda: seen.append(read()) or seen[-1] == expected, timeout_s, what=what)
