@@ -841,9 +841,9 @@ class Service:
                     return []
                 return out
             left = deadline - loop.time()
+            vis = self.core.next_visible_at(queue)
             if left <= 0:
-                if self.engine.may_lease() and not held and self.core.next_visible_at(queue) is not None \
-                        and self.core.next_visible_at(queue) <= self.engine.now_us():
+                if not held and vis is not None and vis <= self.engine.now_us() and self.engine.may_lease():
                     held = True  # it may lease since the check above: one more look
                     continue
                 if not self.engine.may_lease() and self.core.stats(queue, self.engine.now_us())["visible"]:
@@ -863,7 +863,6 @@ class Service:
                                              "primary's may still run, or a majority has not answered lately)",
                                              retry_after_s=wait)
                 return []
-            vis = self.core.next_visible_at(queue)
             if vis is not None:
                 left = min(left, max(0.001, (vis - self.engine.now_us()) / US))
             if not self.engine.may_lease():
