@@ -39,7 +39,7 @@ from spooler.pb import log_pb2
 from node.core.spool import QUEUES_MAX, Core
 from node.process import release_memory
 from node.store.sqlite import CheckpointData, Position, Store, chain
-from node.waits import wait_event
+from node.waits import Changes, wait_event
 
 log = logging.getLogger("spooler.engine")
 
@@ -220,6 +220,8 @@ class Engine:
         # a checkpoint comes early once it has this many bytes to write (_checkpoint_loop)
         self.checkpoint_bytes = max(1, int(checkpoint_bytes))  # (0 would make every pass due)
         self._checkpoint_soon = asyncio.Event()
+        self._roles = Changes()      # on_role: a new role, or a new primary known
+        self._readiness = Changes()  # anything that may end a wait to serve (until_ready)
         # memory that checkpoints let go of is handed back to the OS at most this often
         self.release_interval_s = float(os.environ.get("SPOOLER_RELEASE_MEMORY_INTERVAL", "5"))
         self._bodies_dropped = False
@@ -661,35 +663,21 @@ class Engine:
     # ------------------------------------------------------------- roles
     def role_changes(self) -> asyncio.Future:
         """A future resolved at the next on_role (a new role, or a new primary known)."""
-        f = self._role_change
-        if f is None or f.done():
-            f = self._role_change = asyncio.get_running_loop().create_future()
-        return f
-
-    _role_change: Optional[asyncio.Future] = None
+        return self._roles.next()
 
     def readiness_changes(self) -> asyncio.Future:
         """A future resolved at the next change that may end a wait for this node to
         serve as primary: its epoch opened, a role change, a failure, a stop."""
-        f = self._ready_change
-        if f is None or f.done():
-            f = self._ready_change = asyncio.get_running_loop().create_future()
-        return f
-
-    _ready_change: Optional[asyncio.Future] = None
+        return self._readiness.next()
 
     def readiness_changed(self) -> None:
-        f = self._ready_change
-        if f is not None and not f.done():
-            f.set_result(None)
+        self._readiness.fire()
 
     def on_role(self, role: str, epoch: int, primary: Optional[str]) -> None:
         was = self.role
         self.role = role
         self.primary_id = primary
-        f = self._role_change
-        if f is not None and not f.done():
-            f.set_result(None)
+        self._roles.fire()
         self.readiness_changed()
         if role == "primary" and was != "primary":
             # open the epoch: EpochBegin is the first record; once it applies the

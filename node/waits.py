@@ -1,4 +1,4 @@
-"""Waiting for an asyncio Event with a timeout, without losing a cancellation."""
+"""Waiting, with a timeout, for an asyncio Event or for the next of a stream of changes, without losing a cancellation."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +15,44 @@ async def wait_event(ev: asyncio.Event, timeout_s: float) -> bool:
     try:
         async with asyncio.timeout(timeout_s):
             await ev.wait()
+        return True
+    except TimeoutError:
+        return False
+
+
+class Changes:
+    """The next change of something, as one future shared by every waiter.
+
+    ``next()`` gives the pending future (a new one once the last has fired);
+    ``fire()`` resolves it. A waiter that looks at the state, finds it not yet
+    as wanted and then awaits ``next()`` in the same turn of the loop misses no
+    change: nothing else runs between the look and the wait."""
+
+    __slots__ = ("_f",)
+
+    def __init__(self) -> None:
+        self._f: asyncio.Future | None = None
+
+    def next(self) -> asyncio.Future:
+        f = self._f
+        if f is None or f.done():
+            f = self._f = asyncio.get_running_loop().create_future()
+        return f
+
+    def fire(self) -> None:
+        f = self._f
+        if f is not None and not f.done():
+            f.set_result(None)
+
+
+async def wait_change(change: asyncio.Future, timeout_s: float) -> bool:
+    """Wait for a shared future of Changes.next() or ``timeout_s``; True if it
+    fired. The future is shielded (one waiter's cancellation leaves it to the
+    others), and the timeout is asyncio.timeout's, which keeps a cancellation
+    (see wait_event)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await asyncio.shield(change)
         return True
     except TimeoutError:
         return False

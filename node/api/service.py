@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -32,7 +33,7 @@ from node import logs
 from node.core import replication as R
 from node.core.spool import US, BadToken, StaleLeaseError, failure_queue_of
 from node.engine import Engine, Reply, mono_us, nobody_waits
-from node.waits import wait_event
+from node.waits import wait_change, wait_event
 
 log = logging.getLogger("spooler.service")
 
@@ -537,26 +538,28 @@ class Service:
             # (a Session stream's sends are not held, they go straight to send_begin:
             # the SDK tries them again.) The bodies count against sending_bytes_max
             # while they wait, as a forwarded send's do below.
-            total = sum(len(e[1]) for e in entries) + (sum(map(len, run[1])) if run else 0)
-            self.check_sending_room(total)
-            self.sending_bytes += total
-            try:
+            with self._holding_bodies(entries, run):
                 await self.until_ready(asyncio.get_running_loop().time() + self.lease_hold_max_s())
-            finally:
-                self.sending_bytes -= total
         fut = self.send_begin(p, entries, run)
         if fut is None:
             # forwarded: its bodies are held here until the primary answers, and
             # count against sending_bytes_max as the primary's own sends do (a
             # replica with a stopped primary held every forwarded body it was sent)
-            total = sum(len(e[1]) for e in entries) + (sum(map(len, run[1])) if run else 0)
-            self.check_sending_room(total)
-            self.sending_bytes += total
-            try:
+            with self._holding_bodies(entries, run):
                 return await self.fwd.send(self._remote(p), p.auth, entries, run)
-            finally:
-                self.sending_bytes -= total
         return self.send_results(await fut)
+
+    @contextlib.contextmanager
+    def _holding_bodies(self, entries: list, run: Optional[tuple]):
+        """A send's bodies held on this node meanwhile (waiting or forwarded), counted
+        against sending_bytes_max: 503 at once if they would pass it."""
+        total = sum(len(e[1]) for e in entries) + (sum(map(len, run[1])) if run else 0)
+        self.check_sending_room(total)
+        self.sending_bytes += total
+        try:
+            yield
+        finally:
+            self.sending_bytes -= total
 
     def send_begin(self, p: Principal, entries: list, run: Optional[tuple] = None, reply=None):
         """The synchronous part of ``send``: every check, then the proposal. -> the
@@ -943,9 +946,7 @@ class Service:
             try:
                 while (not e.ready and e.role == "primary" and not e.stopping and e.failed is None
                        and (left := deadline - loop.time()) > 0):
-                    try:
-                        await asyncio.wait_for(asyncio.shield(e.readiness_changes()), left)
-                    except asyncio.TimeoutError:
+                    if not await wait_change(e.readiness_changes(), left):
                         break
             finally:
                 e.receives_waiting -= 1

@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from node.waits import wait_event
+from node.waits import Changes, wait_change, wait_event
 
 
 def test_a_cancel_in_the_turn_the_event_is_set_still_cancels():
@@ -28,4 +28,36 @@ def test_it_says_whether_the_event_came_or_the_time_ran_out():
         asyncio.get_running_loop().call_later(0.01, ev.set)
         assert await wait_event(ev, 10) is True
         assert asyncio.current_task().cancelling() == 0  # its own timeout left no cancel behind
+    asyncio.run(main())
+
+
+def test_a_change_wait_keeps_a_cancel_that_comes_in_the_turn_of_the_change():
+    """Service.until_ready waits on Engine.readiness_changes in a loop until its
+    deadline: with asyncio.wait_for on 3.11 a cancel in the turn of the change
+    was lost, and a stopping node's held call went on waiting."""
+    async def main():
+        ch = Changes()
+        t = asyncio.ensure_future(wait_change(ch.next(), 10))
+        await asyncio.sleep(0)
+        ch.fire()
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+    asyncio.run(main())
+
+
+def test_one_change_wakes_every_waiter_and_one_waiters_cancel_leaves_the_others():
+    async def main():
+        ch = Changes()
+        a = asyncio.ensure_future(wait_change(ch.next(), 10))
+        b = asyncio.ensure_future(wait_change(ch.next(), 10))
+        c = asyncio.ensure_future(wait_change(ch.next(), 10))
+        await asyncio.sleep(0)
+        a.cancel()
+        await asyncio.sleep(0)
+        ch.fire()
+        assert await b is True and await c is True
+        assert a.cancelled()
+        assert await wait_change(ch.next(), 0.01) is False  # a fired change is not seen again
+        ch.fire()  # nobody waiting: nothing to resolve, and no error
     asyncio.run(main())
