@@ -291,14 +291,26 @@ def retryable(exc: BaseException, *, send_with_key: bool = False, settle: bool =
 # Six attempts span 3.1 s, more than a failover with the default 2 s timeout.
 RETRY_FIRST_WAIT_S = 0.1
 RETRY_WAIT_MAX_S = 1.6
+RETRY_AFTER_MAX_S = 5.0  # the longest Retry-After a retry waits out (the node's longest: disk_low)
 
 
-def retry_wait_s(retry: int) -> float:
+def retry_wait_s(retry: int, after: Optional[BaseException] = None) -> float:
     """The wait before retry number ``retry`` (1 = the second attempt), stretched
     by up to half at random: callers that failed together (one refused batch)
     do not all come back in the same instant and form the same batch again.
-    Never shorter than the schedule, so six attempts still outlast a failover."""
-    return min(RETRY_WAIT_MAX_S, RETRY_FIRST_WAIT_S * 2 ** (retry - 1)) * random.uniform(1.0, 1.5)
+    Never shorter than the schedule, so six attempts still outlast a failover.
+
+    ``after``: the error that failed the last attempt. A refusal the primary
+    gave for its own load or room (errors.PRIMARY_REFUSALS: ``overloaded``,
+    ``queue_full``, ``disk_low``, ``node_full``) is waited out for at least its
+    Retry-After, as the node asked (up to RETRY_AFTER_MAX_S). Any other
+    ``unavailable`` (no primary yet, a node stopping) keeps the schedule: its
+    Retry-After is a hint for clients that cannot move on, and waiting it out
+    would stretch a failover of a tenth of a second to half a second or more."""
+    w = min(RETRY_WAIT_MAX_S, RETRY_FIRST_WAIT_S * 2 ** (retry - 1)) * random.uniform(1.0, 1.5)
+    if isinstance(after, errors.Unavailable) and after.reason in errors.PRIMARY_REFUSALS:
+        w = max(w, min(after.retry_after_s, RETRY_AFTER_MAX_S))
+    return w
 
 
 def _policy(attempts: int, *, send_with_key: bool = False, settle: bool = False, receive: bool = False,
@@ -318,7 +330,7 @@ def _policy(attempts: int, *, send_with_key: bool = False, settle: bool = False,
     if stop_when is not None:  # e.g. the client was closed: the last error stands
         stop = tenacity.stop_any(stop, lambda _: stop_when())
     return dict(stop=stop,
-                wait=lambda rs: retry_wait_s(rs.attempt_number + 1),
+                wait=lambda rs: retry_wait_s(rs.attempt_number + 1, rs.outcome.exception() if rs.outcome else None),
                 retry=tenacity.retry_if_exception(lambda e: retryable(e, send_with_key=send_with_key, settle=settle,
                                                                       receive=receive)),
                 reraise=True)
@@ -340,7 +352,7 @@ async def call_with_retries(fn, attempts: int, *, first_failed: Optional[BaseExc
                 raise
             last.e = e
         attempts -= 1
-    await asyncio.sleep(retry_wait_s(1))
+    await asyncio.sleep(retry_wait_s(1, last.e))
     async for attempt in tenacity.AsyncRetrying(**_policy(attempts, stop_when=stop_when, **kw)):
         with attempt:
             last.unless_stopped(stop_when)
@@ -388,7 +400,7 @@ def call_with_retries_sync(fn, attempts: int, *, first_failed: Optional[BaseExce
                 raise
             last.e = e
         attempts -= 1
-    time.sleep(retry_wait_s(1))
+    time.sleep(retry_wait_s(1, last.e))
 
     def attempt():
         last.unless_stopped(stop_when)
@@ -743,7 +755,10 @@ def resend_groups(err: errors.SpoolerError, queues: list) -> Optional[list]:
     """How an auto-batch the node refused as a whole is sent again, or None to
     fail it whole: [[index, ...], ...] in the batch's order.
 
-    One bad entry (is_batch_entry_error): each entry alone, so only it fails.
+    One bad entry (is_batch_entry_error): the batch in two halves, each sent
+    again the same way, so that only the bad entry fails, after about
+    2 log2(n) batches: one bad send among 100 costs the good ones about 14
+    round trips, not 100 (one entry at a time, as before 0.4.38).
     ``unavailable`` for a batch of several queues: one batch per queue, since
     one full queue (at its message cap) refuses the whole batch, and the callers
     sending to other queues must not fail for it (nothing was stored, so a
@@ -751,7 +766,8 @@ def resend_groups(err: errors.SpoolerError, queues: list) -> Optional[list]:
     if len(queues) < 2:
         return None
     if is_batch_entry_error(err):
-        return [[i] for i in range(len(queues))]
+        half = (len(queues) + 1) // 2
+        return [list(range(half)), list(range(half, len(queues)))]
     if isinstance(err, errors.Unavailable):
         groups: dict = {}
         for i, q in enumerate(queues):

@@ -14,9 +14,10 @@ the next batch — the same shape as the node's group commit.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
-from typing import Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import grpc
 
@@ -564,9 +565,12 @@ class AsyncClient(Nodes):
         try:
             while self._pending:
                 n = batch_size(self._pending, self.batch_max, lambda x: entry_bytes(x[0][0], x[0][1], x[0][3]))
-                batch = self._pending[:n]
+                # a send whose caller was cancelled while it waited here never leaves
+                # (its caller heard CancelledError: it must not be stored behind its back)
+                batch = [x for x in self._pending[:n] if not x[1].done()]
                 del self._pending[:n]
-                await self._send_batch_now(batch)
+                if batch:
+                    await self._send_batch_now(batch)
         finally:
             self._in_flight -= 1
             # sends queued while this flush was ending (or after it failed) still go out
@@ -781,12 +785,18 @@ class AsyncClient(Nodes):
         return settle_outcomes(r, len(req.items), started)
 
     # --------------------------------------------------------- consuming
-    async def consume(self, queue: str, handler: Callable[[Message], Awaitable[None]], *, concurrency: int = 1,
+    async def consume(self, queue: str, handler: Callable[[Message], Any], *, concurrency: int = 1,
                       wait_s: float = 20.0, nack_delay_s: float = 0.0,
-                      stop: Optional[asyncio.Event] = None) -> None:
+                      stop: Optional[asyncio.Event] = None, max_messages: int = 0) -> int:
         """Run ``handler`` for each message: the lease is renewed while it runs;
         it is acked when the handler returns and nacked when it raises. Returns
-        soon after ``stop`` is set: a receive waiting then is given up.
+        the number handled, soon after ``stop`` is set (a receive waiting then is
+        given up), or once ``max_messages`` (0: no limit) were handled, as
+        ``Client.consume``; with ``concurrency`` workers never more than that.
+
+        ``handler`` is a coroutine function, or any function whose result is
+        awaited if it is awaitable; a plain function runs on the event loop (hand
+        blocking work to ``asyncio.to_thread``).
 
         An outage is ridden out: a receive that fails is tried again, and an ack
         or nack that cannot be confirmed (the lease went stale, or the cluster
@@ -794,13 +804,17 @@ class AsyncClient(Nodes):
         delivered again. Any other error ends consume, and all its workers."""
         self._here()
         stop = stop or asyncio.Event()
+        if max_messages < 0:
+            raise ValueError("max_messages must be 0 (no limit) or more")
+        slots = [0, 0]  # messages being received or handled, and handled, by all workers
 
         async def worker():
             stopped = asyncio.ensure_future(stop.wait())
             recv = taken = None
             names: list = []  # the requests of recv's attempts
             try:
-                while not stop.is_set():
+                while not stop.is_set() and (not max_messages or slots[0] < max_messages):
+                    slots[0] += 1  # this worker's next message, reserved before it is leased
                     names.clear()
                     recv = asyncio.ensure_future(self._receive(queue, wait_s, 1, names))
                     await asyncio.wait({recv, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -815,10 +829,14 @@ class AsyncClient(Nodes):
                     try:
                         msgs = recv.result()
                     except errors.Unavailable:
+                        slots[0] -= 1
                         await asyncio.sleep(0.2)
                         continue
+                    if not msgs:
+                        slots[0] -= 1
                     for m in msgs:  # leased already: handled even if stop came meanwhile
                         await self._handle(m, handler, nack_delay_s)
+                        slots[1] += 1
             finally:
                 stopped.cancel()
                 if recv is not None and not recv.done():
@@ -841,6 +859,7 @@ class AsyncClient(Nodes):
             for w in workers:
                 w.cancel()
             await asyncio.wait(workers)
+        return slots[1]
 
     async def _handle(self, m: Message, handler, nack_delay_s: float) -> None:
         async def keep_renewing():
@@ -857,7 +876,9 @@ class AsyncClient(Nodes):
 
         renewer = asyncio.ensure_future(keep_renewing())
         try:
-            await handler(m)
+            r = handler(m)
+            if inspect.isawaitable(r):
+                await r
             ok = True
         except Exception:
             log.exception("handler failed for message %s; nacking", m.id)

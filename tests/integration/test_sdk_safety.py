@@ -1153,3 +1153,83 @@ def test_an_async_client_in_use_on_a_running_loop_is_refused_on_another(node):
 
 async def other_again(c):
     await c.send("elsewhere", b"x")
+
+
+def test_an_auto_batched_send_cancelled_before_its_batch_leaves_is_never_stored(node):
+    """A caller that gives up on a send (cancelled, or ``asyncio.wait_for`` timed
+    out) while the send still waits in the client for a batch hears CancelledError,
+    and its message is not stored: before 0.4.38 it went out with the next batch all
+    the same, and a caller that sent it again made a duplicate. One in a batch
+    already on its way may still be stored (DESIGN.md, "What the SDK retries, and where")."""
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key, batch_max=10, batches_in_flight_max=1) as c:
+            await c.put_queue("cx")
+            tasks = [asyncio.ensure_future(c.send("cx", b"%d" % i)) for i in range(200)]
+            await asyncio.sleep(0)  # every send is queued; the first batch of 10 is on its way
+            for t in tasks[100:]:
+                t.cancel()
+            rs = await asyncio.gather(*tasks, return_exceptions=True)
+            assert all(not isinstance(r, BaseException) for r in rs[:100]), rs[:100]
+            assert all(isinstance(r, asyncio.CancelledError) for r in rs[100:])
+            return (await c.get_queue("cx"))["stats"]
+    stats = asyncio.run(main())
+    assert stats["sentTotal"] == 100, stats
+
+
+def test_async_consume_takes_a_plain_function_and_stops_after_max_messages(node):
+    """A plain (not async) handler is run and its message acked, not nacked for a
+    TypeError after its work was done (before 0.4.38 it went round to the failure
+    queue); and ``max_messages`` bounds what consume handles, with several
+    workers too, as the sync client's does; it returns the number handled."""
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.put_queue("plain", maxRetries=1, leaseTimeoutSeconds=30)
+            await c.send_batch("plain", [b"%d" % i for i in range(10)])
+            seen = []
+            n = await asyncio.wait_for(c.consume("plain", lambda m: seen.append(m.retry_count), wait_s=1,
+                                                 concurrency=3, max_messages=4), 30)
+            assert n == 4 and seen == [0, 0, 0, 0], (n, seen)
+            q = (await c.get_queue("plain"))["stats"]
+            assert q["ackedTotal"] == 4 and q["visible"] == 6, q
+
+            async def slow(m):
+                await asyncio.sleep(0.05)
+            n = await asyncio.wait_for(c.consume("plain", slow, wait_s=0.2, concurrency=4, max_messages=5), 30)
+            assert n == 5, n
+            q = (await c.get_queue("plain"))["stats"]
+            assert q["ackedTotal"] == 9 and q["visible"] == 1 and q["leased"] == 0, q
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_refusal_for_the_primarys_room_is_retried_after_its_retry_after(tmp_path, kind):
+    """A node full (``--max-messages``) answers ``unavailable``/``node_full`` with
+    Retry-After 1 s: the SDK stays on that node and waits at least that long
+    before each retry (before 0.4.38 it retried after 0.1 and 0.2 s, against what
+    the node asked). An ``unavailable`` of another reason keeps the short schedule
+    (unit: test_sdk_errors.py)."""
+    from nodeproc import NodeProc
+    n = NodeProc(str(tmp_path / "full"), extra_args=["--max-messages", "1"]).start()
+    try:
+        if kind == "sync":
+            with Client(n.grpc_target, n.admin_key, retry_attempts=3) as c:
+                c.put_queue("f")
+                c.send("f", b"1")
+                t = time.monotonic()
+                with pytest.raises(errors.Unavailable) as e:
+                    c.send("f", b"2")
+                took = time.monotonic() - t
+        else:
+            async def main():
+                async with AsyncClient(n.grpc_target, n.admin_key, retry_attempts=3) as c:
+                    await c.put_queue("f")
+                    await c.send("f", b"1")
+                    t = time.monotonic()
+                    with pytest.raises(errors.Unavailable) as e:
+                        await c.send("f", b"2")
+                    return e, time.monotonic() - t
+            e, took = asyncio.run(main())
+        assert e.value.reason == errors.NODE_FULL and e.value.retry_after_s == 1.0, e.value
+        assert took >= 2.0, took  # two waits of at least 1 s (the schedule alone: under 0.5 s)
+    finally:
+        n.kill()

@@ -283,7 +283,7 @@ def test_an_ack_retried_after_an_unknown_outcome_reads_stale_lease_by_its_reason
 
 
 def test_a_refused_auto_batch_is_sent_again_in_parts_that_can_succeed():
-    """One bad entry: each entry alone. ``unavailable`` for a batch of several
+    """One bad entry: in halves, split again as they fail. ``unavailable`` for a batch of several
     queues (one of them full): one batch per queue, in order. ``unavailable``
     for one queue, or another error: the batch fails whole."""
     from spooler._common import resend_groups
@@ -291,6 +291,8 @@ def test_a_refused_auto_batch_is_sent_again_in_parts_that_can_succeed():
     assert resend_groups(full, ["a", "b", "a", "c"]) == [[0, 2], [1], [3]]
     assert resend_groups(full, ["a", "a"]) is None
     assert resend_groups(errors.QueueNotFound("x"), ["a", "a"]) == [[0], [1]]
+    # one bad entry among many: halves, each split again as it fails
+    assert resend_groups(errors.MessageTooLarge("x"), ["a"] * 5) == [[0, 1, 2], [3, 4]]
     assert resend_groups(errors.OperationUnconfirmed("x"), ["a", "b"]) is None
     assert resend_groups(full, ["a"]) is None
 
@@ -300,6 +302,20 @@ def test_retry_waits_are_spread_but_never_shorter_than_the_schedule():
     waits = [retry_wait_s(1) for _ in range(200)]
     assert min(waits) >= RETRY_FIRST_WAIT_S and max(waits) <= 1.5 * RETRY_FIRST_WAIT_S
     assert len({round(w, 6) for w in waits}) > 20, "every caller waits the same: they meet again"
+
+
+def test_a_refusal_for_the_primarys_load_or_room_is_waited_out_for_its_retry_after():
+    from spooler._common import RETRY_AFTER_MAX_S, retry_wait_s
+    full = errors.Unavailable("full", reason=errors.NODE_FULL, retry_after_s=1.0)
+    assert all(1.0 <= retry_wait_s(1, full) <= 1.5 for _ in range(50))  # (the jitter may lengthen it)
+    disk = errors.Unavailable("disk", reason=errors.DISK_LOW, retry_after_s=5.0)
+    assert all(retry_wait_s(r, disk) >= 5.0 for r in range(1, 6))
+    huge = errors.Unavailable("x", reason=errors.OVERLOADED, retry_after_s=3600)
+    assert retry_wait_s(1, huge) == RETRY_AFTER_MAX_S
+    # no primary yet (a failover): the short schedule, whatever the Retry-After
+    election = errors.Unavailable("no primary", retry_after_s=0.5)
+    assert all(retry_wait_s(1, election) <= 0.15 for _ in range(50))
+    assert all(retry_wait_s(1, errors.OperationUnconfirmed("x")) <= 0.15 for _ in range(50))
 
 
 def _scripted(outcomes):
@@ -328,7 +344,7 @@ def test_a_call_whose_retries_end_refused_after_an_unknown_outcome_is_unconfirme
     the start, it is unavailable (the control). Both clients."""
     import spooler._common as common
     from spooler import AsyncClient, Client
-    monkeypatch.setattr(common, "retry_wait_s", lambda retry: 0.0)
+    monkeypatch.setattr(common, "retry_wait_s", lambda retry, after=None: 0.0)
 
     c = Client("127.0.0.1:9", "k", retry_attempts=3)
     try:
