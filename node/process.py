@@ -18,9 +18,14 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from typing import Optional
 
-from spooler import grpc_io as _io
+with warnings.catch_warnings():
+    # the SDK warns of a SPOOLER_GRPC_IO it cannot use when it is imported; the
+    # node refuses such a value itself, in one line (refusal), with no warning first
+    warnings.simplefilter("ignore", RuntimeWarning)
+    from spooler import grpc_io as _io
 
 GRPC_IO_LEGACY = _io.LEGACY
 GRPC_IO_CHOICES = _io.CHOICES

@@ -12,7 +12,7 @@ import logging
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
 
 from spooler import errors
@@ -21,6 +21,7 @@ from node.api.forward import FORWARDED
 from node.tls import from_a_member
 from node.api.service import SCOPES, SETTINGS, Service
 from node.engine import Reply
+from node.waits import Changes
 from node.waits import wait_event
 
 log = logging.getLogger("spooler.grpc")
@@ -700,6 +701,96 @@ def reflected_pool() -> descriptor_pool.DescriptorPool:
     return pool
 
 
+# The helper services' streams (a health Watch, a reflection session) end when
+# the node stops, as its own calls do (Service.shut_down): left open, each held
+# the server's stop for its whole grace (1 s). A client whose channel checks
+# health (gRPC's client-side health checking) keeps a Watch open all the time.
+STOPPING = "the node is stopping"
+
+
+async def _first_or_stop(task: asyncio.Future, engine) -> bool:
+    """Wait for ``task`` or the node's stop, whichever comes first: True if the
+    task ended on its own; False once the node stops (the task is cancelled and
+    waited for, so the caller may use the call's context)."""
+    async def stopping():
+        while not engine.stopping:
+            await asyncio.shield(engine.readiness_changes())  # (Service.shut_down fires it)
+    stop = asyncio.ensure_future(stopping())
+    try:
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled (its client went away)
+        task.cancel()
+        raise
+    finally:
+        stop.cancel()
+    if task.done():
+        return True
+    task.cancel()
+    await asyncio.wait({task})
+    return False
+
+
+class HealthServicer(health.aio.HealthServicer):
+    """grpc's health service; its Watch streams end ``unavailable`` when the
+    node stops, after saying NOT_SERVING. Its own Watch loop, not a wrapper
+    around grpc's: cancelling grpc's mid-write (the NOT_SERVING that the stop's
+    first step sends) left the call unable to end, and the stop waited out
+    its grace after all."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self._engine = engine
+        self._changes = Changes()  # a status set (set, _set)
+
+    async def _set(self, service, status) -> None:
+        await super()._set(service, status)
+        self._changes.fire()
+
+    async def Watch(self, request, context):
+        last = None
+        while True:
+            status = self._server_status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            if self._engine.stopping:
+                if last != health_pb2.HealthCheckResponse.NOT_SERVING:
+                    await context.write(health_pb2.HealthCheckResponse(
+                        status=health_pb2.HealthCheckResponse.NOT_SERVING))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING)
+            # the next status set, or the stop (Service.shut_down fires readiness)
+            await asyncio.wait({asyncio.shield(self._changes.next()),
+                                asyncio.shield(self._engine.readiness_changes())},
+                               return_when=asyncio.FIRST_COMPLETED)
+
+
+class ReflectionServicer(reflection.aio.ReflectionServicer):
+    """grpc's server reflection; a session still open ends ``unavailable`` when
+    the node stops."""
+
+    def __init__(self, service_names, pool, engine):
+        super().__init__(service_names, pool=pool)
+        self._engine = engine
+
+    async def ServerReflectionInfo(self, request_iterator, context):
+        answers = super().ServerReflectionInfo(request_iterator, context)
+        try:
+            while True:
+                nxt = asyncio.ensure_future(answers.__anext__())
+                if not await _first_or_stop(nxt, self._engine):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING)
+                try:
+                    answer = nxt.result()
+                except StopAsyncIteration:
+                    return
+                yield answer
+        finally:
+            try:
+                await answers.aclose()
+            except RuntimeError:  # (its step still being cancelled: it ends with it)
+                pass
+
+
 async def build_server(svc: Service, metrics, address: str, tls=None,
                        max_connections: int = CONNECTIONS_MAX_DEFAULT,
                        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S_DEFAULT) -> tuple:
@@ -709,12 +800,13 @@ async def build_server(svc: Service, metrics, address: str, tls=None,
     from node.replication.driver import ReplicationServicer
     from spooler.pb import replication_pb2_grpc
     replication_pb2_grpc.add_ReplicationServicer_to_server(ReplicationServicer(svc.engine.repl), server)
-    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_servicer = HealthServicer(svc.engine)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # Server reflection, so that grpcurl and other generic clients can list the
     # client service and its messages without proto/ at hand (no key needed: it
     # tells what proto/ says, nothing of the node's data)
-    reflection.enable_server_reflection(REFLECTED_SERVICES, server, pool=reflected_pool())
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+        ReflectionServicer(REFLECTED_SERVICES, pool=reflected_pool(), engine=svc.engine), server)
     server.add_generic_rpc_handlers((_NoSuchMethod(svc, metrics),))  # after every service: the fallback
     try:
         port = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)

@@ -48,12 +48,14 @@ def test_an_ask_that_comes_after_grpcs_import_or_names_no_path_is_said_out_loud(
 
 
 @pytest.mark.integration  # (it starts a spooler-node, which stops at once)
-def test_a_node_refusing_an_unknown_io_path_says_it_once_without_the_sdks_warning(tmp_path):
+@pytest.mark.parametrize("module", ["node.main", "node.process"])
+def test_a_node_refusing_an_unknown_io_path_says_it_once_without_the_sdks_warning(tmp_path, module):
     """The SDK's warning ("grpcio's default I/O path stays") was printed by a node
-    too, just before the node refused the same setting and exited."""
+    too, just before the node refused the same setting and exited (as
+    ``python -m node.process`` until 0.4.37, an outside audit found)."""
     env = {k: v for k, v in os.environ.items() if k not in ("GRPC_EXPERIMENTS", "SPOOLER_GRPC_IO")}
     env["SPOOLER_GRPC_IO"] = "fast"
-    p = subprocess.run([sys.executable, "-m", "node.main", "--data", str(tmp_path / "d")], env=env,
+    p = subprocess.run([sys.executable, "-m", module, "--data", str(tmp_path / "d")], env=env,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 1
     assert p.stderr.strip() == "spooler-node: SPOOLER_GRPC_IO must be one of legacy, default, not 'fast'", p.stderr
