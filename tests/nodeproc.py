@@ -213,19 +213,35 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def free_ports(n: int, lowest: int = 10000, highest: int = 0) -> list:
+def port_range() -> tuple:
+    """[low, high) of the ports this process draws explicit ports from: below the
+    kernel's ephemeral range, and under pytest-xdist a share of it of its own per
+    worker (PYTEST_XDIST_WORKER gw0, gw1, ... of PYTEST_XDIST_WORKER_COUNT), so
+    that two workers never pick the same port at the same moment, nor one a
+    port another uses as an address where nothing listens."""
+    low, high = 10000, _ephemeral_low()
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1:
+        i, k = int(worker[2:]), int(count)
+        span = (high - low) // k
+        low, high = low + i * span, low + (i + 1) * span
+    return low, high
+
+
+def free_ports(n: int, lowest: int = 0, highest: int = 0) -> list:
     """n distinct free TCP ports on 127.0.0.1, for nodes that must know each other's
     ports before any of them starts.
 
-    They are drawn at random from below the kernel's ephemeral range and checked
-    with a bind, so no connect() or bind to port 0 elsewhere on the machine can take
-    one between this choice and the node's own bind (a port from bind(0) could be:
-    that race once cost a drill seed its start). Only a process that picks an
-    explicit port in the same range at the same moment still could."""
+    They are drawn at random from below the kernel's ephemeral range (port_range)
+    and checked with a bind, so no connect() or bind to port 0 elsewhere on the
+    machine can take one between this choice and the node's own bind (a port from
+    bind(0) could be: that race once cost a drill seed its start). Only a process
+    that picks an explicit port in the same range at the same moment still could."""
     import random
     import socket
     rng = random.SystemRandom()
-    high = highest or _ephemeral_low()
+    low, high = port_range()
+    lowest, high = lowest or low, highest or high
     ports: list = []
     for _ in range(1000 if high - lowest >= n else 0):
         if len(ports) == n:

@@ -15,14 +15,15 @@ import threading
 import time
 
 from jobs_helpers import pid_gone
-from nodeproc import _ephemeral_low, wait_until
+from nodeproc import port_range, wait_until
 
 
 def _consecutive_free(n: int) -> int:
     """A first port with ``n`` free ports from it, below the ephemeral range."""
     rng = random.SystemRandom()
     for _ in range(200):
-        base = rng.randrange(10000, _ephemeral_low() - n)
+        low, high = port_range()
+        base = rng.randrange(low, high - n)
         socks = []
         try:
             for p in range(base, base + n):
