@@ -41,6 +41,23 @@ def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.02, what: st
         time.sleep(interval_s)
 
 
+def all_threads_stopped(pid: int) -> bool:
+    """Every thread of ``pid`` stopped by a signal (state T) or gone."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if stat[stat.rfind(b")") + 2:].split()[0] not in (b"T", b"t", b"Z", b"X"):
+            return False
+    return True
+
+
 def pid_gone(pid: int) -> bool:
     """Not running: no such process, or a zombie nobody reaped yet."""
     try:
@@ -108,6 +125,11 @@ class Spool:
         import apsw
         for _ in range(tries):
             proc.send_signal(signal.SIGSTOP)
+            # stopped indeed, every thread of it, before the lock is looked at: a
+            # signal takes effect when the process next runs, and on a loaded
+            # machine a worker could still take the lock after the check, then
+            # stop inside its transaction (every other writer then waits for ever)
+            wait_until(lambda: all_threads_stopped(proc.pid), 10, 0.001, what=f"pid {proc.pid} stopped")
             c = apsw.Connection(os.path.join(self.path, "spool.db"))
             try:
                 c.setbusytimeout(200)
