@@ -24,7 +24,7 @@ from typing import Optional
 with warnings.catch_warnings():
     # the SDK warns of a SPOOLER_GRPC_IO it cannot use when it is imported; the
     # node refuses such a value itself, in one line (refusal), with no warning first
-    warnings.simplefilter("ignore", RuntimeWarning)
+    warnings.filterwarnings("ignore", message="SPOOLER_GRPC_IO", category=RuntimeWarning)
     from spooler import grpc_io as _io
 
 GRPC_IO_LEGACY = _io.LEGACY

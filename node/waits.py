@@ -47,12 +47,9 @@ class Changes:
 
 async def wait_change(change: asyncio.Future, timeout_s: float) -> bool:
     """Wait for a shared future of Changes.next() or ``timeout_s``; True if it
-    fired. The future is shielded (one waiter's cancellation leaves it to the
-    others), and the timeout is asyncio.timeout's, which keeps a cancellation
-    (see wait_event)."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            await asyncio.shield(change)
-        return True
-    except TimeoutError:
-        return False
+    fired. asyncio.wait, not wait_for: it never cancels the shared future (one
+    waiter's cancellation or timeout leaves it to the others), takes its
+    callback off it when it returns, and keeps a cancellation that comes in the
+    turn of the change (see wait_event)."""
+    done, _ = await asyncio.wait({change}, timeout=timeout_s)
+    return bool(done)

@@ -307,10 +307,10 @@ def retry_wait_s(retry: int, after: Optional[BaseException] = None) -> float:
     ``unavailable`` (no primary yet, a node stopping) keeps the schedule: its
     Retry-After is a hint for clients that cannot move on, and waiting it out
     would stretch a failover of a tenth of a second to half a second or more."""
-    w = min(RETRY_WAIT_MAX_S, RETRY_FIRST_WAIT_S * 2 ** (retry - 1)) * random.uniform(1.0, 1.5)
+    w = min(RETRY_WAIT_MAX_S, RETRY_FIRST_WAIT_S * 2 ** (retry - 1))
     if isinstance(after, errors.Unavailable) and after.reason in errors.PRIMARY_REFUSALS:
         w = max(w, min(after.retry_after_s, RETRY_AFTER_MAX_S))
-    return w
+    return w * random.uniform(1.0, 1.5)
 
 
 def _policy(attempts: int, *, send_with_key: bool = False, settle: bool = False, receive: bool = False,
@@ -727,8 +727,8 @@ def batch_results(r: api_pb2.SendBatchResponse, n: Optional[int] = None) -> list
 
 
 def is_batch_entry_error(err: errors.SpoolerError) -> bool:
-    """Errors that one bad entry causes for a whole SendBatch (then each entry is
-    retried alone, so only the bad one fails)."""
+    """Errors that one bad entry causes for a whole SendBatch (then the batch is
+    sent again in parts, resend_groups, so that only the bad one fails)."""
     return isinstance(err, (errors.InvalidArgument, errors.MessageTooLarge, errors.QueueNotFound, errors.Forbidden))
 
 
@@ -751,29 +751,38 @@ def settle_after_unconfirmed(e: errors.StaleLease) -> None:
     raise e
 
 
+# errors a send batch gets for one queue of it (it does not exist, the key may not
+# send to it): every entry naming that queue would get the same
+QUEUE_LEVEL = (errors.QueueNotFound, errors.Forbidden)
+
+
 def resend_groups(err: errors.SpoolerError, queues: list) -> Optional[list]:
     """How an auto-batch the node refused as a whole is sent again, or None to
     fail it whole: [[index, ...], ...] in the batch's order.
 
-    One bad entry (is_batch_entry_error): the batch in two halves, each sent
-    again the same way, so that only the bad entry fails, after about
-    2 log2(n) batches: one bad send among 100 costs the good ones about 14
-    round trips, not 100 (one entry at a time, as before 0.4.38).
-    ``unavailable`` for a batch of several queues: one batch per queue, since
-    one full queue (at its message cap) refuses the whole batch, and the callers
-    sending to other queues must not fail for it (nothing was stored, so a
-    resend is safe). For a batch of one queue ``unavailable`` stands as it is."""
+    * An error about one of its queues (QUEUE_LEVEL) or ``unavailable`` (one
+      full queue, at its message cap, refuses the whole batch): one batch per
+      queue, so that the callers sending to the other queues do not fail for it
+      (nothing was stored, so a resend is safe); a batch of one queue fails
+      whole, as each of its entries would.
+    * Another error of one bad entry (is_batch_entry_error: a body too large, a
+      bad dedup key): the batch in two halves, each sent again the same way, so
+      that only the bad entry fails after about 2 log2(n) batches: one among 100
+      costs the good ones about 14 round trips, not 100 (0.4.37 and before sent
+      every entry again alone)."""
     if len(queues) < 2:
         return None
-    if is_batch_entry_error(err):
-        half = (len(queues) + 1) // 2
-        return [list(range(half)), list(range(half, len(queues)))]
-    if isinstance(err, errors.Unavailable):
+    several = len(set(queues)) > 1
+    if isinstance(err, QUEUE_LEVEL + (errors.Unavailable,)):
+        if not several:
+            return None
         groups: dict = {}
         for i, q in enumerate(queues):
             groups.setdefault(q, []).append(i)
-        if len(groups) > 1:
-            return list(groups.values())
+        return list(groups.values())
+    if is_batch_entry_error(err):
+        half = (len(queues) + 1) // 2
+        return [list(range(half)), list(range(half, len(queues)))]
     return None
 
 

@@ -593,8 +593,11 @@ class AsyncClient(Nodes):
                 # refused before anything was stored (one bad entry, or one full
                 # queue): sent again in parts, so only the part at fault fails
                 for i, g in enumerate(groups):
+                    part = [batch[j] for j in g if not batch[j][1].done()]  # (not a caller cancelled meanwhile)
+                    if not part:
+                        continue
                     try:
-                        await self._send_batch_now([batch[j] for j in g])
+                        await self._send_batch_now(part)
                     except BaseException:  # cut short (cancelled): the rest never left
                         _fail_all([batch[j] for h in groups[i + 1:] for j in h],
                                   errors.Unavailable("not sent: its batch's resend was cut short"))

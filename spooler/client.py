@@ -196,8 +196,11 @@ class Client(Nodes):
                     return
                 n = batch_size(self._pending, self.batch_max,
                                lambda x: entry_bytes(x[0].queue, x[0].body, x[0].dedup_key))
-                batch = self._pending[:n]
+                # a send whose future its caller cancelled while it waited here never leaves
+                batch = [x for x in self._pending[:n] if not x[1].done()]
                 del self._pending[:n]
+            if not batch:
+                continue
             try:
                 self._send_batch_now(batch)
             except Exception:  # noqa: BLE001 - its callers were told; the next batch still goes
@@ -214,8 +217,11 @@ class Client(Nodes):
                 # refused before anything was stored (one bad entry, or one full
                 # queue): sent again in parts, so only the part at fault fails
                 for i, g in enumerate(groups):
+                    part = [batch[j] for j in g if not batch[j][1].done()]  # (not a future cancelled meanwhile)
+                    if not part:
+                        continue
                     try:
-                        self._send_batch_now([batch[j] for j in g])
+                        self._send_batch_now(part)
                     except Exception:  # noqa: BLE001 - its own callers were told; the other parts still go
                         log.exception("a part of a refused send batch failed unexpectedly")
                     except BaseException:  # cut short: the rest never left, and must not wait forever

@@ -222,7 +222,10 @@ def port_range() -> tuple:
     low, high = 10000, _ephemeral_low()
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
     if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1:
-        i, k = int(worker[2:]), int(count)
+        # (a worker xdist starts again in a crashed one's place gets the next id,
+        # gw2 of two: its share is gw0's)
+        k = int(count)
+        i = int(worker[2:]) % k
         span = (high - low) // k
         low, high = low + i * span, low + (i + 1) * span
     return low, high

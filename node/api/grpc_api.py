@@ -714,7 +714,7 @@ async def _first_or_stop(task: asyncio.Future, engine) -> bool:
     waited for, so the caller may use the call's context)."""
     async def stopping():
         while not engine.stopping:
-            await asyncio.shield(engine.readiness_changes())  # (Service.shut_down fires it)
+            await asyncio.wait({engine.readiness_changes()})  # (Service.shut_down fires it)
     stop = asyncio.ensure_future(stopping())
     try:
         await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -749,19 +749,21 @@ class HealthServicer(health.aio.HealthServicer):
     async def Watch(self, request, context):
         last = None
         while True:
+            # the futures first, then the status: a status set while the write
+            # below is under way resolves them, and is not missed
+            changes = {self._changes.next(), self._engine.readiness_changes()}
             status = self._server_status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
             if status != last:
                 await context.write(health_pb2.HealthCheckResponse(status=status))
                 last = status
             if self._engine.stopping:
-                if last != health_pb2.HealthCheckResponse.NOT_SERVING:
+                if last == health_pb2.HealthCheckResponse.SERVING:
                     await context.write(health_pb2.HealthCheckResponse(
                         status=health_pb2.HealthCheckResponse.NOT_SERVING))
                 await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING)
-            # the next status set, or the stop (Service.shut_down fires readiness)
-            await asyncio.wait({asyncio.shield(self._changes.next()),
-                                asyncio.shield(self._engine.readiness_changes())},
-                               return_when=asyncio.FIRST_COMPLETED)
+            # the next status set, or the stop (Service.shut_down fires readiness);
+            # asyncio.wait neither cancels the shared futures nor leaves callbacks on them
+            await asyncio.wait(changes, return_when=asyncio.FIRST_COMPLETED)
 
 
 class ReflectionServicer(reflection.aio.ReflectionServicer):

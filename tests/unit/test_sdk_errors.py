@@ -283,16 +283,21 @@ def test_an_ack_retried_after_an_unknown_outcome_reads_stale_lease_by_its_reason
 
 
 def test_a_refused_auto_batch_is_sent_again_in_parts_that_can_succeed():
-    """One bad entry: in halves, split again as they fail. ``unavailable`` for a batch of several
+    """An error about a queue: one batch per queue. One bad entry: in halves,
+    split again as they fail. ``unavailable`` for a batch of several
     queues (one of them full): one batch per queue, in order. ``unavailable``
     for one queue, or another error: the batch fails whole."""
     from spooler._common import resend_groups
     full = errors.Unavailable("queue a holds its maximum")
     assert resend_groups(full, ["a", "b", "a", "c"]) == [[0, 2], [1], [3]]
     assert resend_groups(full, ["a", "a"]) is None
-    assert resend_groups(errors.QueueNotFound("x"), ["a", "a"]) == [[0], [1]]
+    # an error about a queue: by queue, and a batch of that one queue fails whole
+    assert resend_groups(errors.QueueNotFound("x"), ["a", "b", "a"]) == [[0, 2], [1]]
+    assert resend_groups(errors.QueueNotFound("x"), ["a", "a"]) is None
+    assert resend_groups(errors.Forbidden("x"), ["a"] * 100) is None
     # one bad entry among many: halves, each split again as it fails
     assert resend_groups(errors.MessageTooLarge("x"), ["a"] * 5) == [[0, 1, 2], [3, 4]]
+    assert resend_groups(errors.InvalidArgument("x"), ["a", "b"]) == [[0], [1]]
     assert resend_groups(errors.OperationUnconfirmed("x"), ["a", "b"]) is None
     assert resend_groups(full, ["a"]) is None
 
@@ -307,11 +312,13 @@ def test_retry_waits_are_spread_but_never_shorter_than_the_schedule():
 def test_a_refusal_for_the_primarys_load_or_room_is_waited_out_for_its_retry_after():
     from spooler._common import RETRY_AFTER_MAX_S, retry_wait_s
     full = errors.Unavailable("full", reason=errors.NODE_FULL, retry_after_s=1.0)
-    assert all(1.0 <= retry_wait_s(1, full) <= 1.5 for _ in range(50))  # (the jitter may lengthen it)
+    assert all(1.0 <= retry_wait_s(1, full) <= 1.5 for _ in range(50))
     disk = errors.Unavailable("disk", reason=errors.DISK_LOW, retry_after_s=5.0)
     assert all(retry_wait_s(r, disk) >= 5.0 for r in range(1, 6))
     huge = errors.Unavailable("x", reason=errors.OVERLOADED, retry_after_s=3600)
-    assert retry_wait_s(1, huge) == RETRY_AFTER_MAX_S
+    assert all(RETRY_AFTER_MAX_S <= retry_wait_s(1, huge) <= 1.5 * RETRY_AFTER_MAX_S for _ in range(50))
+    # spread like the schedule: callers refused together do not come back together
+    assert len({round(retry_wait_s(1, full), 6) for _ in range(50)}) > 20
     # no primary yet (a failover): the short schedule, whatever the Retry-After
     election = errors.Unavailable("no primary", retry_after_s=0.5)
     assert all(retry_wait_s(1, election) <= 0.15 for _ in range(50))

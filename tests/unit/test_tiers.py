@@ -36,3 +36,18 @@ def test_every_test_under_tests_integration_carries_the_marker():
     # every test there is collected and then left out by -m "not integration"
     assert re.search(r"no tests collected \((\d+) deselected\)", out), out[-2000:]
     assert int(re.search(r"\((\d+) deselected\)", out).group(1)) > 100
+
+
+def test_every_test_has_a_node_id_of_its_own():
+    """pytest-xdist (make test's workers) hands tests out by node id, and runs one
+    of several that share one: schemathesis's 18 operations once shared
+    ``test_bad_input.py::test_schemathesis``, and only one of them ran (conftest
+    gives them their operation's name)."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                        "tests/integration/test_bad_input.py"], cwd=root, capture_output=True, text=True,
+                       timeout=120)
+    ids = [ln for ln in p.stdout.splitlines() if "::" in ln]
+    assert len([i for i in ids if "::test_schemathesis" in i]) > 10, p.stdout[-2000:]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    assert not dupes, dupes
