@@ -1174,6 +1174,13 @@ def test_an_auto_batched_send_cancelled_before_its_batch_leaves_is_never_stored(
             return (await c.get_queue("cx"))["stats"]
     stats = asyncio.run(main())
     assert stats["sentTotal"] == 100, stats
+    # the sync client: a future cancelled while its send waits for a batch
+    with Client(node.grpc_target, node.admin_key, batch_max=10, batches_in_flight_max=1) as c:
+        c.put_queue("cx-sync")
+        futs = [c.send_async(api_pb2.SendRequest(queue="cx-sync", body=b"%d" % i)) for i in range(200)]
+        assert all(f.cancel() for f in futs[100:])
+        assert all(f.result(30).id for f in futs[:100])
+        assert c.get_queue("cx-sync")["stats"]["sentTotal"] == 100
 
 
 def test_async_consume_takes_a_plain_function_and_stops_after_max_messages(node):
