@@ -723,10 +723,10 @@ async def _unary_node(send_batch=None, get_queue=None):
     return await _fake_node(**handlers)
 
 
-def test_a_batch_resent_one_by_one_leaves_no_caller_waiting_when_cut_short():
-    """A batch refused for one entry is resent one send at a time; when that is cut
-    short (its flush cancelled), the sends not yet made fail ``unavailable`` instead
-    of waiting for ever."""
+def test_a_batch_resent_in_parts_leaves_no_caller_waiting_when_cut_short():
+    """A batch refused for one entry is resent in parts (halves, down to single
+    sends); when that is cut short (its flush cancelled), the sends not yet made
+    fail ``unavailable`` instead of waiting for ever."""
     from spooler.errors import grpc_trailers
 
     async def main():
@@ -734,8 +734,8 @@ def test_a_batch_resent_one_by_one_leaves_no_caller_waiting_when_cut_short():
 
         async def send_batch(req, ctx):
             if len(req.entries) > 1:
-                await ctx.abort(grpc.StatusCode.NOT_FOUND, "no such queue",
-                                trailing_metadata=grpc_trailers(errors.QueueNotFound("nope")))
+                await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "a bad entry",
+                                trailing_metadata=grpc_trailers(errors.InvalidArgument("a bad entry")))
             started.set()
             await asyncio.sleep(5)
             return api_pb2.SendBatchResponse(results=[api_pb2.SendResponse(id="u")])
