@@ -67,6 +67,13 @@ class NodeProc:
         if self.env_only:
             env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLER_")} | fresh | (self.env or {})
         else:
+            if not self.http_port or not self.grpc_port:
+                # ports drawn below the range for outgoing connections (free_ports), not
+                # the kernel's pick: a node started again on its port (restart) found one
+                # from that range taken meanwhile by some connection (seen under two test
+                # workers and a drill: "cannot listen for gRPC ...: Address already in use")
+                http, grpc_port = free_ports(2)
+                self.http_port, self.grpc_port = self.http_port or http, self.grpc_port or grpc_port
             cmd += ["--id", self.node_id, "--data", self.data_dir, "--http", f"127.0.0.1:{self.http_port}",
                     "--grpc", f"127.0.0.1:{self.grpc_port}", "--admin-key", self.admin_key, *self.extra_args]
         self._log = open(self.log_path, "ab")
