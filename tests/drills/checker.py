@@ -548,6 +548,12 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
             # pair's real order is the other way round, and prev is d's redelivery
             d_end = None if d.expires_at is None else seen(d.expires_at, d.ok_t, prev.ok_t)
             answered_late = d.inv_t < prev.ok_t and d_end is not None and d_end <= prev.ok_t
+            # or d's lease is of an older epoch than prev's: granted before prev's epoch
+            # began (a primary leases only in its own), asked for before prev was
+            # answered, and its answer held on the way (its primary paused, seed 13653);
+            # a primary change made the message visible again meanwhile
+            lower_epoch = d.epoch is not None and prev.epoch is not None and d.epoch < prev.epoch
+            answered_late = answered_late or (lower_epoch and d.inv_t < prev.ok_t)
 
             if answered_late:
                 cause = "answered_late"

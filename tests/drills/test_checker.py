@@ -279,6 +279,26 @@ def test_a_lease_whose_answer_came_after_its_redelivery_was_answered_late_not_ot
     assert r["duplicate_deliveries"]["answered_late"] == 1 and r["duplicate_deliveries"]["other"] == 0
 
 
+def test_an_older_epochs_lease_answered_after_a_newer_epochs_delivery_was_answered_late():
+    """Seed 13653: a receive leased by the primary of epoch 1 just before it was
+    SIGSTOPped was answered only after SIGCONT, after the primary of epoch 2 had
+    delivered the message again (at once, as a primary change makes it visible)
+    and that delivery was acked. In the answers' order the epoch-1 lease follows
+    the epoch-2 one, with its lease still running at the other's grant (so not
+    "answered late" by its expiry) and a lower epoch (so not "primary changed"):
+    it was put down to no cause. A lower epoch is the proof that it was granted
+    first: answered late."""
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.recv(1.1, 3.6, "m1", "b1", "t1", epoch=1, lease_s=-0.7)  # granted by 1.9, until 2.9; answered at 3.6
+    s.recv(2.0, 2.05, "m1", "b1", "t2", epoch=2)
+    s.settle("ack", 2.06, 2.08, "m1", "t2", epoch=2)
+    r = s.check()
+    assert_only(r)
+    assert r["duplicate_deliveries"]["answered_late"] == 1 and r["duplicate_deliveries"]["other"] == 0, \
+        r["duplicate_deliveries"]
+
+
 def test_redelivery_after_lease_expiry_is_not_overlapping():
     s = Sim()
     s.send(1.0, 1.01, "b1", "m1")
