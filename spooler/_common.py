@@ -726,12 +726,6 @@ def batch_results(r: api_pb2.SendBatchResponse, n: Optional[int] = None) -> list
     return out
 
 
-def is_batch_entry_error(err: errors.SpoolerError) -> bool:
-    """Errors that one bad entry causes for a whole SendBatch (then the batch is
-    sent again in parts, resend_groups, so that only the bad one fails)."""
-    return isinstance(err, (errors.InvalidArgument, errors.MessageTooLarge, errors.QueueNotFound, errors.Forbidden))
-
-
 def settle_after_unconfirmed(e: errors.StaleLease) -> None:
     """An ack or nack tried again after an attempt whose outcome was unknown
     (``operation_unconfirmed``) met ``stale_lease``. ``settled``: our earlier
@@ -754,6 +748,8 @@ def settle_after_unconfirmed(e: errors.StaleLease) -> None:
 # errors a send batch gets for one queue of it (it does not exist, the key may not
 # send to it): every entry naming that queue would get the same
 QUEUE_LEVEL = (errors.QueueNotFound, errors.Forbidden)
+# errors a send batch gets for one bad entry of it (a body too large, a bad dedup key)
+ENTRY_LEVEL = (errors.InvalidArgument, errors.MessageTooLarge)
 
 
 def resend_groups(err: errors.SpoolerError, queues: list) -> Optional[list]:
@@ -765,8 +761,8 @@ def resend_groups(err: errors.SpoolerError, queues: list) -> Optional[list]:
       queue, so that the callers sending to the other queues do not fail for it
       (nothing was stored, so a resend is safe); a batch of one queue fails
       whole, as each of its entries would.
-    * Another error of one bad entry (is_batch_entry_error: a body too large, a
-      bad dedup key): the batch in two halves, each sent again the same way, so
+    * An error of one bad entry (ENTRY_LEVEL: a body too large, a bad dedup
+      key): the batch in two halves, each sent again the same way, so
       that only the bad entry fails after about 2 log2(n) batches: one among 100
       costs the good ones about 14 round trips, not 100 (0.4.37 and before sent
       every entry again alone)."""
@@ -780,7 +776,7 @@ def resend_groups(err: errors.SpoolerError, queues: list) -> Optional[list]:
         for i, q in enumerate(queues):
             groups.setdefault(q, []).append(i)
         return list(groups.values())
-    if is_batch_entry_error(err):
+    if isinstance(err, ENTRY_LEVEL):
         half = (len(queues) + 1) // 2
         return [list(range(half)), list(range(half, len(queues)))]
     return None
