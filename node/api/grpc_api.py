@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -170,6 +171,8 @@ async def _settle_batch(svc: Service, p, req, out=None) -> api_pb2.SettleBatchRe
 
 
 _SESSION_CALLS = {"send_batch": _send_batch, "receive": _receive_batch, "settle_batch": _settle_batch}
+# each as spooler_calls names it (metrics.Calls)
+_SESSION_CALL_NAMES = {which: f"Session/{which}" for which in _SESSION_CALLS}
 
 
 def _caller(context, cluster_key: str = "") -> tuple:
@@ -250,10 +253,13 @@ async def _abort(svc: Service, context, e: errors.SpoolerError) -> None:
 def rpc(method):
     """Authenticate, call, map SpoolerError to a status with the kind in trailers."""
 
+    name = method.__name__  # the call, as spooler_calls names it (metrics.Calls)
+
     @functools.wraps(method)
     async def wrapper(self, request, context):
         # the epoch trailer is read when the answer goes out (a promote's answer
         # names the epoch it made, and so does its trailer)
+        began = time.monotonic()
         try:
             p = self.svc.authenticate(*_caller(context, self.svc.cluster_key))
             if self.svc.unknown_here(p):
@@ -262,9 +268,11 @@ def rpc(method):
                 raise request.error()
             resp = await method(self, p, request, context)
             context.set_trailing_metadata((_epoch_md(self.svc),))
+            self.metrics.calls.done("grpc", name, "ok", time.monotonic() - began)
             return resp
         except errors.SpoolerError as e:
             self.metrics.http_errors.labels(e.kind).inc()
+            self.metrics.calls.done("grpc", name, e.kind, time.monotonic() - began)
             # The abort raised below carries ``e`` (its context), and with it ``e``'s
             # frames, which hold the request: a reference cycle that kept every
             # refused request (hundreds of MB for a 16 MiB one of many small items)
@@ -277,6 +285,7 @@ def rpc(method):
             if isinstance(e, grpc.aio.AbortError) or type(e).__name__ == "AbortError":
                 raise
             log.exception("unexpected error in %s", method.__name__)
+            self.metrics.calls.done("grpc", name, errors.Internal.kind, time.monotonic() - began)
             request = None  # (as above)
             e.__traceback__ = None
             await _abort(self.svc, context, errors.Internal("internal error"))
@@ -447,7 +456,14 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
         # and each answer's (by id(), while it is held), each measured once
         held, sizes = [0], {}
 
-        def answer(resp) -> None:
+        calls = self.metrics.calls
+
+        def answer(resp, which: str, began: float) -> None:
+            """Queue ``resp`` for the writer, and count the request it answers
+            (spooler_calls: "Session/<which>", from ``began``)."""
+            calls.done("grpc", _SESSION_CALL_NAMES.get(which, "unmatched"),
+                       resp.error.kind if resp.WhichOneof("result") == "error" else "ok",
+                       time.monotonic() - began)
             resp.epoch = svc.engine.known_epoch
             if resp.WhichOneof("result") == "receive":
                 sizes[id(resp)] = n = resp.ByteSize()
@@ -464,7 +480,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
             log.error("unexpected error in Session %s", which, exc_info=e)
             return api_pb2.SessionResponse(id=rid, error=errors.to_detail(errors.Internal("internal error")))
 
-        async def handle(rid: int, which: str, req) -> None:
+        async def handle(rid: int, which: str, req, began: float) -> None:
             try:
                 p = svc.authenticate(auth, forwarded, memo)
                 if svc.unknown_here(p):
@@ -476,9 +492,9 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
             except Exception as e:
                 resp = failed(rid, which, e)
             tasks.discard(asyncio.current_task())  # before the answer: the writer may look at once
-            answer(resp)
+            answer(resp, which, began)
 
-        def sent(rid: int, compact: bool, reply: Reply, result, error) -> None:
+        def sent(rid: int, compact: bool, began: float, reply: Reply, result, error) -> None:
             """A send begun in start() is committed (or refused): answer it. Called by
             the engine where it applies the record (Reply), never after the stream
             ended (the end cancels what is left in ``tasks``)."""
@@ -492,23 +508,23 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                     error = e
             if error is not None:
                 resp = failed(rid, "send_batch", error)
-            answer(resp)
+            answer(resp, "send_batch", began)
 
-        def start(rid: int, which: str, req) -> None:
+        def start(rid: int, which: str, req, began: float) -> None:
             """A send to the primary is checked and proposed right here, and answered
             by the engine's call of ``sent``: the write path of a Session send costs
             no task. Everything else (and a send this node forwards) runs in a task."""
             if which == "send_batch" and not svc.forwards():
-                reply = Reply(functools.partial(sent, rid, req.compact_run_ids))
+                reply = Reply(functools.partial(sent, rid, req.compact_run_ids, began))
                 try:
                     begun = svc.send_begin(svc.authenticate(auth, forwarded, memo), *_send_args(svc, req), reply=reply)
                 except Exception as e:
-                    answer(failed(rid, which, e))
+                    answer(failed(rid, which, e), which, began)
                     return
                 if begun is not None:
                     tasks.add(reply)
                     return
-            t = asyncio.ensure_future(handle(rid, which, req))
+            t = asyncio.ensure_future(handle(rid, which, req, began))
             tasks.add(t)
             t.add_done_callback(tasks.discard)
 
@@ -537,20 +553,21 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                 wake.set()
 
         def dispatch(r) -> None:
+            began = time.monotonic()
             if isinstance(r, Malformed):  # no id to answer by: id 0, and the stream goes on
-                answer(api_pb2.SessionResponse(id=0, error=errors.to_detail(r.error())))
+                answer(api_pb2.SessionResponse(id=0, error=errors.to_detail(r.error())), "", began)
                 return
             which = r.WhichOneof("call")
             if refused is not None:
-                answer(failed(r.id, which or "session", refused))
+                answer(failed(r.id, which or "session", refused), which, began)
             elif which is None:
                 answer(api_pb2.SessionResponse(id=r.id, error=errors.to_detail(
-                    errors.InvalidArgument("session request names no call"))))
+                    errors.InvalidArgument("session request names no call"))), "", began)
             else:
                 try:
-                    start(r.id, which, getattr(r, which))
+                    start(r.id, which, getattr(r, which), began)
                 except Exception as e:  # answered, logged: the reader (and the stream) go on
-                    answer(failed(r.id, which, e))
+                    answer(failed(r.id, which, e), which, began)
 
         reader = asyncio.ensure_future(read())
         try:
@@ -638,6 +655,7 @@ class _NoSuchMethod(grpc.GenericRpcHandler):
             e = errors.MethodNotAllowed(f"no such gRPC method: {method}"[:300])
             if self.metrics:
                 self.metrics.http_errors.labels(e.kind).inc()  # counted as every other error is
+                self.metrics.calls.done("grpc", "unmatched", e.kind, 0.0)
             await _abort(self.svc, context, e)
 
         return grpc.stream_stream_rpc_method_handler(refuse)

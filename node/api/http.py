@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 import zlib
 
 from aiohttp import http_exceptions, web
@@ -505,31 +506,44 @@ def _no_route(method: str, path: str) -> errors.SpoolerError:
     return errors.NotFound(f"no route {path}")
 
 
+def _call_name(request: web.Request) -> str:
+    """The route a request took, as spooler_calls names it: its method and template
+    ("POST /v1/queues/{queue}/messages"), or "unmatched" (metrics.Calls)."""
+    resource = request.match_info.route.resource
+    if resource is None:
+        return "unmatched"
+    return f"{request.method} {resource.canonical}"
+
+
 def _errors_mw(metrics):
-    async def answer(request, handler):
-        """The handler's answer, or the error table's for what it raised."""
+    def refused(e: errors.SpoolerError) -> tuple:
+        return _counted(metrics, e), e.kind
+
+    async def answer(request, handler) -> tuple:
+        """(the handler's answer, "ok"), or (the error table's for what it raised, its kind)."""
         try:
-            return await handler(request)
+            return await handler(request), "ok"
         except errors.SpoolerError as e:
-            return _counted(metrics, e)
+            return refused(e)
         except web.HTTPRequestEntityTooLarge as e:
-            return _counted(metrics, errors.MessageTooLarge(f"body over the limit ({e.text})"))
+            return refused(errors.MessageTooLarge(f"body over the limit ({e.text})"))
         except web.HTTPMethodNotAllowed as e:
-            r = _counted(metrics, errors.MethodNotAllowed(f"{request.method} is not allowed on {request.path}"))
+            r, kind = refused(errors.MethodNotAllowed(f"{request.method} is not allowed on {request.path}"))
             r.headers["Allow"] = ", ".join(sorted(e.allowed_methods))
-            return r
+            return r, kind
         except web.HTTPNotFound:
-            return _counted(metrics, _no_route(request.method, request.path))
+            return refused(_no_route(request.method, request.path))
         except web.HTTPException as e:
             if e.status >= 400:
-                return _counted(metrics, errors.InvalidArgument(e.reason or str(e.status)))
+                return refused(errors.InvalidArgument(e.reason or str(e.status)))
             raise
         except Exception:
             log.exception("unexpected error on %s %s", request.method, request.path)
-            return _counted(metrics, errors.Internal("internal error"))
+            return refused(errors.Internal("internal error"))
 
     @web.middleware
     async def mw(request, handler):
+        began = time.monotonic()
         guard = request.app.get(CONNECTIONS)
         if guard is not None and guard.past_bound(request):
             # a connection past --http-max-connections: told why, then closed
@@ -540,6 +554,7 @@ def _errors_mw(metrics):
                     f"this node serves at most {guard.most} HTTP connections; try again shortly",
                     reason=errors.TOO_MANY_CONNECTIONS, retry_after_s=1))
                 await _answer_then_close(request, r)
+                metrics.calls.done("http", _call_name(request), errors.Unavailable.kind, time.monotonic() - began)
                 return r
         if "Upgrade" in request.headers:
             # The node never upgrades (h2c, websocket), but aiohttp's parser takes
@@ -549,10 +564,11 @@ def _errors_mw(metrics):
             # sees that at once and can send it again on a new connection.
             request[CLOSE] = True
         try:
-            r = await answer(request, handler)
+            r, outcome = await answer(request, handler)
         finally:
             if guard is not None:
                 guard.request_answered(request)
+        metrics.calls.done("http", _call_name(request), outcome, time.monotonic() - began)
         if request.get(CLOSE) and isinstance(r, web.Response) and not r.prepared:
             await _answer_then_close(request, r)  # whatever the answer (set where a body could not be read)
         return r

@@ -30,10 +30,20 @@ class Count:
     def inc(self, n: int = 1) -> None:
         self.value += n
 
-    def family(self):
+    def families(self):
         f = CounterMetricFamily(self.name, self.doc)
         f.add_metric([], self.value, created=self.created)
-        return f
+        yield f
+
+
+def _cumulative(bounds: tuple, counts) -> list:
+    """A histogram's buckets as Prometheus has them: (upper bound, calls at or
+    below it), from a count per bound and one above them all."""
+    acc, buckets = 0, []
+    for bound, n in zip(bounds + (float("inf"),), counts):
+        acc += n
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), acc))
+    return buckets
 
 
 class Buckets:
@@ -51,15 +61,58 @@ class Buckets:
         self.counts[bisect_left(self.bounds, v)] += 1
         self.sum += v
 
-    def family(self):
+    def families(self):
         f = HistogramMetricFamily(self.name, self.doc)
-        acc, buckets = 0, []
-        for bound, n in zip(self.bounds + (float("inf"),), self.counts):
-            acc += n
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), acc))
-        f.add_metric([], buckets, self.sum)
+        f.add_metric([], _cumulative(self.bounds, self.counts), self.sum)
         f.samples.append(Sample(self.name + "_created", {}, self.created))
-        return f
+        yield f
+
+
+# Bounds of spooler_call_seconds: a send or an ack answers in about a
+# millisecond, a long poll in up to 20 s (API.md's largest wait)
+CALL_SECONDS_BOUNDS = (.00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 25)
+_CALL_BOUNDS = tuple(float(b) for b in CALL_SECONDS_BOUNDS)
+
+
+class Calls:
+    """Calls answered, by API, call and outcome, and how long each took, by API
+    and call; counted on the event loop only (no lock), as Count and Buckets.
+
+    ``api`` is "http" or "grpc"; ``call`` an HTTP route's method and template
+    ("POST /v1/queues/{queue}/messages", never the path itself), a gRPC method
+    ("Send"), or one kind of request on a Session stream ("Session/send_batch"),
+    each counted as the call it is; anything that matched no route or method is
+    "unmatched". ``outcome`` is "ok" or the error's kind (errors.py's table).
+    So every label takes one of a fixed set of values: no client can make the
+    node grow a series per path, queue or key."""
+
+    __slots__ = ("counts", "times", "created")
+
+    def __init__(self):
+        self.counts: dict = {}  # (api, call, outcome) -> calls
+        self.times: dict = {}   # (api, call) -> [a count per bound..., above them all, sum of seconds]
+        self.created = time.time()
+
+    def done(self, api: str, call: str, outcome: str, seconds: float) -> None:
+        k = (api, call, outcome)
+        self.counts[k] = self.counts.get(k, 0) + 1
+        t = self.times.get((api, call))
+        if t is None:
+            t = self.times[(api, call)] = [0] * (len(_CALL_BOUNDS) + 1) + [0.0]
+        t[bisect_left(_CALL_BOUNDS, seconds)] += 1
+        t[-1] += seconds
+
+    def families(self):
+        c = CounterMetricFamily("spooler_calls", "Calls answered, by API, call and outcome (ok or the error's kind)",
+                                labels=["api", "call", "outcome"])
+        for (api, call, outcome), n in sorted(self.counts.items()):
+            c.add_metric([api, call, outcome], n, created=self.created)
+        yield c
+        h = HistogramMetricFamily("spooler_call_seconds", "How long calls took to answer, by API and call",
+                                  labels=["api", "call"])
+        for (api, call), t in sorted(self.times.items()):
+            h.add_metric([api, call], _cumulative(_CALL_BOUNDS, t[:-1]), t[-1])
+        yield h
 
 
 class Metrics:
@@ -84,7 +137,9 @@ class Metrics:
                                      "Bytes the resident size fell by when the node handed the C library's free "
                                      "memory back to the OS after checkpoints")
         self.http_errors = Counter("spooler_errors", "Errors answered, by kind", ["kind"], registry=r)
-        r.register(_LoopCollector(self.sends, self.duplicates, self.receives, self.acks, self.nacks, self.expiries,
+        self.calls = Calls()
+        r.register(_LoopCollector(self.calls,
+                                  self.sends, self.duplicates, self.receives, self.acks, self.nacks, self.expiries,
                                   self.drops, self.commit_records, self.fsync_seconds, self.checkpoint_seconds,
                                   self.memory_released))
         r.register(_StateCollector(engine))
@@ -163,7 +218,7 @@ class _LoopCollector:
 
     def collect(self):
         for f in self.figures:
-            yield f.family()
+            yield from f.families()
 
 
 class _StateCollector:

@@ -914,3 +914,79 @@ def test_a_burst_of_3000_unary_long_polls_is_served_not_cancelled(node):
 
     outcomes = asyncio.run(burst())
     assert outcomes == {"ok": 3000}, outcomes
+
+
+def _calls_figures(node) -> tuple:
+    """({(api, call, outcome): calls}, {(api, call): timed calls}) from the node's /metrics."""
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(node.http_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    counts, timed = {}, {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "spooler_calls_total":
+                counts[(s.labels["api"], s.labels["call"], s.labels["outcome"])] = s.value
+            elif s.name == "spooler_call_seconds_count":
+                timed[(s.labels["api"], s.labels["call"])] = s.value
+    return counts, timed
+
+
+def test_every_call_is_counted_by_api_call_and_outcome_and_timed(node, client):
+    """spooler_calls_total counts each call the node answered, over HTTP, unary gRPC
+    and a Session stream, by its route or method and its outcome (ok, or the
+    error's kind); spooler_call_seconds times each. A queue's name is never a
+    label (the route's template is), and a path that matches no route is
+    "unmatched", so no client can make the node grow series."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    def http(method, path, body=None):
+        req = urllib.request.Request(node.http_url + path, data=body, method=method,
+                                     headers={"Authorization": f"Bearer {node.admin_key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    client.put_queue("counted-q")
+    client.send("counted-q", b"unary")                      # the sync client: SendBatch
+    with pytest.raises(errors.QueueNotFound):
+        client.get_queue("missing-q")
+    assert http("POST", "/v1/queues/counted-q/messages", b"h1") == 201
+    assert http("POST", "/v1/queues/counted-q/messages", b"h2") == 201
+    assert http("POST", "/v1/queues/missing-q/messages", b"h3") == 404
+    assert http("GET", "/v2/counted-q") == 404
+
+    async def session():
+        async with AsyncClient(node.grpc_target, node.admin_key) as c:
+            await c.send("counted-q", b"s1")                 # the Session stream
+            with pytest.raises(errors.QueueNotFound):
+                await c.send("missing-q", b"s2")
+            assert len(await c.receive("counted-q", max_messages=4)) == 4
+    asyncio.run(session())
+
+    counts, timed = _calls_figures(node)
+    wanted = {
+        ("grpc", "PutQueue", "ok"): 1,
+        ("grpc", "SendBatch", "ok"): 1,
+        ("grpc", "GetQueue", "queue_not_found"): 1,
+        ("http", "POST /v1/queues/{queue}/messages", "ok"): 2,
+        ("http", "POST /v1/queues/{queue}/messages", "queue_not_found"): 1,
+        ("http", "unmatched", "not_found"): 1,
+        ("grpc", "Session/send_batch", "ok"): 1,
+        ("grpc", "Session/send_batch", "queue_not_found"): 1,
+        ("grpc", "Session/receive", "ok"): 1,
+    }
+    assert {k: counts.get(k) for k in wanted} == wanted, json.dumps(sorted(map(list, counts.items())), default=str)
+    assert timed[("http", "POST /v1/queues/{queue}/messages")] == 3
+    assert timed[("grpc", "Session/send_batch")] == 2
+    for api, call, outcome in counts:  # reads of /metrics itself are counted too: only these kinds of label
+        assert "counted-q" not in call and "missing-q" not in call, call
+        assert call == "unmatched" or call.startswith(("GET ", "HEAD ", "POST ", "PUT ", "DELETE ")) \
+            or call[0].isupper(), call
+    for (api, call), n in timed.items():
+        assert n == sum(v for (a, c, _), v in counts.items() if (a, c) == (api, call)), (api, call)
