@@ -584,11 +584,16 @@ class Engine:
         return out
 
     def disk_low(self) -> bool:
-        """Has the data directory's file system less free space than the limit?
-        (statvfs at most once a second.)"""
+        """Has the data directory's file system less free space than the limit?"""
         want = self.limits.disk_free_bytes_min
         if not want:
             return False
+        free = self.disk_free_bytes()
+        return free is not None and free < want
+
+    def disk_free_bytes(self) -> Optional[int]:
+        """Bytes free (for an unprivileged writer) on the data directory's file
+        system, or None when it cannot tell (statvfs at most once a second)."""
         now = time.monotonic()
         if now >= self._disk_checked_at + 1.0:
             try:
@@ -599,7 +604,7 @@ class Engine:
             except OSError:
                 self._disk_free = None  # cannot tell: not refused on that account
             self._disk_checked_at = now
-        return self._disk_free is not None and self._disk_free < want
+        return self._disk_free
 
     def apply_upto(self, lsn: int) -> None:
         """Records up to ``lsn`` are committed: apply them in order and answer."""

@@ -38,6 +38,10 @@ PRIMARY_REFUSALS = (OVERLOADED, QUEUE_FULL, DISK_LOW, NODE_FULL)
 # an HTTP connection past the node's bound (node/api/http_conns.py): about the
 # connection, not the primary; a new connection may well be served
 TOO_MANY_CONNECTIONS = "too_many_connections"
+# ``reason`` of a ``stale_lease``
+STALE_REASONS = ("expired", "settled", "primary_changed")
+# every reason a node gives (the node's metrics count errors by them: a bounded set)
+REASONS = PRIMARY_REFUSALS + (TOO_MANY_CONNECTIONS,) + STALE_REASONS
 
 
 def stay_on(err) -> bool:

@@ -19,6 +19,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 from spooler import errors
 from spooler.pb import api_pb2, api_pb2_grpc
 from node.api.forward import FORWARDED
+from node.api.metrics import CANCELLED
 from node.tls import from_a_member
 from node.api.service import SCOPES, SETTINGS, Service
 from node.engine import Reply
@@ -173,6 +174,8 @@ async def _settle_batch(svc: Service, p, req, out=None) -> api_pb2.SettleBatchRe
 _SESSION_CALLS = {"send_batch": _send_batch, "receive": _receive_batch, "settle_batch": _settle_batch}
 # each as spooler_calls names it (metrics.Calls)
 _SESSION_CALL_NAMES = {which: f"Session/{which}" for which in _SESSION_CALLS}
+# answers whose results may each carry an error (counted one by one in spooler_errors_total)
+_BATCH_ANSWERS = (api_pb2.SendBatchResponse, api_pb2.SettleBatchResponse)
 
 
 def _caller(context, cluster_key: str = "") -> tuple:
@@ -259,20 +262,25 @@ def rpc(method):
     async def wrapper(self, request, context):
         # the epoch trailer is read when the answer goes out (a promote's answer
         # names the epoch it made, and so does its trailer)
-        began = time.monotonic()
+        began, forwarded, metrics = time.monotonic(), False, self.metrics
         try:
             p = self.svc.authenticate(*_caller(context, self.svc.cluster_key))
+            forwarded = p.forwarded
             if self.svc.unknown_here(p):
                 await self.svc.verified(p)
             if isinstance(request, Malformed):
                 raise request.error()
             resp = await method(self, p, request, context)
             context.set_trailing_metadata((_epoch_md(self.svc),))
-            self.metrics.calls.done("grpc", name, "ok", time.monotonic() - began)
+            metrics.answered("grpc", name, began, forwarded=forwarded)
+            if not forwarded and isinstance(resp, _BATCH_ANSWERS):
+                metrics.entry_errors(resp.results)
             return resp
+        except asyncio.CancelledError:
+            metrics.answered("grpc", name, began, CANCELLED, forwarded=forwarded)
+            raise
         except errors.SpoolerError as e:
-            self.metrics.http_errors.labels(e.kind).inc()
-            self.metrics.calls.done("grpc", name, e.kind, time.monotonic() - began)
+            metrics.answered("grpc", name, began, e, forwarded=forwarded)
             # The abort raised below carries ``e`` (its context), and with it ``e``'s
             # frames, which hold the request: a reference cycle that kept every
             # refused request (hundreds of MB for a 16 MiB one of many small items)
@@ -285,10 +293,11 @@ def rpc(method):
             if isinstance(e, grpc.aio.AbortError) or type(e).__name__ == "AbortError":
                 raise
             log.exception("unexpected error in %s", method.__name__)
-            self.metrics.calls.done("grpc", name, errors.Internal.kind, time.monotonic() - began)
             request = None  # (as above)
             e.__traceback__ = None
-            await _abort(self.svc, context, errors.Internal("internal error"))
+            internal = errors.Internal("internal error")
+            metrics.answered("grpc", name, began, internal, forwarded=forwarded)
+            await _abort(self.svc, context, internal)
 
     return wrapper
 
@@ -448,7 +457,9 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
         svc.session_wakes.add(wake)  # a shutdown wakes the writer below
         room = asyncio.Event()  # set while fewer than the limit are in flight
         room.set()
-        tasks: set = set()
+        # requests begun and not answered: their tasks (or a send's engine Reply),
+        # each with what it is and when it was read (for spooler_calls)
+        tasks: dict = {}
         in_flight_max = svc.limits.session_requests_in_flight_max
         reading = True
 
@@ -456,14 +467,17 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
         # and each answer's (by id(), while it is held), each measured once
         held, sizes = [0], {}
 
-        calls = self.metrics.calls
+        metrics, via_member = self.metrics, bool(forwarded)
 
-        def answer(resp, which: str, began: float) -> None:
-            """Queue ``resp`` for the writer, and count the request it answers
-            (spooler_calls: "Session/<which>", from ``began``)."""
-            calls.done("grpc", _SESSION_CALL_NAMES.get(which, "unmatched"),
-                       resp.error.kind if resp.WhichOneof("result") == "error" else "ok",
-                       time.monotonic() - began)
+        def answer(resp, which, began: float) -> None:
+            """Queue ``resp`` for the writer, and count the request it answers as a
+            call ("Session/<which>", from ``began``) and its errors."""
+            result = resp.WhichOneof("result")
+            metrics.answered("grpc", _SESSION_CALL_NAMES.get(which, "unmatched"), began,
+                             errors.make(resp.error.kind, reason=resp.error.reason) if result == "error" else None,
+                             forwarded=via_member)
+            if (result == "send_batch" or result == "settle_batch") and not via_member:
+                metrics.entry_errors(getattr(resp, result).results)
             resp.epoch = svc.engine.known_epoch
             if resp.WhichOneof("result") == "receive":
                 sizes[id(resp)] = n = resp.ByteSize()
@@ -474,8 +488,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
         memo: list = []  # this stream's key, once it passed (Service.authenticate)
 
         def failed(rid: int, which: str, e: BaseException) -> api_pb2.SessionResponse:
-            if isinstance(e, errors.SpoolerError):
-                self.metrics.http_errors.labels(e.kind).inc()
+            if isinstance(e, errors.SpoolerError):  # (counted by answer(), as every answer is)
                 return api_pb2.SessionResponse(id=rid, error=errors.to_detail(e))
             log.error("unexpected error in Session %s", which, exc_info=e)
             return api_pb2.SessionResponse(id=rid, error=errors.to_detail(errors.Internal("internal error")))
@@ -491,14 +504,14 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                 await _SESSION_CALLS[which](svc, p, req, out)
             except Exception as e:
                 resp = failed(rid, which, e)
-            tasks.discard(asyncio.current_task())  # before the answer: the writer may look at once
+            tasks.pop(asyncio.current_task(), None)  # before the answer: the writer may look at once
             answer(resp, which, began)
 
         def sent(rid: int, compact: bool, began: float, reply: Reply, result, error) -> None:
             """A send begun in start() is committed (or refused): answer it. Called by
             the engine where it applies the record (Reply), never after the stream
             ended (the end cancels what is left in ``tasks``)."""
-            tasks.discard(reply)
+            tasks.pop(reply, None)
             if error is None:
                 try:
                     resp = api_pb2.SessionResponse(id=rid)
@@ -522,11 +535,11 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                     answer(failed(rid, which, e), which, began)
                     return
                 if begun is not None:
-                    tasks.add(reply)
+                    tasks[reply] = (which, began)
                     return
             t = asyncio.ensure_future(handle(rid, which, req, began))
-            tasks.add(t)
-            t.add_done_callback(tasks.discard)
+            tasks[t] = (which, began)
+            t.add_done_callback(lambda t: tasks.pop(t, None))
 
         async def read() -> None:
             """Back-pressure, not errors: past the limit (requests running plus
@@ -610,8 +623,9 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
         finally:
             svc.session_wakes.discard(wake)
             reader.cancel()
-            for t in list(tasks):
-                t.cancel()
+            for t, (which, began) in list(tasks.items()):
+                if t.cancel():  # never answered: the stream ended first
+                    metrics.answered("grpc", _SESSION_CALL_NAMES[which], began, CANCELLED, forwarded=via_member)
             # receive answers that were never written: nobody got those messages
             lost = [d.lease_token for a in answers if a.WhichOneof("result") == "receive" for d in a.receive.messages]
             if lost:
@@ -653,9 +667,8 @@ class _NoSuchMethod(grpc.GenericRpcHandler):
 
         async def refuse(requests, context):  # the request bytes are never read
             e = errors.MethodNotAllowed(f"no such gRPC method: {method}"[:300])
-            if self.metrics:
-                self.metrics.http_errors.labels(e.kind).inc()  # counted as every other error is
-                self.metrics.calls.done("grpc", "unmatched", e.kind, 0.0)
+            if self.metrics:  # counted as every other call and error is
+                self.metrics.answered("grpc", "unmatched", time.monotonic(), e)
             await _abort(self.svc, context, e)
 
         return grpc.stream_stream_rpc_method_handler(refuse)

@@ -17,6 +17,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from spooler import errors
 from node import logs
+from node.api.metrics import CANCELLED
 from node.api.http_conns import CLIENT_TIMEOUT_S_DEFAULT, ConnectionGuard
 from node.api.service import Service
 
@@ -62,7 +63,8 @@ def _expect_handler(metrics):
             request.writer.output_size = 0   # the body of the answer has not started
             return None
         e = errors.InvalidArgument(f"Expect: {expect[:80]!r} cannot be met; only 100-continue is")
-        r = _counted(metrics, e)
+        metrics.answered("http", _call_name(request), time.monotonic(), e)  # (answered before any middleware)
+        r = _error(e)
         r.force_close()
         return r
     return expect
@@ -223,6 +225,7 @@ CONNECTIONS = web.AppKey("spooler_connections", ConnectionGuard)  # set where th
 CLOSE = "spooler_close"  # set on a request whose connection must close after the answer
 JSON_BYTES_MAX = 64 * 1024  # the JSON body of a route other than send may always be this large
 EPOCH_OF = web.AppKey("spooler_epoch_of", object)  # () -> the epoch answers name
+METRICS = web.AppKey("spooler_metrics", object)     # the node's Metrics (its answers counted)
 
 
 def json_protocol_errors() -> None:
@@ -255,6 +258,9 @@ def json_protocol_errors() -> None:
         epoch_of = app.get(EPOCH_OF) if isinstance(app, web.Application) else None
         if epoch_of is not None:
             out.headers["Spooler-Epoch"] = str(epoch_of())
+        metrics = app.get(METRICS) if isinstance(app, web.Application) else None
+        if metrics is not None:  # counted as every answer is: no route was matched
+            metrics.answered("http", "unmatched", time.monotonic(), e)
         out.force_close()
         return out
 
@@ -307,6 +313,7 @@ def build_app(svc: Service, metrics) -> web.Application:
     app[BODY_CAP] = cap  # the bound once a body is decoded
 
     app[EPOCH_OF] = lambda: svc.engine.known_epoch
+    app[METRICS] = metrics
 
     async def add_epoch(request, response):
         response.headers["Spooler-Epoch"] = str(svc.engine.known_epoch)
@@ -486,10 +493,8 @@ async def _answer_then_close(request: web.Request, r: web.Response) -> None:
     request.protocol.force_close()   # the answer is written: close behind it
 
 
-def _counted(metrics, e: errors.SpoolerError) -> web.Response:
-    """The error table's answer for ``e``, counted in spooler_errors (every error answered)."""
-    metrics.http_errors.labels(e.kind).inc()
-    return _error(e)
+# routes whose 503 says "not ready", not that anything failed: counted as calls, not as errors
+_PROBES = frozenset({"GET /healthz", "HEAD /healthz", "GET /readyz", "HEAD /readyz"})
 
 
 # A contract route with its name, token or key id left empty matches no route; it is
@@ -516,30 +521,32 @@ def _call_name(request: web.Request) -> str:
 
 
 def _errors_mw(metrics):
-    def refused(e: errors.SpoolerError) -> tuple:
-        return _counted(metrics, e), e.kind
-
     async def answer(request, handler) -> tuple:
-        """(the handler's answer, "ok"), or (the error table's for what it raised, its kind)."""
+        """(the handler's answer, None), or (the error table's for what it raised, that error)."""
         try:
-            return await handler(request), "ok"
+            return await handler(request), None
         except errors.SpoolerError as e:
-            return refused(e)
+            return _error(e), e
         except web.HTTPRequestEntityTooLarge as e:
-            return refused(errors.MessageTooLarge(f"body over the limit ({e.text})"))
+            e = errors.MessageTooLarge(f"body over the limit ({e.text})")
+            return _error(e), e
         except web.HTTPMethodNotAllowed as e:
-            r, kind = refused(errors.MethodNotAllowed(f"{request.method} is not allowed on {request.path}"))
+            refused = errors.MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
+            r = _error(refused)
             r.headers["Allow"] = ", ".join(sorted(e.allowed_methods))
-            return r, kind
+            return r, refused
         except web.HTTPNotFound:
-            return refused(_no_route(request.method, request.path))
+            e = _no_route(request.method, request.path)
+            return _error(e), e
         except web.HTTPException as e:
             if e.status >= 400:
-                return refused(errors.InvalidArgument(e.reason or str(e.status)))
+                e = errors.InvalidArgument(e.reason or str(e.status))
+                return _error(e), e
             raise
         except Exception:
             log.exception("unexpected error on %s %s", request.method, request.path)
-            return refused(errors.Internal("internal error"))
+            e = errors.Internal("internal error")
+            return _error(e), e
 
     @web.middleware
     async def mw(request, handler):
@@ -550,11 +557,11 @@ def _errors_mw(metrics):
             # (http_conns.py; a probe's route is still answered, then closed)
             request[CLOSE] = True
             if guard.answering(request):
-                r = _counted(metrics, errors.Unavailable(
-                    f"this node serves at most {guard.most} HTTP connections; try again shortly",
-                    reason=errors.TOO_MANY_CONNECTIONS, retry_after_s=1))
+                e = errors.Unavailable(f"this node serves at most {guard.most} HTTP connections; try again shortly",
+                                       reason=errors.TOO_MANY_CONNECTIONS, retry_after_s=1)
+                r = _error(e)
                 await _answer_then_close(request, r)
-                metrics.calls.done("http", _call_name(request), errors.Unavailable.kind, time.monotonic() - began)
+                metrics.answered("http", _call_name(request), began, e)
                 return r
         if "Upgrade" in request.headers:
             # The node never upgrades (h2c, websocket), but aiohttp's parser takes
@@ -563,12 +570,16 @@ def _errors_mw(metrics):
             # for an answer that never comes. Answered, then closed, its client
             # sees that at once and can send it again on a new connection.
             request[CLOSE] = True
+        call = _call_name(request)
         try:
-            r, outcome = await answer(request, handler)
+            r, e = await answer(request, handler)
+        except asyncio.CancelledError:  # the client went away first (aiohttp cancels its handler)
+            metrics.answered("http", call, began, CANCELLED)
+            raise
         finally:
             if guard is not None:
                 guard.request_answered(request)
-        metrics.calls.done("http", _call_name(request), outcome, time.monotonic() - began)
+        metrics.answered("http", call, began, e, probe=call in _PROBES)
         if request.get(CLOSE) and isinstance(r, web.Response) and not r.prepared:
             await _answer_then_close(request, r)  # whatever the answer (set where a body could not be read)
         return r

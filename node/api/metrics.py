@@ -15,7 +15,12 @@ from prometheus_client import CollectorRegistry, Counter, ProcessCollector, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.samples import Sample
 
+from spooler import errors as spooler_errors
 from spooler.pb import log_pb2
+
+# The outcome of a call its caller gave up on (it went away, or its deadline
+# passed) before the answer; and the api of a call another member forwarded
+CANCELLED, FORWARDED_API = "cancelled", "forwarded"
 
 
 class Count:
@@ -115,6 +120,10 @@ class Calls:
         yield h
 
 
+def _reason_label(reason: str) -> str:
+    return reason if reason in spooler_errors.REASONS else ("other" if reason else "")
+
+
 class Metrics:
     def __init__(self, engine):
         self.engine = engine
@@ -136,7 +145,8 @@ class Metrics:
         self.memory_released = Count("spooler_memory_released_bytes",
                                      "Bytes the resident size fell by when the node handed the C library's free "
                                      "memory back to the OS after checkpoints")
-        self.http_errors = Counter("spooler_errors", "Errors answered, by kind", ["kind"], registry=r)
+        self.errors = Counter("spooler_errors", "Errors answered to clients, by kind and reason (a batch's "
+                              "entries each)", ["kind", "reason"], registry=r)
         self.calls = Calls()
         r.register(_LoopCollector(self.calls,
                                   self.sends, self.duplicates, self.receives, self.acks, self.nacks, self.expiries,
@@ -151,6 +161,40 @@ class Metrics:
         engine.metrics = self
         self._rendered = None  # (until, body) of a costly render, answered again until then
         self.renders = 0
+
+    def answered(self, api: str, call: str, began: float, e=None, *, forwarded: bool = False,
+                 probe: bool = False) -> None:
+        """One call answered, or given up: spooler_calls_total and
+        spooler_call_seconds (from ``began``, time.monotonic()), and for an error
+        answered to a client spooler_errors_total. ``e``: None (ok), a SpoolerError,
+        or CANCELLED (the caller went away or its deadline passed first).
+
+        ``forwarded``: a call another member forwarded here. It is counted under
+        api "forwarded" and its error is not counted: the member that answered
+        the client counts both, so a sum over the cluster counts each client's
+        call once. ``probe``: /healthz or /readyz, whose 503 says "not ready", not
+        an error of anyone's."""
+        if e is None:
+            outcome = "ok"
+        elif e is CANCELLED:
+            outcome = CANCELLED
+        else:
+            outcome = e.kind
+            if not (forwarded or probe):
+                self.error(e)
+        self.calls.done(FORWARDED_API if forwarded else api, call, outcome, time.monotonic() - began)
+
+    def error(self, e) -> None:
+        """One error answered to a client (spooler_errors_total): by its kind and its
+        reason (one of errors.REASONS; "other" for any reason not among them)."""
+        self.errors.labels(e.kind, _reason_label(e.reason)).inc()
+
+    def entry_errors(self, results) -> None:
+        """A batch's per-entry errors (SendBatch's and SettleBatch's results), each
+        counted as an error answered."""
+        for r in results:
+            if r.HasField("error"):
+                self.errors.labels(r.error.kind, _reason_label(r.error.reason)).inc()
 
     def observe_commit(self, records: int, seconds: float) -> None:
         self.commit_records.observe(records)
@@ -242,6 +286,16 @@ class _StateCollector:
         yield g
         g = GaugeMetricFamily("spooler_receives_waiting", "Receives in a long poll on this node now")
         g.add_metric([], e.receives_waiting)
+        yield g
+        free = e.disk_free_bytes()
+        if free is not None:  # (a file system that says nothing of its room: no sample)
+            g = GaugeMetricFamily("spooler_disk_free_bytes",
+                                  "Bytes free for this node on its data directory's file system")
+            g.add_metric([], free)
+            yield g
+        g = GaugeMetricFamily("spooler_disk_free_bytes_min", "Below this many free bytes the primary refuses "
+                              "sends as unavailable (reason disk_low): --disk-reserve-bytes")
+        g.add_metric([], e.limits.disk_free_bytes_min)
         yield g
         if getattr(e, "loaded", False):
             yield from _cluster_families(e.repl.status(), e.node_id)

@@ -306,8 +306,8 @@ def _internal_errors(node) -> float:
     import urllib.request
     with urllib.request.urlopen(node.http_url + "/metrics", timeout=5) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith('spooler_errors_total{kind="internal"}'):
-                return float(line.split()[-1])
+            if line.startswith('spooler_errors_total{kind="internal",'):
+                return float(line.split()[-1])  # (internal errors carry no reason: one series)
     return 0.0
 
 

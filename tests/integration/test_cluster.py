@@ -1340,3 +1340,47 @@ def test_a_replica_holds_forwarded_bodies_within_the_byte_budget(tmp_path):
             if n.alive():
                 os.kill(n.pid, signal.SIGCONT)
             n.kill()
+
+
+def test_a_call_forwarded_by_a_replica_is_counted_once_as_a_clients_call(cluster):
+    """A replica forwards a client's call to the primary: the replica counts it
+    as the client made it (api "http" here) and counts its error; the primary
+    counts it under api "forwarded" and not its error. Before, both counted it as
+    a call and as an error, and the primary's as "grpc": a sum over the cluster
+    counted each such call twice."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    nodes, _ = cluster
+    p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+    r = next(i for i in nodes if i != p)
+    c = client(nodes[r])
+    until_ok(lambda: c.put_queue("fwd-q"), what="the queue")
+
+    def figures(n):
+        with urllib.request.urlopen(n.http_url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        calls, errs = {}, {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == "spooler_calls_total":
+                    calls[(s.labels["api"], s.labels["call"], s.labels["outcome"])] = s.value
+                elif s.name == "spooler_errors_total":
+                    errs[s.labels["kind"]] = errs.get(s.labels["kind"], 0) + s.value
+        return calls, errs
+
+    before_p, before_r = figures(nodes[p]), figures(nodes[r])
+    send_until_ok(c, "fwd-q", b"through a replica")
+    with pytest.raises(errors.QueueNotFound):
+        c.send("no-such-fwd-q", b"x")
+    (calls_p, errs_p), (calls_r, errs_r) = figures(nodes[p]), figures(nodes[r])
+
+    def grew(after, before):
+        return {k: v - before.get(k, 0) for k, v in after.items()
+                if v != before.get(k, 0) and k[1:2] != ("GET /metrics",)}  # (the scrapes themselves)
+    new_p, new_r = grew(calls_p, before_p[0]), grew(calls_r, before_r[0])
+    route = "POST /v1/queues/{queue}/messages"
+    assert new_r.get(("http", route, "ok")) == 1 and new_r.get(("http", route, "queue_not_found")) == 1, new_r
+    assert grew(errs_r, before_r[1]).get("queue_not_found") == 1
+    assert {api for (api, _, _) in new_p} == {"forwarded"}, new_p   # nothing counted as a client's call
+    assert sum(v for (_, _, outcome), v in new_p.items() if outcome == "queue_not_found") == 1, new_p
+    assert "queue_not_found" not in grew(errs_p, before_p[1]), errs_p

@@ -56,3 +56,27 @@ def test_answers_name_the_newest_epoch_the_node_knows(tmp_path):
                 await server.stop(None)
             await eng.stop()
     asyncio.run(main())
+
+
+def test_a_not_ready_probe_is_a_call_counted_unavailable_but_not_an_error(tmp_path, monkeypatch):
+    """/readyz answering 503 says "not ready" to a load balancer: counted in
+    spooler_calls_total (outcome unavailable), never in spooler_errors_total,
+    where every probe of a node without a primary would swell the error rate."""
+    async def main():
+        eng = Engine(str(tmp_path / "n"))
+        await eng.start()
+        try:
+            svc = Service(eng, [KEY])
+            metrics = Metrics(eng)
+            monkeypatch.setattr(eng, "clients_ready", lambda: False)
+            async with TestClient(TestServer(build_app(svc, metrics))) as http:
+                for _ in range(3):
+                    assert (await http.get("/readyz")).status == 503
+                assert (await http.get("/v1/queues")).status == 401  # an error of a client's call: counted
+                text = await (await http.get("/metrics")).text()
+            assert 'spooler_calls_total{api="http",call="GET /readyz",outcome="unavailable"} 3.0' in text, text
+            assert 'spooler_errors_total{kind="unavailable"' not in text, text
+            assert 'spooler_errors_total{kind="unauthenticated",reason=""} 1.0' in text, text
+        finally:
+            await eng.stop()
+    asyncio.run(main())

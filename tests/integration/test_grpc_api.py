@@ -6,7 +6,7 @@ import threading
 import grpc
 import pytest
 
-from nodeproc import reaches, wait_until
+from nodeproc import NodeProc, reaches, wait_until
 from spooler import AsyncClient, Client, errors
 from spooler.pb import api_pb2, api_pb2_grpc
 
@@ -960,13 +960,26 @@ def test_every_call_is_counted_by_api_call_and_outcome_and_timed(node, client):
     assert http("POST", "/v1/queues/counted-q/messages", b"h2") == 201
     assert http("POST", "/v1/queues/missing-q/messages", b"h3") == 404
     assert http("GET", "/v2/counted-q") == 404
+    import socket
+    from urllib.parse import urlsplit
+    where = urlsplit(node.http_url)
+    for raw in (b"M123 / HTTP/1.1\r\nHost: x\r\n\r\n",  # aiohttp refuses it before any route
+                b"POST /v1/queues/counted-q/messages HTTP/1.1\r\nHost: x\r\nExpect: bogus\r\n"
+                b"Content-Length: 1\r\n\r\n"):
+        with socket.create_connection((where.hostname, where.port), timeout=10) as sock:
+            sock.sendall(raw)
+            assert sock.recv(100).split(b" ")[1] == b"400", raw
 
     async def session():
         async with AsyncClient(node.grpc_target, node.admin_key) as c:
             await c.send("counted-q", b"s1")                 # the Session stream
             with pytest.raises(errors.QueueNotFound):
                 await c.send("missing-q", b"s2")
-            assert len(await c.receive("counted-q", max_messages=4)) == 4
+            got = await c.receive("counted-q", max_messages=4)
+            assert len(got) == 4
+            await c.ack(got[0].token)
+            with pytest.raises(errors.StaleLease):  # settled already: stale_lease inside an ok settle_batch
+                await c.ack(got[0].token)
     asyncio.run(session())
 
     counts, timed = _calls_figures(node)
@@ -977,12 +990,19 @@ def test_every_call_is_counted_by_api_call_and_outcome_and_timed(node, client):
         ("http", "POST /v1/queues/{queue}/messages", "ok"): 2,
         ("http", "POST /v1/queues/{queue}/messages", "queue_not_found"): 1,
         ("http", "unmatched", "not_found"): 1,
+        ("http", "unmatched", "invalid_argument"): 1,
+        ("http", "POST /v1/queues/{queue}/messages", "invalid_argument"): 1,
         ("grpc", "Session/send_batch", "ok"): 1,
         ("grpc", "Session/send_batch", "queue_not_found"): 1,
         ("grpc", "Session/receive", "ok"): 1,
+        ("grpc", "Session/settle_batch", "ok"): 2,
     }
     assert {k: counts.get(k) for k in wanted} == wanted, json.dumps(sorted(map(list, counts.items())), default=str)
-    assert timed[("http", "POST /v1/queues/{queue}/messages")] == 3
+    assert timed[("http", "POST /v1/queues/{queue}/messages")] == 4
+    assert node.metric('spooler_errors_total{kind="invalid_argument",reason=""}') == 2
+    assert node.metric('spooler_errors_total{kind="stale_lease",reason="settled"}') == 1
+    assert node.metric('spooler_errors_total{kind="queue_not_found",reason=""}') == 3
+    assert node.metric('spooler_errors_total{kind="not_found",reason=""}') == 1
     assert timed[("grpc", "Session/send_batch")] == 2
     for api, call, outcome in counts:  # reads of /metrics itself are counted too: only these kinds of label
         assert "counted-q" not in call and "missing-q" not in call, call
@@ -990,3 +1010,68 @@ def test_every_call_is_counted_by_api_call_and_outcome_and_timed(node, client):
             or call[0].isupper(), call
     for (api, call), n in timed.items():
         assert n == sum(v for (a, c, _), v in counts.items() if (a, c) == (api, call)), (api, call)
+
+
+def test_calls_their_callers_gave_up_on_are_counted_cancelled(node, client):
+    """A call whose caller went away or whose deadline passed before the answer
+    (here long polls: over HTTP, unary gRPC and a Session stream) is counted,
+    outcome "cancelled"; before, only answered calls were, and an error ratio
+    missed exactly the calls that timed out."""
+    import socket
+    import urllib.request
+
+    client.put_queue("empty-q")
+    req = urllib.request.Request(node.http_url + "/v1/queues/empty-q/receive?wait=5", data=b"", method="POST",
+                                 headers={"Authorization": f"Bearer {node.admin_key}"})
+    with pytest.raises((socket.timeout, TimeoutError, OSError)):
+        urllib.request.urlopen(req, timeout=0.5)
+    md = (("authorization", f"Bearer {node.admin_key}"),)
+    with grpc.insecure_channel(node.grpc_target) as ch:
+        stub = api_pb2_grpc.SpoolerStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ReceiveBatch(api_pb2.ReceiveRequest(queue="empty-q", wait_seconds=5, max_messages=1),
+                              metadata=md, timeout=0.5)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        held = threading.Event()
+
+        def requests():
+            yield api_pb2.SessionRequest(id=1, receive=api_pb2.ReceiveRequest(queue="empty-q", wait_seconds=5))
+            held.wait(10)  # the stream stays open until the test cancels it
+
+        stream = stub.Session(requests(), metadata=md)
+        wait_until(lambda: node.metric("spooler_receives_waiting") == 1.0, 10, what="the Session's poll waiting")
+        stream.cancel()
+        held.set()
+    cancelled = {("http", "POST /v1/queues/{queue}/receive", "cancelled"): 1,
+                 ("grpc", "ReceiveBatch", "cancelled"): 1, ("grpc", "Session/receive", "cancelled"): 1}
+    reaches(lambda: {k: _calls_figures(node)[0].get(k) for k in cancelled}, cancelled,
+            what="each given-up poll counted as cancelled")
+    counts, timed = _calls_figures(node)
+    assert not any(outcome == "cancelled" for (_, call, outcome) in counts if "receive" not in call.lower()), counts
+    assert timed[("grpc", "ReceiveBatch")] == 1
+
+
+def test_each_refusal_is_counted_by_its_reason_and_the_disk_room_is_a_gauge(tmp_path):
+    """spooler_errors_total says why an ``unavailable`` was answered (its reason,
+    from a bounded set), so that a node refusing sends for its disk is told from
+    one with no primary; spooler_disk_free_bytes beside spooler_disk_free_bytes_min
+    shows the disk filling before it does. A stale lease inside a batch of
+    settles is counted too, by its reason."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    n = NodeProc(str(tmp_path / "full"), extra_args=["--disk-reserve-bytes", str(1 << 60)])
+    n.start()
+    try:
+        with Client(n.grpc_target, n.admin_key, timeout_s=5) as c:
+            c.put_queue("room-q")
+        assert n.metric("spooler_disk_free_bytes") < n.metric("spooler_disk_free_bytes_min") == float(1 << 60)
+        req = urllib.request.Request(n.http_url + "/v1/queues/room-q/messages", data=b"x", method="POST",
+                                     headers={"Authorization": f"Bearer {n.admin_key}"})
+        with pytest.raises(urllib.error.HTTPError) as e:  # (over HTTP: the SDK would retry it for seconds)
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 503 and json.loads(e.value.read())["reason"] == "disk_low"
+        assert n.metric('spooler_errors_total{kind="unavailable",reason="disk_low"}') == 1
+    finally:
+        n.kill()

@@ -900,7 +900,7 @@ def test_promote_self_admin_ok_others_not(api):
 def test_unknown_route_and_method(api, shared_node):
     def errors_of(kind):
         try:
-            return shared_node.metric(f'spooler_errors_total{{kind="{kind}"}}')
+            return shared_node.metric(f'spooler_errors_total{{kind="{kind}",reason=""}}')
         except KeyError:
             return 0.0
     before = errors_of("not_found"), errors_of("method_not_allowed")
