@@ -91,7 +91,14 @@ def _send_args(svc: Service, req) -> tuple:
             (req.queue, req.bodies, req.delay_seconds) if req.bodies else None)
 
 
-def _fill_send(out: api_pb2.SendBatchResponse, n_run: int, res: list) -> api_pb2.SendBatchResponse:
+def _entry_errors_counter(svc: Service, p):
+    """What counts a batch's failed entries in spooler_errors_total (Metrics.error),
+    or None for a call another member forwarded (that member counts them)."""
+    m = svc.engine.metrics
+    return None if m is None or p.forwarded else m.error
+
+
+def _fill_send(out: api_pb2.SendBatchResponse, n_run: int, res: list, count=None) -> api_pb2.SendBatchResponse:
     """Service.send's results into a SendBatchResponse: a run that stored every
     message answers as ``run_ids`` (a run is stored whole or not at all: one
     queue), the entries one result each."""
@@ -101,11 +108,11 @@ def _fill_send(out: api_pb2.SendBatchResponse, n_run: int, res: list) -> api_pb2
         if run[0][2] is None:
             per_entry = res[:len(res) - n_run]
             out.run_ids.extend([mid for mid, _, _ in run])
-    _fill_entries(out, per_entry)
+    _fill_entries(out, per_entry, count)
     return out
 
 
-def _fill_applied(out: api_pb2.SendBatchResponse, compact: bool, applied: tuple) -> None:
+def _fill_applied(out: api_pb2.SendBatchResponse, compact: bool, applied: tuple, count=None) -> None:
     """As _fill_send, straight from the core's apply result (entries, run) (the
     Session's Reply gets that): a stored run's ids are never made into Service.send's
     triples, and with ``compact`` (the request's compact_run_ids) not made at all:
@@ -118,21 +125,25 @@ def _fill_applied(out: api_pb2.SendBatchResponse, compact: bool, applied: tuple)
             out.run_ids.extend(run.ids())
         run = None
     if entries or run is not None:  # (a run that stored nothing: one error per body)
-        _fill_entries(out, Service.send_results((entries, run)))
+        _fill_entries(out, Service.send_results((entries, run)), count)
 
 
-def _fill_entries(out: api_pb2.SendBatchResponse, triples: list) -> None:
+def _fill_entries(out: api_pb2.SendBatchResponse, triples: list, count=None) -> None:
+    """``count``: called with each entry's error (_entry_errors_counter), if given."""
     add = out.results.add
     for mid, dup, err in triples:
         r = add(id=mid, duplicate=dup)
         if err is not None:
             r.error.CopyFrom(errors.to_detail(err))
+            if count is not None:
+                count(err)
 
 
 async def _send_batch(svc: Service, p, req, out=None) -> api_pb2.SendBatchResponse:
     """``out``: the message to fill (a Session answer's field: no copy), else a new one."""
     res = await svc.send(p, *_send_args(svc, req))
-    return _fill_send(api_pb2.SendBatchResponse() if out is None else out, len(req.bodies), res)
+    return _fill_send(api_pb2.SendBatchResponse() if out is None else out, len(req.bodies), res,
+                      _entry_errors_counter(svc, p))
 
 
 async def _receive_batch(svc: Service, p, req, out=None) -> api_pb2.ReceiveResponse:
@@ -162,9 +173,12 @@ async def _settle_batch(svc: Service, p, req, out=None) -> api_pb2.SettleBatchRe
     res = await svc.settle(p, items, per_item_errors=True)
     out = api_pb2.SettleBatchResponse() if out is None else out
     add = out.results.add
+    count = _entry_errors_counter(svc, p)
     for r in res:
         if isinstance(r, errors.SpoolerError):
             add(error=errors.to_detail(r))
+            if count is not None:
+                count(r)
         else:
             # (a forwarded renew of a faulty primary may answer no expiry: passed on as such)
             add(expires_at=r, lease_seconds_left=getattr(r, "left_s", 0.0)) if r else add()
@@ -174,8 +188,6 @@ async def _settle_batch(svc: Service, p, req, out=None) -> api_pb2.SettleBatchRe
 _SESSION_CALLS = {"send_batch": _send_batch, "receive": _receive_batch, "settle_batch": _settle_batch}
 # each as spooler_calls names it (metrics.Calls)
 _SESSION_CALL_NAMES = {which: f"Session/{which}" for which in _SESSION_CALLS}
-# answers whose results may each carry an error (counted one by one in spooler_errors_total)
-_BATCH_ANSWERS = (api_pb2.SendBatchResponse, api_pb2.SettleBatchResponse)
 
 
 def _caller(context, cluster_key: str = "") -> tuple:
@@ -273,8 +285,6 @@ def rpc(method):
             resp = await method(self, p, request, context)
             context.set_trailing_metadata((_epoch_md(self.svc),))
             metrics.answered("grpc", name, began, forwarded=forwarded)
-            if not forwarded and isinstance(resp, _BATCH_ANSWERS):
-                metrics.entry_errors(resp.results)
             return resp
         except asyncio.CancelledError:
             metrics.answered("grpc", name, began, CANCELLED, forwarded=forwarded)
@@ -468,16 +478,14 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
         held, sizes = [0], {}
 
         metrics, via_member = self.metrics, bool(forwarded)
+        count_entry_error = None if via_member else metrics.error  # (a send's failed entries)
 
         def answer(resp, which, began: float) -> None:
             """Queue ``resp`` for the writer, and count the request it answers as a
             call ("Session/<which>", from ``began``) and its errors."""
-            result = resp.WhichOneof("result")
             metrics.answered("grpc", _SESSION_CALL_NAMES.get(which, "unmatched"), began,
-                             errors.make(resp.error.kind, reason=resp.error.reason) if result == "error" else None,
-                             forwarded=via_member)
-            if (result == "send_batch" or result == "settle_batch") and not via_member:
-                metrics.entry_errors(getattr(resp, result).results)
+                             errors.make(resp.error.kind, reason=resp.error.reason)
+                             if resp.WhichOneof("result") == "error" else None, forwarded=via_member)
             resp.epoch = svc.engine.known_epoch
             if resp.WhichOneof("result") == "receive":
                 sizes[id(resp)] = n = resp.ByteSize()
@@ -516,7 +524,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                 try:
                     resp = api_pb2.SessionResponse(id=rid)
                     resp.send_batch.SetInParent()
-                    _fill_applied(resp.send_batch, compact, result)
+                    _fill_applied(resp.send_batch, compact, result, count_entry_error)
                 except Exception as e:
                     error = e
             if error is not None:

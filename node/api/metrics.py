@@ -83,40 +83,42 @@ class Calls:
     """Calls answered, by API, call and outcome, and how long each took, by API
     and call; counted on the event loop only (no lock), as Count and Buckets.
 
-    ``api`` is "http" or "grpc"; ``call`` an HTTP route's method and template
-    ("POST /v1/queues/{queue}/messages", never the path itself), a gRPC method
-    ("Send"), or one kind of request on a Session stream ("Session/send_batch"),
-    each counted as the call it is; anything that matched no route or method is
-    "unmatched". ``outcome`` is "ok" or the error's kind (errors.py's table).
-    So every label takes one of a fixed set of values: no client can make the
-    node grow a series per path, queue or key."""
+    ``api`` is "http" or "grpc" (a client's call), or "forwarded" (a call another
+    member forwarded here; Metrics.answered); ``call`` an HTTP route's method
+    and template ("POST /v1/queues/{queue}/messages", never the path itself), a
+    gRPC method ("Send"), or one kind of request on a Session stream
+    ("Session/send_batch"), each counted as the call it is; anything that
+    matched no route or method is "unmatched". ``outcome`` is "ok", the error's
+    kind (errors.py's table) or "cancelled". So every label takes one of a
+    fixed set of values: no client can make the node grow a series per path,
+    queue or key."""
 
-    __slots__ = ("counts", "times", "created")
+    __slots__ = ("by_call", "created")
 
     def __init__(self):
-        self.counts: dict = {}  # (api, call, outcome) -> calls
-        self.times: dict = {}   # (api, call) -> [a count per bound..., above them all, sum of seconds]
+        # (api, call) -> ({outcome: calls}, [a count per bound..., above them all, sum of seconds])
+        self.by_call: dict = {}
         self.created = time.time()
 
     def done(self, api: str, call: str, outcome: str, seconds: float) -> None:
-        k = (api, call, outcome)
-        self.counts[k] = self.counts.get(k, 0) + 1
-        t = self.times.get((api, call))
-        if t is None:
-            t = self.times[(api, call)] = [0] * (len(_CALL_BOUNDS) + 1) + [0.0]
-        t[bisect_left(_CALL_BOUNDS, seconds)] += 1
-        t[-1] += seconds
+        got = self.by_call.get((api, call))
+        if got is None:
+            got = self.by_call[(api, call)] = ({}, [0] * (len(_CALL_BOUNDS) + 1) + [0.0])
+        outcomes, times = got
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        times[bisect_left(_CALL_BOUNDS, seconds)] += 1
+        times[-1] += seconds
 
     def families(self):
-        c = CounterMetricFamily("spooler_calls", "Calls answered, by API, call and outcome (ok or the error's kind)",
-                                labels=["api", "call", "outcome"])
-        for (api, call, outcome), n in sorted(self.counts.items()):
-            c.add_metric([api, call, outcome], n, created=self.created)
-        yield c
+        c = CounterMetricFamily("spooler_calls", "Calls answered or given up, by API, call and outcome (ok, the "
+                                "error's kind, or cancelled)", labels=["api", "call", "outcome"])
         h = HistogramMetricFamily("spooler_call_seconds", "How long calls took to answer, by API and call",
                                   labels=["api", "call"])
-        for (api, call), t in sorted(self.times.items()):
-            h.add_metric([api, call], _cumulative(_CALL_BOUNDS, t[:-1]), t[-1])
+        for (api, call), (outcomes, times) in sorted(self.by_call.items()):
+            for outcome, n in sorted(outcomes.items()):
+                c.add_metric([api, call, outcome], n, created=self.created)
+            h.add_metric([api, call], _cumulative(_CALL_BOUNDS, times[:-1]), times[-1])
+        yield c
         yield h
 
 
@@ -188,13 +190,6 @@ class Metrics:
         """One error answered to a client (spooler_errors_total): by its kind and its
         reason (one of errors.REASONS; "other" for any reason not among them)."""
         self.errors.labels(e.kind, _reason_label(e.reason)).inc()
-
-    def entry_errors(self, results) -> None:
-        """A batch's per-entry errors (SendBatch's and SettleBatch's results), each
-        counted as an error answered."""
-        for r in results:
-            if r.HasField("error"):
-                self.errors.labels(r.error.kind, _reason_label(r.error.reason)).inc()
 
     def observe_commit(self, records: int, seconds: float) -> None:
         self.commit_records.observe(records)
