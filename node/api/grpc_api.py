@@ -276,8 +276,9 @@ def rpc(method):
         # names the epoch it made, and so does its trailer)
         began, forwarded, metrics = time.monotonic(), False, self.metrics
         try:
-            p = self.svc.authenticate(*_caller(context, self.svc.cluster_key))
-            forwarded = p.forwarded
+            auth, via = _caller(context, self.svc.cluster_key)
+            forwarded = bool(via)  # (a member's call is counted as such even when its key is refused)
+            p = self.svc.authenticate(auth, via)
             if self.svc.unknown_here(p):
                 await self.svc.verified(p)
             if isinstance(request, Malformed):
@@ -483,9 +484,12 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
         def answer(resp, which, began: float) -> None:
             """Queue ``resp`` for the writer, and count the request it answers as a
             call ("Session/<which>", from ``began``) and its errors."""
-            metrics.answered("grpc", _SESSION_CALL_NAMES.get(which, "unmatched"), began,
-                             errors.make(resp.error.kind, reason=resp.error.reason)
-                             if resp.WhichOneof("result") == "error" else None, forwarded=via_member)
+            try:
+                metrics.answered("grpc", _SESSION_CALL_NAMES.get(which, "unmatched"), began,
+                                 errors.make(resp.error.kind, reason=resp.error.reason)
+                                 if resp.WhichOneof("result") == "error" else None, forwarded=via_member)
+            except Exception:  # counting must never cost a caller its answer
+                log.exception("could not count a Session answer")
             resp.epoch = svc.engine.known_epoch
             if resp.WhichOneof("result") == "receive":
                 sizes[id(resp)] = n = resp.ByteSize()
@@ -633,7 +637,10 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
             reader.cancel()
             for t, (which, began) in list(tasks.items()):
                 if t.cancel():  # never answered: the stream ended first
-                    metrics.answered("grpc", _SESSION_CALL_NAMES[which], began, CANCELLED, forwarded=via_member)
+                    try:
+                        metrics.answered("grpc", _SESSION_CALL_NAMES[which], began, CANCELLED, forwarded=via_member)
+                    except Exception:  # (as in answer(): the cleanup below must run)
+                        log.exception("could not count a Session request cut short")
             # receive answers that were never written: nobody got those messages
             lost = [d.lease_token for a in answers if a.WhichOneof("result") == "receive" for d in a.receive.messages]
             if lost:

@@ -560,8 +560,8 @@ def _errors_mw(metrics):
                 e = errors.Unavailable(f"this node serves at most {guard.most} HTTP connections; try again shortly",
                                        reason=errors.TOO_MANY_CONNECTIONS, retry_after_s=1)
                 r = _error(e)
-                await _answer_then_close(request, r)
                 metrics.answered("http", _call_name(request), began, e)
+                await _answer_then_close(request, r)
                 return r
         if "Upgrade" in request.headers:
             # The node never upgrades (h2c, websocket), but aiohttp's parser takes

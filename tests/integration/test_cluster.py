@@ -1372,6 +1372,8 @@ def test_a_call_forwarded_by_a_replica_is_counted_once_as_a_clients_call(cluster
     send_until_ok(c, "fwd-q", b"through a replica")
     with pytest.raises(errors.QueueNotFound):
         c.send("no-such-fwd-q", b"x")
+    with pytest.raises(errors.Unauthenticated):  # a key the replica asks the primary about, and is refused
+        HttpClient(nodes[r].http_url, "not-a-key-" + uuid.uuid4().hex, timeout_s=10).list_queues()
     (calls_p, errs_p), (calls_r, errs_r) = figures(nodes[p]), figures(nodes[r])
 
     def grew(after, before):
@@ -1381,6 +1383,7 @@ def test_a_call_forwarded_by_a_replica_is_counted_once_as_a_clients_call(cluster
     route = "POST /v1/queues/{queue}/messages"
     assert new_r.get(("http", route, "ok")) == 1 and new_r.get(("http", route, "queue_not_found")) == 1, new_r
     assert grew(errs_r, before_r[1]).get("queue_not_found") == 1
+    assert grew(errs_r, before_r[1]).get("unauthenticated") == 1
     assert {api for (api, _, _) in new_p} == {"forwarded"}, new_p   # nothing counted as a client's call
     assert sum(v for (_, _, outcome), v in new_p.items() if outcome == "queue_not_found") == 1, new_p
-    assert "queue_not_found" not in grew(errs_p, before_p[1]), errs_p
+    assert not {"queue_not_found", "unauthenticated"} & set(grew(errs_p, before_p[1])), errs_p

@@ -1055,8 +1055,8 @@ def test_each_refusal_is_counted_by_its_reason_and_the_disk_room_is_a_gauge(tmp_
     """spooler_errors_total says why an ``unavailable`` was answered (its reason,
     from a bounded set), so that a node refusing sends for its disk is told from
     one with no primary; spooler_disk_free_bytes beside spooler_disk_free_bytes_min
-    shows the disk filling before it does. A stale lease inside a batch of
-    settles is counted too, by its reason."""
+    shows the disk filling before it does. (A stale lease inside a batch of
+    settles, counted by its reason: test_every_call_is_counted_....)"""
     import json
     import urllib.error
     import urllib.request
