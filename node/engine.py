@@ -616,8 +616,8 @@ class Engine:
             rec, crc, fut = u.pop(first)
             try:
                 result = self.core.apply(rec)
-            except Exception as e:  # a broken invariant stops the node
-                self._fail(e)
+            except Exception as e:  # a broken invariant stops the node (a bug, not the disk: 71)
+                self._fail(e, INTERNAL_FAILURE)
                 raise
             self.applied_crc = crc
             if rec.WhichOneof("op") == "epoch_begin" and first == self._epoch_begin_lsn:
@@ -1267,7 +1267,15 @@ class Engine:
         for m in msgs:
             body = m.body if m.body is not None else got.get(m.id)
             if body is None:
-                raise KeyError(m.id)
+                # memory holds a message whose body the store does not: a broken
+                # invariant. The node stops (its members hold the body, and a new
+                # primary hands it out); served on, every receive of the queue would
+                # fail on it until retries moved it to the failure queue, and that
+                # move would drop it on every member.
+                err = RuntimeError(f"message {m.id} has no body in memory or in the store")
+                if self.failed is None:
+                    self._fail(err, INTERNAL_FAILURE)
+                raise errors.Unavailable(f"{self.stopped_why}; try another node", retry_after_s=0.5)
             out.append(body)
         return out
 

@@ -22,7 +22,7 @@ import grpc
 
 from node import logs
 from node.core import replication as R
-from node.engine import LOG_CONFLICT, CopyHeld, InstallBroken, mono_us, nobody_waits
+from node.engine import INTERNAL_FAILURE, LOG_CONFLICT, CopyHeld, InstallBroken, mono_us, nobody_waits
 from node.tls import ANOTHER_CLUSTER, CLUSTER_ID_MD, another_cluster
 from spooler.pb import replication_pb2 as pb
 from spooler.pb import replication_pb2_grpc as pb_grpc
@@ -421,6 +421,8 @@ class Driver:
                     self._frame_bytes.pop(lsn, None)
                 await self._run(self.core.stored(eff.req, mono_us()))
             elif isinstance(eff, R.Truncate):
+                # checked before the store's log is cut (Engine.truncated checks it again after)
+                assert eff.after_lsn >= e.core.lsn, f"truncating to {eff.after_lsn}, below applied {e.core.lsn}"
                 crc = await self._store(self._truncate, eff.after_lsn)
                 e.truncated(eff.after_lsn, crc)
             elif isinstance(eff, R.Role):
@@ -890,15 +892,25 @@ class Driver:
                 if self.engine.failed is None:
                     self.engine._fail(err, LOG_CONFLICT)
                 return []
-            except Exception:
-                if self.engine.failed is not None:
-                    return []  # the store failed (Engine._fail): the node is stopping, nothing to resync
-                log.exception("frame from %s failed; resyncing the log view from the store", f.primary)
-                await self._resync()
+            except Exception as err:
+                # The store's failures stop the node where they happen (_store), and a
+                # conflict with committed records is the case above: what is left is a
+                # broken invariant (a gap, a checksum, a truncation below applied
+                # records). The node stops. (It reloaded its view of the log from the
+                # store and went on: a truncation below what it had applied was clamped
+                # over, and it could count toward a quorum for records it no longer held.)
+                self._broken(err, f"a frame from {f.primary}")
                 return []
             finally:
                 self._replies = None
                 self._frame_bytes.clear()
+
+    def _broken(self, err: BaseException, what: str) -> None:
+        """A broken invariant met while handling ``what``: the node stops
+        (INTERNAL_FAILURE: a bug, not the disk), unless it is stopping already."""
+        if self.engine.failed is None:
+            log.critical("%s broke an invariant of this node: %r", what, err, exc_info=err)
+            self.engine._fail(err, INTERNAL_FAILURE)
 
     async def _resync(self) -> None:
         """Make the core's and the engine's view of the log what the store holds."""
@@ -948,9 +960,11 @@ class Driver:
             try:
                 await self._run(self.core.receive(R.VoteReq(req.epoch, req.candidate, req.last_epoch, req.last_lsn,
                                                             req.pre, req.transfer, req.lease_us), mono_us()))
-            except Exception:
-                # a Persist that failed left the core ahead of the disk (its epoch,
-                # vote, lease_seen): load them back, as a failed frame does, and refuse
+            except Exception as err:
+                # a Persist that failed (the node stops: _store) left the core ahead of
+                # the disk (its epoch, vote, lease_seen): load them back and refuse.
+                # Anything else is a broken invariant: the node stops as well.
+                self._broken(err, f"a vote request from {req.candidate}")
                 log.exception("vote request from %s failed; reloading the persistent state", req.candidate)
                 self._vote_reply = None
                 await self._resync()
@@ -971,9 +985,10 @@ class Driver:
                 return True
             try:
                 await self._run(self.core.receive(R.TimeoutNow(req.epoch, req.primary), mono_us()))
-            except Exception:
+            except Exception as err:
                 # its Persist failed (the campaign's epoch and vote): as a failed vote request
                 # (the primary sees the call fail, not a refusal: Replication.timeout_now_failed)
+                self._broken(err, f"a TimeoutNow from {req.primary}")
                 log.exception("TimeoutNow from %s failed; reloading the persistent state", req.primary)
                 await self._resync()
                 self.core.campaign_unsaved(req.epoch, req.primary, mono_us())

@@ -606,3 +606,25 @@ def test_a_repeat_whose_key_is_forgotten_before_it_applies_stores_nothing(tmp_pa
         finally:
             await eng.stop()
     asyncio.run(main())
+
+
+def test_a_message_whose_body_is_lost_stops_the_node_instead_of_failing_each_receive(tmp_path):
+    """Memory holds a message the store has no body for (a broken invariant). A
+    receive raised KeyError: a 500, the leases it had made left for nobody, and
+    every later receive of the queue failing on the same oldest message until its
+    retries ran out and a move to the failure queue dropped it on every member.
+    Now the node stops (an internal failure: its members still hold the body,
+    and a new primary hands it out) and the receive is answered unavailable."""
+    from node.engine import INTERNAL_FAILURE
+
+    async def main():
+        async with _node(tmp_path) as (eng, svc):
+            await svc.put_queue(ADMIN, "q", {})
+            [(mid, _, _)] = await svc.send(ADMIN, [("q", b"lost", 0.0, "")])
+            m = svc.core.queues["q"].msgs[mid]
+            m.body = None  # (never checkpointed: the store holds no row for it either)
+            with pytest.raises(errors.Unavailable):
+                await svc.receive(ADMIN, "q", 0, 1)
+            assert eng.failed is not None and eng.failed_what == INTERNAL_FAILURE
+
+    asyncio.run(main())

@@ -198,6 +198,7 @@ class _BareEngine:
     def _fail(self, e, what="storage failure"):  # as Engine._fail: the node is told to stop (here, noted)
         self.failed = e
         self.fatal.append(e)
+        self.fatal_what = what
 
     def apply_upto(self, lsn):
         pass
@@ -945,3 +946,48 @@ def test_the_replication_core_knows_each_record_s_size_as_written_received_and_l
 
 async def _noop_run(effects) -> None:
     return None
+
+
+def test_a_frame_that_breaks_an_invariant_stops_the_replica_instead_of_resyncing():
+    """A frame whose handling breaks an invariant (here the engine finds a gap
+    between its log and the frame's records: Engine.check_from_primary) is not a
+    failed write (those stop the node in Driver._store) nor a conflict with
+    committed records (LOG_CONFLICT). It stopped nothing: the replica logged it,
+    reloaded its view of the log from the store and went on, a truncation below
+    what it had applied clamped over. Now the node stops as for an internal
+    failure, acknowledges nothing of the frame, and does not resync."""
+    from node.engine import INTERNAL_FAILURE
+    T = 1_000_000
+
+    class Eng(_BareEngine):
+        def check_from_primary(self, rows):
+            raise RuntimeError("replica log gap: record 1 after 5")
+
+        def small_commit(self, rows):
+            return True
+
+        async def store_io(self, fn, *a, inline=False):
+            return fn(*a)
+
+    async def main():
+        eng = Eng()
+        d = _following_n1(eng, T, T)
+        resyncs = []
+
+        async def resync():
+            resyncs.append(True)
+        d._resync = resync
+        rec = log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id="n1")).SerializeToString()
+
+        async def frames():
+            yield pb.AppendFrame(epoch=1, primary="n1", prev_lsn=0, prev_epoch=0, prev_crc=0,
+                                 entries=[pb.Entry(lsn=1, epoch=1, crc=chain(0, rec), rec=rec)],
+                                 commit_lsn=0, sent_us=mono_us(), lease_us=T)
+
+        acks = [a async for a in d.serve_stream(frames(), None)]
+        return eng, acks, resyncs
+
+    eng, acks, resyncs = asyncio.run(main())
+    assert [type(e) for e in eng.fatal] == [RuntimeError] and eng.fatal_what == INTERNAL_FAILURE, eng.fatal
+    assert not [a for a in acks if a.ok and a.match_lsn >= 1], acks
+    assert not resyncs
