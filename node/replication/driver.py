@@ -489,8 +489,11 @@ class Driver:
             t = self._stream_tasks.get(to)
             if t is None or t.done() or to not in self._outbox:
                 self._outbox[to] = asyncio.Queue()
-                self._stream_tasks[to] = asyncio.create_task(self._stream_to(to, self._outbox[to]),
-                                                             name=f"stream-{to}")
+                t = self._stream_tasks[to] = asyncio.create_task(self._stream_to(to, self._outbox[to]),
+                                                                 name=f"stream-{to}")
+                # a stream's own failures (the network's, the replica's refusals) are
+                # handled inside it; anything else it dies of is a bug: the node stops
+                t.add_done_callback(self.engine._task_ended)
             q = self._outbox[to]
             lsns = [x[0] for x in msg.entries]
             data = self.engine.record_bytes(lsns) if lsns else []

@@ -991,3 +991,31 @@ def test_a_frame_that_breaks_an_invariant_stops_the_replica_instead_of_resyncing
     assert [type(e) for e in eng.fatal] == [RuntimeError] and eng.fatal_what == INTERNAL_FAILURE, eng.fatal
     assert not [a for a in acks if a.ok and a.match_lsn >= 1], acks
     assert not resyncs
+
+
+def test_a_replication_stream_that_dies_of_a_bug_stops_the_primary(tmp_path):
+    """A primary's stream to a replica handles the network's failures and the
+    replica's refusals itself. Anything else it died of went unseen: the next
+    frame started a new stream, and the bug (a record missing from memory and
+    store, say) was never reported. Now the node stops, as when any other
+    background task dies (Engine._task_ended: an internal failure)."""
+    from node.engine import INTERNAL_FAILURE
+    e = Engine(str(tmp_path / "p"), node_id="n1", peers=PEERS)
+
+    async def main():
+        _loaded_as_primary(e, heard=("n2", "n3"))
+        d = e.repl
+
+        async def broken_stream(to, outbox):
+            raise ValueError("a bug in the stream")
+        d._stream_to = broken_stream
+        d._send("n2", R.AppendReq(1, "n1", 0, 0, 0, [], 0, mono_us(), 0, 1_000_000))
+        for _ in range(100):
+            if e.failed is not None:
+                break
+            await asyncio.sleep(0.01)
+        return e.failed, e.failed_what
+
+    failed, what = asyncio.run(main())
+    assert isinstance(failed, ValueError) and what == INTERNAL_FAILURE, (failed, what)
+    e.store.close()
