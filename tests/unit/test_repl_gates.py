@@ -922,6 +922,7 @@ def test_the_replication_core_knows_each_record_s_size_as_written_received_and_l
             return list(c.log.sizes)
         finally:
             loop_task.cancel()
+            await asyncio.gather(loop_task, return_exceptions=True)
 
     written = asyncio.run(primary())
     (stored,), = e.store.db.execute("SELECT length(rec) FROM log WHERE lsn = 1")
