@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, ProcessCollector, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.samples import Sample
 
+from spooler import __version__ as spooler_version
 from spooler import errors as spooler_errors
 from spooler.pb import log_pb2
 
@@ -273,6 +274,10 @@ class _StateCollector:
             for state in ("visible", "leased", "delayed"):
                 depth.add_metric([name, state], s[state])
         yield depth
+        g = GaugeMetricFamily("spooler_build_info", "1, labelled with this node's version (spooler-node --version)",
+                              labels=["version"])
+        g.add_metric([spooler_version], 1)
+        yield g
         g = GaugeMetricFamily("spooler_epoch", "Newest epoch this node knows (as Spooler-Epoch)")
         g.add_metric([], e.known_epoch)
         yield g

@@ -1003,6 +1003,8 @@ def test_every_call_is_counted_by_api_call_and_outcome_and_timed(node, client):
     assert node.metric('spooler_errors_total{kind="stale_lease",reason="settled"}') == 1
     assert node.metric('spooler_errors_total{kind="queue_not_found",reason=""}') == 3
     assert node.metric('spooler_errors_total{kind="not_found",reason=""}') == 1
+    from spooler import __version__
+    assert node.metric(f'spooler_build_info{{version="{__version__}"}}') == 1  # (which build, in a rolling upgrade)
     assert timed[("grpc", "Session/send_batch")] == 2
     for api, call, outcome in counts:  # reads of /metrics itself are counted too: only these kinds of label
         assert "counted-q" not in call and "missing-q" not in call, call
