@@ -790,35 +790,20 @@ def test_a_shielded_step_that_fails_after_its_caller_left_is_not_reported_unread
     assert not [m for m in asyncio.run(main()) if "never retrieved" in m]
 
 
-def test_a_replica_whose_store_write_fails_stops_and_acknowledges_nothing():
-    """S9 on a replica: a frame's records cannot be written (a write or an fsync of
-    the store fails). The frame is not acknowledged as holding them, and the node
-    is told to stop (``Engine._fail``), as a primary whose commit fails is; it
-    does not resync and go on taking frames into a store it cannot trust (it did,
-    and stopped only if its own checkpoint then had something to write)."""
-    import apsw
+class _FrameEngine(_BareEngine):
+    """A _BareEngine that takes a frame's records: every store call runs at once,
+    inline (a test's subclass says what the store and the checks do)."""
+    def small_commit(self, rows):
+        return True
 
-    T = 1_000_000
+    async def store_io(self, fn, *a, inline=False):
+        return fn(*a)
 
-    class Eng(_BareEngine):
-        def __init__(self):
-            super().__init__()
-            self.store = self
 
-        def append(self, rows):
-            raise apsw.IOError("injected write failure")
-
-        def check_from_primary(self, rows):
-            pass
-
-        def small_commit(self, rows):
-            return True
-
-        async def store_io(self, fn, *a, inline=False):
-            return fn(*a)
-
+def _one_record_frame(eng, T: int) -> tuple:
+    """n2's Driver over ``eng`` (a replica of n1) serves one frame carrying one
+    record, its resyncs noted instead of run. -> (its answers, its resyncs)"""
     async def main():
-        eng = Eng()
         d = _following_n1(eng, T, T)
         resyncs = []
 
@@ -832,10 +817,33 @@ def test_a_replica_whose_store_write_fails_stops_and_acknowledges_nothing():
                                  entries=[pb.Entry(lsn=1, epoch=1, crc=chain(0, rec), rec=rec)],
                                  commit_lsn=0, sent_us=mono_us(), lease_us=T)
 
-        acks = [a async for a in d.serve_stream(frames(), None)]
-        return eng, acks, resyncs
+        return [a async for a in d.serve_stream(frames(), None)], resyncs
+    return asyncio.run(main())
 
-    eng, acks, resyncs = asyncio.run(main())
+
+def test_a_replica_whose_store_write_fails_stops_and_acknowledges_nothing():
+    """S9 on a replica: a frame's records cannot be written (a write or an fsync of
+    the store fails). The frame is not acknowledged as holding them, and the node
+    is told to stop (``Engine._fail``), as a primary whose commit fails is; it
+    does not resync and go on taking frames into a store it cannot trust (it did,
+    and stopped only if its own checkpoint then had something to write)."""
+    import apsw
+
+    T = 1_000_000
+
+    class Eng(_FrameEngine):
+        def __init__(self):
+            super().__init__()
+            self.store = self
+
+        def append(self, rows):
+            raise apsw.IOError("injected write failure")
+
+        def check_from_primary(self, rows):
+            pass
+
+    eng = Eng()
+    acks, resyncs = _one_record_frame(eng, T)
     assert [type(e) for e in eng.fatal] == [apsw.IOError], "the node was not told to stop"
     assert not [a for a in acks if a.ok and a.match_lsn >= 1], acks  # nothing acknowledged as held
     assert not resyncs  # a stopping node does not reload its view of the store
@@ -960,35 +968,12 @@ def test_a_frame_that_breaks_an_invariant_stops_the_replica_instead_of_resyncing
     from node.engine import INTERNAL_FAILURE
     T = 1_000_000
 
-    class Eng(_BareEngine):
+    class Eng(_FrameEngine):
         def check_from_primary(self, rows):
             raise RuntimeError("replica log gap: record 1 after 5")
 
-        def small_commit(self, rows):
-            return True
-
-        async def store_io(self, fn, *a, inline=False):
-            return fn(*a)
-
-    async def main():
-        eng = Eng()
-        d = _following_n1(eng, T, T)
-        resyncs = []
-
-        async def resync():
-            resyncs.append(True)
-        d._resync = resync
-        rec = log_pb2.Record(epoch_begin=log_pb2.EpochBegin(node_id="n1")).SerializeToString()
-
-        async def frames():
-            yield pb.AppendFrame(epoch=1, primary="n1", prev_lsn=0, prev_epoch=0, prev_crc=0,
-                                 entries=[pb.Entry(lsn=1, epoch=1, crc=chain(0, rec), rec=rec)],
-                                 commit_lsn=0, sent_us=mono_us(), lease_us=T)
-
-        acks = [a async for a in d.serve_stream(frames(), None)]
-        return eng, acks, resyncs
-
-    eng, acks, resyncs = asyncio.run(main())
+    eng = Eng()
+    acks, resyncs = _one_record_frame(eng, T)
     assert [type(e) for e in eng.fatal] == [RuntimeError] and eng.fatal_what == INTERNAL_FAILURE, eng.fatal
     assert not [a for a in acks if a.ok and a.match_lsn >= 1], acks
     assert not resyncs
