@@ -158,6 +158,14 @@ class NodeProc:
                     return float(line.split()[1])
         raise KeyError(name)
 
+    def samples(self, *names: str) -> list:
+        """Every sample of the node's /metrics whose name is among ``names``, as
+        prometheus_client parses them (name, labels, value)."""
+        from prometheus_client.parser import text_string_to_metric_families
+        with urllib.request.urlopen(self.http_url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return [s for fam in text_string_to_metric_families(text) for s in fam.samples if s.name in names]
+
     def get(self, path: str, key: Optional[str] = None):
         req = urllib.request.Request(self.http_url + path, headers={"Authorization": f"Bearer {key or self.admin_key}"})
         with urllib.request.urlopen(req, timeout=10) as r:

@@ -918,18 +918,12 @@ def test_a_burst_of_3000_unary_long_polls_is_served_not_cancelled(node):
 
 def _calls_figures(node) -> tuple:
     """({(api, call, outcome): calls}, {(api, call): timed calls}) from the node's /metrics."""
-    import urllib.request
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(node.http_url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
     counts, timed = {}, {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == "spooler_calls_total":
-                counts[(s.labels["api"], s.labels["call"], s.labels["outcome"])] = s.value
-            elif s.name == "spooler_call_seconds_count":
-                timed[(s.labels["api"], s.labels["call"])] = s.value
+    for s in node.samples("spooler_calls_total", "spooler_call_seconds_count"):
+        if s.name == "spooler_calls_total":
+            counts[(s.labels["api"], s.labels["call"], s.labels["outcome"])] = s.value
+        else:
+            timed[(s.labels["api"], s.labels["call"])] = s.value
     return counts, timed
 
 
