@@ -1297,8 +1297,8 @@ class Service:
         if c.primary == node:
             return self.cluster_doc()
         if c.role == R.PRIMARY and e.repl.declined == node:
-            raise errors.Unavailable(f"the switchover to {node} did not happen: {node} is stopping, and refused "
-                                     f"to take over; {e.node_id} is primary", retry_after_s=1.0)
+            raise errors.Unavailable(f"the switchover to {node} did not happen: it refused to take over "
+                                     f"({e.repl.declined_why}); {e.node_id} is primary", retry_after_s=1.0)
         if c.role == R.PRIMARY or c.primary:
             # known not to have happened (a 200 here would read as success)
             now = f"{c.primary} is" if c.primary else "no node is"

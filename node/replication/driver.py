@@ -140,7 +140,8 @@ class Driver:
         # the tasks serving those streams -> whether end_inbound may cancel one now
         # (not while it waits at a yield, in gRPC's own code: it ends after it)
         self._inbound: dict = {}
-        self.declined: Optional[str] = None  # the last switchover target that refused (stopping)
+        self.declined: Optional[str] = None  # the last switchover target that refused (stopping, its disk low)
+        self.declined_why = ""  # what it said
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -360,7 +361,7 @@ class Driver:
             if c.role != R.PRIMARY:
                 why = f"{c.primary} is primary" if c.primary else "no primary is known yet"
             elif c.transfer_to is None:
-                why = (f"{target} refused: it is stopping too" if self.declined == target
+                why = (f"{target} refused: {self.declined_why}" if self.declined == target
                        else f"the switchover was given up ({target} went away or did not catch up in time)")
             elif c.abandon_transfer():
                 why = f"{target} did not catch up within {wait_s:g} s"
@@ -735,7 +736,7 @@ class Driver:
                 if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
                     self.core.timeout_now_failed(peer, m.epoch, mono_us())
                 elif self.core.transfer_declined(peer, m.epoch):
-                    self.declined = peer
+                    self.declined, self.declined_why = peer, e.details() or ""
                     log.info("%s refused to take over (%s): this node serves again", peer, e.details())
 
     # ------------------------------------------------------------ servicer
@@ -952,8 +953,9 @@ class Driver:
         if not self.is_member(req.primary):
             await self._refuse(context, req.primary)
         self.heard_from[req.primary] = mono_us()
-        if await shielded(self._timeout_now_received(req)):  # shielded: as a vote's
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"node {self.id!r} is stopping")
+        why = await shielded(self._timeout_now_received(req))  # shielded: as a vote's
+        if why:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"node {self.id!r} {why}")
         return pb.ReplEmpty()
 
     async def _vote(self, req):
@@ -974,8 +976,10 @@ class Driver:
             r, self._vote_reply = self._vote_reply, None
         return r
 
-    async def _timeout_now_received(self, req) -> bool:
-        """A TimeoutNow through the core, under the lock. True: refused, as this node is stopping."""
+    async def _timeout_now_received(self, req) -> str:
+        """A TimeoutNow through the core, under the lock. -> why it was refused ("":
+        taken): this node is stopping, or its disk is below its reserve (as the
+        primary it would refuse every send: disk_low)."""
         async with self.lock:
             # a node that is stopping does not take over (it would be gone at once):
             # it says so, and the primary serves again or tries another member
@@ -984,8 +988,12 @@ class Driver:
             # (only while it would act: a replica of that epoch or an older one; once
             # it has acted on a TimeoutNow, its epoch is past the request's)
             c = self.core
-            if self.engine.draining and c.role == R.REPLICA and c.epoch <= req.epoch:
-                return True
+            if c.role == R.REPLICA and c.epoch <= req.epoch:
+                if self.engine.draining:
+                    return "is stopping"
+                if self.engine.disk_low():
+                    return (f"has less than {self.engine.limits.disk_free_bytes_min} bytes free on its disk: as "
+                            "the primary it would refuse every send")
             try:
                 await self._run(self.core.receive(R.TimeoutNow(req.epoch, req.primary), mono_us()))
             except Exception as err:
@@ -996,7 +1004,7 @@ class Driver:
                 await self._resync()
                 self.core.campaign_unsaved(req.epoch, req.primary, mono_us())
                 raise
-            return False
+            return ""
 
 
 def _remove_copy(path: str) -> None:

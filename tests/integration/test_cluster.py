@@ -1382,3 +1382,30 @@ def test_a_call_forwarded_by_a_replica_is_counted_once_as_a_clients_call(cluster
     assert {api for (api, _, _) in new_p} == {"forwarded"}, new_p   # nothing counted as a client's call
     assert sum(v for (_, _, outcome), v in new_p.items() if outcome == "queue_not_found") == 1, new_p
     assert not {"queue_not_found", "unauthenticated"} & set(grew(errs_p, before_p[1])), errs_p
+
+
+def test_a_member_whose_disk_is_below_its_reserve_refuses_to_take_over(tmp_path):
+    """A switchover to a member with less free disk than its reserve was taken,
+    and the new primary then refused every send (``disk_low``). Such a member
+    now refuses TimeoutNow, as a stopping one does: the promote is answered
+    unavailable, saying why, and the old primary serves on; a member with room
+    takes over as before."""
+    nodes = start_cluster(str(tmp_path), 3, FAILOVER_S,
+                          per_node_args=lambda i: ["--disk-reserve-bytes", str(1 << 60)] if i == "n3" else [])
+    try:
+        p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+        if p == "n3":  # (an election does not look at disks: the first primary may be n3)
+            until_ok(lambda: client(nodes[p]).promote("n1"), what="n1 to take over")
+            p, _ = wait_until(lambda: primary_of(nodes, exclude=("n3",)), 15, what="a primary with room")
+        c = client(nodes[p])
+        until_ok(lambda: c.put_queue("roomy"), what="the queue")
+        with pytest.raises(errors.Unavailable) as e:
+            c.promote("n3")
+        assert "refused to take over" in str(e.value) and "bytes free" in str(e.value), e.value
+        assert primary_of(nodes)[0] == p
+        send_until_ok(c, "roomy", b"still served")
+        other = next(i for i in nodes if i not in (p, "n3"))
+        assert c.promote(other)["primary"] == other
+    finally:
+        for n in nodes.values():
+            n.kill()
