@@ -484,14 +484,15 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
         def answer(resp, which, began: float) -> None:
             """Queue ``resp`` for the writer, and count the request it answers as a
             call ("Session/<which>", from ``began``) and its errors."""
+            result = resp.WhichOneof("result")
             try:
                 metrics.answered("grpc", _SESSION_CALL_NAMES.get(which, "unmatched"), began,
-                                 errors.make(resp.error.kind, reason=resp.error.reason)
-                                 if resp.WhichOneof("result") == "error" else None, forwarded=via_member)
+                                 errors.make(resp.error.kind, reason=resp.error.reason) if result == "error" else None,
+                                 forwarded=via_member)
             except Exception:  # counting must never cost a caller its answer
                 log.exception("could not count a Session answer")
             resp.epoch = svc.engine.known_epoch
-            if resp.WhichOneof("result") == "receive":
+            if result == "receive":
                 sizes[id(resp)] = n = resp.ByteSize()
                 held[0] += n
             answers.append(resp)
