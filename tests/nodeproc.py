@@ -246,6 +246,9 @@ def port_range() -> tuple:
     return low, high
 
 
+_HANDED_OUT: set = set()  # ports free_ports gave this process (see there)
+
+
 def free_ports(n: int, lowest: int = 0, highest: int = 0) -> list:
     """n distinct free TCP ports on 127.0.0.1, for nodes that must know each other's
     ports before any of them starts.
@@ -254,18 +257,27 @@ def free_ports(n: int, lowest: int = 0, highest: int = 0) -> list:
     and checked with a bind, so no connect() or bind to port 0 elsewhere on the
     machine can take one between this choice and the node's own bind (a port from
     bind(0) could be: that race once cost a drill seed its start). Only a process
-    that picks an explicit port in the same range at the same moment still could."""
+    that picks an explicit port in the same range at the same moment still could.
+
+    A port handed out is not handed out again by this process for a while
+    (_HANDED_OUT): a port drawn for a node that has not bound it yet passes the
+    bind check, and a second draw took it (a node's HTTP port drawn equal to the
+    gRPC port start_cluster had drawn for it: "the same address as --grpc")."""
     import random
     import socket
     rng = random.SystemRandom()
     low, high = port_range()
     lowest, high = lowest or low, highest or high
+    inside = {p for p in _HANDED_OUT if lowest <= p < high}
+    if len(inside) > (high - lowest) // 2:
+        _HANDED_OUT.difference_update(inside)  # (a long run: the oldest draws are long bound or gone)
     ports: list = []
     for _ in range(1000 if high - lowest >= n else 0):
         if len(ports) == n:
+            _HANDED_OUT.update(ports)
             return ports
         p = rng.randrange(lowest, high)
-        if p in ports:
+        if p in ports or p in _HANDED_OUT:
             continue
         s = socket.socket()
         try:
@@ -276,6 +288,7 @@ def free_ports(n: int, lowest: int = 0, highest: int = 0) -> list:
             s.close()
         ports.append(p)
     if len(ports) == n:
+        _HANDED_OUT.update(ports)
         return ports
     socks = [socket.socket() for _ in range(n)]  # no room below the range: the kernel's picks
     for s in socks:
