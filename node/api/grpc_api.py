@@ -487,8 +487,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
             result = resp.WhichOneof("result")
             try:
                 metrics.answered("grpc", _SESSION_CALL_NAMES.get(which, "unmatched"), began,
-                                 errors.make(resp.error.kind, reason=resp.error.reason) if result == "error" else None,
-                                 forwarded=via_member)
+                                 resp.error if result == "error" else None, forwarded=via_member)
             except Exception:  # counting must never cost a caller its answer
                 log.exception("could not count a Session answer")
             resp.epoch = svc.engine.known_epoch

@@ -77,7 +77,6 @@ class Buckets:
 # Bounds of spooler_call_seconds: a send or an ack answers in about a
 # millisecond, a long poll in up to 20 s (API.md's largest wait)
 CALL_SECONDS_BOUNDS = (.00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 25)
-_CALL_BOUNDS = tuple(float(b) for b in CALL_SECONDS_BOUNDS)
 
 
 class Calls:
@@ -97,18 +96,16 @@ class Calls:
     __slots__ = ("by_call", "created")
 
     def __init__(self):
-        # (api, call) -> ({outcome: calls}, [a count per bound..., above them all, sum of seconds])
-        self.by_call: dict = {}
+        self.by_call: dict = {}  # (api, call) -> ({outcome: calls}, Buckets of their seconds)
         self.created = time.time()
 
     def done(self, api: str, call: str, outcome: str, seconds: float) -> None:
         got = self.by_call.get((api, call))
         if got is None:
-            got = self.by_call[(api, call)] = ({}, [0] * (len(_CALL_BOUNDS) + 1) + [0.0])
+            got = self.by_call[(api, call)] = ({}, Buckets("spooler_call_seconds", "", CALL_SECONDS_BOUNDS))
         outcomes, times = got
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
-        times[bisect_left(_CALL_BOUNDS, seconds)] += 1
-        times[-1] += seconds
+        times.observe(seconds)
 
     def families(self):
         c = CounterMetricFamily("spooler_calls", "Calls answered or given up, by API, call and outcome (ok, the "
@@ -118,7 +115,7 @@ class Calls:
         for (api, call), (outcomes, times) in sorted(self.by_call.items()):
             for outcome, n in sorted(outcomes.items()):
                 c.add_metric([api, call, outcome], n, created=self.created)
-            h.add_metric([api, call], _cumulative(_CALL_BOUNDS, times[:-1]), times[-1])
+            h.add_metric([api, call], _cumulative(times.bounds, times.counts), times.sum)
         yield c
         yield h
 
@@ -170,7 +167,9 @@ class Metrics:
         """One call answered, or given up: spooler_calls_total and
         spooler_call_seconds (from ``began``, time.monotonic()), and for an error
         answered to a client spooler_errors_total. ``e``: None (ok), a SpoolerError,
-        or CANCELLED (the caller went away or its deadline passed first).
+        or CANCELLED (the caller went away or its deadline passed first); of an
+        error only its ``kind`` and ``reason`` are read (a Session answer's
+        ErrorDetail passes as it is).
 
         ``forwarded``: a call another member forwarded here. It is counted under
         api "forwarded" and its error is not counted: the member that answered

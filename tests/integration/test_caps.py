@@ -628,3 +628,22 @@ def test_a_message_whose_body_is_lost_stops_the_node_instead_of_failing_each_rec
             assert eng.failed is not None and eng.failed_what == INTERNAL_FAILURE
 
     asyncio.run(main())
+
+
+def test_a_record_the_core_cannot_apply_stops_the_node_as_an_internal_failure(tmp_path):
+    """A committed record the core cannot apply (here one naming no operation) is
+    a broken invariant, not the disk's doing: the node stops as an internal
+    failure (exit 71, which the systemd unit restarts), where it stopped as a
+    storage failure (70)."""
+    from node.engine import INTERNAL_FAILURE
+    from spooler.pb import log_pb2
+
+    async def main():
+        async with _node(tmp_path) as (eng, svc):
+            lsn = eng.core.lsn + 1
+            eng.unapplied[lsn] = (log_pb2.Record(lsn=lsn, epoch=eng.core.epoch), 0, None)
+            with pytest.raises(ValueError):
+                eng.apply_upto(lsn)
+            assert eng.failed is not None and eng.failed_what == INTERNAL_FAILURE
+
+    asyncio.run(main())
