@@ -297,11 +297,11 @@ class Engine:
             # chains its checksums from there, so a log that is not the one the
             # tables were checkpointed from is caught here, not taken for theirs
             if lsn == applied.lsn and (epoch, crc) != (applied.epoch, applied.crc):
-                raise RuntimeError(f"the log's record {lsn} (epoch {epoch}, checksum {crc}) is not the one the "
+                raise CorruptStore(f"the log's record {lsn} (epoch {epoch}, checksum {crc}) is not the one the "
                                    f"checkpoint applied (epoch {applied.epoch}, checksum {applied.crc}): "
                                    "store is corrupt")
             if lsn > applied.lsn + 1:  # (the replay's checksums would not chain either)
-                raise RuntimeError(f"the log lacks records {applied.lsn + 1} to {lsn - 1}, after what the "
+                raise CorruptStore(f"the log lacks records {applied.lsn + 1} to {lsn - 1}, after what the "
                                    f"checkpoint applied: store is corrupt")
             self.last_ts = max(self.last_ts, log_pb2.Record.FromString(data).ts_us)
         now = self.now_us()
@@ -335,7 +335,7 @@ class Engine:
             for lsn, epoch, crc, data in rows:
                 # the checksum first: bytes that do not chain are not parsed as a record
                 if chain(self.crc, data) != crc:
-                    raise RuntimeError(f"log checksum mismatch at lsn {lsn}: store is corrupt")
+                    raise CorruptStore(f"log checksum mismatch at lsn {lsn}: store is corrupt")
                 rec = log_pb2.Record.FromString(data)
                 self.crc = crc
                 self.appended_lsn = lsn
@@ -344,12 +344,21 @@ class Engine:
                     # maybe not committed: applied once the cluster's commit covers it
                     self.unapplied[lsn] = (rec, crc, None)
                 else:
-                    core.apply(rec)  # a cluster of one: every durable record is committed
+                    try:
+                        core.apply(rec)  # a cluster of one: every durable record is committed
+                    except Exception as err:  # (a restart would find it again: not served)
+                        raise CorruptStore(f"the store's record {lsn} cannot be applied: {err!r}") from err
                     self.applied_crc = crc
                     replayed += 1
                 self.last_ts = max(self.last_ts, rec.ts_us)
                 after = lsn
         core.woken.clear()
+        # What was loaded and replayed holds together (counts, unique ids, leases),
+        # or the node does not serve it: each broken invariant would lose or
+        # duplicate messages unseen from here on, and a restart finds it again.
+        bad = core.check()
+        if bad:
+            raise CorruptStore(f"the state loaded from the store breaks the core's invariants: {'; '.join(bad)}")
         self.loaded = True
         log.info("loaded: applied lsn %d epoch %d (%d replayed), log to lsn %d", core.lsn, core.epoch, replayed,
                  self.appended_lsn)
@@ -1300,6 +1309,12 @@ class Engine:
 class CopyHeld(Exception):
     """A snapshot copy whose log this node's log already holds, and that would
     take nothing from it (Engine._copy_held): not installed. ``args[0]``: the copy's end (Position)."""
+
+
+class CorruptStore(RuntimeError):
+    """The store cannot be loaded as it is (its log does not chain, or what it
+    holds breaks the core's invariants): the node does not start (exit 70, as
+    after a failed write: a restart would find the same)."""
 
 
 class InstallBroken(Exception):

@@ -28,7 +28,7 @@ from node.api import http_conns
 from node.api.http import CLIENT_TIMEOUT_S, CONNECTIONS, RUNNER_OPTIONS, build_app
 from node.api.metrics import Metrics
 from node.api.service import KEY_CHARS_MAX, Service
-from node.engine import INTERNAL_FAILURE, Engine, Limits
+from node.engine import INTERNAL_FAILURE, STORAGE_FAILURE, CorruptStore, Engine, Limits
 from spooler import __version__
 
 log = logging.getLogger("spooler.node")
@@ -473,7 +473,13 @@ async def serve(args) -> int:
     # grpcio's health service starts out SERVING: not until the node is ready
     await grpc_api.set_serving(health_servicer, False)
     await server.start()  # first: peers reach us as soon as we can answer (the replication calls wait for the load)
-    await engine.start()
+    try:
+        await engine.start()
+    except CorruptStore as e:  # a restart would find the same: 70, which the systemd unit does not restart
+        engine._fail(e, STORAGE_FAILURE)  # (failed: the stop below writes no checkpoint of what was loaded)
+        await server.stop(None)
+        await engine.stop()
+        return EXIT_STORE_FAILED
     freeze_loaded_state()
     health = asyncio.ensure_future(grpc_api.follow_readiness(health_servicer, engine))
 

@@ -7,7 +7,9 @@ No IO and no clock here. Two kinds of input:
   stamped time) and the state, so every node that applies the same records in
   the same order holds the same state. It never raises for a well-formed
   record: a command that no longer fits the state (a message acked twice, a
-  queue deleted meanwhile) is a no-op with a result saying so.
+  queue deleted meanwhile) is a no-op with a result saying so. A record that
+  breaks an invariant (it reuses the id of a message still held) raises
+  ``BrokenInvariant``, and the node stops.
 * lease calls — ``receive``, ``check_lease``, ``renew``, ``due_expiries`` —
   with an explicit ``now_us``. Leases live in memory on the primary only and
   are never logged: a primary change drops them by design, and their messages
@@ -360,6 +362,9 @@ class Core:
                     q.dedup[key] = (mid, ts + window)
                     heapq.heappush(self.dedup_exp, (ts + window, q.name, key))
                     self.dirty.dedup.add((q.name, key))
+            if mid in q.msgs or (q.segs and self._seg_of(q, mid) is not None):
+                raise BrokenInvariant(f"record {self.lsn} sends message {mid} to {q.name}, which holds one "
+                                      "by that id: ids are never reused")
             visible_at = ts + e.delay_us if e.delay_us > 0 else ts
             m = Msg(mid, q.name, self.next_seq, e.body, 0, visible_at, visible_at + q.settings["retention_us"])
             self.next_seq += 1
@@ -385,6 +390,12 @@ class Core:
         if q is None:
             return Run(prefix, first, n, "queue_not_found")
         name = q.name
+        lst = q.segs.get(prefix)
+        if lst:
+            k = bisect_right(lst, first, key=_first)
+            if (k and lst[k - 1].first + lst[k - 1].n > first) or (k < len(lst) and lst[k].first < first + n):
+                raise BrokenInvariant(f"record {self.lsn} sends ids {prefix}{first:x} on ({n}) to {name}, "
+                                      "which holds some of them: ids are never reused")
         visible_at = ts + op.run_delay_us if op.run_delay_us > 0 else ts
         seg = Segment(self.next_seq, name, prefix, first, n, visible_at,
                       visible_at + q.settings["retention_us"], bodies)
@@ -1229,6 +1240,87 @@ class Core:
                 out.extend((seg.id_of(i), seg.seq0 + i, 0, seg.visible_at, seg.expires_at) for i in seg.untaken())
         return sorted(out, key=lambda t: t[1])
 
+    def check(self, most: int = 20) -> list:
+        """The state's structural invariants, recounted from scratch: up to ``most``
+        descriptions of what is broken, [] when nothing is. O(messages): for the
+        load at start (Engine.load) and for tests, never on a call's path.
+
+        * a queue's ready, delayed and leased counts are what its messages and
+          segments hold; a segment's ``left`` is its untaken messages; no
+          counter of a queue is negative;
+        * a message id names one live message, every queue together: no two
+          messages share one, segments of one id prefix do not overlap, and no
+          message is also untaken in a segment;
+        * a leased message has its lease, and a lease names a message leased by it;
+        * the count of dedup keys is the keys the queues hold."""
+        bad: list = []
+        ranges: dict = {}  # id prefix -> [(first, Segment)], every queue's
+        held: dict = {}
+        keys = 0
+        for name, q in self.queues.items():
+            n = {READY: 0, DELAYED: 0, LEASED: 0}
+            for prefix, lst in q.segs.items():
+                for seg in lst:
+                    left = seg.n - seg.cur - seg.taken.count(1, seg.cur)
+                    if seg.prefix != prefix or seg.queue != name or seg.state not in (READY, DELAYED) \
+                            or seg.left != left or left <= 0:
+                        bad.append(f"queue {name}: the segment at seq {seg.seq0} is not what its index says "
+                                   f"({seg.queue}, {seg.prefix}, {seg.state}, {seg.left} left of {left})")
+                        continue
+                    n[seg.state] += left
+                    ranges.setdefault(prefix, []).append((seg.first, seg))
+            for mid, m in q.msgs.items():
+                if m.id != mid or m.queue != name:
+                    bad.append(f"message {mid} is filed in queue {name} as {m.id} of {m.queue}")
+                elif mid in held:
+                    bad.append(f"message {mid} is in queues {held[mid]} and {name}")
+                elif m.state not in n:
+                    bad.append(f"message {mid} of {name} is in no state ({m.state})")
+                else:
+                    held[mid] = name
+                    n[m.state] += 1
+                    if m.state == LEASED:
+                        lease = self.leases.get(m.lease)
+                        if lease is None or lease.msg_id != mid or lease.queue != name:
+                            bad.append(f"message {mid} of {name} is leased without its lease")
+            if (q.n_ready, q.n_delayed, q.n_leased) != (n[READY], n[DELAYED], n[LEASED]):
+                bad.append(f"queue {name} counts {q.n_ready} ready, {q.n_delayed} delayed and {q.n_leased} "
+                           f"leased, and holds {n[READY]}, {n[DELAYED]} and {n[LEASED]}")
+            if any(v < 0 for v in q.counters.values()):
+                bad.append(f"queue {name} has a negative counter: {q.counters}")
+            keys += len(q.dedup)
+            if len(bad) >= most:
+                return bad[:most]
+        for prefix, runs in ranges.items():
+            runs.sort(key=_first_of_run)
+            for (f0, s0), (f1, s1) in zip(runs, runs[1:]):
+                if f1 < f0 + s0.n:
+                    bad.append(f"segments of {s0.queue} and {s1.queue} share ids from {prefix}{f1:x}")
+        for mid, name in held.items():
+            for prefix, runs in ranges.items():
+                if not mid.startswith(prefix):
+                    continue
+                try:
+                    c = int(mid[len(prefix):], 16)
+                except ValueError:
+                    continue
+                k = bisect_right(runs, c, key=_first_of_run) - 1
+                if k >= 0:
+                    seg = runs[k][1]
+                    i = c - seg.first
+                    if i < seg.n and not seg.taken[i] and seg.id_of(i) == mid:
+                        bad.append(f"message {mid} of {name} is also untaken in a segment of {seg.queue}")
+            if len(bad) >= most:
+                return bad[:most]
+        for lid, lease in self.leases.items():
+            q = self.queues.get(lease.queue)
+            m = q.msgs.get(lease.msg_id) if q is not None else None
+            if lid != lease.id or m is None or m.state != LEASED or m.lease != lid:
+                bad.append(f"lease {lid} names message {lease.msg_id} of {lease.queue}, which it does not lease")
+        if keys != self.dedup_n:
+            bad.append(f"{self.dedup_n} dedup keys counted, {keys} held")
+        return bad[:most]
+
     def load_dedup(self, queue, key, msg_id, until) -> None:
         q = self.queues[queue]
         if key not in q.dedup:
@@ -1251,8 +1343,18 @@ class BadToken(Exception):
     pass
 
 
+class BrokenInvariant(Exception):
+    """A record or a loaded state that breaks what the core relies on (a bug or a
+    damaged store, never a client's doing): the node stops (exit 71), since
+    going on would lose or duplicate messages unseen."""
+
+
 def _first(seg: Segment) -> int:
     return seg.first
+
+
+def _first_of_run(run: tuple) -> int:
+    return run[0]
 
 
 def _same(a: bytes, b: bytes) -> bool:

@@ -291,3 +291,44 @@ def test_a_node_stopped_by_a_dead_task_exits_71_which_the_systemd_unit_restarts(
     lines = unit.splitlines()
     prevent = next(x for x in lines if x.startswith("RestartPreventExitStatus=")).partition("=")[2].split()
     assert "Restart=on-failure" in lines and prevent == [str(EXIT_STORE_FAILED)], prevent
+
+
+def test_a_store_whose_state_breaks_the_cores_invariants_does_not_start(tmp_path):
+    """A store whose tables no longer hold together (here a message's row renamed
+    to the id of a message still inside a batch's segment: the same message id
+    twice) used to load and serve: a receive handed that id out twice, with the
+    segment's body both times (the renamed message's own body never came out).
+    The load now recounts the state (Core.check) and the
+    node does not start: exit 70, which the systemd unit does not restart (the
+    store would fail the same way again), its critical line naming what is broken."""
+    import apsw
+
+    from node.main import EXIT_STORE_FAILED
+    n = NodeProc(str(tmp_path / "n")).start()
+    try:
+        with Client(n.grpc_target, ADMIN_KEY) as c:
+            c.put_queue("q")
+            solo = c.send("q", b"alone").id
+        with grpc.insecure_channel(n.grpc_target) as ch:  # a batch in the compact form: one segment
+            batch = list(api_pb2_grpc.SpoolerStub(ch).SendBatch(
+                api_pb2.SendBatchRequest(queue="q", bodies=[b"in a segment"] * 10),
+                metadata=[("authorization", f"Bearer {ADMIN_KEY}")], timeout=10).run_ids)
+        assert len(batch) == 10
+        assert n.stop() == 0, n.read_log()
+        db = apsw.Connection(os.path.join(n.data_dir, "spool.db"))
+        try:
+            segments = list(db.execute("SELECT prefix, first, n FROM segments WHERE queue = 'q'"))
+            assert len(segments) == 1, segments  # (the batch is held as one segment)
+            db.execute("UPDATE messages SET id = ? WHERE id = ?", (batch[3], solo))
+            assert db.changes() == 1
+        finally:
+            db.close()
+        with pytest.raises(RuntimeError, match="did not become ready"):
+            n.start()
+        assert n.proc.returncode == EXIT_STORE_FAILED == 70, n.read_log()
+        text = n.read_log()
+        assert "CRITICAL" in text and "storage failure, the node stops serving: CorruptStore(" in text, text
+        assert "the state loaded from the store breaks the core's invariants" in text, text
+        assert f"message {batch[3]} of q is also untaken in a segment of q" in text, text
+    finally:
+        n.kill()

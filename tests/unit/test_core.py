@@ -5,7 +5,7 @@ epoch, lsn and time and applies them, like the engine does after fsync.
 """
 import pytest
 
-from node.core.spool import DEFAULT_SETTINGS, US, Core, StaleLeaseError
+from node.core.spool import DEFAULT_SETTINGS, US, BrokenInvariant, Core, Lease, Segment, StaleLeaseError
 from spooler.pb import log_pb2
 
 S = US  # one second in core units
@@ -885,12 +885,8 @@ def test_acks_a_replica_applies_as_a_run_end_as_one_by_one():
             _run(lg, "q", [b"b"] * 50, at=1, first=0x1f + 50)  # the next segment, its ids following on
             _run(lg, "q", [b"b"] * 20, at=1, prefix="o")
             _run(lg, "r", [b"c"] * 30, at=1, prefix="s")
-            if trial % 4 == 0:
-                # an id twice in a queue (the service never makes one): a plain message
-                # named as one inside a segment is the one an ack finds first
-                rec = log_pb2.Record()
-                rec.send.entries.add(queue="q", id=f"p{0x1f + 5 + trial:08x}", body=b"dup")
-                lg.commit(rec, 1)
+            if trial % 4 == 0:  # a plain message beside the segments
+                lg.send("q", b"one", at=1)
             cores.append(lg)
         ids = [m[0] for m in cores[0].core.messages("q")] + ["p000000ff", "x1", "p0000001F", "p0000001f0"]
         entries = []
@@ -919,6 +915,7 @@ def test_acks_a_replica_applies_as_a_run_end_as_one_by_one():
             assert whole.core.stats(name, 3) == one_by_one.core.stats(name, 3), trial
         assert ({k: (s.left, s.cur, bytes(s.gone)) for k, s in whole.core.dirty.segs.items()}
                 == {k: (s.left, s.cur, bytes(s.gone)) for k, s in one_by_one.core.dirty.segs.items()}), trial
+        assert whole.core.check() == [] and one_by_one.core.check() == [], trial
 
 
 def test_a_replica_heaps_stay_bounded(log):
@@ -1007,3 +1004,99 @@ def test_the_first_epoch_begin_that_names_a_cluster_names_it_for_good():
     for data in lg.records:
         other.apply(log_pb2.Record.FromString(data))
     assert other.cluster_id == "c0ffee"
+
+
+def test_a_send_that_reuses_the_id_of_a_held_message_is_a_broken_invariant():
+    """Ids are never reused (a random prefix per process and a counter). A record
+    that sent a message under the id of one its queue still holds, plain or inside
+    a segment, replaced it in the queue's index: the older one was lost unseen and
+    the counts went wrong. Now it raises BrokenInvariant, which stops the node
+    (Engine.apply_upto: an internal failure). Ids of messages no longer held are
+    not looked at."""
+    def fresh():
+        lg = Log()
+        lg.new_epoch(0)
+        lg.queue("q")
+        _run(lg, "q", [b"s"] * 10, at=1, first=0x100)  # ids p00000100 .. p00000109
+        return lg
+
+    def entry(lg, mid):
+        rec = log_pb2.Record()
+        rec.send.entries.add(queue="q", id=mid, body=b"again")
+        return lg.commit(rec, 2)
+
+    lg = fresh()
+    plain, _ = lg.send("q", b"one", at=1)
+    with pytest.raises(BrokenInvariant, match="never reused"):
+        entry(lg, plain)
+    with pytest.raises(BrokenInvariant, match="never reused"):
+        entry(fresh(), "p00000105")  # untaken inside the segment
+    for first, n in ((0x109, 5), (0xfc, 5), (0x102, 2)):  # a run over the segment's end, start, middle
+        with pytest.raises(BrokenInvariant, match="never reused"):
+            _run(fresh(), "q", [b"r"] * n, at=2, first=first)
+    lg = fresh()
+    _run(lg, "q", [b"r"] * 4, at=2, first=0x10a)  # right after it, and right before it: no id shared
+    _run(lg, "q", [b"r"] * 4, at=2, first=0xfc)
+    acked, _ = lg.send("q", b"two", at=2)
+    [(m, _)] = [(m, l) for m, l in recv(lg, "q", 3, 20) if m.id == acked]
+    lg.settle(log_pb2.ACK, "q", acked, 3)
+    entry(lg, acked)  # no longer held
+    assert lg.core.check() == []
+
+
+def test_check_names_each_invariant_the_state_breaks():
+    """Core.check recounts the state from scratch (the load at start runs it, and the
+    randomized tests after their runs): each kind of damage is named, and a whole
+    state is not."""
+    import copy
+
+    lg = Log()
+    lg.new_epoch(0)
+    lg.queue("q", dedup_window_us=60 * S)
+    lg.queue("r")
+    _run(lg, "q", [b"s"] * 10, at=1, first=0x100)
+    _run(lg, "r", [b"t"] * 5, at=1, prefix="z", first=0x1)
+    lg.send("q", b"keyed", at=1, key="k1")
+    lg.send("q", b"later", at=1, delay=60 * S)
+    got = recv(lg, "q", 2, 3)  # leases: two from the segment, taken out of it
+    assert len(got) == 3 and lg.core.check() == []
+
+    def broken(damage) -> str:
+        core = copy.deepcopy(lg.core)
+        damage(core)
+        found = core.check()
+        assert found, damage
+        return "; ".join(found)
+
+    q = lambda core: core.queues["q"]  # noqa: E731
+    leased = got[0][0].id
+    assert "counts" in broken(lambda c: setattr(q(c), "n_ready", q(c).n_ready + 1))
+    assert "leased without its lease" in broken(lambda c: c.leases.pop(q(c).msgs[leased].lease))
+    assert "which it does not lease" in broken(
+        lambda c: c.leases.__setitem__(999, Lease(999, b"", "q", "nothing", 1, 10 * S)))
+
+    def twice(c):  # a plain message of q copied into r
+        m = copy.copy(next(m for m in q(c).msgs.values() if m.state == "ready"))
+        m.queue = "r"
+        c.queues["r"].msgs[m.id] = m
+        c.queues["r"].n_ready += 1
+    assert "is in queues q and r" in broken(twice)
+
+    def also_in_segment(c):  # a plain message under the id of an untaken one
+        m = q(c).msgs.pop(next(mid for mid, m in q(c).msgs.items() if m.state == "delayed"))
+        m.id = "p00000109"
+        q(c).msgs[m.id] = m
+    assert "also untaken in a segment" in broken(also_in_segment)
+
+    def overlap(c):  # r holds a segment sharing q's ids
+        seg = Segment(500, "r", "p", 0x105, 3, 1, 10 * S, [b"o"] * 3)
+        c._add_segment(c.queues["r"], seg, 1)
+        c.queues["r"].segs["p"] = [seg]
+    assert "share ids from p105" in broken(overlap)
+
+    def left_wrong(c):
+        q(c).segs["p"][0].left += 1
+        q(c).n_ready += 1
+    assert "not what its index says" in broken(left_wrong)
+    assert "dedup keys counted" in broken(lambda c: setattr(c, "dedup_n", c.dedup_n + 1))
+    assert "negative counter" in broken(lambda c: q(c).counters.__setitem__("acked", -1))

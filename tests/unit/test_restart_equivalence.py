@@ -80,6 +80,7 @@ def _same_after_load(data_dir: str) -> tuple:
     got, got_lsn = _loaded(data_dir)
     assert got_lsn == ref_lsn
     now = 1 << 62  # past every delay: both promote the same messages
+    assert ref.check() == [] and got.check() == [], data_dir
     a, b = _state(ref, now), _state(got, now)
     if a != b:
         diff = {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
@@ -147,6 +148,7 @@ async def _random_writes(rng: random.Random, eng: Engine, svc: Service, images: 
         except Exception as e:  # noqa: BLE001 - refusals of the contract are part of the mix
             kind = getattr(e, "kind", None)
             assert kind in ("queue_not_found", "stale_lease", "invalid_argument", "not_found"), repr(e)
+        assert eng.core.check() == [], eng.core.check()  # the live primary's, leases and all
 
 
 @pytest.mark.parametrize("seed", range(6))
