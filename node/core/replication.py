@@ -240,6 +240,11 @@ class Replication:
         self.lease_us = failover_timeout_us // 2
         self.heartbeat = heartbeat_us or max(10_000, failover_timeout_us // 10)
         self.rand = rand
+        # Extra wait before this node campaigns, set by the shell: a failover
+        # timeout while its disk is below its reserve (as the primary it would
+        # refuse every send), so that a member with room campaigns first; when
+        # none has room, they all wait the same and one is elected a timeout later.
+        self.campaign_handicap_us = 0
         self.frame_entries_max = frame_entries_max
         self.frames_in_flight_max = frames_in_flight_max
         self.frame_bytes_max = frame_bytes_max
@@ -317,6 +322,7 @@ class Replication:
             # a little jitter keeps two replicas from always campaigning together
             # (pre-votes make a split cheap); a lot would only slow failover
             self.election_at = now + self.timeout + int(self.rand() * self.timeout * 0.1)
+        self.election_at += self.campaign_handicap_us
 
     def _since_contact(self, now: int) -> int:
         return (now - self.last_contact) if self.last_contact is not None else 10 * self.timeout
@@ -998,7 +1004,8 @@ class Replication:
             # the timeout, at most 0.2 s (round trips are far shorter): with the 10%
             # jitter of the first round, a primary that hangs is replaced within its
             # timeout plus 0.5 s even after one split vote.
-            self.election_at = min(self.election_at, now + int(self.rand() * min(self.timeout // 4, SPLIT_RETRY_US)))
+            self.election_at = min(self.election_at, now + self.campaign_handicap_us
+                                   + int(self.rand() * min(self.timeout // 4, SPLIT_RETRY_US)))
         if self.role != CANDIDATE or m.epoch != self.epoch or not m.granted:
             return
         # a planned switchover's old primary stopped leasing before it sent

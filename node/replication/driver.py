@@ -195,6 +195,7 @@ class Driver:
             self._channels[p] = aio_channel(self.addresses[p], self.grpc_options, self.tls)
             self._stubs[p] = pb_grpc.ReplicationStub(self._channels[p])
         async with self.lock:
+            self._handicap()
             await self._run(self.core.start(mono_us()))
         self._tasks.append(asyncio.create_task(self._ticker(), name="repl-ticker"))
         for t in self._tasks:
@@ -218,6 +219,7 @@ class Driver:
                 continue  # stopping: no heartbeat, and above all no campaign
             async with self.lock:
                 now = mono_us()
+                self._handicap()
                 await self._run(self.core.tick(now))
                 c = self.core
                 if c.joining and c.last_contact is None and now - warned >= max(30_000_000, 10 * c.timeout):
@@ -225,6 +227,12 @@ class Driver:
                     log.warning("joining (--join) for %.0f s and no primary heard: a joining node never votes, so if "
                                 "every member started on an empty store (a new cluster), start them without --join",
                                 (now - started) / 1e6)
+
+    def _handicap(self) -> None:
+        """A member low on disk campaigns a failover timeout later than the others
+        (Replication.campaign_handicap_us; Engine.disk_low reads statvfs at most
+        once a second)."""
+        self.core.campaign_handicap_us = self.core.timeout if self.engine.disk_low() else 0
 
     # ------------------------------------------------------------- queries
     def serving(self) -> bool:

@@ -1384,6 +1384,34 @@ def test_a_call_forwarded_by_a_replica_is_counted_once_as_a_clients_call(cluster
     assert not {"queue_not_found", "unauthenticated"} & set(grew(errs_p, before_p[1])), errs_p
 
 
+def test_a_member_low_on_disk_lets_a_member_with_room_win_the_election(tmp_path):
+    """Elections did not look at disks: after its primary died, a replica whose disk
+    was below its reserve could win, and then refused every send. It now campaigns
+    a failover timeout later than a member with room (campaign_handicap_us). Here the
+    replica low on disk (n2) has the shortest timeout and n3 a long one, so that
+    without the handicap n2 campaigns first after the primary's SIGKILL nearly every
+    time (its early campaign within 70 ms, n3's within 520 ms); with it, n3 wins."""
+    per_node = {"n2": ["--disk-reserve-bytes", str(1 << 60), "--failover-timeout", "1"],
+                "n3": ["--failover-timeout", "10"]}
+    nodes = start_cluster(str(tmp_path), 3, FAILOVER_S, per_node_args=lambda i: per_node.get(i, []))
+    try:
+        p, _ = wait_until(lambda: primary_of(nodes), 20, what="a primary")
+        if p != "n1":
+            until_ok(lambda: client(nodes[p]).promote("n1"), what="n1 to take over")
+            wait_until(lambda: primary_of(nodes) and primary_of(nodes)[0] == "n1", 15, what="n1 as the primary")
+        c = client(nodes["n1"])
+        until_ok(lambda: c.put_queue("q"), what="the queue")
+        send_until_ok(c, "q", b"before")
+        wait_until(lambda: all_applied(nodes, view(nodes["n1"])["commitLsn"]), 15, what="every member applied")
+        nodes["n1"].kill()
+        p, _ = wait_until(lambda: primary_of(nodes), 20, what="a new primary")
+        assert p == "n3", (p, nodes["n2"].read_log())
+        send_until_ok(client(nodes["n3"]), "q", b"after")
+    finally:
+        for n in nodes.values():
+            n.kill()
+
+
 def test_a_member_whose_disk_is_below_its_reserve_refuses_to_take_over(tmp_path):
     """A switchover to a member with less free disk than its reserve was taken,
     and the new primary then refused every send (``disk_low``). Such a member
@@ -1394,7 +1422,7 @@ def test_a_member_whose_disk_is_below_its_reserve_refuses_to_take_over(tmp_path)
                           per_node_args=lambda i: ["--disk-reserve-bytes", str(1 << 60)] if i == "n3" else [])
     try:
         p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
-        if p == "n3":  # (an election does not look at disks: the first primary may be n3)
+        if p == "n3":  # (n3 campaigns later, but alone with its timer it may still win the first election)
             until_ok(lambda: client(nodes[p]).promote("n1"), what="n1 to take over")
             p, _ = wait_until(lambda: primary_of(nodes, exclude=("n3",)), 15, what="a primary with room")
         c = client(nodes[p])

@@ -82,6 +82,11 @@ class SimNode:
                           frame_entries_max=entries, frames_in_flight_max=2 if entries == frames == 1 else frames)
         c.epoch, c.voted_for, c.joining = self.disk.epoch, self.disk.voted_for, self.disk.joining
         c.lease_seen = self.disk.lease_seen
+        # low_disk: now and then a member low on disk (Driver._handicap), drawn at
+        # each boot: it campaigns a timeout later; every node may be one at once,
+        # and a primary must still be elected
+        if sim.low_disk and sim.rng.random() < 0.3:
+            c.campaign_handicap_us = c.timeout
         # as Driver.load: (epoch, crc) and the size of every record the disk holds
         c.log = R.LogView(0, 0, 0, [(e, crc) for e, crc, *_ in self.disk.log],
                           [size for *_, size in self.disk.log])
@@ -143,8 +148,10 @@ class SimNode:
 
 
 class Sim:
-    def __init__(self, seed: int, nodes: int = 3, steps: int = 400, verbose: bool = False, mixed: bool = False):
+    def __init__(self, seed: int, nodes: int = 3, steps: int = 400, verbose: bool = False, mixed: bool = False,
+                 low_disk: bool = False):
         self.seed = seed
+        self.low_disk = low_disk
         self.rng = random.Random(seed)
         self.members = [f"n{i + 1}" for i in range(nodes)]
         self.timeout = 200 * MS
@@ -493,14 +500,17 @@ class Sim:
             assert n.core.log.sizes[:held] == [x[3] for x in n.disk.log[:held]], f"{n.id}'s core lost record sizes"
 
 
-def run_seed(seed: int, nodes: int = 3, steps: int = 400, verbose: bool = False, mixed: bool = False) -> Sim:
-    sim = Sim(seed, nodes, steps, verbose, mixed)
+def run_seed(seed: int, nodes: int = 3, steps: int = 400, verbose: bool = False, mixed: bool = False,
+             low_disk: bool = False) -> Sim:
+    sim = Sim(seed, nodes, steps, verbose, mixed, low_disk)
     try:
         sim.run()
     except AssertionError as e:
         tail = "\n".join(sim.log_lines[-40:])
-        raise AssertionError(f"seed {seed} ({nodes} nodes{', mixed timeouts' if mixed else ''}) failed: {e}\n"
-                             f"replay: python -m tests.sim.sim {seed} {nodes}{' mixed' if mixed else ''}\n"
+        what = (", mixed timeouts" if mixed else "") + (", members low on disk" if low_disk else "")
+        flags = (" mixed" if mixed else "") + (" low_disk" if low_disk else "")
+        raise AssertionError(f"seed {seed} ({nodes} nodes{what}) failed: {e}\n"
+                             f"replay: python -m tests.sim.sim {seed} {nodes}{flags}\n"
                              f"last events:\n{tail}") from None
     return sim
 
@@ -508,5 +518,5 @@ def run_seed(seed: int, nodes: int = 3, steps: int = 400, verbose: bool = False,
 if __name__ == "__main__":
     seed = int(sys.argv[1])
     nodes = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    s = run_seed(seed, nodes, verbose=True, mixed="mixed" in sys.argv[3:])
+    s = run_seed(seed, nodes, verbose=True, mixed="mixed" in sys.argv[3:], low_disk="low_disk" in sys.argv[3:])
     print(f"ok: {len(s.committed)} committed, {len(s.acked)} acknowledged, epochs {sorted(s.primaries)}")

@@ -60,6 +60,17 @@ def test_three_nodes_with_mixed_failover_timeouts(block):
         run_seed(seed, nodes=3, mixed=True)
 
 
+@pytest.mark.parametrize("block", range(4))
+def test_three_nodes_with_members_low_on_disk(block):
+    """The random runs again, each member low on disk (it campaigns a failover
+    timeout later: Replication.campaign_handicap_us) at three boots in ten, drawn
+    again at each restart, every member at once now and then: the same
+    invariants, and a primary once the network heals."""
+    n = SEEDS_MIXED // 4
+    for seed in range(300_000 + block * n, 300_000 + (block + 1) * n):
+        run_seed(seed, nodes=3, low_disk=True)
+
+
 @functools.cache
 def _first_random_runs():
     """Seeds 0-19 of the three-node random runs (test_three_nodes runs them too
@@ -1499,3 +1510,37 @@ def test_a_deposed_primary_s_divergent_tail_is_set_right_in_a_frame_per_epoch_no
     assert P.log.entries == Q.log.entries
     assert hints == [100 + n, 100], hints  # its end, then straight back to the last record the two share
     assert frames <= 2 + -(-3 * n // Q.frame_entries_max), frames
+
+
+def test_a_replica_low_on_disk_campaigns_a_failover_timeout_after_one_with_room():
+    """A member whose disk is below its reserve would, as the primary, refuse every
+    send (disk_low). It waits a whole failover timeout more before it campaigns
+    (Replication.campaign_handicap_us, which the driver sets from Engine.disk_low),
+    whether its primary hangs (its timer) or its stream from the primary breaks
+    (the early campaign): a member with room campaigns first and wins, and when
+    none has room, one is still elected, a timeout later. The same draws of the
+    jitter for both, so the difference is the handicap alone."""
+    import random
+
+    T = 2_000_000
+    TICK = 10_000
+
+    def first_campaign(handicap: int, broken: bool) -> int:
+        b = R.Replication("b", ["a", "b", "c"], failover_timeout_us=T, rand=random.Random(5).random)
+        b.campaign_handicap_us = handicap
+        b.start(0)
+        now = 3 * T
+        b.receive(R.AppendReq(1, "a", 0, 0, 0, [], 0, now), now)
+        last = now
+        if broken:
+            b.primary_stream_broken(now)
+        while True:
+            now += TICK
+            if any(isinstance(e, R.Send) and isinstance(e.msg, R.VoteReq) for e in b.tick(now)):
+                return now - last
+            assert now - last < 5 * T, "never campaigned"
+
+    for broken in (False, True):
+        roomy, low = first_campaign(0, broken), first_campaign(T, broken)
+        assert roomy < T + T // 10 + TICK, (broken, roomy)
+        assert T - TICK <= low - roomy <= T + TICK, (broken, roomy, low)
