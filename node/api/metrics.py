@@ -267,12 +267,19 @@ class _StateCollector:
     def collect(self):
         e = self.engine
         depth = GaugeMetricFamily("spooler_queue_messages", "Messages in a queue by state", labels=["queue", "state"])
+        waited = GaugeMetricFamily("spooler_queue_first_visible_seconds",
+                                   "How long the first message in line (the next a receive hands out) has been "
+                                   "visible; 0 when none is. Right on the primary only", labels=["queue"])
         now = e.now_us()
-        for name in list(e.core.queues):
-            s = e.core.stats(name, now)
+        core = e.core
+        for name in list(core.queues):
+            s = core.stats(name, now)
             for state in ("visible", "leased", "delayed"):
                 depth.add_metric([name, state], s[state])
+            since = core.first_in_line_since(name, now)
+            waited.add_metric([name], max(0, now - since) / 1e6 if since is not None else 0.0)
         yield depth
+        yield waited
         g = GaugeMetricFamily("spooler_build_info", "1, labelled with this node's version (spooler-node --version)",
                               labels=["version"])
         g.add_metric([spooler_version], 1)

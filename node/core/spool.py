@@ -1188,6 +1188,36 @@ class Core:
         seldom, see Service._node_room)."""
         return sum(q.size for q in self.queues.values())
 
+    def first_in_line_since(self, queue: str, now: int) -> Optional[int]:
+        """When the first message in line (the oldest by send order among the
+        visible ones, the next a receive would hand out) became visible, or None
+        when none is. It makes only the changes a receive would make to the heaps
+        it reads (stale entries dropped, a segment's entry moved to its head), and
+        leaves everything it would lease where it is. For /metrics: how long the
+        queue's head has waited for a consumer. A nacked message keeps its place
+        in line and becomes visible anew: the figure is the head's wait, not the
+        longest wait of any message."""
+        q = self.queues[queue]
+        self.promote(q, now)
+        h, sh = q.ready, q.seg_ready
+        while h:
+            _, gen, mid = h[0]
+            m = q.msgs.get(mid)
+            if m is not None and m.gen == gen and m.state == READY and now < m.expires_at:
+                break
+            heapq.heappop(h)  # (receive would drop it the same way)
+        while sh:
+            seq, gen, seg = sh[0]
+            if seg.gen != gen or seg.state != READY or not seg.left or seg.removed or now >= seg.expires_at:
+                heapq.heappop(sh)
+            elif seq != seg.seq0 + seg.cur:
+                heapq.heapreplace(sh, (seg.seq0 + seg.cur, gen, seg))
+            else:
+                break
+        if sh and (not h or sh[0][0] < h[0][0]):
+            return sh[0][2].visible_at
+        return q.msgs[h[0][2]].visible_at if h else None
+
     def stats(self, queue: str, now: int) -> dict:
         q = self.queues[queue]
         self.promote(q, now)

@@ -1071,3 +1071,27 @@ def test_each_refusal_is_counted_by_its_reason_and_the_disk_room_is_a_gauge(tmp_
         assert n.metric('spooler_errors_total{kind="unavailable",reason="disk_low"}') == 1
     finally:
         n.kill()
+
+
+def test_how_long_a_queues_first_message_has_waited_is_a_gauge(node):
+    """spooler_queue_first_visible_seconds{queue}: how long the next message a receive
+    would hand out has been visible (SQS's age of the oldest message, as the head of
+    the line sees it): it grows while nobody receives, follows the line as messages
+    leave it, and is 0 once the queue has nothing visible."""
+    def waited(queue):
+        return next(s.value for s in node.samples("spooler_queue_first_visible_seconds")
+                    if s.labels["queue"] == queue)
+
+    with Client(node.grpc_target, node.admin_key, timeout_s=10) as c:
+        c.put_queue("waiting")
+        c.put_queue("idle")
+        c.send("waiting", b"first")
+        c.send("waiting", b"second")
+        wait_until(lambda: waited("waiting") >= 0.3, 10, what="the head's wait to grow")
+        assert waited("idle") == 0
+        [m] = c.receive("waiting")
+        assert m.body == b"first"
+        c.ack(m.token)
+        assert waited("waiting") >= 0.3  # the second, sent right after the first, has waited as long
+        [m] = c.receive("waiting")
+        assert m.body == b"second" and waited("waiting") == 0

@@ -1100,3 +1100,33 @@ def test_check_names_each_invariant_the_state_breaks():
     assert "not what its index says" in broken(left_wrong)
     assert "dedup keys counted" in broken(lambda c: setattr(c, "dedup_n", c.dedup_n + 1))
     assert "negative counter" in broken(lambda c: q(c).counters.__setitem__("acked", -1))
+
+
+def test_the_first_message_in_line_is_the_next_a_receive_hands_out_and_says_since_when_it_is_visible():
+    """Core.first_in_line_since (/metrics: spooler_queue_first_visible_seconds): the
+    oldest visible message by send order, a plain one or one inside a segment, and
+    the time it became visible; None when nothing is visible. Delayed messages count
+    once their time has come, a message past its retention does not, and a nacked
+    one keeps its place in line with its new visible time."""
+    lg = Log()
+    lg.new_epoch(0)
+    lg.queue("q", retention_us=100 * S)
+    core = lg.core
+    assert core.first_in_line_since("q", 1 * S) is None
+    lg.send("q", b"later", at=1 * S, delay=10 * S)  # visible at 11 s
+    assert core.first_in_line_since("q", 5 * S) is None
+    _run(lg, "q", [b"s"] * 3, at=2 * S)
+    a, _ = lg.send("q", b"a", at=3 * S)
+    assert core.first_in_line_since("q", 5 * S) == 2 * S  # the segment's head
+    assert core.first_in_line_since("q", 12 * S) == 11 * S  # the delayed one, sent first, is visible now
+    got = recv(lg, "q", 12 * S, 3)
+    assert [m.body for m, _ in got] == [b"later", b"s", b"s"]
+    assert core.first_in_line_since("q", 12 * S) == 2 * S  # the segment's last message
+    (m, lease), = recv(lg, "q", 12 * S)
+    assert m.body == b"s" and core.first_in_line_since("q", 12 * S) == 3 * S  # a
+    lg.settle(log_pb2.NACK, "q", m.id, 13 * S)  # back in line before a, visible again from 13 s
+    assert core.first_in_line_since("q", 14 * S) == 13 * S
+    assert [x.body for x, _ in recv(lg, "q", 14 * S)] == [b"s"]  # and it is the next handed out
+    assert core.first_in_line_since("q", 14 * S) == 3 * S
+    assert core.first_in_line_since("q", 200 * S) is None  # a's retention is over
+    assert core.check() == []
