@@ -74,6 +74,30 @@ class Buckets:
         yield f
 
 
+class MemberBuckets:
+    """A histogram per member of the cluster (the label takes the ids of --peers
+    only), observed on the event loop only, as Buckets."""
+
+    __slots__ = ("name", "doc", "bounds", "by_member", "created")
+
+    def __init__(self, name: str, doc: str, bounds: tuple):
+        self.name, self.doc, self.bounds = name, doc, tuple(float(b) for b in bounds)
+        self.by_member: dict = {}
+        self.created = time.time()
+
+    def observe(self, member: str, v: float) -> None:
+        b = self.by_member.get(member)
+        if b is None:
+            b = self.by_member[member] = Buckets(self.name, self.doc, self.bounds)
+        b.observe(v)
+
+    def families(self):
+        f = HistogramMetricFamily(self.name, self.doc, labels=["member"])
+        for member, b in sorted(self.by_member.items()):
+            f.add_metric([member], _cumulative(b.bounds, b.counts), b.sum)
+        yield f
+
+
 # Bounds of spooler_call_seconds: a send or an ack answers in about a
 # millisecond, a long poll in up to 20 s (API.md's largest wait)
 CALL_SECONDS_BOUNDS = (.00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 25)
@@ -139,6 +163,10 @@ class Metrics:
                                       (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
         self.fsync_seconds = Buckets("spooler_commit_seconds", "Duration of one group commit (write + fsync)",
                                      (.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .5, 1))
+        self.member_ack_seconds = MemberBuckets(
+            "spooler_member_ack_seconds", "On the primary: from sending a frame to a replica to its acknowledgement "
+            "(a frame with records is acknowledged once the replica has them on disk)",
+            (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
         self.checkpoint_seconds = Buckets("spooler_checkpoint_seconds",
                                           "Duration of one checkpoint (the applied state written, the log compacted)",
                                           (.001, .005, .01, .05, .1, .5, 1, 5, 10))
@@ -151,7 +179,7 @@ class Metrics:
         r.register(_LoopCollector(self.calls,
                                   self.sends, self.duplicates, self.receives, self.acks, self.nacks, self.expiries,
                                   self.drops, self.commit_records, self.fsync_seconds, self.checkpoint_seconds,
-                                  self.memory_released))
+                                  self.memory_released, self.member_ack_seconds))
         r.register(_StateCollector(engine))
         # process_open_fds beside process_max_fds: how near the node is to its
         # descriptors (its connection bounds are sized to them; limits.md), and

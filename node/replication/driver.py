@@ -541,7 +541,10 @@ class Driver:
             try:
                 call = self._stubs[peer].Stream(frames(q), metadata=self._peer_md)
                 async for ack in call:
-                    self.heard_from[peer] = mono_us()
+                    now = self.heard_from[peer] = mono_us()
+                    if not ack.contact and ack.sent_us and self.engine.metrics is not None:
+                        # (sent_us: our clock when the core made the frame, echoed back)
+                        self.engine.metrics.member_ack_seconds.observe(peer, (now - ack.sent_us) / 1e6)
                     if ack.releases and self.engine.release_hook is not None:
                         self.engine.release_hook(list(ack.releases))
                     m = R.AppendResp(ack.epoch, ack.sender, ack.ok, ack.match_lsn, ack.sent_us, ack.joining,

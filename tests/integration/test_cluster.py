@@ -1437,3 +1437,32 @@ def test_a_member_whose_disk_is_below_its_reserve_refuses_to_take_over(tmp_path)
     finally:
         for n in nodes.values():
             n.kill()
+
+
+def test_the_primary_times_each_replicas_acknowledgements(tmp_path):
+    """spooler_member_ack_seconds{member} on the primary: from sending a frame to a
+    replica to its acknowledgement (after the replica's fsync for a frame with
+    records), one histogram per replica, so a slow member's disk or link shows
+    by name; a replica times nothing (it sends no frames)."""
+    nodes = start_cluster(str(tmp_path), 3, FAILOVER_S)
+    try:
+        p, _ = wait_until(lambda: primary_of(nodes), 15, what="a primary")
+        c = client(nodes[p])
+        until_ok(lambda: c.put_queue("q"), what="the queue")
+        for i in range(5):
+            send_until_ok(c, "q", b"m%d" % i)
+
+        def acks(n):
+            got = {}
+            for s in n.samples("spooler_member_ack_seconds_count", "spooler_member_ack_seconds_sum"):
+                got.setdefault(s.labels["member"], {})[s.name.rpartition("_")[2]] = s.value
+            return got
+        replicas = sorted(i for i in nodes if i != p)
+        timed = wait_until(lambda: (lambda g: g if sorted(g) == replicas and all(
+            v["count"] >= 5 and v["sum"] > 0 for v in g.values()) else None)(acks(nodes[p])), 10,
+            what="acknowledgements timed for each replica")
+        assert all(v["sum"] / v["count"] < 1.0 for v in timed.values()), timed  # (127.0.0.1: far under a second)
+        assert all(acks(nodes[r]) == {} for r in replicas)
+    finally:
+        for n in nodes.values():
+            n.kill()
