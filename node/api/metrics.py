@@ -300,14 +300,31 @@ class _StateCollector:
                                    "visible; 0 when none is. Right on the primary only", labels=["queue"])
         now = e.now_us()
         core = e.core
+        held = 0
         for name in list(core.queues):
             s = core.stats(name, now)
             for state in ("visible", "leased", "delayed"):
                 depth.add_metric([name, state], s[state])
+                held += s[state]
             since = core.first_in_line_since(name, now)
             waited.add_metric([name], max(0, now - since) / 1e6 if since is not None else 0.0)
         yield depth
         yield waited
+        # the node-wide caps beside what they bound (a send past one is refused,
+        # reason node_full; limits.md)
+        lim = e.limits
+        for name, doc, value in (
+                ("spooler_messages_held", "Messages in every queue together", held),
+                ("spooler_messages_max", "Most messages the node holds, every queue together (--max-messages)",
+                 lim.messages_max),
+                ("spooler_dedup_keys", "Dedup keys remembered, every queue together", core.dedup_n),
+                ("spooler_dedup_keys_max", "Most dedup keys the node remembers (--max-dedup-keys)",
+                 lim.dedup_keys_max),
+                ("spooler_leases", "Leases held now, every queue together", len(core.leases)),
+                ("spooler_leases_max", "Most leases the node holds at once, every queue together", lim.leases_max)):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
         g = GaugeMetricFamily("spooler_build_info", "1, labelled with this node's version (spooler-node --version)",
                               labels=["version"])
         g.add_metric([spooler_version], 1)

@@ -1095,3 +1095,34 @@ def test_how_long_a_queues_first_message_has_waited_is_a_gauge(node):
         assert waited("waiting") >= 0.3  # the second, sent right after the first, has waited as long
         [m] = c.receive("waiting")
         assert m.body == b"second" and waited("waiting") == 0
+
+
+def test_the_node_wide_caps_are_gauges_beside_what_they_bound(tmp_path):
+    """spooler_messages_held / _max, spooler_dedup_keys / _max and spooler_leases /
+    _max: how near the node is to each node-wide cap, whose sends past it are
+    refused (reason node_full), before any is."""
+    n = NodeProc(str(tmp_path / "capped"), extra_args=["--max-messages", "5", "--max-dedup-keys", "2"]).start()
+    try:
+        def caps():
+            return {s.name: s.value for s in n.samples(
+                "spooler_messages_held", "spooler_messages_max", "spooler_dedup_keys", "spooler_dedup_keys_max",
+                "spooler_leases", "spooler_leases_max")}
+        with Client(n.grpc_target, n.admin_key, timeout_s=10, retry_attempts=1) as c:  # (a refusal at once)
+            c.put_queue("a", dedupWindowSeconds=60)
+            c.put_queue("b")
+            assert caps() == {"spooler_messages_held": 0, "spooler_messages_max": 5, "spooler_dedup_keys": 0,
+                              "spooler_dedup_keys_max": 2, "spooler_leases": 0, "spooler_leases_max": 1_000_000}
+            c.send("a", b"1", dedup_key="k1")
+            c.send("a", b"2", dedup_key="k2")
+            c.send("b", b"3")
+            [m] = c.receive("b")
+            got = caps()
+            assert (got["spooler_messages_held"], got["spooler_dedup_keys"], got["spooler_leases"]) == (3, 2, 1), got
+            with pytest.raises(errors.Unavailable) as e:
+                c.send("a", b"4", dedup_key="k3")
+            assert e.value.reason == "node_full"
+            c.ack(m.token)
+            got = caps()
+            assert (got["spooler_messages_held"], got["spooler_leases"]) == (2, 0), got
+    finally:
+        n.kill()
