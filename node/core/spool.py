@@ -261,6 +261,8 @@ class Core:
         # another keyed send (each record's time ends them, on every node alike).
         self.dedup_n = 0
         self.dedup_exp: list = []
+        # the lengths of the id prefixes of every segment this core indexed (Core._seg_of)
+        self.prefix_lengths: tuple = ()
 
     # ------------------------------------------------------------------ apply
     def apply(self, rec) -> object:
@@ -411,7 +413,11 @@ class Core:
 
     def _add_segment(self, q: Queue, seg: Segment, now: int) -> None:
         """Index a segment's untaken messages and place them (ready or delayed)."""
-        lst = q.segs.setdefault(seg.prefix, [])
+        lst = q.segs.get(seg.prefix)
+        if lst is None:
+            lst = q.segs[seg.prefix] = []
+            if len(seg.prefix) not in self.prefix_lengths:
+                self.prefix_lengths = tuple(sorted(self.prefix_lengths + (len(seg.prefix),)))
         if lst and lst[-1].first > seg.first:
             lst.insert(bisect_right(lst, seg.first, key=_first), seg)
         else:
@@ -456,12 +462,16 @@ class Core:
             heapq.heapify(h)
 
     def _seg_of(self, q: Queue, mid: str):
-        """(Segment, index) holding the untaken message ``mid``, else None."""
-        for prefix, lst in q.segs.items():
-            if not mid.startswith(prefix):
+        """(Segment, index) holding the untaken message ``mid``, else None. One
+        lookup per length of id prefix this core has seen (a node's prefixes are
+        all 16 characters: one), however many primaries' batches the queue holds."""
+        segs = q.segs
+        for n in self.prefix_lengths:
+            lst = segs.get(mid[:n])
+            if lst is None:
                 continue
             try:
-                c = int(mid[len(prefix):], 16)
+                c = int(mid[n:], 16)
             except ValueError:
                 continue
             k = bisect_right(lst, c, key=_first) - 1
@@ -1326,12 +1336,14 @@ class Core:
             for (f0, s0), (f1, s1) in zip(runs, runs[1:]):
                 if f1 < f0 + s0.n:
                     bad.append(f"segments of {s0.queue} and {s1.queue} share ids from {prefix}{f1:x}")
+        lengths = sorted({len(prefix) for prefix in ranges})
         for mid, name in held.items():
-            for prefix, runs in ranges.items():
-                if not mid.startswith(prefix):
+            for n in lengths:  # (one lookup per length of prefix, not one per prefix)
+                runs = ranges.get(mid[:n])
+                if runs is None:
                     continue
                 try:
-                    c = int(mid[len(prefix):], 16)
+                    c = int(mid[n:], 16)
                 except ValueError:
                     continue
                 k = bisect_right(runs, c, key=_first_of_run) - 1
