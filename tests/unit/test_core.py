@@ -1130,3 +1130,26 @@ def test_the_first_message_in_line_is_the_next_a_receive_hands_out_and_says_sinc
     assert core.first_in_line_since("q", 14 * S) == 3 * S
     assert core.first_in_line_since("q", 200 * S) is None  # a's retention is over
     assert core.check() == []
+
+
+def test_a_message_inside_a_segment_is_found_whatever_the_lengths_of_the_queues_id_prefixes():
+    """Core._seg_of looks a message up by each length of id prefix the core has seen
+    (one dict lookup per length, not a scan of every prefix): segments whose
+    prefixes differ in length, one a prefix of another's, are each found, ids
+    past 2^32 included, and an id that only looks like one of theirs is not."""
+    lg = Log()
+    lg.new_epoch(0)
+    lg.queue("q")
+    _run(lg, "q", [b"a"] * 3, at=1, prefix="p", first=0x10)
+    _run(lg, "q", [b"b"] * 3, at=1, prefix="p1", first=0x20)  # "p100000020": also "p" + 0x100000020 (not held)
+    _run(lg, "q", [b"c"] * 3, at=1, prefix="p", first=(1 << 32) + 0x10)  # nine hex digits
+    _run(lg, "q", [b"d"] * 3, at=1, prefix="f" * 16, first=0xffffffff)
+    core, q = lg.core, lg.core.queues["q"]
+    assert core.prefix_lengths == (1, 2, 16)
+    for mid, body in (("p00000011", b"a"), ("p100000021", b"b"), ("p100000012", b"c"),
+                      ("f" * 16 + "ffffffff", b"d"), ("f" * 16 + "100000001", b"d")):
+        seg, i = core._seg_of(q, mid)
+        assert seg.bodies[i] == body and seg.id_of(i) == mid, mid
+    for mid in ("p00000013", "p0000010", "p1000000011", "q00000011", "p0x11", "p1_00000011"):
+        assert core._seg_of(q, mid) is None, mid
+    assert core.check() == []
