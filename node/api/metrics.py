@@ -95,6 +95,7 @@ class MemberBuckets:
         f = HistogramMetricFamily(self.name, self.doc, labels=["member"])
         for member, b in sorted(self.by_member.items()):
             f.add_metric([member], _cumulative(b.bounds, b.counts), b.sum)
+            f.samples.append(Sample(self.name + "_created", {"member": member}, b.created))
         yield f
 
 

@@ -1544,3 +1544,29 @@ def test_a_replica_low_on_disk_campaigns_a_failover_timeout_after_one_with_room(
         roomy, low = first_campaign(0, broken), first_campaign(T, broken)
         assert roomy < T + T // 10 + TICK, (broken, roomy)
         assert T - TICK <= low - roomy <= T + TICK, (broken, roomy, low)
+
+
+def test_after_a_split_vote_a_replica_low_on_disk_retries_a_failover_timeout_later():
+    """The retry after a split vote waits the handicap too: the member with room
+    retries within a quarter of the timeout (and 0.2 s), the one low on disk only
+    after a whole timeout more, so the next round is the roomy member's."""
+    import random
+
+    T = 2_000_000
+    rng = random.Random(3)
+    a = R.Replication("a", ["a", "b", "c"], failover_timeout_us=T, rand=rng.random)
+    b = R.Replication("b", ["a", "b", "c"], failover_timeout_us=T, rand=rng.random)
+    a.campaign_handicap_us = T  # low on disk
+    for n in (a, b):
+        n.start(0)
+    now = 10 * T
+    out_a, out_b = a._campaign(now, pre=False), b._campaign(now, pre=False)
+    req_a = next(e.msg for e in out_a if isinstance(e, R.Send) and e.to == "b")
+    req_b = next(e.msg for e in out_b if isinstance(e, R.Send) and e.to == "a")
+    resp_from_b = next(e.msg for e in b.receive(req_a, now + 1) if isinstance(e, R.Send))
+    resp_from_a = next(e.msg for e in a.receive(req_b, now + 1) if isinstance(e, R.Send))
+    assert not resp_from_b.granted and not resp_from_a.granted
+    a.receive(resp_from_b, now + 2)
+    b.receive(resp_from_a, now + 2)
+    assert b.election_at - (now + 2) <= min(T // 4, R.SPLIT_RETRY_US)
+    assert a.election_at - (now + 2) >= T
