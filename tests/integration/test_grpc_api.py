@@ -1,5 +1,6 @@
 """The gRPC client service and the SDK, against a real node."""
 import asyncio
+import os
 import signal
 import threading
 
@@ -1124,5 +1125,46 @@ def test_the_node_wide_caps_are_gauges_beside_what_they_bound(tmp_path):
             c.ack(m.token)
             got = caps()
             assert (got["spooler_messages_held"], got["spooler_leases"]) == (2, 0), got
+    finally:
+        n.kill()
+
+
+def test_a_session_send_still_committing_when_its_stream_ends_is_counted_cancelled_and_stays_stored(tmp_path):
+    """A Session send whose commit is still under way when its client ends the
+    stream (here a disk slowed to 3 s an fsync by the test VFS) is counted once,
+    outcome "cancelled", like the long poll behind it; the write itself goes on
+    and the message is stored (its answer unread: to the client an unknown
+    outcome, which a dedup key makes safe to resend)."""
+    n = NodeProc(str(tmp_path / "slow"), env={"SPOOLER_TEST_VFS": "buffered", "SPOOLER_TEST_SYNC_DELAY": "1",
+                                               "SPOOLER_INLINE_COMMIT_BYTES": "0"}).start()
+    try:
+        with Client(n.grpc_target, n.admin_key, timeout_s=10) as c:
+            c.put_queue("q")
+            c.put_queue("empty")
+        with open(os.path.join(n.data_dir, "test-sync-delay"), "w") as f:
+            f.write("3")
+        md = (("authorization", f"Bearer {n.admin_key}"),)
+        held = threading.Event()
+
+        def requests():
+            yield api_pb2.SessionRequest(id=1, send_batch=api_pb2.SendBatchRequest(queue="q", bodies=[b"slow"]))
+            # read after the send (a Session reads its requests in order): once this
+            # poll waits, the send is in the node, its commit held by the disk
+            yield api_pb2.SessionRequest(id=2, receive=api_pb2.ReceiveRequest(queue="empty", wait_seconds=10))
+            held.wait(15)
+
+        with grpc.insecure_channel(n.grpc_target) as ch:
+            stream = api_pb2_grpc.SpoolerStub(ch).Session(requests(), metadata=md)
+            wait_until(lambda: n.metric("spooler_receives_waiting") == 1.0, 10, what="the poll behind the send")
+            assert n.metric("spooler_messages_held") == 0  # (the send is not applied yet)
+            stream.cancel()
+            held.set()
+        cancelled = {("grpc", "Session/send_batch", "cancelled"): 1, ("grpc", "Session/receive", "cancelled"): 1}
+        reaches(lambda: {k: _calls_figures(n)[0].get(k) for k in cancelled}, cancelled, timeout_s=15,
+                what="the send and the poll counted cancelled")
+        os.remove(os.path.join(n.data_dir, "test-sync-delay"))
+        wait_until(lambda: n.metric("spooler_messages_held") == 1.0, 15, what="the send stored")
+        counts, _ = _calls_figures(n)
+        assert not any(call == "Session/send_batch" and outcome != "cancelled" for (_, call, outcome) in counts), counts
     finally:
         n.kill()
