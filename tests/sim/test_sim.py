@@ -107,14 +107,23 @@ def test_a_split_vote_is_retried_soon_not_after_a_whole_timeout():
     quarter of the failover timeout and under 0.2 s (the spread decides the next round),
     not after a whole one: a hung primary is replaced within its timeout plus 0.5 s
     even after a split vote (R6)."""
+    T = 2_000_000
+    a, b, at = _split_vote(T)
+    for n in (a, b):
+        assert n.role == R.CANDIDATE
+        assert n.election_at - at <= min(T // 4, R.SPLIT_RETRY_US)
+
+
+def _split_vote(T: int, handicap_a: int = 0) -> tuple:
+    """Replicas a and b of a 3-node cluster whose primary stopped campaign at the
+    same moment, each voting for itself, and each refuses the other: -> (a, b, the
+    time both have their refusals), ``handicap_a`` a's campaign_handicap_us."""
     import random
 
-    from node.core import replication as R
-
-    T = 2_000_000
     rng = random.Random(3)
     a = R.Replication("a", ["a", "b", "c"], failover_timeout_us=T, rand=rng.random)
     b = R.Replication("b", ["a", "b", "c"], failover_timeout_us=T, rand=rng.random)
+    a.campaign_handicap_us = handicap_a
     for n in (a, b):
         n.start(0)
     now = 10 * T  # both long past their election timers, with no primary ever heard
@@ -127,9 +136,7 @@ def test_a_split_vote_is_retried_soon_not_after_a_whole_timeout():
     assert not resp_from_b.granted and not resp_from_a.granted
     a.receive(resp_from_b, now + 2)
     b.receive(resp_from_a, now + 2)
-    for n in (a, b):
-        assert n.role == R.CANDIDATE
-        assert n.election_at - (now + 2) <= min(T // 4, R.SPLIT_RETRY_US)
+    return a, b, now + 2
 
 
 def test_a_replica_whose_primary_hangs_campaigns_within_a_tenth_of_a_timeout_past_its_last_contact():
@@ -1550,23 +1557,7 @@ def test_after_a_split_vote_a_replica_low_on_disk_retries_a_failover_timeout_lat
     """The retry after a split vote waits the handicap too: the member with room
     retries within a quarter of the timeout (and 0.2 s), the one low on disk only
     after a whole timeout more, so the next round is the roomy member's."""
-    import random
-
     T = 2_000_000
-    rng = random.Random(3)
-    a = R.Replication("a", ["a", "b", "c"], failover_timeout_us=T, rand=rng.random)
-    b = R.Replication("b", ["a", "b", "c"], failover_timeout_us=T, rand=rng.random)
-    a.campaign_handicap_us = T  # low on disk
-    for n in (a, b):
-        n.start(0)
-    now = 10 * T
-    out_a, out_b = a._campaign(now, pre=False), b._campaign(now, pre=False)
-    req_a = next(e.msg for e in out_a if isinstance(e, R.Send) and e.to == "b")
-    req_b = next(e.msg for e in out_b if isinstance(e, R.Send) and e.to == "a")
-    resp_from_b = next(e.msg for e in b.receive(req_a, now + 1) if isinstance(e, R.Send))
-    resp_from_a = next(e.msg for e in a.receive(req_b, now + 1) if isinstance(e, R.Send))
-    assert not resp_from_b.granted and not resp_from_a.granted
-    a.receive(resp_from_b, now + 2)
-    b.receive(resp_from_a, now + 2)
-    assert b.election_at - (now + 2) <= min(T // 4, R.SPLIT_RETRY_US)
-    assert a.election_at - (now + 2) >= T
+    a, b, at = _split_vote(T, handicap_a=T)  # a low on disk
+    assert b.election_at - at <= min(T // 4, R.SPLIT_RETRY_US)
+    assert a.election_at - at >= T
