@@ -462,26 +462,8 @@ class Core:
             heapq.heapify(h)
 
     def _seg_of(self, q: Queue, mid: str):
-        """(Segment, index) holding the untaken message ``mid``, else None. One
-        lookup per length of id prefix this core has seen (a node's prefixes are
-        all 16 characters: one), however many primaries' batches the queue holds."""
-        segs = q.segs
-        for n in self.prefix_lengths:
-            lst = segs.get(mid[:n])
-            if lst is None:
-                continue
-            try:
-                c = int(mid[n:], 16)
-            except ValueError:
-                continue
-            k = bisect_right(lst, c, key=_first) - 1
-            if k < 0:
-                continue
-            seg = lst[k]
-            i = c - seg.first
-            if i < seg.n and not seg.taken[i] and seg.id_of(i) == mid:
-                return seg, i
-        return None
+        """(Segment, index) holding the untaken message ``mid``, else None (_untaken_in)."""
+        return _untaken_in(q.segs, self.prefix_lengths, mid)
 
     def _leave(self, q: Queue, seg: Segment, i: int) -> None:
         """Message ``i`` is no longer inside ``seg`` (taken or acked)."""
@@ -1294,7 +1276,7 @@ class Core:
         * a leased message has its lease, and a lease names a message leased by it;
         * the count of dedup keys is the keys the queues hold."""
         bad: list = []
-        ranges: dict = {}  # id prefix -> [(first, Segment)], every queue's
+        ranges: dict = {}  # id prefix -> its Segments, every queue's (sorted by first below)
         held: dict = {}
         keys = 0
         for name, q in self.queues.items():
@@ -1308,7 +1290,7 @@ class Core:
                                    f"({seg.queue}, {seg.prefix}, {seg.state}, {seg.left} left of {left})")
                         continue
                     n[seg.state] += left
-                    ranges.setdefault(prefix, []).append((seg.first, seg))
+                    ranges.setdefault(prefix, []).append(seg)
             for mid, m in q.msgs.items():
                 if m.id != mid or m.queue != name:
                     bad.append(f"message {mid} is filed in queue {name} as {m.id} of {m.queue}")
@@ -1331,29 +1313,18 @@ class Core:
             keys += len(q.dedup)
             if len(bad) >= most:
                 return bad[:most]
-        for prefix, runs in ranges.items():
-            runs.sort(key=_first_of_run)
-            for (f0, s0), (f1, s1) in zip(runs, runs[1:]):
-                if f1 < f0 + s0.n:
-                    bad.append(f"segments of {s0.queue} and {s1.queue} share ids from {prefix}{f1:x}")
-        lengths = sorted({len(prefix) for prefix in ranges})
+        for prefix, segs in ranges.items():
+            segs.sort(key=_first)
+            for s0, s1 in zip(segs, segs[1:]):
+                if s1.first < s0.first + s0.n:
+                    bad.append(f"segments of {s0.queue} and {s1.queue} share ids from {prefix}{s1.first:x}")
+        lengths = tuple(sorted({len(prefix) for prefix in ranges}))
         for mid, name in held.items():
-            for n in lengths:  # (one lookup per length of prefix, not one per prefix)
-                runs = ranges.get(mid[:n])
-                if runs is None:
-                    continue
-                try:
-                    c = int(mid[n:], 16)
-                except ValueError:
-                    continue
-                k = bisect_right(runs, c, key=_first_of_run) - 1
-                if k >= 0:
-                    seg = runs[k][1]
-                    i = c - seg.first
-                    if i < seg.n and not seg.taken[i] and seg.id_of(i) == mid:
-                        bad.append(f"message {mid} of {name} is also untaken in a segment of {seg.queue}")
-            if len(bad) >= most:
-                return bad[:most]
+            found = _untaken_in(ranges, lengths, mid)
+            if found is not None:
+                bad.append(f"message {mid} of {name} is also untaken in a segment of {found[0].queue}")
+                if len(bad) >= most:
+                    return bad[:most]
         for lid, lease in self.leases.items():
             q = self.queues.get(lease.queue)
             m = q.msgs.get(lease.msg_id) if q is not None else None
@@ -1395,8 +1366,27 @@ def _first(seg: Segment) -> int:
     return seg.first
 
 
-def _first_of_run(run: tuple) -> int:
-    return run[0]
+def _untaken_in(by_prefix: dict, lengths: tuple, mid: str):
+    """(Segment, index) of the untaken message ``mid`` among ``by_prefix`` (id prefix
+    -> Segments of that prefix, sorted by first id), else None: one lookup per
+    length of prefix in ``lengths`` (a node's prefixes are all 16 characters:
+    one), however many prefixes there are."""
+    for n in lengths:
+        lst = by_prefix.get(mid[:n])
+        if lst is None:
+            continue
+        try:
+            c = int(mid[n:], 16)
+        except ValueError:
+            continue
+        k = bisect_right(lst, c, key=_first) - 1
+        if k < 0:
+            continue
+        seg = lst[k]
+        i = c - seg.first
+        if i < seg.n and not seg.taken[i] and seg.id_of(i) == mid:
+            return seg, i
+    return None
 
 
 def _same(a: bytes, b: bytes) -> bool:
