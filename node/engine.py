@@ -188,6 +188,10 @@ def nobody_waits(fut: asyncio.Future) -> asyncio.Future:
 # what the next checkpoint has to write (Dirty.write_bytes) that brings it forward
 # (Engine._checkpoint_loop): a checkpoint writing 1 MB took 3 ms here, 20 MB 90-110 ms
 CHECKPOINT_BYTES = int(os.environ.get("SPOOLER_CHECKPOINT_BYTES", 1 << 20))
+# Test-only: while the file this names exists, the data directory's free space is
+# the number of bytes it holds (a disk filling and freeing up, for tests and drills,
+# without filling a real one). Unset in production.
+TEST_DISK_FREE_FILE = os.environ.get("SPOOLER_TEST_DISK_FREE_FILE", "")
 SNAPSHOT_STEP_PAGES = 2048   # pages of the store copied per writer-thread job when a snapshot is made
 
 
@@ -606,11 +610,15 @@ class Engine:
         now = time.monotonic()
         if now >= self._disk_checked_at + 1.0:
             try:
+                if TEST_DISK_FREE_FILE and os.path.exists(TEST_DISK_FREE_FILE):
+                    with open(TEST_DISK_FREE_FILE) as f:
+                        self._disk_free, self._disk_checked_at = int(f.read().strip() or 0), now
+                    return self._disk_free
                 st = os.statvfs(self.data_dir)
                 # (a file system that reports no blocks at all, as some FUSE ones do,
                 # says nothing of its room: not refused on that account)
                 self._disk_free = st.f_bavail * st.f_frsize if st.f_blocks else None
-            except OSError:
+            except (OSError, ValueError):
                 self._disk_free = None  # cannot tell: not refused on that account
             self._disk_checked_at = now
         return self._disk_free

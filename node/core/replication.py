@@ -218,6 +218,9 @@ class CommittedConflict(AssertionError):
     primary for good, answering nothing."""
 
 
+# a member a primary low on disk could not hand over to is tried again this many
+# failover timeouts later (Replication._maybe_hand_over_for_disk)
+DISK_HANDOVER_RETRY_TIMEOUTS = 10
 SPLIT_RETRY_US = 200_000  # a refused candidate retries within this (see _on_vote_resp)
 
 
@@ -245,6 +248,14 @@ class Replication:
         # refuse every send), so that a member with room campaigns first; when
         # none has room, they all wait the same and one is elected a timeout later.
         self.campaign_handicap_us = 0
+        # A primary whose disk stays below its reserve for a failover timeout hands
+        # over to a member with room (_maybe_hand_over_for_disk): since when this
+        # node's disk has been low (None: it has room), and the members a handover
+        # for disk did not reach (it refused: low on disk too or stopping; or it
+        # never caught up) -> when, each passed over for DISK_HANDOVER_RETRY_TIMEOUTS.
+        self.disk_low_since: Optional[int] = None
+        self.disk_handover_failed: dict = {}
+        self.transfer_for_disk = False  # the switchover under way is such a handover
         self.frame_entries_max = frame_entries_max
         self.frames_in_flight_max = frames_in_flight_max
         self.frame_bytes_max = frame_bytes_max
@@ -381,6 +392,7 @@ class Replication:
         self.role = REPLICA
         self.primary = primary
         self.transfer_to = None
+        self.transfer_for_disk = False
         if primary is not None:
             self.primary_gone = False
             self.pre_votes = {}  # a pre-vote round under way is over: we follow a primary
@@ -460,7 +472,8 @@ class Replication:
                     # never serve again in this epoch; step down and let an election decide
                     self._become_replica(self.epoch, None, now, out)
                     return out
-                self.transfer_to = None  # the target never caught up: serve again
+                self._transfer_failed(now)  # the target never caught up: serve again
+            self._maybe_hand_over_for_disk(now, out)
             if self.transfer_to is not None and not self.transfer_sent:
                 self._maybe_finish_transfer(now, out)  # e.g. once lease_ok_at has passed
             if now >= self.lease_until(now):
@@ -620,6 +633,44 @@ class Replication:
                 and self.acked_sent.get(p, -1 << 62) >= self.stream_lost_at.get(p, -1 << 62)]
         return max(live, key=lambda p: self.match.get(p, 0)) if live else None
 
+    def disk(self, low: bool, now: int) -> None:
+        """The shell's reading of this node's disk: below its reserve, or not. A
+        member low on disk campaigns a failover timeout later than one with room
+        (campaign_handicap_us); a primary low on disk for a failover timeout
+        hands over (_maybe_hand_over_for_disk)."""
+        self.campaign_handicap_us = self.timeout if low else 0
+        if not low:
+            self.disk_low_since = None
+        elif self.disk_low_since is None:
+            self.disk_low_since = now
+
+    def _maybe_hand_over_for_disk(self, now: int, out: list) -> None:
+        """A primary whose disk has stayed below its reserve for a failover timeout
+        refuses every send: it hands over to a member that will take over, as
+        ``cluster promote`` would (the most caught-up of those heard lately). A
+        member whose own disk is low refuses (the shell's answer to TimeoutNow,
+        transfer_declined), as does one that is stopping; a member that refused
+        or did not catch up within a failover timeout is passed over for
+        DISK_HANDOVER_RETRY_TIMEOUTS failover timeouts. With no member to try,
+        this primary serves on (acks, receives; sends refused) and tries again
+        later. Liveness only: the switchover is the same as a promote's."""
+        since = self.disk_low_since
+        if since is None or now - since < self.timeout or self.transfer_to is not None:
+            return
+        passed_over = [p for p, at in self.disk_handover_failed.items()
+                       if now - at < DISK_HANDOVER_RETRY_TIMEOUTS * self.timeout]
+        target = self.handover_target(now, exclude=passed_over)
+        if target is not None:
+            out += self.transfer(target, now)
+            self.transfer_for_disk = True
+
+    def _transfer_failed(self, now: int) -> None:
+        """The switchover under way ended with this node still the primary."""
+        if self.transfer_for_disk:
+            self.disk_handover_failed[self.transfer_to] = now
+        self.transfer_to = None
+        self.transfer_for_disk = False
+
     def transfer_target_lost(self) -> bool:
         """The switchover's target's stream broke after the switchover began, and
         it has answered nothing sent since (it is stopping, most likely)."""
@@ -636,9 +687,10 @@ class Replication:
         if self.role != PRIMARY or self.transfer_to is None or self.transfer_sent:
             return False
         self.transfer_to = None
+        self.transfer_for_disk = False
         return True
 
-    def transfer_declined(self, target: str, epoch: int) -> bool:
+    def transfer_declined(self, target: str, epoch: int, now: int) -> bool:
         """``target`` answered this primary's TimeoutNow of ``epoch`` with a refusal
         (it is stopping, so it will not campaign): the switchover ends as if
         TimeoutNow had never gone out, and this primary serves again. Only a
@@ -647,7 +699,7 @@ class Replication:
         so the refusal is of the only copy out."""
         if self.role != PRIMARY or epoch != self.epoch or self.transfer_to != target or not self.transfer_sent:
             return False
-        self.transfer_to = None
+        self._transfer_failed(now)
         self.transfer_sent = False
         return True
 
@@ -667,6 +719,7 @@ class Replication:
         if self.role != PRIMARY or target not in self.peers or self.transfer_refused(target):
             return out
         self.transfer_to = target
+        self.transfer_for_disk = False
         self.transfer_started = now
         self.transfer_sent = False
         self.timeout_now_failed_at = None

@@ -220,8 +220,10 @@ class Driver:
             async with self.lock:
                 now = mono_us()
                 self._handicap()
-                await self._run(self.core.tick(now))
                 c = self.core
+                before = (c.transfer_to, c.transfer_for_disk, dict(c.disk_handover_failed))
+                await self._run(self.core.tick(now))
+                self._said_disk_handover(before)
                 if c.joining and c.last_contact is None and now - warned >= max(30_000_000, 10 * c.timeout):
                     warned = now
                     log.warning("joining (--join) for %.0f s and no primary heard: a joining node never votes, so if "
@@ -229,10 +231,25 @@ class Driver:
                                 (now - started) / 1e6)
 
     def _handicap(self) -> None:
-        """A member low on disk campaigns a failover timeout later than the others
-        (Replication.campaign_handicap_us; Engine.disk_low reads statvfs at most
-        once a second)."""
-        self.core.campaign_handicap_us = self.core.timeout if self.engine.disk_low() else 0
+        """The core hears of this node's disk before each tick (Replication.disk): a
+        member low on disk campaigns a failover timeout later than the others, and
+        a primary low on disk for a failover timeout hands over to a member with
+        room. Engine.disk_low reads statvfs at most once a second."""
+        self.core.disk(self.engine.disk_low(), mono_us())
+
+    def _said_disk_handover(self, before: tuple) -> None:
+        """Log what a tick did about a primary low on disk (Replication.disk)."""
+        c = self.core
+        to, for_disk, failed = before
+        if c.transfer_for_disk and (c.transfer_to, for_disk) != (to, True):
+            log.warning("less than %d bytes free on this node's disk (--disk-reserve-bytes) for a failover timeout, "
+                        "and every send refused: handing over to %s, as cluster promote would",
+                        self.engine.limits.disk_free_bytes_min, c.transfer_to)
+        for m, at in c.disk_handover_failed.items():
+            if failed.get(m) != at:
+                log.warning("%s did not take over from this node, low on disk (it did not catch up within the "
+                            "failover timeout, or refused); tried again in %g s", m,
+                            R.DISK_HANDOVER_RETRY_TIMEOUTS * c.timeout / 1e6)
 
     # ------------------------------------------------------------- queries
     def serving(self) -> bool:
@@ -342,11 +359,20 @@ class Driver:
         too) is passed over for the next, within the same bound. Returns the new
         primary, or None."""
         c = self.core
+        if c.role != R.PRIMARY:
+            return None
         loop = asyncio.get_running_loop()
         wait_s = min(HANDOVER_WAIT_S, c.timeout / 1e6)
         deadline = loop.time() + wait_s
         refused: list = []
-        while True:
+        # a switchover under way already (this node is low on disk: Replication.disk):
+        # it goes on, within the same bound
+        while c.role == R.PRIMARY and c.transfer_to is not None and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        if c.role != R.PRIMARY:
+            return c.primary
+        target = c.transfer_to  # (still under way at the deadline: given up below, if it can be)
+        while target is None:
             target = c.handover_target(mono_us(), exclude=refused)
             if target is None:
                 if refused:
@@ -363,6 +389,7 @@ class Driver:
                 log.info("%s will not take over (%s): trying the next member", target,
                          "it refused" if self.declined == target else "its stream broke")
                 refused.append(target)
+                target = None
                 continue
             break
         async with self.lock:
@@ -746,7 +773,7 @@ class Driver:
             async with self.lock:
                 if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
                     self.core.timeout_now_failed(peer, m.epoch, mono_us())
-                elif self.core.transfer_declined(peer, m.epoch):
+                elif self.core.transfer_declined(peer, m.epoch, mono_us()):
                     self.declined, self.declined_why = peer, e.details() or ""
                     log.info("%s refused to take over (%s): this node serves again", peer, e.details())
 

@@ -66,14 +66,17 @@ WATCH_ERRORS_KEPT = 20
 class Cluster:
     def __init__(self, workdir: str, nodes: int = 3, failover_timeout_s: float = 1.0,
                  admin_key: str = ADMIN_KEY, extra_args=(), power_loss: bool = False, partitions: bool = False,
-                 fsync_errors: bool = False, write_errors: bool = False, client_partitions: bool = False):
+                 fsync_errors: bool = False, write_errors: bool = False, client_partitions: bool = False,
+                 disk_low: bool = False):
         """power_loss: nodes keep every write in memory until fsync (test VFS), so each
         SIGKILL is a power cut that loses everything not fsync'd. partitions: route all
         node-to-node traffic through a FaultProxy (``self.proxy``) that can cut links.
         fsync_errors (with power_loss): each node's fsyncs fail while its file
         ``fail_file(id)`` exists (``fail_fsync``); write_errors (with power_loss)
         likewise its writes, ``fail_file(id, "write")`` (``fail_writes``). client_partitions:
-        the clients reach the nodes through a FaultProxy of their own (``self.client_proxy``)."""
+        the clients reach the nodes through a FaultProxy of their own (``self.client_proxy``).
+        disk_low: each node's data directory reads as full (0 bytes free) while its file
+        ``fail_file(id, "disk-free")`` exists (``fill_disk``; SPOOLER_TEST_DISK_FREE_FILE)."""
         self.workdir = os.path.abspath(workdir)
         self.ids = [f"n{i + 1}" for i in range(nodes)]
         self.failover_timeout_s = failover_timeout_s
@@ -92,6 +95,7 @@ class Cluster:
         self.partitions = partitions
         self.fsync_errors = fsync_errors
         self.write_errors = write_errors
+        self.disk_low = disk_low
         self.proxy: Optional[FaultProxy] = None
         self.client_partitions = client_partitions
         self.client_proxy: Optional[FaultProxy] = None
@@ -126,6 +130,8 @@ class Cluster:
                 env = {**(env or {}), "SPOOLER_TEST_FSYNC_FAIL_FILE": self.fail_file(nid)}
             if self.write_errors:
                 env = {**(env or {}), "SPOOLER_TEST_WRITE_FAIL_FILE": self.fail_file(nid, "write")}
+            if self.disk_low:
+                env = {**(env or {}), "SPOOLER_TEST_DISK_FREE_FILE": self.fail_file(nid, "disk-free")}
             self.procs[nid] = NodeProc(os.path.join(self.workdir, nid), node_id=nid, admin_key=self.admin_key,
                                        grpc_port=gp, extra_args=args, env=env)
         errs: list = []
@@ -279,11 +285,16 @@ class Cluster:
         """While on, every write of ``nid``'s store fails (write_errors=True)."""
         self._fail(nid, "write", self.write_errors, on)
 
-    def _fail(self, nid: str, what: str, enabled: bool, on: bool) -> None:
+    def fill_disk(self, nid: str, on: bool) -> None:
+        """While on, ``nid``'s disk reads as full: below its reserve (disk_low=True)."""
+        self._fail(nid, "disk-free", self.disk_low, on, content="0")
+
+    def _fail(self, nid: str, what: str, enabled: bool, on: bool, content: str = "") -> None:
         if not enabled:
             raise RuntimeError(f"this cluster's nodes were not started to fail {what}s on demand")
         if on:
-            open(self.fail_file(nid, what), "w").close()
+            with open(self.fail_file(nid, what), "w") as f:
+                f.write(content)
         else:
             try:
                 os.unlink(self.fail_file(nid, what))

@@ -141,6 +141,12 @@ LATE_PROBE_TIMEOUT_S = 1.0  # the nemesis's own send into the held links gives u
 # timeout (proxy.py "slow"), for as long as a partition lasts, then on time again: heartbeats and frames late, a quorum slow
 # to answer, forwarded calls slow, elections run over slow links; nothing is lost
 SLOW_LINK_ACTIONS = (("slow_links", 0.3),)
+# with disk_low=True: the primary's disk fills (reads below its reserve: it refuses sends),
+# in one draw in three a replica's with it, for a failover timeout and 2.5 to 5 s more, then
+# has room again. A primary low on disk for a failover timeout hands over to a member with
+# room (Replication.disk); a replica low on disk refuses to take over. The round notes
+# whether a member with room was primary before the disks had room again.
+DISK_LOW_ACTIONS = (("disk_low", 0.3),)
 SPREAD_EVERY = 20  # with client partitions, a client moves to a random node after ~1 call in this many
 # with sdk_clients=True a service on the asyncio SDK runs beside the HTTP clients (sdk_client):
 # this many senders with one send each awaiting its answer (the SDK's auto-batching
@@ -149,7 +155,7 @@ SDK_SENDERS = 4
 # every fault kind the nemesis knows, for a scripted start (Drill(faults=...))
 FAULT_KINDS = frozenset(a for acts in (PROCESS_ACTIONS, PARTITION_ACTIONS, CASCADE_ACTIONS, DISK_LOSS_ACTIONS,
                                        GRACEFUL_ACTIONS, FSYNC_ERROR_ACTIONS, WRITE_ERROR_ACTIONS,
-                                       CLIENT_PARTITION_ACTIONS, SLOW_LINK_ACTIONS)
+                                       CLIENT_PARTITION_ACTIONS, SLOW_LINK_ACTIONS, DISK_LOW_ACTIONS)
                         for a, _ in acts)
 SCRIPT_WAIT_S = 120.0  # how long past duration_s the load runs for the scripted faults to be done
 
@@ -220,7 +226,8 @@ class Drill:
                  log=print, power_loss: bool = False, partitions: bool = False, cascades: bool = False,
                  disk_loss: bool = False, graceful: bool = False, fsync_errors: bool = False,
                  write_errors: bool = False, faults: tuple = (), node_args: tuple = (),
-                 client_partitions: bool = False, slow_links: bool = False, sdk_clients: bool = False):
+                 client_partitions: bool = False, slow_links: bool = False, sdk_clients: bool = False,
+                 disk_low: bool = False):
         unknown = [f for f in faults if f not in FAULT_KINDS]
         if unknown:
             raise ValueError(f"unknown fault kinds {unknown}; known: {sorted(FAULT_KINDS)}")
@@ -236,6 +243,7 @@ class Drill:
                  "graceful": (graceful, {a for a, _ in GRACEFUL_ACTIONS}),
                  "client_partitions": (client_partitions, {a for a, _ in CLIENT_PARTITION_ACTIONS}),
                  "slow_links": (slow_links, {a for a, _ in SLOW_LINK_ACTIONS}),
+                 "disk_low": (disk_low, {a for a, _ in DISK_LOW_ACTIONS}),
                  "partitions": (partitions, {a for a, _ in PARTITION_ACTIONS} - {a for a, _ in PROCESS_ACTIONS})}
         for flag, (on, kinds) in needs.items():
             if not on and set(faults) & kinds:
@@ -262,10 +270,14 @@ class Drill:
         self.client_partitions = client_partitions
         self.sdk_clients = sdk_clients
         self.slow_links = slow_links
+        self.disk_low = disk_low
+        # (report: "disk_low"; handover_s: from the disks filling to a member with room seen as primary)
+        self.disk_low_rounds: dict = {"rounds": 0, "handed_over": 0, "handover_s": []}
         self.cluster = Cluster(os.path.join(self.workdir, "nodes"), nodes=nodes,
                                failover_timeout_s=failover_timeout_s, power_loss=power_loss,
                                partitions=partitions, extra_args=node_args, fsync_errors=fsync_errors,
-                               write_errors=write_errors, client_partitions=client_partitions)
+                               write_errors=write_errors, client_partitions=client_partitions,
+                               disk_low=disk_low)
         self.stop_load = threading.Event()
         self.stop_observer = threading.Event()
         self.thread_errors: list[str] = []
@@ -601,9 +613,12 @@ class Drill:
         if self.client_partitions:  # after fsync and write errors, for the same reason
             total, share = sum(w for _, w in actions), sum(w for _, w in CLIENT_PARTITION_ACTIONS)
             actions = tuple((a, w * (1 - share) / total) for a, w in actions) + CLIENT_PARTITION_ACTIONS
-        if self.slow_links:  # last of all, for the same reason
+        if self.slow_links:  # after client partitions, for the same reason
             total = sum(w for _, w in actions)
             actions = tuple((a, w * (1 - 0.3) / total) for a, w in actions) + SLOW_LINK_ACTIONS
+        if self.disk_low:  # last of all, for the same reason
+            total = sum(w for _, w in actions)
+            actions = tuple((a, w * (1 - 0.3) / total) for a, w in actions) + DISK_LOW_ACTIONS
         # its own stream, so that cascades do not shift the other draws of a seed
         crng = self.rng("cascade")
         try:
@@ -642,6 +657,8 @@ class Drill:
                 self._term(p, epoch, down)
             elif action in ("fsync_error", "write_error"):
                 self._storage_error(action, p, epoch, down, crng)
+            elif action == "disk_low":
+                self._disk_low(p, epoch, down, crng)
             elif action in ("client_hold_primary", "client_cut_primary", "client_replica", "client_late"):
                 # past a client's timeout: calls caught in a hold time out (and move on)
                 self._client_partition(action, p, epoch, CLIENT_TIMEOUT_S + down / 2, x1, x2)
@@ -735,6 +752,38 @@ class Drill:
             self.unexpected_exits.append({"node": node, "returncode": rc, "t": time.monotonic(), "on": kind})
         self.stop_load.wait(down)
         self._restart(node)
+
+    def _disk_low(self, p: str, epoch: int, down: float, rng: random.Random) -> None:
+        """The primary's disk (in one draw in three a replica's too) reads as full for a
+        failover timeout and ``down`` + 1 s more (Engine.disk_low reads it at most once a
+        second), then has room again. Noted: whether a member with room was primary
+        before then (the primary hands over after a failover timeout low on disk)."""
+        c = self.cluster
+        replicas = [n for n in c.ids if n != p]
+        full = [p] + ([replicas[int(rng.random() * len(replicas))]] if rng.random() < 1 / 3 else [])
+        for n in full:
+            self.h.nemesis("disk_low", n, role="primary" if n == p else "replica", epoch=epoch)
+            c.fill_disk(n, True)
+        self.disk_low_rounds["rounds"] += 1
+        t0 = time.monotonic()
+        deadline = t0 + self.failover_timeout_s + 1.0 + down
+        handed = None
+        try:
+            while not self.stop_load.is_set() and time.monotonic() < deadline:
+                cp = c.current_primary()
+                if handed is None and cp is not None and cp[0] not in full:
+                    handed = cp
+                    self.disk_low_rounds["handed_over"] += 1
+                    self.disk_low_rounds["handover_s"].append(round(time.monotonic() - t0, 2))
+                    self.h.nemesis("disk_low_handed_over", cp[0], epoch=cp[1])
+                time.sleep(0.1)
+        finally:
+            for n in full:
+                c.fill_disk(n, False)
+                self.h.nemesis("disk_room", n)
+        if handed is None and not self.stop_load.is_set():
+            self.notes.append(f"disk_low: {p} (low on disk with {full[1:] or 'no replica'}) was still primary, "
+                              f"or no primary was known, {self.failover_timeout_s + 1.0 + down:.1f} s on")
 
     def _poke(self, n: int, avoid: str) -> None:
         """One write outside the drill's queue (a queue's setting changed): every node's
@@ -1107,6 +1156,8 @@ class Drill:
                       node_counters=final.get("node_counters"), proxy_links=final_proxy,
                       client_proxy_links=final_client_proxy)
         report["unexpected_exits"] = self.unexpected_exits
+        if self.disk_low:
+            report["disk_low"] = {k: (list(v) if isinstance(v, list) else v) for k, v in self.disk_low_rounds.items()}
         report["snapshot_installs"] = snapshot_installs_from_logs(self.cluster.workdir)
         if self.thread_errors or not drained or self.unexpected_exits:
             report["required_zeros_ok"] = False

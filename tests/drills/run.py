@@ -75,6 +75,12 @@ def summarize(reports: list[dict]) -> str:
     lines.append(f"{'unexpected_node_exits'.ljust(w)}  {sum(len(r.get('unexpected_exits') or ()) for r in reports):>9}")
     lines.append(f"{'drain_incomplete_seeds'.ljust(w)}  {sum(1 for r in reports if not r.get('drain_complete')):>9}")
     lines.append(f"{'nemeses'.ljust(w)}  {json.dumps(nem, sort_keys=True)}")
+    dl = [r["disk_low"] for r in reports if r.get("disk_low")]
+    if dl:
+        took = sorted(x for d in dl for x in d["handover_s"])
+        lines.append(f"{'disk_low'.ljust(w)}  rounds={sum(d['rounds'] for d in dl)} "
+                     f"handed_over={sum(d['handed_over'] for d in dl)}"
+                     + (f" p50={took[(len(took) - 1) // 2]:.2f}s max={took[-1]:.2f}s" if took else ""))
     if fu:
         fu.sort()
         lines.append(f"{'failover_unavailability'.ljust(w)}  n={len(fu)} p50={fu[len(fu) // 2]:.3f}s "
@@ -137,6 +143,9 @@ def main(argv=None) -> int:
     ap.add_argument("--slow-links", action="store_true",
                     help="the nemesis also makes every byte between one node and the others late (by up "
                          "to the failover timeout) for a while (needs --partitions)")
+    ap.add_argument("--disk-low", action="store_true",
+                    help="the nemesis also fills the primary's disk (and now and then a replica's) past its "
+                         "reserve for a while: the primary must hand over to a member with room")
     ap.add_argument("--sdk-clients", action="store_true",
                     help="a service on the asyncio SDK (auto-batched sends on its Session stream, receives, "
                          "acks, nacks, renewals) runs beside the HTTP clients, its calls recorded and checked "
@@ -170,6 +179,7 @@ def main(argv=None) -> int:
           f"{', write errors' if args.write_errors else ''}"
           f"{', client partitions' if args.client_partitions else ''}"
           f"{', slow links' if args.slow_links else ''}{', SDK clients' if args.sdk_clients else ''}"
+          f"{', disks low' if args.disk_low else ''}"
           f"{', node flags ' + repr(args.node_args) if args.node_args else ''}, in {root}",
           flush=True)
     reports = []
@@ -184,7 +194,7 @@ def main(argv=None) -> int:
                           graceful=args.graceful, fsync_errors=args.fsync_errors,
                           write_errors=args.write_errors, faults=faults, node_args=tuple(shlex.split(args.node_args)),
                           client_partitions=args.client_partitions, slow_links=args.slow_links,
-                          sdk_clients=args.sdk_clients)
+                          sdk_clients=args.sdk_clients, disk_low=args.disk_low)
         except Exception as e:  # noqa: BLE001 - a drill that cannot finish is a failing seed
             import traceback
             traceback.print_exc()

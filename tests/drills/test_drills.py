@@ -17,13 +17,14 @@ pytestmark = pytest.mark.integration
 
 def _run(seed, duration_s, tmp_path, power_loss=False, partitions=False, cascades=False, disk_loss=False,
          graceful=False, fsync_errors=False, write_errors=False, faults=(), client_partitions=False,
-         slow_links=False, sdk_clients=False):
+         slow_links=False, sdk_clients=False, disk_low=False):
     """faults: kinds the nemesis carries out first (the load runs on until they are over), so
     that what a test asserts of them does not hang on how many rounds fit in duration_s."""
     report = run_drill(seed, duration_s, nodes=3, workdir=str(tmp_path / f"seed-{seed}"), power_loss=power_loss,
                        partitions=partitions, cascades=cascades, disk_loss=disk_loss, graceful=graceful,
                        fsync_errors=fsync_errors, write_errors=write_errors, faults=faults,
-                       client_partitions=client_partitions, slow_links=slow_links, sdk_clients=sdk_clients)
+                       client_partitions=client_partitions, slow_links=slow_links, sdk_clients=sdk_clients,
+                       disk_low=disk_low)
     assert report["faults"][:len(faults)] == list(faults), (report["faults"], report["notes"])
     table = format_table(report)
     print(f"seed {seed}: {report['wall_s']:.1f}s wall, nemeses {json.dumps(report['nemesis_counts'])}\n{table}")
@@ -236,6 +237,27 @@ def test_short_write_error_drill(tmp_path):
     logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "seed-9" / "nodes").glob("n*/n*.log"))
     failures = [ln for ln in logs.splitlines() if "storage failure" in ln and "IOError" in ln]
     assert len(failures) >= 2, failures
+
+
+def test_short_disk_low_drill(tmp_path):
+    """A primary's disk fills past its reserve under load, twice (one round with a
+    replica's disk full too, which then refuses to take over): sends are refused
+    meanwhile, and within the round the primary has handed over to a member with
+    room (Replication.disk); nothing is lost, duplicated or acked and seen again."""
+    r = _run(11, 6.0, tmp_path, disk_low=True, faults=("disk_low", "disk_low"))
+    assert r["disk_low"]["rounds"] == 2 and r["disk_low"]["handed_over"] == 2, (r["disk_low"], r["notes"])
+    assert r["nemesis_counts"].get("disk_low_primary") == 2, r["nemesis_counts"]
+    events = [json.loads(x) for x in open(r["history"])]
+    full, handed = set(), []
+    for e in events:   # never to a member whose disk was full at the time
+        if e.get("type") == "nemesis" and e["f"] in ("disk_low", "disk_room", "disk_low_handed_over"):
+            if e["f"] == "disk_low_handed_over":
+                assert e["node"] not in full, (e, full)
+                handed.append(e["node"])
+            (full.add if e["f"] == "disk_low" else full.discard)(e["node"])
+    assert len(handed) == 2, handed
+    refused = [e for e in events if e.get("type") == "fail" and "disk" in json.dumps(e)]
+    assert refused, "no send was refused while the primary's disk was full"
 
 
 @pytest.mark.slow

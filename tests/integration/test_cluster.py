@@ -1412,6 +1412,47 @@ def test_a_member_low_on_disk_lets_a_member_with_room_win_the_election(tmp_path)
             n.kill()
 
 
+def test_a_primary_whose_disk_runs_low_hands_over_to_a_member_with_room(tmp_path):
+    """A primary whose disk fell below its reserve stayed primary and refused every
+    send until an operator promoted another member. Once its disk has been low for
+    a failover timeout it now hands over by itself (Replication.disk), as a
+    promote would: a member low on disk too refuses (here the one it tries first,
+    lowest id among equals), and a member with room takes over. Nothing stored
+    before is lost. (SPOOLER_TEST_DISK_FREE_FILE stands in for a filling disk.)"""
+    free = {i: str(tmp_path / f"{i}-disk-free") for i in ("n1", "n2", "n3")}
+    nodes = start_cluster(str(tmp_path), 3, FAILOVER_S,
+                          per_node_env=lambda i: {"SPOOLER_TEST_DISK_FREE_FILE": free[i]})
+    try:
+        p, _ = wait_until(lambda: primary_of(nodes), 20, what="a primary")
+        c = client(nodes[p])
+        until_ok(lambda: c.put_queue("q"), what="the queue")
+        before = send_until_ok(c, "q", b"before")["id"]
+        low, roomy = sorted(i for i in nodes if i != p)
+
+        def fill(i):
+            with open(free[i], "w") as f:
+                f.write("0")
+            wait_until(lambda: nodes[i].metric("spooler_disk_free_bytes") == 0, 10, what=f"{i} to read its disk")
+        fill(low)
+        fill(p)
+        with pytest.raises(errors.Unavailable):
+            c.send("q", b"refused")  # (a primary low on disk refuses sends, as before)
+        new, _ = wait_until(lambda: primary_of(nodes, exclude=(p,)), 10 * FAILOVER_S,
+                            what="a member with room as the primary")
+        assert new == roomy, nodes[p].read_log()
+        log_p = nodes[p].read_log()
+        assert f"handing over to {low}" in log_p and f"{low} refused to take over" in log_p, log_p
+        assert f"handing over to {roomy}" in log_p, log_p
+        assert primary_of(nodes)[0] == roomy
+        c2 = client(nodes[roomy])
+        after = send_until_ok(c2, "q", b"after")["id"]
+        got = [c2.receive("q", wait_s=5) for _ in range(2)]
+        assert [d.id for d in got] == [before, after] and [d.body for d in got] == [b"before", b"after"]
+    finally:
+        for n in nodes.values():
+            n.kill()
+
+
 def test_a_member_whose_disk_is_below_its_reserve_refuses_to_take_over(tmp_path):
     """A switchover to a member with less free disk than its reserve was taken,
     and the new primary then refused every send (``disk_low``). Such a member

@@ -18,7 +18,8 @@ Invariants checked after every step:
     now and then of a few MiB);
 and at the end (network healed, everyone up): the logs of caught-up nodes are
 identical and every acknowledged write is in them, and each core knows the
-size of every record its disk holds.
+size of every record its disk holds; with members low on disk (``low_disk``),
+the primary is one with room whenever a member has room.
 
 Replay a failure: ``python -m tests.sim.sim SEED [nodes]`` prints the trace.
 """
@@ -52,6 +53,14 @@ class Backlogged:
 
 
 @dataclass
+class Declined:
+    """The shell's refusal of a TimeoutNow (Driver._timeout_now_received): its
+    target is low on disk. Delivered to the primary that sent it."""
+    target: str
+    epoch: int
+
+
+@dataclass
 class Disk:
     epoch: int = 0
     voted_for: str = ""
@@ -72,6 +81,7 @@ class SimNode:
         # durable=False): on no disk here yet; a crash loses them
         self.volatile = []  # (lsn, epoch, crc, payload, size)
         self.incarnation = 0
+        self.low_disk = False  # below its reserve (low_disk sims): drawn at each boot, flipped by the nemesis
 
     def boot(self):
         sim = self.sim
@@ -85,8 +95,8 @@ class SimNode:
         # low_disk: now and then a member low on disk (Driver._handicap), drawn at
         # each boot: it campaigns a timeout later; every node may be one at once,
         # and a primary must still be elected
-        if sim.low_disk and sim.rng.random() < 0.3:
-            c.campaign_handicap_us = c.timeout
+        self.low_disk = sim.low_disk and sim.rng.random() < 0.3
+        c.disk(self.low_disk, sim.now)
         # as Driver.load: (epoch, crc) and the size of every record the disk holds
         c.log = R.LogView(0, 0, 0, [(e, crc) for e, crc, *_ in self.disk.log],
                           [size for *_, size in self.disk.log])
@@ -180,6 +190,8 @@ class Sim:
         self.backlog_rng = random.Random(f"backlog-{seed}")
         self.p_backlog = self.backlog_rng.choice([0.0, 0.05, 0.2])
         self.backlog_until: dict = {}  # node -> when the frames waiting behind its busy disk are received
+        # low_disk: a member's disk fills or frees up now and then (its own generator)
+        self.disk_rng = random.Random(f"disk-{seed}")
         # the records' sizes in bytes: mostly small, now and then a few MiB, so that
         # frames to a replica that lags are cut by the core's byte bound
         # (FRAME_RECORD_BYTES_MAX) as well as by its record bound (its own
@@ -341,6 +353,10 @@ class Sim:
         assert len(holders) <= 1, f"two nodes may lease at once: {holders}"
 
     def nemesis(self):
+        if self.low_disk and self.disk_rng.random() < 0.02:
+            n = self.nodes[self.disk_rng.choice(self.members)]
+            n.low_disk = not n.low_disk
+            self.trace(f"{n.id} disk {'LOW' if n.low_disk else 'has room'}")
         r = self.rng.random()
         ids = self.members
         if self.mixed and r < 0.004:
@@ -411,6 +427,8 @@ class Sim:
         n = self.nodes[to]
         if isinstance(msg, LocalSync):
             n.local_sync(msg)
+        elif n.up and self.declines(n, msg, _frm):
+            pass
         elif n.up:
             if isinstance(msg, Backlogged):
                 n.run(n.core.receive(msg.msg, self.now))
@@ -427,11 +445,26 @@ class Sim:
                 n.run(n.core.receive(msg, self.now))
         self.flush_noops()
 
+    def declines(self, n, msg, frm) -> bool:
+        """``msg`` reaches live ``n`` as the shell would have it: a refusal of a
+        TimeoutNow it answers for the core (its disk is low: Driver._timeout_now_received),
+        and a refusal that comes back to the primary. True: handled here."""
+        if isinstance(msg, Declined):
+            n.core.transfer_declined(msg.target, msg.epoch, self.now)  # (no effects: it serves again)
+            return True
+        if isinstance(msg, R.TimeoutNow) and n.low_disk and n.core.role == R.REPLICA and n.core.epoch <= msg.epoch:
+            self.trace(f"{n.id} refuses TimeoutNow from {frm}: low on disk")
+            self.send(n.id, frm, Declined(n.id, msg.epoch))
+            return True
+        return False
+
     def tick_all(self, at: int) -> None:
-        """Time moves to ``at``; every live node's timers run."""
+        """Time moves to ``at``; every live node's timers run (after the shell has
+        told each core of its disk, as Driver._handicap does)."""
         self.now = at
         for n in self.nodes.values():
             if n.up:
+                n.core.disk(n.low_disk, self.now)
                 n.run(n.core.tick(self.now))
         self.flush_noops()
 
@@ -471,12 +504,15 @@ class Sim:
             n = self.nodes[to]
             if isinstance(msg, LocalSync):
                 n.local_sync(msg)
+            elif self.declines(n, msg, frm):
+                pass
             else:
                 n.run(n.core.receive(msg.msg if isinstance(msg, Backlogged) else msg, self.now))
             self.flush_noops()
         else:
             self.now = tick_at
             for n in self.nodes.values():
+                n.core.disk(n.low_disk, self.now)
                 n.run(n.core.tick(self.now))
             self.flush_noops()
             if writes and self.rng.random() < 0.05:
@@ -495,6 +531,9 @@ class Sim:
             assert lg[:top] == logs[p.id][:top], f"{nid}'s log differs from the primary's"
         for lsn, ep, crc in self.acked:
             assert lsn <= top and logs[p.id][lsn - 1] == (ep, crc), f"acknowledged write lsn {lsn} lost"
+        if any(not n.low_disk for n in self.nodes.values()):
+            assert not p.low_disk, f"{p.id}, low on disk, is still the primary, while " \
+                f"{[n.id for n in self.nodes.values() if not n.low_disk]} have room"
         for n in self.nodes.values():  # sizes survived restarts, reloads and truncations
             held = min(len(n.disk.log), n.core.log.last_lsn)
             assert n.core.log.sizes[:held] == [x[3] for x in n.disk.log[:held]], f"{n.id}'s core lost record sizes"

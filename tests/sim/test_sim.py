@@ -1146,7 +1146,7 @@ def test_a_switchover_target_that_refuses_or_goes_away_is_passed_over():
     c.receive(R.AppendResp(1, "n2", True, 1, 46), 47)   # answered a frame sent after that break
     c.transfer("n2", 50)
     assert not c.transfer_target_lost()                   # the break came before the switchover
-    assert not c.transfer_declined("n2", 1) and c.transfer_to == "n2"   # no TimeoutNow out: nothing to decline
+    assert not c.transfer_declined("n2", 1, 55) and c.transfer_to == "n2"   # no TimeoutNow out: nothing to decline
     c.replica_stream_lost("n2", 60)
     assert c.transfer_target_lost()                       # and this one after it, nothing answered since
     out = c.receive(R.AppendResp(1, "n2", True, 1, 61), 62)
@@ -1161,11 +1161,74 @@ def test_a_switchover_target_that_refuses_or_goes_away_is_passed_over():
     assert not timeout_nows(c.receive(R.AppendResp(1, "n2", True, 1, 64), 66))   # a frame sent before the failure
     assert len(timeout_nows(c.receive(R.AppendResp(1, "n2", True, 1, 66), 67))) == 1   # answered since: again
     assert not timeout_nows(c.receive(R.AppendResp(1, "n2", True, 1, 67), 68))   # and once
-    assert not c.transfer_declined("n3", 1) and not c.transfer_declined("n2", 0)   # not its target, not its epoch
+    assert not c.transfer_declined("n3", 1, 69) and not c.transfer_declined("n2", 0, 69)   # not its target, not its epoch
     assert c.transfer_to == "n2" and not c.serving(70)
-    assert c.transfer_declined("n2", 1)
+    assert c.transfer_declined("n2", 1, 70)
     assert c.transfer_to is None and not c.transfer_sent and c.serving(70) and c.role == R.PRIMARY
     assert c.handover_target(70) == "n2"                  # (a stop excludes it by itself)
+
+
+def _answered(c, start, end, step, answer=("n2", "n3")):
+    """Ticks of primary ``c`` from ``start`` to ``end`` (exclusive), every frame
+    it sends to a member in ``answer`` acknowledged at once. -> the members it
+    sent TimeoutNow, in order."""
+    told = []
+    for now in range(start, end, step):
+        todo = c.tick(now)
+        while todo:
+            e = todo.pop(0)
+            if isinstance(e, R.Send) and isinstance(e.msg, R.TimeoutNow):
+                told.append(e.to)
+            elif isinstance(e, R.Send) and isinstance(e.msg, R.AppendReq) and e.to in answer:
+                m = e.msg
+                last = m.entries[-1][0] if m.entries else m.prev_lsn
+                todo += c.receive(R.AppendResp(m.epoch, e.to, True, last, m.sent_us), now)
+    return told
+
+
+def test_a_primary_low_on_disk_for_a_failover_timeout_hands_over_to_a_member_with_room():
+    """A primary whose disk stays below its reserve refuses every send: once that
+    has lasted a failover timeout it hands over (Replication.disk), to the most
+    caught-up member heard lately, as a promote would. A member that refuses (its
+    disk is low too: the shell's answer to TimeoutNow) or never catches up is
+    passed over for DISK_HANDOVER_RETRY_TIMEOUTS failover timeouts; with none
+    left the primary serves on, and tries again after that. A disk that has
+    room again before the failover timeout is out starts nothing."""
+    T = 1_000_000
+    step = T // 20
+    c = _primary_n1(T)
+    assert _answered(c, 50, T, step) == []
+    c.disk(True, T)
+    assert c.campaign_handicap_us == T                    # (and it would campaign later, as a replica)
+    assert _answered(c, T, 2 * T, step) == [] and c.transfer_to is None   # low for less than a timeout
+    assert _answered(c, 2 * T, 2 * T + 1, step) == ["n2"] and c.transfer_to == "n2" and c.transfer_for_disk
+    assert c.transfer_declined("n2", 1, 2 * T + 1)        # its disk is low too
+    assert c.transfer_to is None and c.serving(2 * T + 1) and c.disk_handover_failed == {"n2": 2 * T + 1}
+    assert _answered(c, 2 * T + step, 2 * T + step + 1, step) == ["n3"]   # the next one
+    assert c.transfer_declined("n3", 1, 2 * T + step + 1)
+    retry = R.DISK_HANDOVER_RETRY_TIMEOUTS * T
+    # no member left: it serves on, and tries again once the first refusal is old enough
+    assert _answered(c, 2 * T + 2 * step, 2 * T + 1 + retry, step) == []
+    assert c.role == R.PRIMARY and c.transfer_to is None and c.serving(2 * T + retry)
+    assert _answered(c, 2 * T + 1 + retry, 2 * T + 2 + retry, step) == ["n2"]
+    assert c.transfer_declined("n2", 1, 2 * T + 2 + retry)
+
+    # a member that does not catch up (answers nothing) within a failover timeout is passed over too
+    c2 = _primary_n1(T)
+    _answered(c2, 50, T, step)
+    c2.disk(True, 50)
+    assert _answered(c2, T, 2 * T + step, step, answer=("n3",)) == [] and c2.transfer_to == "n2"
+    assert _answered(c2, 2 * T + step, 2 * T + step + 1, step, answer=("n3",)) == ["n3"]   # the next one
+    assert c2.role == R.PRIMARY and c2.transfer_to == "n3" and c2.disk_handover_failed == {"n2": 2 * T + step}
+
+    # room again before a failover timeout: nothing; a promote that fails passes over no one
+    c3 = _primary_n1(T)
+    c3.disk(True, 50)
+    c3.disk(False, T // 2)
+    assert _answered(c3, 50, 2 * T, step) == [] and c3.transfer_to is None and c3.campaign_handicap_us == 0
+    c3.transfer("n2", 2 * T)
+    assert _answered(c3, 2 * T, 3 * T + 1, step, answer=("n3",)) == []
+    assert c3.transfer_to is None and c3.disk_handover_failed == {}
 
 
 def test_a_second_switchover_while_one_is_under_way_is_refused():

@@ -430,6 +430,35 @@ def test_a_stop_whose_timeout_now_is_out_fails_what_waits_for_the_group_commit(t
     e.store.close()
 
 
+def test_a_stop_during_a_switchover_under_way_waits_for_it(tmp_path, monkeypatch):
+    """A primary stopping while a switchover is under way already (its disk is
+    low: Replication.disk; or a promote) lets that one finish, within the stop's
+    bound, rather than stop without a handover (handover_target names no one
+    while one is under way) or start another."""
+    e = Engine(str(tmp_path), node_id="n1", peers=PEERS)
+    tried = []
+
+    async def switch_over(target, wait_s, give_up_if_lost=False):
+        tried.append(target)
+
+    async def main():
+        c = _loaded_as_primary(e, heard=("n2", "n3"))
+        monkeypatch.setattr(e.repl, "switch_over", switch_over)
+        c.transfer("n3", mono_us())
+        c.transfer_for_disk = True
+
+        async def n3_takes_over():
+            await asyncio.sleep(0.05)
+            c._become_replica(c.epoch + 1, "n3", mono_us(), [])
+        t = asyncio.create_task(n3_takes_over())
+        got = await e.repl.hand_over()
+        await t
+        return got
+
+    assert asyncio.run(main()) == "n3" and tried == []
+    e.store.close()
+
+
 def test_a_stopping_node_refuses_to_take_over_and_ends_its_inbound_streams(tmp_path):
     """A node that is stopping: TimeoutNow is refused (FAILED_PRECONDITION, the
     one answer the primary takes as "it did not act": Replication.transfer_declined)
