@@ -5,7 +5,7 @@ import asyncio
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from itertools import repeat
 from typing import Callable, Optional
@@ -116,6 +116,11 @@ class Message:
     retry_count: int
     expires_at: str  # a LeaseEnd from the gRPC clients
     queue: str
+    # True once a consumer's renewals of this lease ended on an error (consume, handle):
+    # the lease is gone (stale_lease: it ran out, was superseded, or its primary's epoch
+    # ended) or will run out, and the message will be delivered again. A long handler
+    # can look at it and stop early; its ack will come too late.
+    lease_lost: bool = field(default=False, compare=False)
 
     @property
     def expires_at_dt(self) -> datetime:
@@ -784,16 +789,18 @@ def resend_groups(err: errors.SpoolerError, queues: list) -> Optional[list]:
 
 def keep_renewing_after(log, m, e: errors.SpoolerError) -> bool:
     """A consumer's renewal of message ``m``'s lease failed with ``e``: log it; True
-    if renewing should go on (the lease is not known to be lost)."""
+    if renewing should go on (the lease is not known to be lost). Otherwise
+    ``m.lease_lost`` is set, for the handler to see."""
     if isinstance(e, errors.StaleLease):  # the lease is gone: nothing left to renew
         log.warning("renew of %s failed (%s): the lease is lost, the message will be delivered again",
                     m.id, e.reason)
-        return False
-    if isinstance(e, (errors.Unavailable, errors.OperationUnconfirmed, errors.Internal)):
+    elif isinstance(e, (errors.Unavailable, errors.OperationUnconfirmed, errors.Internal)):
         # not known to be lost (an internal error changed nothing, or was the transport's): again soon
         log.warning("renew of %s failed: %s", m.id, e)
         return True
-    log.warning("renew of %s failed: %s; no more renewals", m.id, e)  # a definite answer (e.g. queue gone)
+    else:
+        log.warning("renew of %s failed: %s; no more renewals", m.id, e)  # a definite answer (e.g. queue gone)
+    m.lease_lost = True
     return False
 
 

@@ -267,8 +267,10 @@ def test_an_empty_receive_on_the_session_is_an_empty_list(node):
 
 def test_async_consumer_says_when_its_lease_is_lost(node, caplog):
     """A restart is a new epoch: the running handler's lease is stale. The renewer
-    says so once and stops, instead of dying with an exception nobody reads."""
+    says so once and stops, instead of dying with an exception nobody reads; and
+    (since 0.4.41) the handler sees it: ``m.lease_lost`` turns True."""
     import logging
+    seen = []
 
     async def main():
         async with AsyncClient(node.grpc_target, node.admin_key) as c:
@@ -278,23 +280,47 @@ def test_async_consumer_says_when_its_lease_is_lost(node, caplog):
 
             async def handler(m):
                 started.set()
+                seen.append(m.lease_lost)
                 await asyncio.wait_for(restarted.wait(), 20)
                 # the handler runs on until a renewal has met the new epoch (or 20 s pass)
                 deadline = asyncio.get_running_loop().time() + 20
-                while not lost_seen() and asyncio.get_running_loop().time() < deadline:
+                while not m.lease_lost and asyncio.get_running_loop().time() < deadline:
                     await asyncio.sleep(0.05)
+                seen.append(m.lease_lost)
                 stop.set()
             task = asyncio.ensure_future(c.consume("lost", handler, wait_s=1, stop=stop))
             await asyncio.wait_for(started.wait(), 10)
             await asyncio.to_thread(node.restart)
             restarted.set()
             await asyncio.wait_for(task, 30)
-    def lost_seen():
-        return any("the lease is lost" in r.getMessage() for r in caplog.records)
     with caplog.at_level(logging.WARNING, logger="spooler.aio"):
         asyncio.run(main())
     lost = [r for r in caplog.records if "the lease is lost" in r.getMessage()]
     assert len(lost) == 1, [r.getMessage() for r in caplog.records]
+    assert seen == [False, True]
+
+
+def test_a_sync_handler_sees_that_its_lease_was_lost(node):
+    """``m.lease_lost`` turns True once a renewal is answered ``stale_lease`` (here
+    the lease was ended under the handler: another client nacked its token), so a
+    long handler can stop early; the control message's lease, renewed for more
+    than two lease times, stays False."""
+    with Client(node.grpc_target, node.admin_key) as c, Client(node.grpc_target, node.admin_key) as other:
+        c.put_queue("slost", leaseTimeoutSeconds=1)  # renewed about every 0.5 s
+        c.send("slost", b"kept")
+        c.send("slost", b"taken")
+        seen = {}
+
+        def handler(m):
+            before = m.lease_lost
+            if m.body == b"taken":
+                other.nack(m.token)
+            deadline = time.monotonic() + (10 if m.body == b"taken" else 2.5)
+            while not m.lease_lost and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen[m.body] = (before, m.lease_lost)
+        assert c.consume("slost", handler, wait_s=1, max_messages=2) == 2
+        assert seen == {b"kept": (False, False), b"taken": (False, True)}, seen
 
 
 def _note_receive(c: AsyncClient):

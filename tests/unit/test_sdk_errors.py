@@ -126,13 +126,15 @@ def test_renewals_go_on_after_errors_that_do_not_say_the_lease_is_lost():
 
     class M:
         id = "m1"
+        lease_lost = False
     log = logging.getLogger("test")
     for e in (errors.Unavailable("no primary"), errors.OperationUnconfirmed("timed out"),
               errors.Internal("transport: RST_STREAM")):
-        assert keep_renewing_after(log, M, e), e
+        assert keep_renewing_after(log, M, e) and not M.lease_lost, e
     for e in (errors.StaleLease("gone", reason="expired"), errors.QueueNotFound("deleted"),
               errors.Forbidden("no scope")):
-        assert not keep_renewing_after(log, M, e), e
+        M.lease_lost = False
+        assert not keep_renewing_after(log, M, e) and M.lease_lost, e   # the handler sees it
 
 
 def test_an_error_answer_without_a_kind_of_ours_is_read_by_what_the_request_was():
