@@ -322,7 +322,15 @@ class _StateCollector:
                 ("spooler_dedup_keys_max", "Most dedup keys the node remembers (--max-dedup-keys)",
                  lim.dedup_keys_max),
                 ("spooler_leases", "Leases held now, every queue together", len(core.leases)),
-                ("spooler_leases_max", "Most leases the node holds at once, every queue together", lim.leases_max)):
+                ("spooler_leases_max", "Most leases the node holds at once, every queue together", lim.leases_max),
+                # the write path's backlog: records waiting for the next group commit
+                # (past the max, writes are refused: reason overloaded), and records
+                # stamped and not yet applied (waiting for an fsync, here or on a quorum)
+                ("spooler_writes_waiting", "Log records waiting for the group commit", len(e._pending)),
+                ("spooler_writes_waiting_max", "Most log records that wait for the group commit; past it writes "
+                 "are refused (unavailable, reason overloaded)", lim.pending_records_max),
+                ("spooler_writes_unconfirmed", "Log records stamped and not yet applied: being written, or "
+                 "waiting for a quorum's acknowledgement", len(e.unapplied))):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], value)
             yield g

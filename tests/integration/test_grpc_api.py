@@ -1129,6 +1129,41 @@ def test_the_node_wide_caps_are_gauges_beside_what_they_bound(tmp_path):
         n.kill()
 
 
+def test_the_write_paths_backlog_is_a_gauge(tmp_path):
+    """spooler_writes_unconfirmed (records stamped and not yet applied: a commit
+    under way) and spooler_writes_waiting (records behind it, waiting for the next
+    group commit) beside spooler_writes_waiting_max (past it, writes are refused
+    as overloaded): a disk slowed to 2 s an fsync by the test VFS holds one send in
+    its commit and the next behind it; both read 0 once the disk is fast again."""
+    n = NodeProc(str(tmp_path / "slow"), env={"SPOOLER_TEST_VFS": "buffered", "SPOOLER_TEST_SYNC_DELAY": "1",
+                                               "SPOOLER_INLINE_COMMIT_BYTES": "0"}).start()
+    try:
+        def backlog():
+            return {s.name: s.value for s in n.samples(
+                "spooler_writes_waiting", "spooler_writes_waiting_max", "spooler_writes_unconfirmed")}
+        with Client(n.grpc_target, n.admin_key, timeout_s=30) as a, Client(n.grpc_target, n.admin_key,
+                                                                           timeout_s=30) as b:
+            a.put_queue("q")
+            assert backlog() == {"spooler_writes_waiting": 0, "spooler_writes_waiting_max": 65_536,
+                                 "spooler_writes_unconfirmed": 0}
+            with open(os.path.join(n.data_dir, "test-sync-delay"), "w") as f:
+                f.write("2")
+            first = threading.Thread(target=a.send, args=("q", b"first"))
+            first.start()
+            wait_until(lambda: backlog()["spooler_writes_unconfirmed"] == 1, 10, what="the first send committing")
+            second = threading.Thread(target=b.send, args=("q", b"second"))
+            second.start()
+            wait_until(lambda: backlog()["spooler_writes_waiting"] == 1, 10, what="the second send waiting")
+            os.remove(os.path.join(n.data_dir, "test-sync-delay"))
+            first.join(30)
+            second.join(30)
+            wait_until(lambda: backlog()["spooler_writes_waiting"] == backlog()["spooler_writes_unconfirmed"] == 0,
+                       10, what="no backlog")
+            assert a.get_queue("q")["stats"]["visible"] == 2
+    finally:
+        n.kill()
+
+
 def test_a_session_send_still_committing_when_its_stream_ends_is_counted_cancelled_and_stays_stored(tmp_path):
     """A Session send whose commit is still under way when its client ends the
     stream (here a disk slowed to 3 s an fsync by the test VFS) is counted once,
