@@ -272,7 +272,8 @@ class Drill:
         self.slow_links = slow_links
         self.disk_low = disk_low
         # (report: "disk_low"; handover_s: from the disks filling to a member with room seen as primary)
-        self.disk_low_rounds: dict = {"rounds": 0, "handed_over": 0, "handover_s": []}
+        # cut_short: rounds the end of the load cut short before a handover was seen
+        self.disk_low_rounds: dict = {"rounds": 0, "handed_over": 0, "cut_short": 0, "handover_s": []}
         self.cluster = Cluster(os.path.join(self.workdir, "nodes"), nodes=nodes,
                                failover_timeout_s=failover_timeout_s, power_loss=power_loss,
                                partitions=partitions, extra_args=node_args, fsync_errors=fsync_errors,
@@ -781,7 +782,9 @@ class Drill:
             for n in full:
                 c.fill_disk(n, False)
                 self.h.nemesis("disk_room", n)
-        if handed is None and not self.stop_load.is_set():
+        if handed is None and self.stop_load.is_set():
+            self.disk_low_rounds["cut_short"] += 1
+        elif handed is None:
             self.notes.append(f"disk_low: {p} (low on disk with {full[1:] or 'no replica'}) was still primary, "
                               f"or no primary was known, {self.failover_timeout_s + 1.0 + down:.1f} s on")
 

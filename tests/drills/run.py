@@ -79,7 +79,8 @@ def summarize(reports: list[dict]) -> str:
     if dl:
         took = sorted(x for d in dl for x in d["handover_s"])
         lines.append(f"{'disk_low'.ljust(w)}  rounds={sum(d['rounds'] for d in dl)} "
-                     f"handed_over={sum(d['handed_over'] for d in dl)}"
+                     f"handed_over={sum(d['handed_over'] for d in dl)} "
+                     f"cut_short={sum(d.get('cut_short', 0) for d in dl)}"
                      + (f" p50={took[(len(took) - 1) // 2]:.2f}s max={took[-1]:.2f}s" if took else ""))
     if fu:
         fu.sort()
