@@ -644,22 +644,34 @@ class Replication:
         elif self.disk_low_since is None:
             self.disk_low_since = now
 
+    def disk_passed_over(self, now: int) -> list:
+        """The members a handover for disk did not reach lately (they refused, or
+        did not catch up): passed over until DISK_HANDOVER_RETRY_TIMEOUTS failover
+        timeouts have gone by (a stop's handover passes them over too)."""
+        return [p for p, at in self.disk_handover_failed.items()
+                if now - at < DISK_HANDOVER_RETRY_TIMEOUTS * self.timeout]
+
     def _maybe_hand_over_for_disk(self, now: int, out: list) -> None:
         """A primary whose disk has stayed below its reserve for a failover timeout
         refuses every send: it hands over to a member that will take over, as
-        ``cluster promote`` would (the most caught-up of those heard lately). A
-        member whose own disk is low refuses (the shell's answer to TimeoutNow,
-        transfer_declined), as does one that is stopping; a member that refused
-        or did not catch up within a failover timeout is passed over for
-        DISK_HANDOVER_RETRY_TIMEOUTS failover timeouts. With no member to try,
-        this primary serves on (acks, receives; sends refused) and tries again
-        later. Liveness only: the switchover is the same as a promote's."""
+        ``cluster promote`` would (the most caught-up of those heard lately).
+        Only to a member that holds every committed record at the tick: while a
+        switchover is under way this primary confirms nothing (serving), so a
+        member that lags (a backlogged disk answering with contact
+        acknowledgements only) would cost acks and leases until the switchover
+        was given up, a failover timeout later (tick). With sends refused, the
+        only writes are settles, and a member with a healthy disk catches up
+        between them. A member whose own disk is low refuses (the shell's
+        answer to TimeoutNow, transfer_declined), as does one that is stopping;
+        a member that refused or was given up is passed over
+        (disk_passed_over). With no member to try, this primary serves on
+        (acks, receives; sends refused) and tries again later. Liveness only:
+        the switchover is the same as a promote's."""
         since = self.disk_low_since
-        if since is None or now - since < self.timeout or self.transfer_to is not None:
-            return
-        passed_over = [p for p, at in self.disk_handover_failed.items()
-                       if now - at < DISK_HANDOVER_RETRY_TIMEOUTS * self.timeout]
-        target = self.handover_target(now, exclude=passed_over)
+        if since is None or now - since < self.timeout or self.transfer_to is not None or now < self.lease_ok_at:
+            return  # (a new primary still waiting out an older one's leases could not send TimeoutNow yet)
+        behind = [p for p in self.peers if self.match.get(p, 0) < self.commit_lsn]
+        target = self.handover_target(now, exclude=self.disk_passed_over(now) + behind)
         if target is not None:
             out += self.transfer(target, now)
             self.transfer_for_disk = True

@@ -142,6 +142,7 @@ class Driver:
         self._inbound: dict = {}
         self.declined: Optional[str] = None  # the last switchover target that refused (stopping, its disk low)
         self.declined_why = ""  # what it said
+        self._disk_failures_said: dict = {}  # member -> the failure of a handover for disk last logged
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -221,7 +222,7 @@ class Driver:
                 now = mono_us()
                 self._handicap()
                 c = self.core
-                before = (c.transfer_to, c.transfer_for_disk, dict(c.disk_handover_failed))
+                before = (c.transfer_to, c.transfer_for_disk)
                 await self._run(self.core.tick(now))
                 self._said_disk_handover(before)
                 if c.joining and c.last_contact is None and now - warned >= max(30_000_000, 10 * c.timeout):
@@ -234,21 +235,25 @@ class Driver:
         """The core hears of this node's disk before each tick (Replication.disk): a
         member low on disk campaigns a failover timeout later than the others, and
         a primary low on disk for a failover timeout hands over to a member with
-        room. Engine.disk_low reads statvfs at most once a second."""
-        self.core.disk(self.engine.disk_low(), mono_us())
+        room. Engine.disk_low reads statvfs at most once a second. A node that is
+        stopping starts no handover for its disk: the stop's own (hand_over) is
+        the one that runs."""
+        self.core.disk(self.engine.disk_low() and not self.engine.draining, mono_us())
 
     def _said_disk_handover(self, before: tuple) -> None:
         """Log what a tick did about a primary low on disk (Replication.disk)."""
         c = self.core
-        to, for_disk, failed = before
+        to, for_disk = before
         if c.transfer_for_disk and (c.transfer_to, for_disk) != (to, True):
             log.warning("less than %d bytes free on this node's disk (--disk-reserve-bytes) for a failover timeout, "
                         "and every send refused: handing over to %s, as cluster promote would",
                         self.engine.limits.disk_free_bytes_min, c.transfer_to)
-        for m, at in c.disk_handover_failed.items():
-            if failed.get(m) != at:
-                log.warning("%s did not take over from this node, low on disk (it did not catch up within the "
-                            "failover timeout, or refused); tried again in %g s", m,
+        said = self._disk_failures_said
+        for m, at in c.disk_handover_failed.items():  # (a refusal comes between ticks: _timeout_now)
+            if said.get(m) != at:
+                said[m] = at
+                log.warning("%s did not take over from this node, low on disk (it refused, or was not ready in "
+                            "time); asked again in %g s at the earliest", m,
                             R.DISK_HANDOVER_RETRY_TIMEOUTS * c.timeout / 1e6)
 
     # ------------------------------------------------------------- queries
@@ -364,22 +369,20 @@ class Driver:
         loop = asyncio.get_running_loop()
         wait_s = min(HANDOVER_WAIT_S, c.timeout / 1e6)
         deadline = loop.time() + wait_s
-        refused: list = []
-        # a switchover under way already (this node is low on disk: Replication.disk):
-        # it goes on, within the same bound
-        while c.role == R.PRIMARY and c.transfer_to is not None and loop.time() < deadline:
-            await asyncio.sleep(0.01)
-        if c.role != R.PRIMARY:
-            return c.primary
-        target = c.transfer_to  # (still under way at the deadline: given up below, if it can be)
-        while target is None:
-            target = c.handover_target(mono_us(), exclude=refused)
+        # members a handover for this node's disk found refusing lately (low on disk
+        # too, most likely): passed over here as well
+        refused: list = c.disk_passed_over(mono_us())
+        while True:
+            # a switchover under way already (this node is low on disk, Replication.disk,
+            # or a promote): waited for as the stop's own would be, within the same bound
+            target = c.transfer_to or c.handover_target(mono_us(), exclude=refused)
             if target is None:
                 if refused:
                     log.warning("stopping without a handover: no member left to try (%s refused or went away)",
                                 ", ".join(refused))
                 return None
-            log.info("stopping as the primary: handing over to %s first", target)
+            log.info("stopping as the primary: handing over to %s first%s", target,
+                     " (a switchover to it was under way)" if c.transfer_to == target else "")
             await self.switch_over(target, max(0.0, deadline - loop.time()), give_up_if_lost=True)
             if c.role != R.PRIMARY and c.primary == target:
                 log.info("handed over to %s (epoch %d)", target, c.epoch)
@@ -389,7 +392,6 @@ class Driver:
                 log.info("%s will not take over (%s): trying the next member", target,
                          "it refused" if self.declined == target else "its stream broke")
                 refused.append(target)
-                target = None
                 continue
             break
         async with self.lock:

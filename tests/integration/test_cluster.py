@@ -1442,6 +1442,7 @@ def test_a_primary_whose_disk_runs_low_hands_over_to_a_member_with_room(tmp_path
         assert new == roomy, nodes[p].read_log()
         log_p = nodes[p].read_log()
         assert f"handing over to {low}" in log_p and f"{low} refused to take over" in log_p, log_p
+        assert f"{low} did not take over from this node, low on disk" in log_p, log_p   # (the warning)
         assert f"handing over to {roomy}" in log_p, log_p
         assert primary_of(nodes)[0] == roomy
         c2 = client(nodes[roomy])

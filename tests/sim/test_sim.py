@@ -1168,10 +1168,12 @@ def test_a_switchover_target_that_refuses_or_goes_away_is_passed_over():
     assert c.handover_target(70) == "n2"                  # (a stop excludes it by itself)
 
 
-def _answered(c, start, end, step, answer=("n2", "n3")):
+def _answered(c, start, end, step, answer=("n2", "n3"), stuck_at=None, serving=None):
     """Ticks of primary ``c`` from ``start`` to ``end`` (exclusive), every frame
-    it sends to a member in ``answer`` acknowledged at once. -> the members it
-    sent TimeoutNow, in order."""
+    it sends to a member in ``answer`` acknowledged at once; ``stuck_at``: member ->
+    the last record it says it holds (a backlogged disk: contact acknowledgements
+    only). ``serving``: a list, given whether ``c`` served after each tick. -> the
+    members it sent TimeoutNow, in order."""
     told = []
     for now in range(start, end, step):
         todo = c.tick(now)
@@ -1182,7 +1184,10 @@ def _answered(c, start, end, step, answer=("n2", "n3")):
             elif isinstance(e, R.Send) and isinstance(e.msg, R.AppendReq) and e.to in answer:
                 m = e.msg
                 last = m.entries[-1][0] if m.entries else m.prev_lsn
+                last = min(last, (stuck_at or {}).get(e.to, last))
                 todo += c.receive(R.AppendResp(m.epoch, e.to, True, last, m.sent_us), now)
+        if serving is not None:
+            serving.append(c.serving(now))
     return told
 
 
@@ -1190,10 +1195,12 @@ def test_a_primary_low_on_disk_for_a_failover_timeout_hands_over_to_a_member_wit
     """A primary whose disk stays below its reserve refuses every send: once that
     has lasted a failover timeout it hands over (Replication.disk), to the most
     caught-up member heard lately, as a promote would. A member that refuses (its
-    disk is low too: the shell's answer to TimeoutNow) or never catches up is
-    passed over for DISK_HANDOVER_RETRY_TIMEOUTS failover timeouts; with none
-    left the primary serves on, and tries again after that. A disk that has
-    room again before the failover timeout is out starts nothing."""
+    disk is low too: the shell's answer to TimeoutNow) or is not ready within a
+    failover timeout is passed over for ten failover timeouts; with
+    none left the primary serves on, and tries again after that. A member behind
+    the commit point is not asked (the primary would confirm nothing while it
+    caught up). A disk that has room again before the failover timeout is out
+    starts nothing."""
     T = 1_000_000
     step = T // 20
     c = _primary_n1(T)
@@ -1206,20 +1213,40 @@ def test_a_primary_low_on_disk_for_a_failover_timeout_hands_over_to_a_member_wit
     assert c.transfer_to is None and c.serving(2 * T + 1) and c.disk_handover_failed == {"n2": 2 * T + 1}
     assert _answered(c, 2 * T + step, 2 * T + step + 1, step) == ["n3"]   # the next one
     assert c.transfer_declined("n3", 1, 2 * T + step + 1)
-    retry = R.DISK_HANDOVER_RETRY_TIMEOUTS * T
+    retry = 10 * T
     # no member left: it serves on, and tries again once the first refusal is old enough
     assert _answered(c, 2 * T + 2 * step, 2 * T + 1 + retry, step) == []
     assert c.role == R.PRIMARY and c.transfer_to is None and c.serving(2 * T + retry)
     assert _answered(c, 2 * T + 1 + retry, 2 * T + 2 + retry, step) == ["n2"]
     assert c.transfer_declined("n2", 1, 2 * T + 2 + retry)
 
-    # a member that does not catch up (answers nothing) within a failover timeout is passed over too
+    # a member that is not ready (answers nothing) within a failover timeout is passed over too
     c2 = _primary_n1(T)
     _answered(c2, 50, T, step)
     c2.disk(True, 50)
     assert _answered(c2, T, 2 * T + step, step, answer=("n3",)) == [] and c2.transfer_to == "n2"
     assert _answered(c2, 2 * T + step, 2 * T + step + 1, step, answer=("n3",)) == ["n3"]   # the next one
     assert c2.role == R.PRIMARY and c2.transfer_to == "n3" and c2.disk_handover_failed == {"n2": 2 * T + step}
+
+    # a member whose disk is backlogged (contact acknowledgements only, behind the
+    # commit point) is not asked: the primary serves on instead of waiting for it
+    c4 = _primary_n1(T)
+    c4.disk(True, 0)
+    c4.appended([(2, 1, 8)], 40)
+    assert _answered(c4, 50, T, step, stuck_at={"n2": 1}) == [] and c4.commit_lsn == 2 and c4.match["n2"] == 1
+    served: list = []
+    assert _answered(c4, T, T + 1, step, stuck_at={"n2": 1}) == ["n3"]
+    assert c4.transfer_declined("n3", 1, T + step)          # low on disk too
+    assert _answered(c4, T + step, 3 * T, step, stuck_at={"n2": 1}, serving=served) == []
+    assert all(served) and c4.transfer_to is None and c4.role == R.PRIMARY
+
+    # a new primary still waiting out an older one's leases could not send TimeoutNow:
+    # it starts the handover only once that wait is over (not to give it up meanwhile)
+    c5 = _primary_n1(T)
+    c5.disk(True, 0)
+    c5.lease_ok_at = 2 * T
+    assert _answered(c5, 50, 2 * T, step) == [] and c5.transfer_to is None and not c5.disk_handover_failed
+    assert _answered(c5, 2 * T, 2 * T + 1, step) == ["n2"]
 
     # room again before a failover timeout: nothing; a promote that fails passes over no one
     c3 = _primary_n1(T)

@@ -432,18 +432,16 @@ def test_a_stop_whose_timeout_now_is_out_fails_what_waits_for_the_group_commit(t
 
 def test_a_stop_during_a_switchover_under_way_waits_for_it(tmp_path, monkeypatch):
     """A primary stopping while a switchover is under way already (its disk is
-    low: Replication.disk; or a promote) lets that one finish, within the stop's
-    bound, rather than stop without a handover (handover_target names no one
-    while one is under way) or start another."""
+    low: Replication.disk; or a promote) waits for that one as for its own, within
+    the stop's bound (Driver.hand_over), rather than stop without a handover
+    (handover_target names no one while one is under way) or start another: it
+    returns the target once it has taken over; given up at the bound (TimeoutNow
+    not out yet), this node serves again. And a member that a handover for disk
+    found refusing lately is passed over by the stop too."""
     e = Engine(str(tmp_path), node_id="n1", peers=PEERS)
-    tried = []
-
-    async def switch_over(target, wait_s, give_up_if_lost=False):
-        tried.append(target)
 
     async def main():
         c = _loaded_as_primary(e, heard=("n2", "n3"))
-        monkeypatch.setattr(e.repl, "switch_over", switch_over)
         c.transfer("n3", mono_us())
         c.transfer_for_disk = True
 
@@ -455,7 +453,35 @@ def test_a_stop_during_a_switchover_under_way_waits_for_it(tmp_path, monkeypatch
         await t
         return got
 
-    assert asyncio.run(main()) == "n3" and tried == []
+    assert asyncio.run(main()) == "n3"
+    e.store.close()
+
+    e = Engine(str(tmp_path / "silent"), node_id="n1", peers=PEERS)
+
+    async def silent():
+        c = _loaded_as_primary(e, heard=("n2", "n3"))
+        c.transfer("n3", mono_us())   # n3 never answers: TimeoutNow never goes out
+        c.transfer_for_disk = True
+        return await e.repl.hand_over(), c
+
+    got, c = asyncio.run(silent())
+    assert got is None and c.role == R.PRIMARY and c.transfer_to is None   # given up: it serves again
+    e.store.close()
+
+    e = Engine(str(tmp_path / "passed"), node_id="n1", peers=PEERS)
+    tried = []
+
+    async def switch_over(target, wait_s, give_up_if_lost=False):
+        tried.append(target)
+
+    async def passed_over():
+        c = _loaded_as_primary(e, heard=("n2", "n3"))
+        c.disk_handover_failed["n2"] = mono_us()   # n2 refused a handover for disk just now
+        monkeypatch.setattr(e.repl, "switch_over", switch_over)
+        await e.repl.hand_over()
+
+    asyncio.run(passed_over())
+    assert tried == ["n3"]
     e.store.close()
 
 
