@@ -704,8 +704,9 @@ class Replication:
 
     def transfer_declined(self, target: str, epoch: int, now: int) -> bool:
         """``target`` answered this primary's TimeoutNow of ``epoch`` with a refusal
-        (it is stopping, so it will not campaign): the switchover ends as if
-        TimeoutNow had never gone out, and this primary serves again. Only a
+        (it is stopping, or its disk is low: it will not campaign): the switchover
+        ends as if TimeoutNow had never gone out, and this primary serves again
+        (a handover for disk passes the target over: _transfer_failed). Only a
         refusal counts, never a lost or failed call (the target may have acted).
         A switchover has one TimeoutNow call out at a time (_maybe_finish_transfer),
         so the refusal is of the only copy out."""
