@@ -508,6 +508,12 @@ class Engine:
                 if paused:
                     await asyncio.sleep(0.01)
 
+    @property
+    def writes_waiting(self) -> int:
+        """Records waiting for the group commit (a gauge in /metrics; bounded by
+        Limits.pending_records_max)."""
+        return len(self._pending)
+
     def drop_pending(self, why: str) -> None:
         """Fail every record not yet stamped, as never stored (``unavailable``)."""
         taken, self._pending = self._pending, []

@@ -326,7 +326,7 @@ class _StateCollector:
                 # the write path's backlog: records waiting for the next group commit
                 # (past the max, writes are refused: reason overloaded), and records
                 # stamped and not yet applied (waiting for an fsync, here or on a quorum)
-                ("spooler_writes_waiting", "Log records waiting for the group commit", len(e._pending)),
+                ("spooler_writes_waiting", "Log records waiting for the group commit", e.writes_waiting),
                 ("spooler_writes_waiting_max", "Most log records that wait for the group commit; past it writes "
                  "are refused (unavailable, reason overloaded)", lim.pending_records_max),
                 ("spooler_writes_unconfirmed", "Log records stamped and not yet applied: being written, or "

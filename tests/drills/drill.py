@@ -1160,7 +1160,7 @@ class Drill:
                       client_proxy_links=final_client_proxy)
         report["unexpected_exits"] = self.unexpected_exits
         if self.disk_low:
-            report["disk_low"] = {k: (list(v) if isinstance(v, list) else v) for k, v in self.disk_low_rounds.items()}
+            report["disk_low"] = dict(self.disk_low_rounds, handover_s=list(self.disk_low_rounds["handover_s"]))
         report["snapshot_installs"] = snapshot_installs_from_logs(self.cluster.workdir)
         if self.thread_errors or not drained or self.unexpected_exits:
             report["required_zeros_ok"] = False
