@@ -183,6 +183,8 @@ def cluster_dict(c: api_pb2.ClusterInfo) -> dict:
             d["lastContactMs"] = None if n.last_contact_ms < 0 else n.last_contact_ms
         if n.HasField("reachable"):
             d["reachable"] = n.reachable
+        if n.HasField("disk_low"):
+            d["diskLow"] = n.disk_low
         nodes.append(d)
     doc = {"nodeId": c.node_id, "role": c.role, "epoch": c.epoch, "primary": c.primary or None}
     if c.HasField("commit_lsn"):  # (an older node does not say)

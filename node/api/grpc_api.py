@@ -19,7 +19,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 from spooler import errors
 from spooler.pb import api_pb2, api_pb2_grpc
 from node.api.forward import FORWARDED
-from node.api.metrics import CANCELLED
+from node.api.metrics import CANCELLED, FORWARDED_API
 from node.tls import from_a_member
 from node.api.service import SCOPES, SETTINGS, Service
 from node.engine import Reply
@@ -60,6 +60,8 @@ def cluster_pb(d: dict) -> api_pb2.ClusterInfo:
             pb.last_contact_ms = -1.0 if n["lastContactMs"] is None else n["lastContactMs"]
         if "reachable" in n:
             pb.reachable = n["reachable"]
+        if "diskLow" in n:
+            pb.disk_low = n["diskLow"]
         nodes.append(pb)
     return api_pb2.ClusterInfo(node_id=d["nodeId"], role=d["role"], epoch=d["epoch"], primary=d["primary"] or "",
                                commit_lsn=d.get("commitLsn"), applied_lsn=d.get("appliedLsn"),
@@ -274,10 +276,11 @@ def rpc(method):
     async def wrapper(self, request, context):
         # the epoch trailer is read when the answer goes out (a promote's answer
         # names the epoch it made, and so does its trailer)
-        began, forwarded, metrics = time.monotonic(), False, self.metrics
+        began, forwarded, metrics, running = time.monotonic(), False, self.metrics, None
         try:
             auth, via = _caller(context, self.svc.cluster_key)
             forwarded = bool(via)  # (a member's call is counted as such even when its key is refused)
+            running = metrics.calls.enter(FORWARDED_API if forwarded else "grpc", name)
             p = self.svc.authenticate(auth, via)
             if self.svc.unknown_here(p):
                 await self.svc.verified(p)
@@ -309,6 +312,9 @@ def rpc(method):
             internal = errors.Internal("internal error")
             metrics.answered("grpc", name, began, internal, forwarded=forwarded)
             await _abort(self.svc, context, internal)
+        finally:
+            if running is not None:
+                metrics.calls.leave(running)
 
     return wrapper
 
@@ -480,6 +486,8 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
 
         metrics, via_member = self.metrics, bool(forwarded)
         count_entry_error = None if via_member else metrics.error  # (a send's failed entries)
+        # (its requests under way, as spooler_calls_in_progress counts them)
+        metrics.calls.sessions[id(tasks)] = (FORWARDED_API if via_member else "grpc", tasks)
 
         def answer(resp, which, began: float) -> None:
             """Queue ``resp`` for the writer, and count the request it answers as a
@@ -634,6 +642,7 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
                     break  # the client closed its side and everything is answered, or the stream broke
         finally:
             svc.session_wakes.discard(wake)
+            metrics.calls.sessions.pop(id(tasks), None)
             reader.cancel()
             for t, (which, began) in list(tasks.items()):
                 if t.cancel():  # never answered: the stream ended first

@@ -571,12 +571,14 @@ def _errors_mw(metrics):
             # sees that at once and can send it again on a new connection.
             request[CLOSE] = True
         call = _call_name(request)
+        running = metrics.calls.enter("http", call)
         try:
             r, e = await answer(request, handler)
         except asyncio.CancelledError:  # the client went away first (aiohttp cancels its handler)
             metrics.answered("http", call, began, CANCELLED)
             raise
         finally:
+            metrics.calls.leave(running)
             if guard is not None:
                 guard.request_answered(request)
         metrics.answered("http", call, began, e, probe=call in _PROBES)

@@ -116,13 +116,28 @@ class Calls:
     matched no route or method is "unmatched". ``outcome`` is "ok", the error's
     kind (errors.py's table) or "cancelled". So every label takes one of a
     fixed set of values: no client can make the node grow a series per path,
-    queue or key."""
+    queue or key.
 
-    __slots__ = ("by_call", "created")
+    Calls in progress, by the same api and call: a unary gRPC call or an HTTP
+    request from its start (``enter``) to its end (``leave``), and each request
+    on an open Session stream that is read and not yet answered (``sessions``:
+    each open stream's api and its dict of such requests, read at a render)."""
+
+    __slots__ = ("by_call", "created", "running", "sessions")
 
     def __init__(self):
         self.by_call: dict = {}  # (api, call) -> ({outcome: calls}, Buckets of their seconds)
         self.created = time.time()
+        self.running: dict = {}  # (api, call) -> unary calls and HTTP requests under way
+        self.sessions: dict = {}  # id -> (api, {request: (which, began)}) of each open Session stream
+
+    def enter(self, api: str, call: str) -> tuple:
+        key = (api, call)
+        self.running[key] = self.running.get(key, 0) + 1
+        return key
+
+    def leave(self, key: tuple) -> None:
+        self.running[key] -= 1
 
     def done(self, api: str, call: str, outcome: str, seconds: float) -> None:
         got = self.by_call.get((api, call))
@@ -143,6 +158,28 @@ class Calls:
             h.add_metric([api, call], _cumulative(times.bounds, times.counts), times.sum)
         yield c
         yield h
+        running = dict(self.running)  # (a call once under way keeps its series, at 0 when none is)
+        for api, call in self.by_call:
+            if call.startswith("Session/"):
+                running.setdefault((api, call), 0)
+        for api, requests in self.sessions.values():
+            for which, _ in list(requests.values()):
+                key = (api, "Session/" + which)
+                running[key] = running.get(key, 0) + 1
+        g = GaugeMetricFamily("spooler_calls_in_progress", "Calls under way, by API and call as spooler_calls "
+                              "(a Session stream's requests read and not yet answered, each as its call)",
+                              labels=["api", "call"])
+        for (api, call), n in sorted(running.items()):
+            g.add_metric([api, call], n)
+        yield g
+        g = GaugeMetricFamily("spooler_sessions_open", "Session streams open, by API (grpc: a client's; "
+                              "forwarded: a member's)", labels=["api"])
+        opened: dict = {}
+        for api, _ in self.sessions.values():
+            opened[api] = opened.get(api, 0) + 1
+        for api in ("grpc", FORWARDED_API):
+            g.add_metric([api], opened.get(api, 0))
+        yield g
 
 
 def _reason_label(reason: str) -> str:
@@ -289,6 +326,10 @@ class _LoopCollector:
             yield from f.families()
 
 
+_QUEUE_EVENTS = (("sent", "sentTotal"), ("acked", "ackedTotal"), ("nacked", "nackedTotal"),
+                 ("lease_expired", "leaseExpiredTotal"), ("failed", "failedTotal"), ("expired", "expiredTotal"))
+
+
 class _StateCollector:
     def __init__(self, engine):
         self.engine = engine
@@ -299,6 +340,13 @@ class _StateCollector:
         waited = GaugeMetricFamily("spooler_queue_first_visible_seconds",
                                    "How long the first message in line (the next a receive hands out) has been "
                                    "visible; 0 when none is. Right on the primary only", labels=["queue"])
+        # what happened to a queue's messages, as its stats' totals (sentTotal and
+        # the rest): part of the replicated state, so the same on every member and
+        # kept across restarts; they start again from 0 for a queue deleted and made anew
+        events = CounterMetricFamily("spooler_queue_events", "What happened to a queue's messages, as GET "
+                                     "/v1/queues/{queue}'s totals: sent, acked, nacked, lease_expired, failed "
+                                     "(moved to the failure queue), expired (dropped by retention)",
+                                     labels=["queue", "event"])
         now = e.now_us()
         core = e.core
         held = 0
@@ -309,8 +357,11 @@ class _StateCollector:
                 held += s[state]
             since = core.first_in_line_since(name, now)
             waited.add_metric([name], max(0, now - since) / 1e6 if since is not None else 0.0)
+            for event, key in _QUEUE_EVENTS:
+                events.add_metric([name, event], s[key])
         yield depth
         yield waited
+        yield events
         # the node-wide caps beside what they bound (a send past one is refused,
         # reason node_full; limits.md)
         lim = e.limits
@@ -380,9 +431,14 @@ def _cluster_families(st: dict, me: str):
                            labels=["member"])
     match = GaugeMetricFamily("spooler_member_match_lsn",
                               "On the primary: how far each replica confirmed the log", labels=["member"])
+    low = GaugeMetricFamily("spooler_member_disk_low",
+                            "On the primary: 1 if the member's latest answer said its disk is below its reserve",
+                            labels=["member"])
     for n in st["nodes"]:
         if n["id"] == me:
             continue
+        if "diskLow" in n:
+            low.add_metric([n["id"]], 1.0 if n["diskLow"] else 0.0)
         if "lastContactMs" in n:
             ms = n["lastContactMs"]
             heard.add_metric([n["id"]], float("inf") if ms is None else ms / 1e3)
@@ -393,3 +449,4 @@ def _cluster_families(st: dict, me: str):
     yield heard
     yield up
     yield match
+    yield low

@@ -59,6 +59,10 @@ class AppendResp:
     sent_us: int
     joining: bool = False  # the sender is a replacement that does not vote yet
     contact: bool = False  # only "your frame of sent_us reached me" (heard): ok and match_lsn say nothing
+    # the sender's disk is below its reserve (it would refuse TimeoutNow): every
+    # answer says so (Replication.disk), and a primary low on disk hands over
+    # only to a member whose latest answer did not (_maybe_hand_over_for_disk)
+    disk_low: bool = False
 
 
 @dataclass
@@ -252,9 +256,12 @@ class Replication:
         # over to a member with room (_maybe_hand_over_for_disk): since when this
         # node's disk has been low (None: it has room), and the members a handover
         # for disk did not reach (it refused: low on disk too or stopping; or it
-        # never caught up) -> when, each passed over for DISK_HANDOVER_RETRY_TIMEOUTS.
+        # never caught up) -> when, each passed over for DISK_HANDOVER_RETRY_TIMEOUTS
+        # or until it says it has room again after saying its disk was low
+        # (disk_low_said: the members passed over that said so since).
         self.disk_low_since: Optional[int] = None
         self.disk_handover_failed: dict = {}
+        self.disk_low_said: set = set()
         self.transfer_for_disk = False  # the switchover under way is such a handover
         self.frame_entries_max = frame_entries_max
         self.frames_in_flight_max = frames_in_flight_max
@@ -309,6 +316,7 @@ class Replication:
         self.acked_sent: dict = {}  # peer -> sent_us of the latest append it acknowledged in our epoch
         self.stream_lost_at: dict = {}  # peer -> when our stream to it last broke (primary)
         self.peer_joining: dict = {}  # peer -> its latest answer said it is still joining
+        self.peer_disk_low: dict = {}  # peer -> its latest answer in our epoch said its disk is low
         self.lease_ok_at = 0
         self.transfer_to: Optional[str] = None
         self.campaign_at = 0
@@ -538,7 +546,8 @@ class Replication:
             self.durable_lsn = max(self.durable_lsn, req.entries[-1][0])
         match = req.entries[-1][0] if req.entries else req.prev_lsn
         if req.epoch == self.epoch:
-            ack = Send(req.primary, AppendResp(self.epoch, self.id, True, match, req.sent_us, self.joining))
+            ack = Send(req.primary, AppendResp(self.epoch, self.id, True, match, req.sent_us, self.joining,
+                                               disk_low=self.disk_low_since is not None))
             out.append(ack)
             c = min(req.commit_lsn, match)
             if c > self.commit_lsn:
@@ -651,6 +660,26 @@ class Replication:
         return [p for p, at in self.disk_handover_failed.items()
                 if now - at < DISK_HANDOVER_RETRY_TIMEOUTS * self.timeout]
 
+    def unwilling(self, now: int) -> list:
+        """Members a handover should not ask: passed over lately (disk_passed_over)
+        or saying in their latest answer that their disk is low (they would refuse
+        TimeoutNow)."""
+        passed = self.disk_passed_over(now)
+        return passed + [p for p in sorted(self.peers) if self.peer_disk_low.get(p) and p not in passed]
+
+    def _peer_disk(self, p: str, low: bool) -> None:
+        """Primary: member ``p``'s latest answer says its disk is ``low`` (below its
+        reserve) or not. A member passed over by a handover for disk that has
+        said its disk was low since, and now says it has room, is passed over no
+        longer (it refused for want of room, most likely, and has it again)."""
+        self.peer_disk_low[p] = low
+        if p in self.disk_handover_failed:
+            if low:
+                self.disk_low_said.add(p)
+            elif p in self.disk_low_said:
+                del self.disk_handover_failed[p]
+                self.disk_low_said.discard(p)
+
     def _maybe_hand_over_for_disk(self, now: int, out: list) -> None:
         """A primary whose disk has stayed below its reserve for a failover timeout
         refuses every send: it hands over to a member that will take over, as
@@ -664,14 +693,15 @@ class Replication:
         between them. A member whose own disk is low refuses (the shell's
         answer to TimeoutNow, transfer_declined), as does one that is stopping;
         a member that refused or was given up is passed over
-        (disk_passed_over). With no member to try, this primary serves on
+        (disk_passed_over), and a member whose latest answer says its disk is
+        low is not asked (peer_disk_low). With no member to try, this primary serves on
         (acks, receives; sends refused) and tries again later. Liveness only:
         the switchover is the same as a promote's."""
         since = self.disk_low_since
         if since is None or now - since < self.timeout or self.transfer_to is not None or now < self.lease_ok_at:
             return  # (a new primary still waiting out an older one's leases could not send TimeoutNow yet)
         behind = [p for p in self.peers if self.match.get(p, 0) < self.commit_lsn]
-        target = self.handover_target(now, exclude=self.disk_passed_over(now) + behind)
+        target = self.handover_target(now, exclude=self.unwilling(now) + behind)
         if target is not None:
             out += self.transfer(target, now)
             self.transfer_for_disk = True
@@ -680,6 +710,7 @@ class Replication:
         """The switchover under way ended with this node still the primary."""
         if self.transfer_for_disk:
             self.disk_handover_failed[self.transfer_to] = now
+            self.disk_low_said.discard(self.transfer_to)
         self.transfer_to = None
         self.transfer_for_disk = False
 
@@ -821,6 +852,7 @@ class Replication:
             return
         p = m.sender
         self.acked_sent[p] = max(self.acked_sent.get(p, -1 << 62), m.sent_us)
+        self._peer_disk(p, m.disk_low)
         if m.contact:
             return  # contact only (heard): the frame's own acknowledgement follows its fsync
         self.peer_joining[p] = m.joining
@@ -906,7 +938,8 @@ class Replication:
         self._reset_election_timer(now)
         # (not ok, match 0: nothing of the log; a reader that ignored ``contact`` would
         # only rewind, never count a record as held)
-        return [Send(m.primary, AppendResp(self.epoch, self.id, False, 0, m.sent_us, contact=True))]
+        return [Send(m.primary, AppendResp(self.epoch, self.id, False, 0, m.sent_us, contact=True,
+                                           disk_low=self.disk_low_since is not None))]
 
     def _on_append(self, m: AppendReq, now: int, out: list) -> None:
         if m.epoch < self.epoch:
@@ -941,7 +974,8 @@ class Replication:
                 hint = max(self.log.first_of_epoch(mine[0], m.prev_lsn, self.commit_lsn) - 1, self.commit_lsn)
             # (still joining or not, as in every answer: a replacement being sent a
             # snapshot answers these all the while, and must not look joined)
-            out.append(Send(m.primary, AppendResp(self.epoch, self.id, False, hint, m.sent_us, self.joining)))
+            out.append(Send(m.primary, AppendResp(self.epoch, self.id, False, hint, m.sent_us, self.joining,
+                                                  disk_low=self.disk_low_since is not None)))
             return
         new = []
         for e in m.entries:
@@ -1099,6 +1133,7 @@ class Replication:
             # a vote for our epoch is contact: that voter no longer follows anyone older
             self.acked_sent[p] = self.campaign_at if p in self.votes else -1 << 62
             self.last_sent[p] = -1 << 62
+            self.peer_disk_low.pop(p, None)  # (not known in this epoch until it answers)
         out.append(Role(PRIMARY, self.epoch, self.id))
         for p in self.peers:
             self._send_append(p, now, out, heartbeat=True)

@@ -297,6 +297,12 @@ class Driver:
                 d["reachable"] = heard >= 0 and now - heard < c.timeout
             if (c.joining if m == self.id else c.role == R.PRIMARY and c.peer_joining.get(m)):
                 d["joining"] = True  # a replacement that does not vote yet
+            # below its disk reserve: this node's own reading; on the primary, what
+            # each member's latest answer said (absent: not heard in this epoch)
+            if m == self.id:
+                d["diskLow"] = self.engine.disk_low()
+            elif c.role == R.PRIMARY and m in c.peer_disk_low:
+                d["diskLow"] = c.peer_disk_low[m]
             nodes.append(d)
         return {"role": "primary" if c.role == R.PRIMARY else "replica", "epoch": c.epoch, "primary": c.primary,
                 "commitLsn": c.commit_lsn, "nodes": nodes}
@@ -370,8 +376,8 @@ class Driver:
         wait_s = min(HANDOVER_WAIT_S, c.timeout / 1e6)
         deadline = loop.time() + wait_s
         # members a handover for this node's disk found refusing lately (low on disk
-        # too, most likely): passed over here as well
-        refused: list = c.disk_passed_over(mono_us())
+        # too, most likely), or that say their disk is low: passed over here as well
+        refused: list = c.unwilling(mono_us())
         while True:
             # a switchover under way already (this node is low on disk, Replication.disk,
             # or a promote): waited for as the stop's own would be, within the same bound
@@ -545,7 +551,7 @@ class Driver:
             if self._replies is not None:
                 self._replies.append(pb.AppendAck(epoch=msg.epoch, sender=msg.sender, ok=msg.ok,
                                                   match_lsn=msg.match_lsn, sent_us=msg.sent_us,
-                                                  joining=msg.joining))
+                                                  joining=msg.joining, disk_low=msg.disk_low))
         elif isinstance(msg, R.VoteReq):
             asyncio.ensure_future(self._ask_vote(to, msg))
         elif isinstance(msg, R.VoteResp):
@@ -577,7 +583,7 @@ class Driver:
                     if ack.releases and self.engine.release_hook is not None:
                         self.engine.release_hook(list(ack.releases))
                     m = R.AppendResp(ack.epoch, ack.sender, ack.ok, ack.match_lsn, ack.sent_us, ack.joining,
-                                     ack.contact)
+                                     ack.contact, ack.disk_low)
                     if CONTACT_ACKS:
                         self.core.contact(m, mono_us())  # now, not once the lock is free (see contact)
                     async with self.lock:
@@ -898,7 +904,7 @@ class Driver:
         out = self.core.heard(R.AppendReq(f.epoch, f.primary, f.prev_lsn, f.prev_epoch, f.prev_crc, [],
                                           f.commit_lsn, f.sent_us, f.primary_commit_lsn, f.lease_us), mono_us())
         return [pb.AppendAck(epoch=m.epoch, sender=m.sender, ok=m.ok, match_lsn=m.match_lsn, sent_us=m.sent_us,
-                             contact=True) for m in (e.msg for e in out)]
+                             contact=True, disk_low=m.disk_low) for m in (e.msg for e in out)]
 
     def _pending_releases(self, primary: str) -> list:
         """Lost-answer releases this node's forwarder is still trying to deliver to

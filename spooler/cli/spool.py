@@ -181,6 +181,8 @@ def cmd_cluster_status(args):
         heard = "" if heard == "" else ("  never heard" if heard is None else f"  heard {heard / 1e3:.1f} s ago")
         if n.get("reachable") is False:
             heard += "  UNREACHABLE"
+        if n.get("diskLow"):
+            heard += "  DISK LOW"
         lines.append(f"  {n['id']} {n['role']} {n.get('address', '')}{' joining' if n.get('joining') else ''}{heard}")
     emit(args, d, "\n".join(lines))
 

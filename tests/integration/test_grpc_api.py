@@ -1048,6 +1048,84 @@ def test_calls_their_callers_gave_up_on_are_counted_cancelled(node, client):
     assert timed[("grpc", "ReceiveBatch")] == 1
 
 
+def test_calls_under_way_and_open_sessions_are_gauges(node, client):
+    """spooler_calls_in_progress{api,call}: calls under way (a unary gRPC call and
+    an HTTP request from start to end, a Session stream's request from being read
+    to being answered), here three long polls on an empty queue, one of each;
+    spooler_sessions_open{api}: Session streams open. Back to 0 once the polls
+    are answered and the stream ends."""
+    import urllib.request
+
+    client.put_queue("poll-q")
+
+    def running():
+        return {(s.labels["api"], s.labels["call"]): s.value for s in node.samples("spooler_calls_in_progress")
+                if s.value or "receive" in s.labels["call"].lower()}
+
+    def sessions():
+        return {s.labels["api"]: s.value for s in node.samples("spooler_sessions_open")}
+
+    assert sessions() == {"grpc": 0, "forwarded": 0}
+    req = urllib.request.Request(node.http_url + "/v1/queues/poll-q/receive?wait=10", data=b"", method="POST",
+                                 headers={"Authorization": f"Bearer {node.admin_key}"})
+    got = []
+    http_poll = threading.Thread(target=lambda: got.append(urllib.request.urlopen(req, timeout=30).status))
+    http_poll.start()
+    md = (("authorization", f"Bearer {node.admin_key}"),)
+    with grpc.insecure_channel(node.grpc_target) as ch:
+        stub = api_pb2_grpc.SpoolerStub(ch)
+        unary = stub.ReceiveBatch.future(api_pb2.ReceiveRequest(queue="poll-q", wait_seconds=10, max_messages=1),
+                                         metadata=md, timeout=30)
+        done = threading.Event()
+
+        def requests():
+            yield api_pb2.SessionRequest(id=1, receive=api_pb2.ReceiveRequest(queue="poll-q", wait_seconds=10))
+            done.wait(30)
+
+        stream = stub.Session(requests(), metadata=md)
+        polls = {("http", "POST /v1/queues/{queue}/receive"): 1, ("grpc", "ReceiveBatch"): 1,
+                 ("grpc", "Session/receive"): 1}
+        # (the /metrics request reading them is under way too, as HTTP's GET /metrics)
+        reaches(lambda: {k: v for k, v in running().items() if k != ("http", "GET /metrics")}, polls,
+                what="three polls under way")
+        assert sessions() == {"grpc": 1, "forwarded": 0}
+        client.send_batch("poll-q", [b"a", b"b", b"c"])
+        assert len(unary.result(30).messages) == 1
+        answer = next(stream)
+        assert answer.id == 1 and len(answer.receive.messages) == 1
+        http_poll.join(30)
+        assert got == [200]
+        reaches(lambda: {k: v for k, v in running().items() if k != ("http", "GET /metrics")},
+                {k: 0 for k in polls}, what="no poll under way")
+        done.set()
+        stream.cancel()
+    reaches(sessions, {"grpc": 0, "forwarded": 0}, what="the stream closed")
+
+
+def test_what_happened_to_each_queues_messages_is_counted(node, client):
+    """spooler_queue_events_total{queue,event}: a queue's totals as its stats say
+    them (sent, acked, nacked, lease_expired, failed, expired), so that a rising
+    failure count can be alerted on per queue."""
+    client.put_queue("counted-events", maxRetries=1)
+
+    def events():
+        return {s.labels["event"]: s.value for s in node.samples("spooler_queue_events_total")
+                if s.labels["queue"] == "counted-events"}
+    assert events() == dict.fromkeys(("sent", "acked", "nacked", "lease_expired", "failed", "expired"), 0)
+    client.send_batch("counted-events", [b"a", b"b", b"c"])
+    [first] = client.receive("counted-events")
+    client.ack(first.token)
+    [second] = client.receive("counted-events")
+    client.nack(second.token)                             # retried once
+    for d in client.receive("counted-events", max_messages=2):
+        client.nack(d.token)                                  # one past its retries: to the failure queue
+    st = client.get_queue("counted-events")["stats"]
+    assert events() == {"sent": st["sentTotal"], "acked": st["ackedTotal"], "nacked": st["nackedTotal"],
+                        "lease_expired": st["leaseExpiredTotal"], "failed": st["failedTotal"],
+                        "expired": st["expiredTotal"]}, st
+    assert (st["sentTotal"], st["ackedTotal"], st["failedTotal"]) == (3, 1, 1), st
+
+
 def test_each_refusal_is_counted_by_its_reason_and_the_disk_room_is_a_gauge(tmp_path):
     """spooler_errors_total says why an ``unavailable`` was answered (its reason,
     from a bounded set), so that a node refusing sends for its disk is told from

@@ -1168,12 +1168,13 @@ def test_a_switchover_target_that_refuses_or_goes_away_is_passed_over():
     assert c.handover_target(70) == "n2"                  # (a stop excludes it by itself)
 
 
-def _answered(c, start, end, step, answer=("n2", "n3"), stuck_at=None, serving=None):
+def _answered(c, start, end, step, answer=("n2", "n3"), stuck_at=None, serving=None, low=()):
     """Ticks of primary ``c`` from ``start`` to ``end`` (exclusive), every frame
     it sends to a member in ``answer`` acknowledged at once; ``stuck_at``: member ->
     the last record it says it holds (a backlogged disk: contact acknowledgements
-    only). ``serving``: a list, given whether ``c`` served after each tick. -> the
-    members it sent TimeoutNow, in order."""
+    only). ``serving``: a list, given whether ``c`` served after each tick;
+    ``low``: the members whose answers say their disk is low. -> the members it
+    sent TimeoutNow, in order."""
     told = []
     for now in range(start, end, step):
         todo = c.tick(now)
@@ -1185,7 +1186,7 @@ def _answered(c, start, end, step, answer=("n2", "n3"), stuck_at=None, serving=N
                 m = e.msg
                 last = m.entries[-1][0] if m.entries else m.prev_lsn
                 last = min(last, (stuck_at or {}).get(e.to, last))
-                todo += c.receive(R.AppendResp(m.epoch, e.to, True, last, m.sent_us), now)
+                todo += c.receive(R.AppendResp(m.epoch, e.to, True, last, m.sent_us, disk_low=e.to in low), now)
         if serving is not None:
             serving.append(c.serving(now))
     return told
@@ -1256,6 +1257,63 @@ def test_a_primary_low_on_disk_for_a_failover_timeout_hands_over_to_a_member_wit
     c3.transfer("n2", 2 * T)
     assert _answered(c3, 2 * T, 3 * T + 1, step, answer=("n3",)) == []
     assert c3.transfer_to is None and c3.disk_handover_failed == {}
+
+
+def test_members_say_when_their_disk_is_low_and_a_primary_low_on_disk_asks_only_those_with_room():
+    """Every answer a member sends its primary says whether its disk is below its
+    reserve (AppendResp.disk_low). A primary handing over for want of room, or
+    for a stop, does not ask a member that says its disk is low (it would
+    refuse), even the most caught-up one. A member passed over after a refusal
+    that then says its disk was low and later that it has room is asked again
+    at once, not ten failover timeouts later; one passed over for not being
+    ready, which never said its disk was low, stays passed over."""
+    T = 1_000_000
+    step = T // 20
+    # the replica's side: its answers say what Replication.disk last heard
+    r = R.Replication("n2", ["n1", "n2", "n3"], failover_timeout_us=T, rand=lambda: 0.5)
+    r.start(0)
+    req = R.AppendReq(1, "n1", 0, 0, 0, [], 0, 5, lease_us=T // 2)
+    def acks(out):
+        return [e.msg for e in out if isinstance(e, R.Send) and isinstance(e.msg, R.AppendResp)]
+    r.receive(req, 10)                                                      # (it follows n1 in epoch 1)
+    assert [a.disk_low for a in acks(r.stored(req, 11))] == [False]
+    r.disk(True, 20)
+    assert [a.disk_low for a in acks(r.stored(req, 21))] == [True]
+    assert [a.disk_low for a in acks(r.heard(req, 22))] == [True]          # a contact acknowledgement too
+    r.disk(False, 30)
+    assert [a.disk_low for a in acks(r.stored(req, 31))] == [False]
+
+    # the primary's side: n2, the most caught up, says its disk is low: n3 is asked
+    c = _primary_n1(T)
+    c.appended([(2, 1, 8)], 40)
+    c.disk(True, 0)
+    assert _answered(c, 50, T, step, low=("n2",)) == [] and c.peer_disk_low == {"n2": True, "n3": False}
+    assert c.unwilling(T) == ["n2"] and c.handover_target(T) == "n2"      # (a promote is the operator's choice)
+    assert _answered(c, T, T + 1, step, low=("n2",)) == ["n3"]
+    # n3 refuses (its disk filled before its answers said so) and is passed over
+    assert c.transfer_declined("n3", 1, T + 1) and c.disk_handover_failed == {"n3": T + 1}
+    assert _answered(c, T + step, 2 * T, step, low=("n2",)) == []           # no one left
+    assert _answered(c, 2 * T, 2 * T + step, step, low=("n2", "n3")) == []  # n3 says its disk is low
+    assert _answered(c, 2 * T + step, 3 * T, step, low=("n2",)) == ["n3"]   # and then that it has room
+    assert c.transfer_to == "n3" and not c.disk_handover_failed
+
+    # room again without having said it was low: still passed over (it refused for another reason)
+    c2 = _primary_n1(T)
+    c2.disk(True, 0)
+    assert _answered(c2, 50, T + 51, step, low=("n2",)) == ["n3"]
+    assert c2.transfer_declined("n3", 1, T + 51)
+    assert _answered(c2, T + 50 + step, 4 * T, step, low=("n2",)) == [] and c2.disk_handover_failed == {"n3": T + 51}
+    # n2's disk frees up: it is asked (it was never passed over)
+    assert _answered(c2, 4 * T, 5 * T, step) == ["n2"]                     # (once it has said so)
+
+    # a new epoch forgets what the members said in the old one
+    c3 = _primary_n1(T)
+    _answered(c3, 50, T // 2, step, low=("n2", "n3"))
+    assert c3.unwilling(T // 2) == ["n2", "n3"]
+    c3.receive(R.AppendResp(2, "n2", False, 0, 0), T // 2)                  # a newer epoch: n1 steps down
+    c3._campaign(T, pre=False)
+    c3.receive(R.VoteResp(c3.epoch, "n2", True, False, 0, 0), T + 1)
+    assert c3.role == R.PRIMARY and c3.peer_disk_low == {} and c3.unwilling(T + 1) == []
 
 
 def test_a_second_switchover_while_one_is_under_way_is_refused():

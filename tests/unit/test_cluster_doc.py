@@ -7,9 +7,10 @@ from spooler.pb import api_pb2
 
 def test_the_cluster_document_round_trips_through_cluster_info():
     doc = {"nodeId": "n1", "role": "primary", "epoch": 7, "primary": "n1", "commitLsn": 41, "appliedLsn": 40,
-           "clusterId": "5f0c8a", "nodes": [{"id": "n1", "role": "primary", "address": "h1:1", "lsn": 41},
+           "clusterId": "5f0c8a", "nodes": [{"id": "n1", "role": "primary", "address": "h1:1", "lsn": 41,
+                                             "diskLow": False},
                      {"id": "n2", "role": "replica", "address": "h2:1", "matchLsn": 41, "lastContactMs": 12.5,
-                      "reachable": True},
+                      "reachable": True, "diskLow": True},
                      {"id": "n3", "role": "replica", "address": "h3:1", "joining": True, "lastContactMs": None,
                       "reachable": False},
                      {"id": "n4", "role": "replica", "address": "h4:1", "lastContactMs": 0.0}]}
