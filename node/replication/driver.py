@@ -143,6 +143,7 @@ class Driver:
         self.declined: Optional[str] = None  # the last switchover target that refused (stopping, its disk low)
         self.declined_why = ""  # what it said
         self._disk_failures_said: dict = {}  # member -> the failure of a handover for disk last logged
+        self._no_handover_said: Optional[tuple] = None  # the members unwilling when none was left, last logged
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -255,6 +256,21 @@ class Driver:
                 log.warning("%s did not take over from this node, low on disk (it refused, or was not ready in "
                             "time); asked again in %g s at the earliest", m,
                             R.DISK_HANDOVER_RETRY_TIMEOUTS * c.timeout / 1e6)
+        now = mono_us()
+        since = c.disk_low_since
+        if c.role == R.PRIMARY and since is not None and now - since >= c.timeout and c.transfer_to is None \
+                and now >= c.lease_ok_at:
+            unwilling = c.unwilling(now)
+            # (a member that is only catching up is asked at a later tick: nothing to say)
+            if c.handover_target(now, exclude=unwilling) is None and tuple(unwilling) != self._no_handover_said:
+                self._no_handover_said = tuple(unwilling)  # (once for each set: a tick comes every few ms)
+                low = [p for p in unwilling if c.peer_disk_low.get(p)]
+                why = [f"{p}: its disk is low too" for p in low] + [f"{p}: passed over" for p in unwilling
+                                                                   if p not in low]
+                log.warning("this node's disk is below its reserve and no member can take over (%s): serving on, "
+                            "sends refused", "; ".join(why + ["no other member heard lately"]))
+        else:
+            self._no_handover_said = None
 
     # ------------------------------------------------------------- queries
     def serving(self) -> bool:

@@ -1461,6 +1461,42 @@ def test_a_primary_whose_disk_runs_low_hands_over_to_a_member_with_room(tmp_path
             n.kill()
 
 
+def test_a_primary_low_on_disk_whose_members_are_too_says_so_and_hands_over_once_one_has_room(tmp_path):
+    """Every disk is below its reserve: the primary stays (sends refused), asks no
+    member (each says its disk is low), and logs why, naming them. Once one
+    member has room again and says so, the primary hands over to it within a
+    few failover timeouts, not the ten a refusal would cost."""
+    free = {i: str(tmp_path / f"{i}-disk-free") for i in ("n1", "n2", "n3")}
+    nodes = start_cluster(str(tmp_path), 3, FAILOVER_S,
+                          per_node_env=lambda i: {"SPOOLER_TEST_DISK_FREE_FILE": free[i]})
+    try:
+        p, _ = wait_until(lambda: primary_of(nodes), 20, what="a primary")
+        c = client(nodes[p])
+        until_ok(lambda: c.put_queue("q"), what="the queue")
+        before = send_until_ok(c, "q", b"before")["id"]
+        others = sorted(i for i in nodes if i != p)
+        for i in others + [p]:
+            with open(free[i], "w") as f:
+                f.write("0")
+        said = "this node's disk is below its reserve and no member can take over (" + \
+            "; ".join(f"{o}: its disk is low too" for o in others)
+        wait_until(lambda: said in nodes[p].read_log(), 10 * FAILOVER_S, what="the primary to say why it stays")
+        assert primary_of(nodes)[0] == p and "handing over to" not in nodes[p].read_log()
+        os.remove(free[others[1]])  # room again (its real disk)
+        freed = time.monotonic()
+        new, _ = wait_until(lambda: primary_of(nodes, exclude=(p,)), 10 * FAILOVER_S,
+                            what="the member with room as the primary")
+        assert new == others[1] and time.monotonic() - freed < 5 * FAILOVER_S
+        log_p = nodes[p].read_log()
+        assert f"handing over to {others[0]}" not in log_p and "did not take over" not in log_p, log_p
+        c2 = client(nodes[new])
+        got = until_ok(lambda: c2.receive("q", wait_s=5), what="the message on the new primary")
+        assert got.id == before and got.body == b"before"
+    finally:
+        for n in nodes.values():
+            n.kill()
+
+
 def test_a_member_whose_disk_is_below_its_reserve_refuses_to_take_over(tmp_path):
     """A switchover to a member with less free disk than its reserve was taken,
     and the new primary then refused every send (``disk_low``). Such a member
