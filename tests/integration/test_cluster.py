@@ -1412,6 +1412,22 @@ def test_a_member_low_on_disk_lets_a_member_with_room_win_the_election(tmp_path)
             n.kill()
 
 
+def _cluster_with_disks_told(tmp_path):
+    """Three nodes, each reading its free space from a file while that file
+    exists (SPOOLER_TEST_DISK_FREE_FILE stands in for a filling disk)."""
+    free = {i: str(tmp_path / f"{i}-disk-free") for i in ("n1", "n2", "n3")}
+    return start_cluster(str(tmp_path), 3, FAILOVER_S,
+                         per_node_env=lambda i: {"SPOOLER_TEST_DISK_FREE_FILE": free[i]}), free
+
+
+def _primary_with_a_message(nodes):
+    """-> (the primary's id, an HTTP client of it, the id of a message sent to its queue "q")."""
+    p, _ = wait_until(lambda: primary_of(nodes), 20, what="a primary")
+    c = client(nodes[p])
+    until_ok(lambda: c.put_queue("q"), what="the queue")
+    return p, c, send_until_ok(c, "q", b"before")["id"]
+
+
 def test_a_primary_whose_disk_runs_low_hands_over_to_a_member_with_room(tmp_path):
     """A primary whose disk fell below its reserve stayed primary and refused every
     send until an operator promoted another member. Once its disk has been low for
@@ -1422,14 +1438,9 @@ def test_a_primary_whose_disk_runs_low_hands_over_to_a_member_with_room(tmp_path
     one a promote-like choice would take first (lowest id among equals).
     Nothing stored before is lost. (SPOOLER_TEST_DISK_FREE_FILE stands in for a
     filling disk.)"""
-    free = {i: str(tmp_path / f"{i}-disk-free") for i in ("n1", "n2", "n3")}
-    nodes = start_cluster(str(tmp_path), 3, FAILOVER_S,
-                          per_node_env=lambda i: {"SPOOLER_TEST_DISK_FREE_FILE": free[i]})
+    nodes, free = _cluster_with_disks_told(tmp_path)
     try:
-        p, _ = wait_until(lambda: primary_of(nodes), 20, what="a primary")
-        c = client(nodes[p])
-        until_ok(lambda: c.put_queue("q"), what="the queue")
-        before = send_until_ok(c, "q", b"before")["id"]
+        p, c, before = _primary_with_a_message(nodes)
         low, roomy = sorted(i for i in nodes if i != p)
 
         def fill(i):
@@ -1466,14 +1477,9 @@ def test_a_primary_low_on_disk_whose_members_are_too_says_so_and_hands_over_once
     member (each says its disk is low), and logs why, naming them. Once one
     member has room again and says so, the primary hands over to it within a
     few failover timeouts, not the ten a refusal would cost."""
-    free = {i: str(tmp_path / f"{i}-disk-free") for i in ("n1", "n2", "n3")}
-    nodes = start_cluster(str(tmp_path), 3, FAILOVER_S,
-                          per_node_env=lambda i: {"SPOOLER_TEST_DISK_FREE_FILE": free[i]})
+    nodes, free = _cluster_with_disks_told(tmp_path)
     try:
-        p, _ = wait_until(lambda: primary_of(nodes), 20, what="a primary")
-        c = client(nodes[p])
-        until_ok(lambda: c.put_queue("q"), what="the queue")
-        before = send_until_ok(c, "q", b"before")["id"]
+        p, c, before = _primary_with_a_message(nodes)
         others = sorted(i for i in nodes if i != p)
         for i in others + [p]:
             with open(free[i], "w") as f:
