@@ -212,7 +212,7 @@ def queue_dict(q: api_pb2.Queue) -> dict:
             "stats": {"visible": st.visible, "leased": st.leased, "delayed": st.delayed,
                       "sentTotal": st.sent_total, "ackedTotal": st.acked_total, "failedTotal": st.failed_total,
                       "expiredTotal": st.expired_total, "nackedTotal": st.nacked_total,
-                      "leaseExpiredTotal": st.lease_expired_total}}
+                      "leaseExpiredTotal": st.lease_expired_total, "purgedTotal": st.purged_total}}
 
 
 # What gRPC says when the channel could not connect, so the call never left this

@@ -493,6 +493,11 @@ class AsyncClient(Nodes):
         self._here()
         return (await self._retried("Redrive", api_pb2.QueueRequest(name=name), write=True)).moved
 
+    async def purge(self, name: str) -> int:
+        """Every message of the queue goes, leased ones too; -> how many it held."""
+        self._here()
+        return (await self._retried("Purge", api_pb2.QueueRequest(name=name), write=True)).purged
+
     # ----------------------------------------------------------- sending
     async def send(self, queue: str, body: bytes, *, delay_s: float = 0.0, dedup_key: str = "") -> SendResult:
         """Auto-batched send. Retried only where a retry is safe (see _common._policy)."""

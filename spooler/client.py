@@ -123,6 +123,10 @@ class Client(Nodes):
     def redrive(self, name: str) -> int:
         return self._retried("Redrive", api_pb2.QueueRequest(name=name), write=True).moved
 
+    def purge(self, name: str) -> int:
+        """Every message of the queue goes, leased ones too; -> how many it held."""
+        return self._retried("Purge", api_pb2.QueueRequest(name=name), write=True).purged
+
     # ----------------------------------------------------------- sending
     def send(self, queue: str, body: bytes, *, delay_s: float = 0.0, dedup_key: str = "") -> SendResult:
         """Auto-batched send; blocks until durable. Retried only where safe."""

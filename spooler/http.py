@@ -140,6 +140,9 @@ class HttpClient:
     def redrive(self, name: str) -> int:
         return self._json("POST", f"/v1/queues/{self._name(name)}/redrive")[1]["moved"]
 
+    def purge(self, name: str) -> int:
+        return self._json("POST", f"/v1/queues/{self._name(name)}/purge")[1]["purged"]
+
     # --- messages ---------------------------------------------------------
     def send(self, queue: str, body: bytes, delay_s: Optional[float] = None,
              dedup_key: Optional[str] = None) -> dict:

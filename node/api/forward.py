@@ -165,6 +165,9 @@ class Forwarder:
     async def redrive(self, a, auth, name):
         return (await self.call(a, "Redrive", api_pb2.QueueRequest(name=name), auth, True)).moved
 
+    async def purge(self, a, auth, name):
+        return (await self.call(a, "Purge", api_pb2.QueueRequest(name=name), auth, True)).purged
+
     async def send(self, a, auth, entries, run=None):
         if run:  # forwarded one entry per message: any node version reads that
             entries = list(entries) + [(run[0], b, run[2], "") for b in run[1]]

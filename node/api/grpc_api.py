@@ -46,7 +46,8 @@ def _queue_pb(doc: dict) -> api_pb2.Queue:
         stats=api_pb2.QueueStats(visible=st["visible"], leased=st["leased"], delayed=st["delayed"],
                                  sent_total=st["sentTotal"], acked_total=st["ackedTotal"],
                                  failed_total=st["failedTotal"], expired_total=st["expiredTotal"],
-                                 nacked_total=st["nackedTotal"], lease_expired_total=st["leaseExpiredTotal"]))
+                                 nacked_total=st["nackedTotal"], lease_expired_total=st["leaseExpiredTotal"],
+                                 purged_total=st["purgedTotal"]))
 
 
 def cluster_pb(d: dict) -> api_pb2.ClusterInfo:
@@ -348,6 +349,10 @@ class SpoolerServicer(api_pb2_grpc.SpoolerServicer):
     @rpc
     async def Redrive(self, p, req, ctx):
         return api_pb2.RedriveResponse(moved=await self.svc.redrive(p, req.name))
+
+    @rpc
+    async def Purge(self, p, req, ctx):
+        return api_pb2.PurgeResponse(purged=await self.svc.purge(p, req.name))
 
     @rpc
     async def Send(self, p, req, ctx):

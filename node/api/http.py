@@ -345,6 +345,10 @@ def build_app(svc: Service, metrics) -> web.Application:
         moved = await svc.redrive(await principal(request), request.match_info["queue"])
         return _json({"moved": moved})
 
+    async def purge(request):
+        purged = await svc.purge(await principal(request), request.match_info["queue"])
+        return _json({"purged": purged})
+
     # ---------------------------------------------------------- messages
     async def send(request):
         p = await principal(request)
@@ -457,6 +461,7 @@ def build_app(svc: Service, metrics) -> web.Application:
         web.delete("/v1/queues/{queue}", delete_queue),
         web.get("/v1/queues", list_queues),
         web.post("/v1/queues/{queue}/redrive", redrive),
+        web.post("/v1/queues/{queue}/purge", purge),
         web.post("/v1/queues/{queue}/messages", send),
         web.post("/v1/queues/{queue}/receive", receive),
         web.post("/v1/leases/{token}/ack", ack),
@@ -499,7 +504,7 @@ _PROBES = frozenset({"GET /healthz", "HEAD /healthz", "GET /readyz", "HEAD /read
 
 # A contract route with its name, token or key id left empty matches no route; it is
 # a malformed name (400 invalid_argument, API.md), not a route that does not exist
-_EMPTY_PART = ((re.compile(r"^/v1/queues/(/(messages|receive|redrive))?$"), "queue name"),
+_EMPTY_PART = ((re.compile(r"^/v1/queues/(/(messages|receive|redrive|purge))?$"), "queue name"),
                (re.compile(r"^/v1/leases//(ack|nack|renew)$"), "lease token"),
                (re.compile(r"^/v1/keys/$"), "key id"))
 

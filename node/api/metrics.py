@@ -327,7 +327,8 @@ class _LoopCollector:
 
 
 _QUEUE_EVENTS = (("sent", "sentTotal"), ("acked", "ackedTotal"), ("nacked", "nackedTotal"),
-                 ("lease_expired", "leaseExpiredTotal"), ("failed", "failedTotal"), ("expired", "expiredTotal"))
+                 ("lease_expired", "leaseExpiredTotal"), ("failed", "failedTotal"), ("expired", "expiredTotal"),
+                 ("purged", "purgedTotal"))
 
 
 class _StateCollector:
@@ -345,7 +346,7 @@ class _StateCollector:
         # kept across restarts; they start again from 0 for a queue deleted and made anew
         events = CounterMetricFamily("spooler_queue_events", "What happened to a queue's messages, as GET "
                                      "/v1/queues/{queue}'s totals: sent, acked, nacked, lease_expired, failed "
-                                     "(moved to the failure queue), expired (dropped by retention)",
+                                     "(moved to the failure queue), expired (dropped by retention), purged",
                                      labels=["queue", "event"])
         now = e.now_us()
         core = e.core

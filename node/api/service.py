@@ -31,7 +31,7 @@ from spooler.ids import message_id
 from spooler.pb import log_pb2
 from node import logs
 from node.core import replication as R
-from node.core.spool import US, BadToken, StaleLeaseError, failure_queue_of
+from node.core.spool import PURGE_LOG_FORMAT, US, BadToken, StaleLeaseError, failure_queue_of
 from node.engine import Engine, Reply, mono_us, nobody_waits
 from node.waits import wait_change, wait_event
 
@@ -485,6 +485,25 @@ class Service:
         self.authorize(p, "admin", name)
         self._queue(name)
         await self.engine.propose(log_pb2.Record(queue_delete=log_pb2.QueueDelete(name=name)))
+
+    async def purge(self, p: Principal, name: str) -> int:
+        """Every message of the queue goes, leased ones too (their leases end:
+        stale_lease, reason settled); its settings, totals and dedup keys stay.
+        -> how many it held when the purge applied. Refused (unavailable) while a
+        member that answered this primary runs a build that cannot apply it."""
+        self.check_name_any(name)
+        if (a := self._remote(p)):
+            return await self.fwd.purge(a, p.auth, name)
+        self.authorize(p, "admin", name)
+        self._queue(name)
+        behind = self.engine.repl.members_behind(PURGE_LOG_FORMAT)
+        if behind:
+            raise errors.Unavailable(f"member(s) {', '.join(behind)} run a build older than 0.4.42, which cannot "
+                                     "apply a purge: upgrade them first", retry_after_s=30.0)
+        n = await self.engine.propose(log_pb2.Record(purge=log_pb2.Purge(queue=name)))
+        if n is None:  # deleted between the check and the apply
+            raise errors.QueueNotFound(f"queue {name} does not exist")
+        return n
 
     async def redrive(self, p: Principal, name: str) -> int:
         self.check_name_any(name)

@@ -39,6 +39,7 @@ US = 1_000_000
 #   LEASED ──primary change──> READY (retry count unchanged)
 #   READY, past a lowered maxRetries ──receive──> LEASED (lease over already) ──expiry──> failure queue
 #   READY|DELAYED ──retention──> (gone)     any ──redrive/move──> READY in another queue
+#   any ──purge, queue delete──> (gone; a lease on it ends: settled)
 READY, DELAYED, LEASED = "ready", "delayed", "leased"
 
 ACTIVE, SETTLING, EXPIRING = "active", "settling", "expiring"
@@ -58,6 +59,14 @@ PAST_RETRIES = ("past_retries",)
 # such leases one receive call makes at most (the rest wait for the next call):
 # a receive never stalls over a long run of them, nor fills a huge expiry record
 PAST_RETRIES_PER_RECEIVE = 100
+
+# The newest log format this build applies, said to the primary in every
+# replication acknowledgement (AppendAck.log_format): 1 = Purge records (0.4.42).
+# A primary proposes no record of a newer format than a member that answered it
+# in its epoch says it applies (Service.purge): an older build stops on a record
+# it does not know.
+LOG_FORMAT = 1
+PURGE_LOG_FORMAT = 1
 
 # the longest name a failure queue derived from its queue's name may have
 DERIVED_NAME_CHARS_MAX = 255
@@ -195,7 +204,7 @@ class Queue:
         self.retention: list = []  # (expires_at, seq, id)
         self.n_ready = self.n_delayed = self.n_leased = 0
         self.counters = {"sent": 0, "acked": 0, "failed": 0, "expired": 0, "nacked": 0,
-                         "lease_expired": 0}
+                         "lease_expired": 0, "purged": 0}
         self.dedup: dict[str, tuple] = {}  # key -> (message id, until_us); Core.dedup_exp ends them
         # segments (see Segment): their untaken messages count in n_ready/n_delayed
         self.seg_ready: list = []          # (seq of its next untaken message, gen, Segment)
@@ -312,10 +321,10 @@ class Core:
         self.dirty.queues.add(op.name)
         return created
 
-    def _apply_queue_delete(self, op, ts):
-        q = self.queues.pop(op.name, None)
-        if q is None:
-            return False
+    def _drop_all(self, q: Queue) -> int:
+        """Every message of ``q`` goes (a queue delete, a purge); a lease on one ends
+        (stale_lease, reason settled). -> how many there were."""
+        n = q.size
         for m in list(q.msgs.values()):
             self._detach(q, m, "settled")
             self._remove(m)
@@ -323,6 +332,28 @@ class Core:
             for seg in lst:
                 seg.removed = True
                 self.dirty.segs[seg.seq0] = seg
+        return n
+
+    def _apply_purge(self, op, ts):
+        """-> the messages the queue held, or None: no such queue. Its settings,
+        totals (purgedTotal counts these) and dedup keys stay."""
+        q = self.queues.get(op.queue)
+        if q is None:
+            return None
+        n = self._drop_all(q)
+        q.counters["purged"] += n
+        q.segs = {}
+        q.n_ready = q.n_delayed = q.n_leased = 0  # (untaken segment messages were counted here)
+        q.ready, q.delayed, q.retention = [], [], []  # every entry is stale now
+        q.seg_ready, q.seg_delayed, q.seg_retention = [], [], []
+        self.dirty.queues.add(q.name)
+        return n
+
+    def _apply_queue_delete(self, op, ts):
+        q = self.queues.pop(op.name, None)
+        if q is None:
+            return False
+        self._drop_all(q)
         for key in q.dedup:
             self.dirty.dedup.add((q.name, key))
         self.dedup_n -= len(q.dedup)  # (their entries in dedup_exp find no queue, or a new one's own keys)
@@ -1217,7 +1248,7 @@ class Core:
         return {"visible": q.n_ready, "leased": q.n_leased, "delayed": q.n_delayed,
                 "sentTotal": c["sent"], "ackedTotal": c["acked"], "failedTotal": c["failed"],
                 "expiredTotal": c["expired"], "nackedTotal": c["nacked"],
-                "leaseExpiredTotal": c["lease_expired"]}
+                "leaseExpiredTotal": c["lease_expired"], "purgedTotal": c["purged"]}
 
     # ------------------------------------------------------------- loading
     def load_queue(self, name: str, settings: dict, counters: dict) -> None:

@@ -22,10 +22,15 @@ import grpc
 
 from node import logs
 from node.core import replication as R
+from node.core.spool import LOG_FORMAT
 from node.engine import INTERNAL_FAILURE, LOG_CONFLICT, CopyHeld, InstallBroken, mono_us, nobody_waits
 from node.tls import ANOTHER_CLUSTER, CLUSTER_ID_MD, another_cluster
 from spooler.pb import replication_pb2 as pb
 from spooler.pb import replication_pb2_grpc as pb_grpc
+
+# The log format this node says it applies (AppendAck.log_format); a test stands
+# in for an older build with SPOOLER_TEST_LOG_FORMAT (tests/integration/test_cluster.py)
+ACK_LOG_FORMAT = int(os.environ.get("SPOOLER_TEST_LOG_FORMAT", "") or LOG_FORMAT)
 
 log = logging.getLogger("spooler.replication")
 # The records of one AppendFrame, in bytes: under the 16 MiB a node-to-node gRPC
@@ -144,6 +149,8 @@ class Driver:
         self.declined_why = ""  # what it said
         self._disk_failures_said: dict = {}  # member -> the failure of a handover for disk last logged
         self._no_handover_said: Optional[tuple] = None  # the members unwilling when none was left, last logged
+        # member -> (epoch, log format) of its latest acknowledgement (members_behind)
+        self.log_formats: dict = {}
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -273,6 +280,13 @@ class Driver:
             self._no_handover_said = None
 
     # ------------------------------------------------------------- queries
+    def members_behind(self, log_format: int) -> list:
+        """The members that have answered this primary in its epoch and said they
+        apply no record of ``log_format`` (builds before it: they would stop on one).
+        A member not heard in this epoch is not counted: see upgrades.md."""
+        e = self.core.epoch
+        return sorted(m for m, (epoch, f) in self.log_formats.items() if epoch == e and f < log_format)
+
     def serving(self) -> bool:
         return self.core.serving(mono_us())
 
@@ -567,7 +581,8 @@ class Driver:
             if self._replies is not None:
                 self._replies.append(pb.AppendAck(epoch=msg.epoch, sender=msg.sender, ok=msg.ok,
                                                   match_lsn=msg.match_lsn, sent_us=msg.sent_us,
-                                                  joining=msg.joining, disk_low=msg.disk_low))
+                                                  joining=msg.joining, disk_low=msg.disk_low,
+                                                  log_format=ACK_LOG_FORMAT))
         elif isinstance(msg, R.VoteReq):
             asyncio.ensure_future(self._ask_vote(to, msg))
         elif isinstance(msg, R.VoteResp):
@@ -600,6 +615,7 @@ class Driver:
                         self.engine.release_hook(list(ack.releases))
                     m = R.AppendResp(ack.epoch, ack.sender, ack.ok, ack.match_lsn, ack.sent_us, ack.joining,
                                      ack.contact, ack.disk_low)
+                    self.log_formats[peer] = (ack.epoch, ack.log_format)
                     if CONTACT_ACKS:
                         self.core.contact(m, mono_us())  # now, not once the lock is free (see contact)
                     async with self.lock:
@@ -920,7 +936,8 @@ class Driver:
         out = self.core.heard(R.AppendReq(f.epoch, f.primary, f.prev_lsn, f.prev_epoch, f.prev_crc, [],
                                           f.commit_lsn, f.sent_us, f.primary_commit_lsn, f.lease_us), mono_us())
         return [pb.AppendAck(epoch=m.epoch, sender=m.sender, ok=m.ok, match_lsn=m.match_lsn, sent_us=m.sent_us,
-                             contact=True, disk_low=m.disk_low) for m in (e.msg for e in out)]
+                             contact=True, disk_low=m.disk_low, log_format=ACK_LOG_FORMAT)
+                for m in (e.msg for e in out)]
 
     def _pending_releases(self, primary: str) -> list:
         """Lost-answer releases this node's forwarder is still trying to deliver to

@@ -141,6 +141,11 @@ def cmd_renew(args):
     emit(args, {"expiresAt": exp}, exp)
 
 
+def cmd_purge(args):
+    n = _client(args).purge(args.queue)
+    emit(args, {"purged": n}, f"purged {n} messages from {args.queue}")
+
+
 def cmd_redrive(args):
     n = _client(args).redrive(args.queue)
     emit(args, {"moved": n}, f"moved {n}")
@@ -239,6 +244,7 @@ def register(sub) -> None:
     p.add_argument("--delay", type=seconds_arg, default=None)
     cmd(sub, "renew", cmd_renew, "renew a lease").add_argument("token")
     cmd(sub, "redrive", cmd_redrive, "move the failure queue's messages back").add_argument("queue")
+    cmd(sub, "purge", cmd_purge, "delete every message of a queue (leased ones too)").add_argument("queue")
     cmd(sub, "stats", cmd_stats, "queue statistics").add_argument("queue", nargs="?")
 
     k = group("keys", "API keys", "keys_cmd")

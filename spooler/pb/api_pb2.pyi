@@ -56,7 +56,7 @@ class Settings(_message.Message):
     def __init__(self, lease_timeout_seconds: _Optional[float] = ..., max_retries: _Optional[int] = ..., retention_seconds: _Optional[float] = ..., dedup_window_seconds: _Optional[float] = ..., failure_queue: _Optional[str] = ...) -> None: ...
 
 class QueueStats(_message.Message):
-    __slots__ = ("visible", "leased", "delayed", "sent_total", "acked_total", "failed_total", "expired_total", "nacked_total", "lease_expired_total")
+    __slots__ = ("visible", "leased", "delayed", "sent_total", "acked_total", "failed_total", "expired_total", "nacked_total", "lease_expired_total", "purged_total")
     VISIBLE_FIELD_NUMBER: _ClassVar[int]
     LEASED_FIELD_NUMBER: _ClassVar[int]
     DELAYED_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class QueueStats(_message.Message):
     EXPIRED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NACKED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PURGED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     visible: int
     leased: int
     delayed: int
@@ -75,7 +76,8 @@ class QueueStats(_message.Message):
     expired_total: int
     nacked_total: int
     lease_expired_total: int
-    def __init__(self, visible: _Optional[int] = ..., leased: _Optional[int] = ..., delayed: _Optional[int] = ..., sent_total: _Optional[int] = ..., acked_total: _Optional[int] = ..., failed_total: _Optional[int] = ..., expired_total: _Optional[int] = ..., nacked_total: _Optional[int] = ..., lease_expired_total: _Optional[int] = ...) -> None: ...
+    purged_total: int
+    def __init__(self, visible: _Optional[int] = ..., leased: _Optional[int] = ..., delayed: _Optional[int] = ..., sent_total: _Optional[int] = ..., acked_total: _Optional[int] = ..., failed_total: _Optional[int] = ..., expired_total: _Optional[int] = ..., nacked_total: _Optional[int] = ..., lease_expired_total: _Optional[int] = ..., purged_total: _Optional[int] = ...) -> None: ...
 
 class Queue(_message.Message):
     __slots__ = ("name", "settings", "stats")
@@ -128,6 +130,12 @@ class RedriveResponse(_message.Message):
     MOVED_FIELD_NUMBER: _ClassVar[int]
     moved: int
     def __init__(self, moved: _Optional[int] = ...) -> None: ...
+
+class PurgeResponse(_message.Message):
+    __slots__ = ("purged",)
+    PURGED_FIELD_NUMBER: _ClassVar[int]
+    purged: int
+    def __init__(self, purged: _Optional[int] = ...) -> None: ...
 
 class SendRequest(_message.Message):
     __slots__ = ("queue", "body", "delay_seconds", "dedup_key")

@@ -59,6 +59,11 @@ class SpoolerStub:
                 request_serializer=spooler_dot_pb_dot_api__pb2.QueueRequest.SerializeToString,
                 response_deserializer=spooler_dot_pb_dot_api__pb2.RedriveResponse.FromString,
                 _registered_method=True)
+        self.Purge = channel.unary_unary(
+                '/spooler.v1.Spooler/Purge',
+                request_serializer=spooler_dot_pb_dot_api__pb2.QueueRequest.SerializeToString,
+                response_deserializer=spooler_dot_pb_dot_api__pb2.PurgeResponse.FromString,
+                _registered_method=True)
         self.Send = channel.unary_unary(
                 '/spooler.v1.Spooler/Send',
                 request_serializer=spooler_dot_pb_dot_api__pb2.SendRequest.SerializeToString,
@@ -165,6 +170,14 @@ class SpoolerServicer:
 
     def Redrive(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Purge(self, request, context):
+        """Every message of the queue goes, leased ones included (their leases end:
+        stale_lease, reason settled); its settings, totals and dedup keys stay. Admin.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -286,6 +299,11 @@ def add_SpoolerServicer_to_server(servicer, server):
                     servicer.Redrive,
                     request_deserializer=spooler_dot_pb_dot_api__pb2.QueueRequest.FromString,
                     response_serializer=spooler_dot_pb_dot_api__pb2.RedriveResponse.SerializeToString,
+            ),
+            'Purge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Purge,
+                    request_deserializer=spooler_dot_pb_dot_api__pb2.QueueRequest.FromString,
+                    response_serializer=spooler_dot_pb_dot_api__pb2.PurgeResponse.SerializeToString,
             ),
             'Send': grpc.unary_unary_rpc_method_handler(
                     servicer.Send,
@@ -498,6 +516,33 @@ class Spooler:
             '/spooler.v1.Spooler/Redrive',
             spooler_dot_pb_dot_api__pb2.QueueRequest.SerializeToString,
             spooler_dot_pb_dot_api__pb2.RedriveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Purge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spooler.v1.Spooler/Purge',
+            spooler_dot_pb_dot_api__pb2.QueueRequest.SerializeToString,
+            spooler_dot_pb_dot_api__pb2.PurgeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -120,6 +120,12 @@ class Redrive(_message.Message):
     queue: str
     def __init__(self, queue: _Optional[str] = ...) -> None: ...
 
+class Purge(_message.Message):
+    __slots__ = ("queue",)
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    queue: str
+    def __init__(self, queue: _Optional[str] = ...) -> None: ...
+
 class KeyPut(_message.Message):
     __slots__ = ("id", "secret_sha256", "queue", "scopes")
     ID_FIELD_NUMBER: _ClassVar[int]
@@ -139,7 +145,7 @@ class KeyDelete(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class Record(_message.Message):
-    __slots__ = ("epoch", "lsn", "ts_us", "epoch_begin", "queue_put", "queue_delete", "send", "settle", "drop", "redrive", "key_put", "key_delete", "send_compact")
+    __slots__ = ("epoch", "lsn", "ts_us", "epoch_begin", "queue_put", "queue_delete", "send", "settle", "drop", "redrive", "key_put", "key_delete", "send_compact", "purge")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LSN_FIELD_NUMBER: _ClassVar[int]
     TS_US_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +159,7 @@ class Record(_message.Message):
     KEY_PUT_FIELD_NUMBER: _ClassVar[int]
     KEY_DELETE_FIELD_NUMBER: _ClassVar[int]
     SEND_COMPACT_FIELD_NUMBER: _ClassVar[int]
+    PURGE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     lsn: int
     ts_us: int
@@ -166,4 +173,5 @@ class Record(_message.Message):
     key_put: KeyPut
     key_delete: KeyDelete
     send_compact: Send
-    def __init__(self, epoch: _Optional[int] = ..., lsn: _Optional[int] = ..., ts_us: _Optional[int] = ..., epoch_begin: _Optional[_Union[EpochBegin, _Mapping]] = ..., queue_put: _Optional[_Union[QueuePut, _Mapping]] = ..., queue_delete: _Optional[_Union[QueueDelete, _Mapping]] = ..., send: _Optional[_Union[Send, _Mapping]] = ..., settle: _Optional[_Union[Settle, _Mapping]] = ..., drop: _Optional[_Union[Drop, _Mapping]] = ..., redrive: _Optional[_Union[Redrive, _Mapping]] = ..., key_put: _Optional[_Union[KeyPut, _Mapping]] = ..., key_delete: _Optional[_Union[KeyDelete, _Mapping]] = ..., send_compact: _Optional[_Union[Send, _Mapping]] = ...) -> None: ...
+    purge: Purge
+    def __init__(self, epoch: _Optional[int] = ..., lsn: _Optional[int] = ..., ts_us: _Optional[int] = ..., epoch_begin: _Optional[_Union[EpochBegin, _Mapping]] = ..., queue_put: _Optional[_Union[QueuePut, _Mapping]] = ..., queue_delete: _Optional[_Union[QueueDelete, _Mapping]] = ..., send: _Optional[_Union[Send, _Mapping]] = ..., settle: _Optional[_Union[Settle, _Mapping]] = ..., drop: _Optional[_Union[Drop, _Mapping]] = ..., redrive: _Optional[_Union[Redrive, _Mapping]] = ..., key_put: _Optional[_Union[KeyPut, _Mapping]] = ..., key_delete: _Optional[_Union[KeyDelete, _Mapping]] = ..., send_compact: _Optional[_Union[Send, _Mapping]] = ..., purge: _Optional[_Union[Purge, _Mapping]] = ...) -> None: ...

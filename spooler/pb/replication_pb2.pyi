@@ -45,7 +45,7 @@ class AppendFrame(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., primary: _Optional[str] = ..., prev_lsn: _Optional[int] = ..., prev_epoch: _Optional[int] = ..., prev_crc: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., commit_lsn: _Optional[int] = ..., sent_us: _Optional[int] = ..., primary_commit_lsn: _Optional[int] = ..., lease_us: _Optional[int] = ..., contact_acks: _Optional[bool] = ...) -> None: ...
 
 class AppendAck(_message.Message):
-    __slots__ = ("epoch", "sender", "ok", "match_lsn", "sent_us", "releases", "joining", "contact", "disk_low")
+    __slots__ = ("epoch", "sender", "ok", "match_lsn", "sent_us", "releases", "joining", "contact", "disk_low", "log_format")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class AppendAck(_message.Message):
     JOINING_FIELD_NUMBER: _ClassVar[int]
     CONTACT_FIELD_NUMBER: _ClassVar[int]
     DISK_LOW_FIELD_NUMBER: _ClassVar[int]
+    LOG_FORMAT_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     sender: str
     ok: bool
@@ -64,7 +65,8 @@ class AppendAck(_message.Message):
     joining: bool
     contact: bool
     disk_low: bool
-    def __init__(self, epoch: _Optional[int] = ..., sender: _Optional[str] = ..., ok: _Optional[bool] = ..., match_lsn: _Optional[int] = ..., sent_us: _Optional[int] = ..., releases: _Optional[_Iterable[_Union[PendingRelease, _Mapping]]] = ..., joining: _Optional[bool] = ..., contact: _Optional[bool] = ..., disk_low: _Optional[bool] = ...) -> None: ...
+    log_format: int
+    def __init__(self, epoch: _Optional[int] = ..., sender: _Optional[str] = ..., ok: _Optional[bool] = ..., match_lsn: _Optional[int] = ..., sent_us: _Optional[int] = ..., releases: _Optional[_Iterable[_Union[PendingRelease, _Mapping]]] = ..., joining: _Optional[bool] = ..., contact: _Optional[bool] = ..., disk_low: _Optional[bool] = ..., log_format: _Optional[int] = ...) -> None: ...
 
 class PendingRelease(_message.Message):
     __slots__ = ("queue", "receive_id", "authorization")

@@ -149,6 +149,9 @@ class Api:
     def redrive(self, queue: str, **kw) -> Resp:
         return self.req("POST", f"/v1/queues/{q(queue)}/redrive", **kw)
 
+    def purge(self, queue: str, **kw) -> Resp:
+        return self.req("POST", f"/v1/queues/{q(queue)}/purge", **kw)
+
     def create_key(self, queue="*", scopes=("send",), **kw) -> Resp:
         return self.req("POST", "/v1/keys", json.dumps({"queue": queue, "scopes": list(scopes)}).encode(),
                         {"Content-Type": "application/json"}, **kw)

@@ -1503,6 +1503,44 @@ def test_a_primary_low_on_disk_whose_members_are_too_says_so_and_hands_over_once
             n.kill()
 
 
+def test_a_purge_is_refused_while_a_member_runs_a_build_that_cannot_apply_it(tmp_path):
+    """A purge is a record older builds do not know (they stop on it). Every
+    member says in its acknowledgements which log format it applies; while one
+    that answered the primary says less than a purge needs (here n3 standing in
+    for a 0.4.41 build: SPOOLER_TEST_LOG_FORMAT=0), a purge is 503 unavailable,
+    naming it, and nothing is purged. Once it runs this build, a purge asked of
+    a replica (forwarded) takes every message, on every member."""
+    nodes = start_cluster(str(tmp_path), 3, FAILOVER_S,
+                          per_node_env=lambda i: {"SPOOLER_TEST_LOG_FORMAT": "0"} if i == "n3" else {})
+    try:
+        p, _ = wait_until(lambda: primary_of(nodes), 20, what="a primary")
+        if p == "n3":
+            until_ok(lambda: client(nodes[p]).promote("n1"), what="n1 to take over")
+            p, _ = wait_until(lambda: primary_of(nodes, exclude=("n3",)), 20, what="n1 as the primary")
+        c = client(nodes[p])
+        until_ok(lambda: c.put_queue("q"), what="the queue")
+        for body in (b"a", b"b"):
+            send_until_ok(c, "q", body)
+        with pytest.raises(errors.Unavailable) as e:
+            c.purge("q")
+        assert "n3" in str(e.value) and "0.4.42" in str(e.value), e.value
+        assert c.get_queue("q")["stats"]["visible"] == 2
+        nodes["n3"].kill()
+        nodes["n3"].env = {k: v for k, v in (nodes["n3"].env or {}).items() if k != "SPOOLER_TEST_LOG_FORMAT"}
+        nodes["n3"].start()
+        replica = next(i for i in nodes if i != p)
+        r = client(nodes[replica])
+        assert until_ok(lambda: r.purge("q"), 20, what="a purge once n3 runs this build") == 2
+        for i, n in nodes.items():  # (each member's own state: /metrics is never forwarded)
+            wait_until(lambda: [(x.labels["event"], x.value) for x in n.samples("spooler_queue_events_total")
+                                if x.labels["event"] == "purged"] == [("purged", 2.0)], 10,
+                       what=f"the purge applied on {i}")
+        assert c.get_queue("q")["stats"]["visible"] == 0 and nodes["n3"].alive()
+    finally:
+        for n in nodes.values():
+            n.kill()
+
+
 def test_a_member_whose_disk_is_below_its_reserve_refuses_to_take_over(tmp_path):
     """A switchover to a member with less free disk than its reserve was taken,
     and the new primary then refused every send (``disk_low``). Such a member

@@ -296,6 +296,30 @@ def test_the_asyncio_client_lists_and_deletes_keys_and_promotes(node):
     asyncio.run(main())
 
 
+def test_purge_in_both_clients(node, client):
+    """Purge (an extension): every message goes, a leased one's lease ends
+    (stale_lease, settled), purgedTotal counts them; the asyncio client's
+    purge is the same call."""
+    client.put_queue("purged")
+    client.send_batch("purged", [b"a", b"b", b"c"])
+    [m] = client.receive("purged")
+    assert client.purge("purged") == 3
+    with pytest.raises(errors.StaleLease) as e:
+        client.ack(m.token)
+    assert e.value.reason == "settled"
+    st = client.get_queue("purged")["stats"]
+    assert (st["visible"], st["leased"], st["purgedTotal"]) == (0, 0, 3)
+    with pytest.raises(errors.QueueNotFound):
+        client.purge("no-such-queue")
+
+    async def main():
+        async with AsyncClient(node.grpc_target, node.admin_key) as a:
+            await a.send("purged", b"d")
+            return await a.purge("purged")
+    assert asyncio.run(main()) == 1
+    assert client.get_queue("purged")["stats"]["purgedTotal"] == 4
+
+
 def test_batch_send_receive_settle(client):
     client.put_queue("g4")
     res = client.send_batch("g4", [f"m{i}".encode() for i in range(50)])
@@ -1104,14 +1128,14 @@ def test_calls_under_way_and_open_sessions_are_gauges(node, client):
 
 def test_what_happened_to_each_queues_messages_is_counted(node, client):
     """spooler_queue_events_total{queue,event}: a queue's totals as its stats say
-    them (sent, acked, nacked, lease_expired, failed, expired), so that a rising
+    them (sent, acked, nacked, lease_expired, failed, expired, purged), so that a rising
     failure count can be alerted on per queue."""
     client.put_queue("counted-events", maxRetries=1)
 
     def events():
         return {s.labels["event"]: s.value for s in node.samples("spooler_queue_events_total")
                 if s.labels["queue"] == "counted-events"}
-    assert events() == dict.fromkeys(("sent", "acked", "nacked", "lease_expired", "failed", "expired"), 0)
+    assert events() == dict.fromkeys(("sent", "acked", "nacked", "lease_expired", "failed", "expired", "purged"), 0)
     client.send_batch("counted-events", [b"a", b"b", b"c"])
     [first] = client.receive("counted-events")
     client.ack(first.token)
@@ -1122,7 +1146,7 @@ def test_what_happened_to_each_queues_messages_is_counted(node, client):
     st = client.get_queue("counted-events")["stats"]
     assert events() == {"sent": st["sentTotal"], "acked": st["ackedTotal"], "nacked": st["nackedTotal"],
                         "lease_expired": st["leaseExpiredTotal"], "failed": st["failedTotal"],
-                        "expired": st["expiredTotal"]}, st
+                        "expired": st["expiredTotal"], "purged": st["purgedTotal"]}, st
     assert (st["sentTotal"], st["ackedTotal"], st["failedTotal"]) == (3, 1, 1), st
 
 

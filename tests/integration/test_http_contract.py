@@ -140,7 +140,7 @@ def test_delete_queue_204_then_queue_not_found(api, queue):
     r = api.req("DELETE", f"/v1/queues/{queue}")
     assert r.status == 204 and r.body == b""
     for r in (api.get_queue(queue), api.req("DELETE", f"/v1/queues/{queue}"), api.send(queue, b"x"),
-              api.receive(queue), api.redrive(queue)):
+              api.receive(queue), api.redrive(queue), api.purge(queue)):
         assert r.status == 404, r
         assert r.json()["kind"] == "queue_not_found"
     assert queue not in {d["name"] for d in api.req("GET", "/v1/queues").json()["queues"]}
@@ -148,7 +148,7 @@ def test_delete_queue_204_then_queue_not_found(api, queue):
 
 def test_unknown_queue_404_on_every_queue_route(api):
     name = new_name("missing")
-    for r in (api.get_queue(name), api.send(name), api.receive(name), api.redrive(name),
+    for r in (api.get_queue(name), api.send(name), api.receive(name), api.redrive(name), api.purge(name),
               api.req("DELETE", f"/v1/queues/{name}")):
         assert r.status == 404 and r.json()["kind"] == "queue_not_found", r
 
@@ -544,6 +544,33 @@ def test_max_retries_to_failure_queue_and_redrive(api):
     r = received(api, name)
     assert r.h("Spooler-Message-Id") == mid and r.h("Spooler-Retry-Count") == "0" and r.body == b"poison"
     assert api.redrive(name).json() == {"moved": 0}
+
+
+def test_purge_drops_every_message_and_ends_their_leases(api):
+    """POST /v1/queues/{queue}/purge (an extension, as SQS's PurgeQueue): 200
+    {"purged": n}, every message gone, visible, delayed and leased alike; a
+    lease on a purged message is 409 stale_lease, reason settled; the queue,
+    its settings and its totals stay (purgedTotal), and it takes sends again.
+    A key without admin on the queue is 403."""
+    name = make_queue(api, maxRetries=2)
+    for body in (b"a", b"b", b"c"):
+        assert api.send(name, body).status == 201
+    assert api.send(name, b"later", delay=60).status == 201
+    token = received(api, name).h("Spooler-Lease-Token")
+    sender = api.create_key(queue=name, scopes=("send", "receive")).json()["key"]
+    r = api.with_key(sender).purge(name)
+    assert r.status == 403 and r.json()["kind"] == "forbidden", r
+    r = api.purge(name)
+    assert r.status == 200 and r.json() == {"purged": 4}, r
+    st = api.stats(name)
+    assert (st["visible"], st["delayed"], st["leased"], st["sentTotal"], st["purgedTotal"]) == (0, 0, 0, 4, 4)
+    r = api.ack(token)
+    assert r.status == 409 and r.json()["kind"] == "stale_lease" and r.json()["reason"] == "settled", r
+    assert api.get_queue(name).json()["settings"]["maxRetries"] == 2
+    assert api.receive(name).status == 204
+    assert api.send(name, b"after").status == 201
+    assert received(api, name).body == b"after"
+    assert api.purge(name).json() == {"purged": 1}  # ("after", leased)
 
 
 def test_lease_expiry_past_max_retries_goes_to_failure_queue(api):

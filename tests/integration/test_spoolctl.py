@@ -51,6 +51,9 @@ def test_every_spool_command_round_trips_in_json(node):
     rc, back = run_json(node, "receive", "jobs", "--ack")
     assert back["id"] == sent["id"] and back["retryCount"] == 0 and back["acked"] is True
     assert run_json(node, "receive", "jobs") == (0, {"message": None})
+    assert run_json(node, "send", "jobs", "to be purged")[0] == 0
+    assert run_json(node, "purge", "jobs") == (0, {"purged": 1})
+    assert run(node, "purge", "jobs")[1].decode().strip() == "purged 0 messages from jobs"
     rc, k = run_json(node, "keys", "create", "--queue", "jobs", "--scope", "send")
     assert rc == 0 and k["queue"] == "jobs" and k["scopes"] == ["send"]
     assert k["id"] in [x["id"] for x in run_json(node, "keys", "list")[1]["keys"]]
@@ -313,7 +316,7 @@ def test_an_empty_name_is_invalid_argument_on_every_command_never_another_route(
     assert run(node, "queue", "create", "kept")[0] == 0
     assert run(node, "send", "kept", "x")[0] == 0
     for argv in (("queue", "create", ""), ("queue", "get", ""), ("queue", "delete", ""), ("send", "", "hi"),
-                 ("receive", ""), ("redrive", ""), ("stats", ""), ("keys", "delete", "")):
+                 ("receive", ""), ("redrive", ""), ("purge", ""), ("stats", ""), ("keys", "delete", "")):
         rc, d = run_json(node, *argv)
         assert rc == 1 and d["error"]["kind"] == "invalid_argument", (argv, d)
     assert run_json(node, "stats", "kept")[1]["queues"][0]["stats"]["visible"] == 1  # nothing lost
@@ -326,6 +329,7 @@ def test_an_empty_name_is_invalid_argument_on_every_command_never_another_route(
     import urllib.error
     import urllib.request
     for method, path in (("POST", "/v1/queues//messages"), ("POST", "/v1/queues//receive"),
+                         ("POST", "/v1/queues//purge"),
                          ("PUT", "/v1/queues/"), ("POST", "/v1/leases//ack"), ("DELETE", "/v1/keys/")):
         req = urllib.request.Request(node.http_url + path, data=b"x" if method != "DELETE" else None,
                                      method=method, headers={"Authorization": f"Bearer {node.admin_key}"})

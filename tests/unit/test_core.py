@@ -1153,3 +1153,37 @@ def test_a_message_inside_a_segment_is_found_whatever_the_lengths_of_the_queues_
     for mid in ("p00000013", "p0000010", "p1000000011", "q00000011", "p0x11", "p1_00000011"):
         assert core._seg_of(q, mid) is None, mid
     assert core.check() == []
+
+
+def test_purge_drops_every_message_of_a_queue_and_ends_its_leases(log):
+    """A purge takes every message of the queue: visible, delayed, leased (its
+    lease ends: stale_lease, reason settled), in a compact run or not, taken
+    from the run or not. The queue's settings, totals and dedup keys stay
+    (purgedTotal counts what went), other queues are untouched, and what is
+    sent afterwards is delivered as usual."""
+    log.queue("q", max_retries=3, dedup_window_us=60 * S)
+    log.queue("other")
+    keyed, _ = log.send("q", b"k", at=1, key="key")
+    log.send("q", b"later", at=1, delay=30 * S)
+    _run(log, "q", [b"r1", b"r2", b"r3", b"r4"], at=2)
+    other, _ = log.send("other", b"o", at=2)
+    [(held, lease)] = recv(log, "q", 3)
+    assert held.id == keyed
+    [(m, _)] = recv(log, "q", 3)                       # one message taken out of the run
+    log.settle(log_pb2.NACK, "q", m.id, 3)              # and given back as an Msg of its own
+    before = log.core.stats("q", 4)
+    assert (before["visible"], before["delayed"], before["leased"]) == (4, 1, 1)
+    assert log.commit(log_pb2.Record(purge=log_pb2.Purge(queue="q")), 4) == 6
+    st = log.core.stats("q", 4)
+    assert (st["visible"], st["delayed"], st["leased"], st["purgedTotal"], st["sentTotal"]) == (0, 0, 0, 6, 6)
+    assert log.core.queues["q"].settings["max_retries"] == 3
+    with pytest.raises(StaleLeaseError) as e:
+        log.core.check_lease(lease.epoch, lease.id, lease.nonce, 5)
+    assert e.value.reason == "settled"
+    assert recv(log, "q", 100 * S) == []               # the delayed one too
+    assert log.send("q", b"k again", at=6, key="key") == (keyed, True)   # the key is remembered
+    fresh, _ = log.send("q", b"new", at=7)
+    assert [m.id for m, _ in recv(log, "q", 8)] == [fresh]
+    assert [m.id for m, _ in recv(log, "other", 8)] == [other]
+    assert log.core.check() == []
+    assert log.commit(log_pb2.Record(purge=log_pb2.Purge(queue="nope")), 9) is None

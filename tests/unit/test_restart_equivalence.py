@@ -6,8 +6,8 @@ log after the checkpoint (Engine.load). Here a single node runs a random mix
 of every kind of write through the Service (queues created, changed, deleted
 and created again; sends one by one, with delays and dedup keys, and in runs;
 receives, acks, nacks with delays, renewals; leases and retention that expire
-on their own; moves to the failure queue and redrives; API keys made and
-deleted), with checkpoints taken at random moments. At random moments its
+on their own; moves to the failure queue and redrives; purges; API keys made
+and deleted), with checkpoints taken at random moments. At random moments its
 files are copied as a kill -9 would leave them, and once more after a graceful
 stop. Each copy is loaded by a fresh Engine, and its state must be the state
 of a core that applied the copy's whole log from the first record: a
@@ -128,8 +128,10 @@ async def _random_writes(rng: random.Random, eng: Engine, svc: Service, images: 
                 else:
                     await svc.renew(ADMIN, tok)
                     tokens.append(tok)
-            elif op < 0.83:
+            elif op < 0.815:
                 await svc.redrive(ADMIN, q)
+            elif op < 0.83:
+                await svc.purge(ADMIN, q)
             elif op < 0.86:
                 if keys and rng.random() < 0.4:
                     await svc.delete_key(ADMIN, keys.pop(rng.randrange(len(keys))))
