@@ -262,6 +262,8 @@ class Replication:
         self.disk_low_since: Optional[int] = None
         self.disk_handover_failed: dict = {}
         self.disk_low_said: set = set()
+        self.disk_room_since: dict = {}  # such a member -> since when it has said it has room again
+        self.stopping = False  # (Replication.disk: no handover for disk while stopping)
         self.transfer_for_disk = False  # the switchover under way is such a handover
         self.frame_entries_max = frame_entries_max
         self.frames_in_flight_max = frames_in_flight_max
@@ -642,11 +644,14 @@ class Replication:
                 and self.acked_sent.get(p, -1 << 62) >= self.stream_lost_at.get(p, -1 << 62)]
         return max(live, key=lambda p: self.match.get(p, 0)) if live else None
 
-    def disk(self, low: bool, now: int) -> None:
+    def disk(self, low: bool, now: int, stopping: bool = False) -> None:
         """The shell's reading of this node's disk: below its reserve, or not. A
         member low on disk campaigns a failover timeout later than one with room
-        (campaign_handicap_us); a primary low on disk for a failover timeout
-        hands over (_maybe_hand_over_for_disk)."""
+        (campaign_handicap_us) and says so in its answers (AppendResp.disk_low); a
+        primary low on disk for a failover timeout hands over
+        (_maybe_hand_over_for_disk), unless it is ``stopping`` (the stop's own
+        handover is the one that runs)."""
+        self.stopping = stopping
         self.campaign_handicap_us = self.timeout if low else 0
         if not low:
             self.disk_low_since = None
@@ -667,18 +672,22 @@ class Replication:
         passed = self.disk_passed_over(now)
         return passed + [p for p in sorted(self.peers) if self.peer_disk_low.get(p) and p not in passed]
 
-    def _peer_disk(self, p: str, low: bool) -> None:
+    def _peer_disk(self, p: str, low: bool, now: int) -> None:
         """Primary: member ``p``'s latest answer says its disk is ``low`` (below its
         reserve) or not. A member passed over by a handover for disk that has
-        said its disk was low since, and now says it has room, is passed over no
-        longer (it refused for want of room, most likely, and has it again)."""
+        said its disk was low since, and has then said it has room for a failover
+        timeout, is passed over no longer (it refused for want of room, most
+        likely, and has it again; a disk hovering at its reserve is not asked
+        again at every turn)."""
         self.peer_disk_low[p] = low
         if p in self.disk_handover_failed:
             if low:
                 self.disk_low_said.add(p)
-            elif p in self.disk_low_said:
+                self.disk_room_since.pop(p, None)
+            elif p in self.disk_low_said and now - self.disk_room_since.setdefault(p, now) >= self.timeout:
                 del self.disk_handover_failed[p]
                 self.disk_low_said.discard(p)
+                del self.disk_room_since[p]
 
     def _maybe_hand_over_for_disk(self, now: int, out: list) -> None:
         """A primary whose disk has stayed below its reserve for a failover timeout
@@ -698,7 +707,8 @@ class Replication:
         (acks, receives; sends refused) and tries again later. Liveness only:
         the switchover is the same as a promote's."""
         since = self.disk_low_since
-        if since is None or now - since < self.timeout or self.transfer_to is not None or now < self.lease_ok_at:
+        if since is None or now - since < self.timeout or self.transfer_to is not None or now < self.lease_ok_at \
+                or self.stopping:
             return  # (a new primary still waiting out an older one's leases could not send TimeoutNow yet)
         behind = [p for p in self.peers if self.match.get(p, 0) < self.commit_lsn]
         target = self.handover_target(now, exclude=self.unwilling(now) + behind)
@@ -711,6 +721,7 @@ class Replication:
         if self.transfer_for_disk:
             self.disk_handover_failed[self.transfer_to] = now
             self.disk_low_said.discard(self.transfer_to)
+            self.disk_room_since.pop(self.transfer_to, None)
         self.transfer_to = None
         self.transfer_for_disk = False
 
@@ -852,7 +863,7 @@ class Replication:
             return
         p = m.sender
         self.acked_sent[p] = max(self.acked_sent.get(p, -1 << 62), m.sent_us)
-        self._peer_disk(p, m.disk_low)
+        self._peer_disk(p, m.disk_low, now)
         if m.contact:
             return  # contact only (heard): the frame's own acknowledgement follows its fsync
         self.peer_joining[p] = m.joining

@@ -62,9 +62,9 @@ PAST_RETRIES_PER_RECEIVE = 100
 
 # The newest log format this build applies, said to the primary in every
 # replication acknowledgement (AppendAck.log_format): 1 = Purge records (0.4.42).
-# A primary proposes no record of a newer format than a member that answered it
-# in its epoch says it applies (Service.purge): an older build stops on a record
-# it does not know.
+# A primary proposes no record of a newer format than a member's latest answer
+# to it says that member applies (Service.purge): an older build stops on a
+# record it does not know.
 LOG_FORMAT = 1
 PURGE_LOG_FORMAT = 1
 

@@ -149,7 +149,8 @@ class Driver:
         self.declined_why = ""  # what it said
         self._disk_failures_said: dict = {}  # member -> the failure of a handover for disk last logged
         self._no_handover_said: Optional[tuple] = None  # the members unwilling when none was left, last logged
-        # member -> (epoch, log format) of its latest acknowledgement (members_behind)
+        # member -> the log format its latest acknowledgement to this node said, in
+        # any epoch (members_behind)
         self.log_formats: dict = {}
 
     # ------------------------------------------------------------ lifecycle
@@ -246,7 +247,7 @@ class Driver:
         room. Engine.disk_low reads statvfs at most once a second. A node that is
         stopping starts no handover for its disk: the stop's own (hand_over) is
         the one that runs."""
-        self.core.disk(self.engine.disk_low() and not self.engine.draining, mono_us())
+        self.core.disk(self.engine.disk_low(), mono_us(), stopping=self.engine.draining)
 
     def _said_disk_handover(self, before: tuple) -> None:
         """Log what a tick did about a primary low on disk (Replication.disk)."""
@@ -266,7 +267,7 @@ class Driver:
         now = mono_us()
         since = c.disk_low_since
         if c.role == R.PRIMARY and since is not None and now - since >= c.timeout and c.transfer_to is None \
-                and now >= c.lease_ok_at:
+                and now >= c.lease_ok_at and not c.stopping:
             unwilling = c.unwilling(now)
             # (a member that is only catching up is asked at a later tick: nothing to say)
             if c.handover_target(now, exclude=unwilling) is None and tuple(unwilling) != self._no_handover_said:
@@ -281,11 +282,11 @@ class Driver:
 
     # ------------------------------------------------------------- queries
     def members_behind(self, log_format: int) -> list:
-        """The members that have answered this primary in its epoch and said they
-        apply no record of ``log_format`` (builds before it: they would stop on one).
-        A member not heard in this epoch is not counted: see upgrades.md."""
-        e = self.core.epoch
-        return sorted(m for m, (epoch, f) in self.log_formats.items() if epoch == e and f < log_format)
+        """The members whose latest acknowledgement to this node (as primary, in
+        this epoch or an earlier one) said they apply no record of ``log_format``
+        (older builds: they would stop on one). A member this node has not heard
+        from as primary is not counted: see upgrades.md."""
+        return sorted(m for m, f in self.log_formats.items() if f < log_format)
 
     def serving(self) -> bool:
         return self.core.serving(mono_us())
@@ -615,7 +616,7 @@ class Driver:
                         self.engine.release_hook(list(ack.releases))
                     m = R.AppendResp(ack.epoch, ack.sender, ack.ok, ack.match_lsn, ack.sent_us, ack.joining,
                                      ack.contact, ack.disk_low)
-                    self.log_formats[peer] = (ack.epoch, ack.log_format)
+                    self.log_formats[peer] = ack.log_format
                     if CONTACT_ACKS:
                         self.core.contact(m, mono_us())  # now, not once the lock is free (see contact)
                     async with self.lock:

@@ -1264,9 +1264,11 @@ def test_members_say_when_their_disk_is_low_and_a_primary_low_on_disk_asks_only_
     reserve (AppendResp.disk_low). A primary handing over for want of room, or
     for a stop, does not ask a member that says its disk is low (it would
     refuse), even the most caught-up one. A member passed over after a refusal
-    that then says its disk was low and later that it has room is asked again
-    at once, not ten failover timeouts later; one passed over for not being
-    ready, which never said its disk was low, stays passed over."""
+    that then says its disk was low and later that it has room, for a failover
+    timeout, is asked again then, not ten failover timeouts later; one passed
+    over for not being ready, which never said its disk was low, stays passed
+    over. A member stopping still says its disk is low (Replication.disk's
+    ``stopping`` only keeps this node from starting a handover for disk)."""
     T = 1_000_000
     step = T // 20
     # the replica's side: its answers say what Replication.disk last heard
@@ -1280,6 +1282,8 @@ def test_members_say_when_their_disk_is_low_and_a_primary_low_on_disk_asks_only_
     r.disk(True, 20)
     assert [a.disk_low for a in acks(r.stored(req, 21))] == [True]
     assert [a.disk_low for a in acks(r.heard(req, 22))] == [True]          # a contact acknowledgement too
+    r.disk(True, 25, stopping=True)
+    assert [a.disk_low for a in acks(r.stored(req, 26))] == [True]
     r.disk(False, 30)
     assert [a.disk_low for a in acks(r.stored(req, 31))] == [False]
 
@@ -1294,7 +1298,10 @@ def test_members_say_when_their_disk_is_low_and_a_primary_low_on_disk_asks_only_
     assert c.transfer_declined("n3", 1, T + 1) and c.disk_handover_failed == {"n3": T + 1}
     assert _answered(c, T + step, 2 * T, step, low=("n2",)) == []           # no one left
     assert _answered(c, 2 * T, 2 * T + step, step, low=("n2", "n3")) == []  # n3 says its disk is low
-    assert _answered(c, 2 * T + step, 3 * T, step, low=("n2",)) == ["n3"]   # and then that it has room
+    # and then that it has room: asked once it has said so for a failover timeout
+    # (a disk hovering at its reserve is not asked again at every turn)
+    assert _answered(c, 2 * T + step, 3 * T, step, low=("n2",)) == [] and c.disk_handover_failed
+    assert _answered(c, 3 * T, 4 * T, step, low=("n2",)) == ["n3"]
     assert c.transfer_to == "n3" and not c.disk_handover_failed
 
     # room again without having said it was low: still passed over (it refused for another reason)
@@ -1314,6 +1321,11 @@ def test_members_say_when_their_disk_is_low_and_a_primary_low_on_disk_asks_only_
     c3._campaign(T, pre=False)
     c3.receive(R.VoteResp(c3.epoch, "n2", True, False, 0, 0), T + 1)
     assert c3.role == R.PRIMARY and c3.peer_disk_low == {} and c3.unwilling(T + 1) == []
+
+    # a primary that is stopping starts no handover for its disk (its stop's own runs)
+    c4 = _primary_n1(T)
+    c4.disk(True, 0, stopping=True)
+    assert _answered(c4, 50, 3 * T, step) == [] and c4.transfer_to is None
 
 
 def test_a_second_switchover_while_one_is_under_way_is_refused():
