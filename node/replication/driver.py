@@ -331,7 +331,7 @@ class Driver:
             # below its disk reserve: this node's own reading; on the primary, what
             # each member's latest answer said (absent: not heard in this epoch)
             if m == self.id:
-                d["diskLow"] = self.engine.disk_low()
+                d["diskLow"] = c.disk_low_since is not None  # (Replication.disk: read before each tick)
             elif c.role == R.PRIMARY and m in c.peer_disk_low:
                 d["diskLow"] = c.peer_disk_low[m]
             nodes.append(d)
