@@ -326,11 +326,6 @@ class _LoopCollector:
             yield from f.families()
 
 
-_QUEUE_EVENTS = (("sent", "sentTotal"), ("acked", "ackedTotal"), ("nacked", "nackedTotal"),
-                 ("lease_expired", "leaseExpiredTotal"), ("failed", "failedTotal"), ("expired", "expiredTotal"),
-                 ("purged", "purgedTotal"))
-
-
 class _StateCollector:
     def __init__(self, engine):
         self.engine = engine
@@ -358,8 +353,8 @@ class _StateCollector:
                 held += s[state]
             since = core.first_in_line_since(name, now)
             waited.add_metric([name], max(0, now - since) / 1e6 if since is not None else 0.0)
-            for event, key in _QUEUE_EVENTS:
-                events.add_metric([name, event], s[key])
+            for event, n in core.queues[name].counters.items():  # (the totals stats() names ...Total)
+                events.add_metric([name, event], n)
         yield depth
         yield waited
         yield events

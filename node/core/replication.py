@@ -257,12 +257,12 @@ class Replication:
         # node's disk has been low (None: it has room), and the members a handover
         # for disk did not reach (it refused: low on disk too or stopping; or it
         # never caught up) -> when, each passed over for DISK_HANDOVER_RETRY_TIMEOUTS
-        # or until it says it has room again after saying its disk was low
-        # (disk_low_said: the members passed over that said so since).
+        # or until it has said for a failover timeout that it has room again after
+        # saying its disk was low (disk_low_said: such a member -> None while it
+        # says low, then since when it has said it has room).
         self.disk_low_since: Optional[int] = None
         self.disk_handover_failed: dict = {}
-        self.disk_low_said: set = set()
-        self.disk_room_since: dict = {}  # such a member -> since when it has said it has room again
+        self.disk_low_said: dict = {}
         self.stopping = False  # (Replication.disk: no handover for disk while stopping)
         self.transfer_for_disk = False  # the switchover under way is such a handover
         self.frame_entries_max = frame_entries_max
@@ -681,13 +681,14 @@ class Replication:
         again at every turn)."""
         self.peer_disk_low[p] = low
         if p in self.disk_handover_failed:
+            said = self.disk_low_said
             if low:
-                self.disk_low_said.add(p)
-                self.disk_room_since.pop(p, None)
-            elif p in self.disk_low_said and now - self.disk_room_since.setdefault(p, now) >= self.timeout:
-                del self.disk_handover_failed[p]
-                self.disk_low_said.discard(p)
-                del self.disk_room_since[p]
+                said[p] = None
+            elif p in said:
+                if said[p] is None:
+                    said[p] = now  # (room from now on)
+                if now - said[p] >= self.timeout:
+                    del self.disk_handover_failed[p], said[p]
 
     def _maybe_hand_over_for_disk(self, now: int, out: list) -> None:
         """A primary whose disk has stayed below its reserve for a failover timeout
@@ -720,8 +721,7 @@ class Replication:
         """The switchover under way ended with this node still the primary."""
         if self.transfer_for_disk:
             self.disk_handover_failed[self.transfer_to] = now
-            self.disk_low_said.discard(self.transfer_to)
-            self.disk_room_since.pop(self.transfer_to, None)
+            self.disk_low_said.pop(self.transfer_to, None)
         self.transfer_to = None
         self.transfer_for_disk = False
 
