@@ -14,7 +14,10 @@ lease's expiry. An unknown call held by a client link that delivered what it hel
 (``client_late``) may take effect until the time the drill allows it after the heal.
 Deliveries of one message are taken in the order their answers arrived;
 an answer held up past its own lease's expiry (a partition) may be an older grant than
-the one before it, which the retry-count and overlap rules allow for. Cost: O(n log n) in
+the one before it, which the retry-count and overlap rules allow for. A purge of a queue
+(``f: purge``) that succeeded or may have excuses from "lost" only the messages of that
+queue it may have taken; one that succeeded must have taken every message answered
+before it was asked for (``purged_then_delivered``). Cost: O(n log n) in
 the number of events (sorting and bisects), times the deliveries of one message for the
 retry-count rule.
 """
@@ -46,7 +49,8 @@ DUPLICATE_CAUSES = ("nack", "lease_expired", "primary_changed", "unknown_ack", "
 REQUIRED_ZEROS = ("lost", "lost_after_delivery", "unexpected", "body_mismatches", "acked_then_redelivered",
                   "overlapping_leases", "settles_of_superseded_leases", "retry_count_decreases",
                   "failover_retry_increments", "double_primaries", "leases_behind_a_newer_epoch",
-                  "keyed_duplicates", "duplicated_messages", "unkeyed_answered_duplicate")
+                  "keyed_duplicates", "duplicated_messages", "unkeyed_answered_duplicate",
+                  "purged_then_delivered")
 # Expiry stamps come from the server's wall clock converted to the monotonic clock; the
 # two clock reads of the conversion differ by microseconds. Overlap must exceed this.
 DEFAULT_SLACK_S = 0.001
@@ -203,9 +207,13 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
     deliveries: list[_Delivery] = []
     unknown_receives: dict[Any, list[tuple[float, float]]] = defaultdict(list)
     settles: dict[Any, list[_Op]] = defaultdict(list)  # lease token -> ack/nack/renew ops
+    purges: dict[Any, list[_Op]] = defaultdict(list)  # queue -> its purges that succeeded or may have
     empty_receives = 0
     for op in order:
-        if op.f == "send":
+        if op.f == "purge":
+            if op.outcome != "fail":
+                purges[op.inv.get("queue")].append(op)
+        elif op.f == "send":
             sends.append(op)
         elif op.f == "receive":
             oc = op.outcome
@@ -310,6 +318,19 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
     body_of_id: dict[Any, Any] = {}
     confirmed = 0
     lost_ids: list = []
+    # -- purges: a purge of a queue may have taken every message of it stored before the
+    # purge took effect (at the latest, its effect_t): a confirmed message never delivered
+    # and never acked whose send began before then is not lost but purged. A purge that
+    # succeeded took, for certain, every message whose send was answered before the purge
+    # was asked for: such a message delivered from that queue by a receive asked for after
+    # the purge was answered came back (purged_then_delivered)
+    purged_ids: set = set()
+    send_of_id: dict[Any, _Op] = {}  # message id -> the first send answered with it
+
+    def may_be_purged(mid: Any) -> bool:
+        op = send_of_id.get(mid)
+        return op is not None and any(p.effect_t > op.inv_t for p in purges.get(op.inv.get("queue"), ()))
+
     unknown_sends = unknown_sends_appeared = 0
     send_oks: list[tuple[float, float]] = []  # (invoke t, ok t)
     keyed_ids: dict[Any, set] = defaultdict(set)  # dedup key -> the message ids its sends were answered
@@ -336,8 +357,12 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
             if key is None or not op.res.get("duplicate") or mid not in body_of_id:
                 confirmed += 1
                 body_of_id[mid] = body
+                send_of_id.setdefault(mid, op)
                 if mid not in delivered_ids and mid not in failed_queue_ids and mid not in expired_ids:
-                    lost_ids.append(mid)
+                    if may_be_purged(mid):
+                        purged_ids.add(mid)
+                    else:
+                        lost_ids.append(mid)
         elif oc == "unknown":
             unknown_sends += 1
             if body in delivered_bodies:
@@ -412,7 +437,22 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
     for mid in (body_of_id if final.get("drained") else ()):  # (only a drained history shows it)
         if (mid in delivered_ids and mid not in ids_acked and mid not in failed_queue_ids
                 and mid not in expired_ids):
-            lost_after.append(mid)
+            if may_be_purged(mid):
+                purged_ids.add(mid)
+            else:
+                lost_after.append(mid)
+
+    purged_then_delivered, ptd_details = 0, []
+    for d in deliveries:
+        sop = send_of_id.get(d.id)
+        if sop is None or sop.outcome != "ok":
+            continue
+        for p in purges.get(d.queue, ()):
+            if p.outcome == "ok" and sop.done_t < p.inv_t and p.done_t < d.inv_t:
+                purged_then_delivered += 1
+                _keep(ptd_details, {**d.brief(), "sent_at": sop.done_t, "purge_asked_at": p.inv_t,
+                                    "purge_answered_at": p.done_t})
+                break
 
     # -- acks: acked then redelivered -----------------------------------------------------------
     first_ack_ok: dict[Any, float] = {}
@@ -707,6 +747,10 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         "retry_count_decreases_details": retry_down_details,
         "lost_after_delivery": len(lost_after),
         "lost_after_delivery_ids": lost_after,
+        "purges": sum(len(v) for v in purges.values()),
+        "purged": len(purged_ids),
+        "purged_then_delivered": purged_then_delivered,
+        "purged_then_delivered_details": ptd_details,
         "failover_retry_increments": retry_incr,
         "failover_retry_increments_details": retry_details,
         "leases_behind_a_newer_epoch": behind,
@@ -886,7 +930,7 @@ def format_table(report: dict) -> str:
 
     for k in ("events", "sends", "confirmed_sends", "deliveries", "drain_deliveries",
               "empty_receives", "unknown_receives", "unknown_sends", "unknown_sends_appeared",
-              "keyed_sends", "keyed_answered_duplicate", "ids_delivered_more_than_once"):
+              "keyed_sends", "keyed_answered_duplicate", "ids_delivered_more_than_once", "purges", "purged"):
         row(k, report[k])
     for cause, n in report["duplicate_deliveries"].items():
         row(f"duplicate_deliveries.{cause}", n)
@@ -921,7 +965,8 @@ def format_table(report: dict) -> str:
                 ("failover_retry_increments", report["failover_retry_increments_details"]),
                 ("double_primaries", report["double_primaries_details"]),
                 ("leases_behind_a_newer_epoch", report["leases_behind_a_newer_epoch_details"]),
-                ("body_mismatches", report["body_mismatch_details"])]
+                ("body_mismatches", report["body_mismatch_details"]),
+                ("purged_then_delivered", report["purged_then_delivered_details"])]
     for name, items in examples:
         if items:
             lines.append(f"{name} (first {min(len(items), 5)}):")

@@ -24,6 +24,8 @@ processes (``cluster.Cluster``), creates a queue, and for ``duration_s`` seconds
   every node through a second fault proxy, and the nemesis also cuts the links between
   the clients and one node or holds their bytes (see ``CLIENT_PARTITION_ACTIONS``);
   the role observer and the nemesis's own views still reach the nodes directly.
+  With ``purges=True`` a second queue gets a producer and a consumer of its own and is
+  purged every second or few (see ``PURGE_QUEUE``).
 
 Every client call talks to a random running node (a new one after an error) and is
 recorded in a :class:`History` (invoke, then ok / fail / unknown as the module docstring
@@ -147,6 +149,15 @@ SLOW_LINK_ACTIONS = (("slow_links", 0.3),)
 # room (Replication.disk); a replica low on disk refuses to take over. The round notes
 # whether a member with room was primary before the disks had room again.
 DISK_LOW_ACTIONS = (("disk_low", 0.3),)
+# with purges=True: a second queue with a producer and a consumer of its own, which a
+# purger empties (POST .../purge) every PURGE_EVERY_S; the checker excuses from "lost" only
+# that queue's messages a purge may have taken, and counts any message delivered after a
+# purge that confirmed it gone (purged_then_delivered). The main queue is never purged.
+# Its producer delays one send in five (by 0.1-1 s) and its consumer works 0.05-0.25 s on
+# each message, so the queue holds visible, delayed and leased messages when a purge comes.
+PURGE_QUEUE = "drill-purged"
+PURGE_FAILURE_QUEUE = PURGE_QUEUE + ".failed"
+PURGE_EVERY_S = (1.0, 3.0)
 SPREAD_EVERY = 20  # with client partitions, a client moves to a random node after ~1 call in this many
 # with sdk_clients=True a service on the asyncio SDK runs beside the HTTP clients (sdk_client):
 # this many senders with one send each awaiting its answer (the SDK's auto-batching
@@ -227,7 +238,7 @@ class Drill:
                  disk_loss: bool = False, graceful: bool = False, fsync_errors: bool = False,
                  write_errors: bool = False, faults: tuple = (), node_args: tuple = (),
                  client_partitions: bool = False, slow_links: bool = False, sdk_clients: bool = False,
-                 disk_low: bool = False):
+                 disk_low: bool = False, purges: bool = False):
         unknown = [f for f in faults if f not in FAULT_KINDS]
         if unknown:
             raise ValueError(f"unknown fault kinds {unknown}; known: {sorted(FAULT_KINDS)}")
@@ -271,6 +282,7 @@ class Drill:
         self.sdk_clients = sdk_clients
         self.slow_links = slow_links
         self.disk_low = disk_low
+        self.purges = purges
         # (report: "disk_low"; handover_s: from the disks filling to a member with room seen as primary)
         # cut_short: rounds the end of the load cut short before a handover was seen
         self.disk_low_rounds: dict = {"rounds": 0, "handed_over": 0, "cut_short": 0, "handover_s": []}
@@ -307,9 +319,9 @@ class Drill:
         c.moved()
         return "ok", v
 
-    def send(self, c: _Client, body: str):
-        return self._call(c, "send", lambda http: http.send(QUEUE, body.encode()),
-                          {"queue": QUEUE, "body": body},
+    def send(self, c: _Client, body: str, queue: str = QUEUE, delay_s: Optional[float] = None):
+        return self._call(c, "send", lambda http: http.send(queue, body.encode(), delay_s=delay_s),
+                          {"queue": queue, "body": body, **({"delay_s": delay_s} if delay_s else {})},
                           lambda v, http: {"id": v["id"], "duplicate": v.get("duplicate", False)})
 
     def receive(self, c: _Client, queue: str, wait_s: float, drain: bool = False):
@@ -361,14 +373,16 @@ class Drill:
         t.start()
         return t
 
-    def producer(self, i: int):
-        name = f"p{i}"
+    def producer(self, i: int, name: str = "", queue: str = QUEUE):
+        name = name or f"p{i}"
         rng = self.rng(name)
         c = _Client(self.cluster, rng, name, spread=self.client_partitions)
         n = 0
         while not self.stop_load.is_set():
             n += 1
-            typ, v = self.send(c, f"s{self.seed}-{name}-{n}")
+            # the purged queue's sends: one in five delayed, so that a purge finds some
+            delay = round(rng.uniform(0.1, 1.0), 3) if queue == PURGE_QUEUE and rng.random() < 0.2 else None
+            typ, v = self.send(c, f"s{self.seed}-{name}-{n}", queue, delay)
             if typ != "ok":
                 self.stop_load.wait(0.05 + rng.random() * 0.1)
             elif self.send_pause_s:
@@ -452,12 +466,12 @@ class Drill:
             if self.send_pause_s:
                 self.stop_load.wait(rng.random() * 2 * self.send_pause_s)
 
-    def consumer(self, i: int):
-        name = f"c{i}"
+    def consumer(self, i: int, name: str = "", queue: str = QUEUE):
+        name = name or f"c{i}"
         rng = self.rng(name)
         c = _Client(self.cluster, rng, name, spread=self.client_partitions)
         while not self.stop_load.is_set():
-            typ, v = self.receive(c, QUEUE, RECEIVE_WAIT_S)
+            typ, v = self.receive(c, queue, RECEIVE_WAIT_S)
             if typ != "ok":
                 self.stop_load.wait(0.05 + rng.random() * 0.1)
                 continue
@@ -476,9 +490,19 @@ class Drill:
                 typ, v2 = self.settle(c, "renew", dd)
                 if typ == "ok":
                     dd["expires_at"] = expires_at_monotonic(v2)
+            elif queue == PURGE_QUEUE:
+                time.sleep(rng.uniform(0.05, 0.25))  # slower than its producer: a purge finds messages
             elif rng.random() < 0.2:
                 time.sleep(rng.random() * 0.05)  # some work
             self.settle_retrying(c, "ack", dd)
+
+    def purger(self, name: str = "x0"):
+        """Empties PURGE_QUEUE every PURGE_EVERY_S, at a random node (a replica forwards)."""
+        rng = self.rng(name)
+        c = _Client(self.cluster, rng, name, spread=self.client_partitions)
+        while not self.stop_load.wait(rng.uniform(*PURGE_EVERY_S)):
+            self._call(c, "purge", lambda http: http.purge(PURGE_QUEUE), {"queue": PURGE_QUEUE},
+                       lambda v, http: {"purged": v})
 
     def sdk_client(self, name: str = "g0"):
         """A service on the asyncio SDK (``spooler.aio.AsyncClient``): one client over
@@ -994,11 +1018,12 @@ class Drill:
     def setup_queue(self):
         c = _Client(self.cluster, self.rng("setup"), "setup")
         deadline = time.monotonic() + 30
-        while True:
+        queues = [QUEUE, PURGE_QUEUE] if self.purges else [QUEUE]
+        while queues:
             try:
-                c.client().put_queue(QUEUE, leaseTimeoutSeconds=LEASE_S, maxRetries=MAX_RETRIES,
+                c.client().put_queue(queues[0], leaseTimeoutSeconds=LEASE_S, maxRetries=MAX_RETRIES,
                                      dedupWindowSeconds=DEDUP_WINDOW_S)
-                return
+                queues.pop(0)
             except errors.SpoolerError:
                 if time.monotonic() > deadline:
                     raise
@@ -1015,10 +1040,13 @@ class Drill:
             return None
 
     def drain(self, timeout_s: float = 120.0) -> bool:
-        """Receive+ack from the queue and its failure queue until both are empty."""
+        """Receive+ack from the queue and its failure queue (and with purges the purged queue
+        and its failure queue) until every one is empty."""
         c = _Client(self.cluster, self.rng("drain"), "drain")
         deadline = time.monotonic() + timeout_s
-        queues = [QUEUE]
+        pairs = [(QUEUE, FAILURE_QUEUE)] + ([(PURGE_QUEUE, PURGE_FAILURE_QUEUE)] if self.purges else [])
+        failure_queues = {f for _, f in pairs}
+        queues = [q for q, _ in pairs]
         while time.monotonic() < deadline:
             got = 0
             for q in queues:
@@ -1030,19 +1058,20 @@ class Drill:
                     if v is None:
                         break
                     got += 1
-                    if q == FAILURE_QUEUE:
+                    if q in failure_queues:
                         self.failed_queue_ids.add(v.id)
                     dd = {"id": v.id, "token": v.token, "epoch": v.epoch,
                           "expires_at": expires_at_monotonic(v.expires_at)}
                     self.settle_retrying(c, "ack", dd)
             if got:
                 continue
-            s1, s2 = self._stats(c, QUEUE), self._stats(c, FAILURE_QUEUE)
-            if s1 is None or s2 is None:
+            stats = {q: self._stats(c, q) for pair in pairs for q in pair}
+            if any(s is None for s in stats.values()):
                 continue
-            if s2 and FAILURE_QUEUE not in queues:
-                queues.append(FAILURE_QUEUE)  # created on demand: exists once something failed
-            if all((s.get("visible", 0) + s.get("leased", 0) + s.get("delayed", 0)) == 0 for s in (s1, s2)):
+            for f in failure_queues:
+                if stats[f] and f not in queues:
+                    queues.append(f)  # created on demand: exists once something failed
+            if all((s.get("visible", 0) + s.get("leased", 0) + s.get("delayed", 0)) == 0 for s in stats.values()):
                 return True
             time.sleep(0.1)
         self.notes.append(f"drain incomplete after {timeout_s}s")
@@ -1103,6 +1132,10 @@ class Drill:
                 load += [self._guard(f"c{i}", lambda i=i: self.consumer(i)) for i in range(self.n_consumers)]
                 if self.sdk_clients:
                     load.append(self._guard("g0", self.sdk_client))
+                if self.purges:
+                    load += [self._guard("q0", lambda: self.producer(0, "q0", PURGE_QUEUE)),
+                             self._guard("qc0", lambda: self.consumer(0, "qc0", PURGE_QUEUE)),
+                             self._guard("x0", self.purger)]
                 nem = self._guard("nemesis", self.nemesis)
                 self.stop_load.wait(self.duration_s)
                 if not self.faults_done.wait(SCRIPT_WAIT_S):

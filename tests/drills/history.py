@@ -21,6 +21,8 @@ Event shapes (fields beyond these are kept and ignored by the checker)::
          also keeps the answering node's Spooler-Epoch as ``node_epoch``)
     {"t", "process", "type": "invoke", "f": "ack"|"nack"|"renew", "op", "id", "token", "epoch"}
     {"t", "process", "type": "ok", "f": "renew", "op", "expires_at"}
+    {"t", "process", "type": "invoke", "f": "purge", "op", "queue"}
+    {"t", "process", "type": "ok", "f": "purge", "op", "purged": 12}
     {"t", "process", "type": "fail", "f": "ack", "op", "error": "stale_lease", "reason": "expired"}
     {"t", "type": "nemesis", "f": "kill"|"stop"|"cont"|"partition"|"heal"|"restart"|"power_loss",
          "node": "n1"}
@@ -53,7 +55,7 @@ from datetime import datetime
 from typing import Any, Callable, Iterable, Iterator
 
 COMPLETIONS = ("ok", "fail", "unknown")
-CLIENT_FUNCTIONS = ("send", "receive", "ack", "nack", "renew")
+CLIENT_FUNCTIONS = ("send", "receive", "ack", "nack", "renew", "purge")
 
 
 def wall_to_monotonic(wall_s: float) -> float:

@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - run as a plain script
 
 SUMMED = ("sends", "confirmed_sends", "deliveries", "drain_deliveries", "empty_receives", "unknown_receives",
           "unknown_sends", "unknown_sends_appeared", "keyed_sends", "keyed_answered_duplicate", "ids_delivered_more_than_once", *REQUIRED_ZEROS,
-          "orphan_completions", "client_partitions", "client_partition_calls", "client_partition_unknowns",
+          "purges", "purged", "orphan_completions", "client_partitions", "client_partition_calls", "client_partition_unknowns",
           "client_partition_unknown_sends_delivered")
 
 
@@ -147,6 +147,9 @@ def main(argv=None) -> int:
     ap.add_argument("--disk-low", action="store_true",
                     help="the nemesis also fills the primary's disk (and now and then a replica's) past its "
                          "reserve for a while: the primary must hand over to a member with room")
+    ap.add_argument("--purges", action="store_true",
+                    help="a second queue with a producer and a consumer of its own is purged every 1-3 s; "
+                         "the checker counts any message delivered after a purge that confirmed it gone")
     ap.add_argument("--sdk-clients", action="store_true",
                     help="a service on the asyncio SDK (auto-batched sends on its Session stream, receives, "
                          "acks, nacks, renewals) runs beside the HTTP clients, its calls recorded and checked "
@@ -180,7 +183,7 @@ def main(argv=None) -> int:
           f"{', write errors' if args.write_errors else ''}"
           f"{', client partitions' if args.client_partitions else ''}"
           f"{', slow links' if args.slow_links else ''}{', SDK clients' if args.sdk_clients else ''}"
-          f"{', disks low' if args.disk_low else ''}"
+          f"{', disks low' if args.disk_low else ''}{', purges' if args.purges else ''}"
           f"{', node flags ' + repr(args.node_args) if args.node_args else ''}, in {root}",
           flush=True)
     reports = []
@@ -195,7 +198,8 @@ def main(argv=None) -> int:
                           graceful=args.graceful, fsync_errors=args.fsync_errors,
                           write_errors=args.write_errors, faults=faults, node_args=tuple(shlex.split(args.node_args)),
                           client_partitions=args.client_partitions, slow_links=args.slow_links,
-                          sdk_clients=args.sdk_clients, disk_low=args.disk_low)
+                          sdk_clients=args.sdk_clients, disk_low=args.disk_low,
+                          purges=args.purges)
         except Exception as e:  # noqa: BLE001 - a drill that cannot finish is a failing seed
             import traceback
             traceback.print_exc()

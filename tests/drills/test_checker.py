@@ -40,6 +40,10 @@ class Sim:
                "expires_at": t1 + lease_s, "queue": queue, **extra} if outcome == "ok" else {"error": "timeout"}
         return self._call("receive", t0, t1, outcome, {"queue": queue}, res)
 
+    def purge(self, t0, t1, queue="q", outcome="ok", error=None, purged=1):
+        res = {"purged": purged} if outcome == "ok" else {"error": error or "timeout"}
+        return self._call("purge", t0, t1, outcome, {"queue": queue}, res, "x1")
+
     def empty(self, t0, t1, queue="q"):
         return self._call("receive", t0, t1, "ok", {"queue": queue}, {"empty": True})
 
@@ -81,7 +85,7 @@ def received_and_acked(s, t, mid, body, token):
 REQUIRED = ("lost", "lost_after_delivery", "unexpected", "body_mismatches", "acked_then_redelivered",
             "overlapping_leases", "settles_of_superseded_leases", "retry_count_decreases",
             "failover_retry_increments", "double_primaries", "leases_behind_a_newer_epoch",
-            "keyed_duplicates", "duplicated_messages", "unkeyed_answered_duplicate")
+            "keyed_duplicates", "duplicated_messages", "unkeyed_answered_duplicate", "purged_then_delivered")
 
 
 def test_the_required_zeros_here_are_the_checker_s():
@@ -1158,3 +1162,59 @@ def test_main_fails_a_history_that_leaves_checks_out_unless_told_it_is_partial(t
     bad = tmp_path / "bad.jsonl"
     s.h.to_jsonl(str(bad))
     assert main(["--partial", str(bad)]) == 1
+
+
+def test_a_purge_excuses_only_what_it_may_have_taken_of_its_own_queue():
+    """Confirmed, never delivered (or delivered, never acked, in a drained history):
+    purged, not lost, when a purge of its queue that succeeded or may have took effect
+    after its send began; a message of another queue, one sent after the purge's
+    answer, and a purge refused for certain excuse nothing."""
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1", queue="pq")          # taken by the purge
+    s.send(1.0, 1.01, "b2", "m2", queue="q")           # another queue: lost
+    s.send(1.5, 1.6, "b3", "m3", queue="pq")           # concurrent with the purge: may be taken
+    s.send(1.2, 1.21, "b4", "m4", queue="pq")
+    s.recv(1.3, 1.31, "m4", "b4", "t4", queue="pq")    # leased, the purge ended its lease
+    s.purge(1.4, 1.55, queue="pq", purged=3)
+    s.send(2.0, 2.01, "b5", "m5", queue="pq")          # after the purge: lost
+    s.purge(3.0, 3.1, queue="q", outcome="fail", error="unavailable")  # refused: took nothing
+    s.final(drained=True)
+    r = s.check()
+    assert_only(r, lost=2)
+    assert sorted(r["lost_ids"]) == ["m2", "m5"]
+    assert r["purges"] == 1 and r["purged"] == 3
+    s2 = Sim()  # a purge of unknown outcome may have taken effect up to its (lack of an) answer
+    s2.send(1.0, 1.01, "b1", "m1", queue="pq")
+    s2.purge(0.5, 4.0, queue="pq", outcome="unknown")
+    assert_only(s2.check())
+
+
+def test_a_message_delivered_after_a_purge_that_confirmed_it_gone_is_counted():
+    """Sent (answered) before a purge of its queue was asked for, received by a call
+    asked for after the purge was answered: the purge did not take it."""
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1", queue="pq")
+    s.send(1.0, 1.01, "b2", "m2", queue="pq")
+    s.recv(1.1, 1.11, "m2", "b2", "t2", queue="pq")
+    s.purge(2.0, 2.1, queue="pq", purged=2)
+    s.recv(2.2, 2.21, "m1", "b1", "t1", queue="pq")
+    s.settle("ack", 2.3, 2.31, "m1", "t1")
+    s.settle("ack", 2.4, 2.41, "m2", "t2", outcome="fail", error="stale_lease")  # its lease ended
+    s.final(drained=True)
+    r = s.check()
+    assert_only(r, purged_then_delivered=1)
+    assert r["purged_then_delivered_details"][0]["id"] == "m1"
+    assert "purged_then_delivered" in format_table(r) and r["required_zeros_ok"] is False
+    # not counted: the send answered after the purge was asked for (it may follow it),
+    # the receive asked for before the purge's answer (it may precede it), a purge of
+    # unknown outcome, a purge of another queue, a delivery from the failure queue
+    for send_t, recv_t, outcome, pq, rq in ((1.95, 2.2, "ok", "pq", "pq"), (1.0, 2.05, "ok", "pq", "pq"),
+                                            (1.0, 2.2, "unknown", "pq", "pq"), (1.0, 2.2, "ok", "q", "pq"),
+                                            (1.0, 2.2, "ok", "pq", "pq.failed")):
+        s = Sim()
+        s.send(send_t, send_t + 0.06 if send_t > 1.9 else 1.01, "b1", "m1", queue="pq")
+        s.purge(2.0, 2.1, queue=pq, outcome=outcome)
+        s.recv(recv_t, recv_t + 0.01, "m1", "b1", "t1", queue=rq)
+        s.settle("ack", 2.3, 2.31, "m1", "t1")
+        s.final(drained=True)
+        assert_only(s.check())

@@ -17,14 +17,14 @@ pytestmark = pytest.mark.integration
 
 def _run(seed, duration_s, tmp_path, power_loss=False, partitions=False, cascades=False, disk_loss=False,
          graceful=False, fsync_errors=False, write_errors=False, faults=(), client_partitions=False,
-         slow_links=False, sdk_clients=False, disk_low=False):
+         slow_links=False, sdk_clients=False, disk_low=False, purges=False):
     """faults: kinds the nemesis carries out first (the load runs on until they are over), so
     that what a test asserts of them does not hang on how many rounds fit in duration_s."""
     report = run_drill(seed, duration_s, nodes=3, workdir=str(tmp_path / f"seed-{seed}"), power_loss=power_loss,
                        partitions=partitions, cascades=cascades, disk_loss=disk_loss, graceful=graceful,
                        fsync_errors=fsync_errors, write_errors=write_errors, faults=faults,
                        client_partitions=client_partitions, slow_links=slow_links, sdk_clients=sdk_clients,
-                       disk_low=disk_low)
+                       disk_low=disk_low, purges=purges)
     assert report["faults"][:len(faults)] == list(faults), (report["faults"], report["notes"])
     table = format_table(report)
     print(f"seed {seed}: {report['wall_s']:.1f}s wall, nemeses {json.dumps(report['nemesis_counts'])}\n{table}")
@@ -32,7 +32,8 @@ def _run(seed, duration_s, tmp_path, power_loss=False, partitions=False, cascade
     assert not report["thread_errors"], report["thread_errors"]
     assert report["required_zeros_ok"], f"history kept in {report['history']}\n{table}"
     assert report["nodes_agree"] is True and report["integrity_ok"] is True
-    assert report["confirmed_sends"] > 0 and report["deliveries"] >= report["confirmed_sends"]
+    # every confirmed message was delivered, or taken by a purge (only with purges=True)
+    assert report["confirmed_sends"] > 0 and report["deliveries"] + report["purged"] >= report["confirmed_sends"]
     assert report["keyed_sends"] > 0  # the keyed producer ran: keyed_duplicates judged something
     return report
 
@@ -258,6 +259,18 @@ def test_short_disk_low_drill(tmp_path):
     assert len(handed) == 2, handed
     refused = [e for e in events if e.get("type") == "fail" and "disk" in json.dumps(e)]
     assert refused, "no send was refused while the primary's disk was full"
+
+
+def test_short_purge_drill(tmp_path):
+    """A second queue, visible, delayed and leased messages in it, purged every second or
+    few while the primary is killed: nothing a purge confirmed gone comes back, nothing
+    else of it is lost, and the nodes end alike."""
+    r = _run(23, 8.0, tmp_path, purges=True, faults=("kill_primary",))
+    assert r["nemesis_counts"].get("kill_primary", 0) >= 1, r["nemesis_counts"]
+    events = [json.loads(x) for x in open(r["history"])]
+    purged = [e for e in events if e.get("f") == "purge" and e.get("type") == "ok"]
+    assert r["purges"] >= 2 and len(purged) >= 1, r["purges"]
+    assert r["purged"] > 0 and sum(e["purged"] for e in purged) > 0, r["purged"]
 
 
 @pytest.mark.slow
