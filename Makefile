@@ -42,14 +42,14 @@ test-fast: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''
 
-# Long failover drills: make drill SEEDS=1-100 DURATION=30 [WORKDIR=dir] [KEEP=1] [POWER_LOSS=1] [PARTITIONS=1] [CASCADES=1] [DISK_LOSS=1] [GRACEFUL=1] [FSYNC_ERRORS=1] [CLIENT_PARTITIONS=1] [WRITE_ERRORS=1] [SLOW_LINKS=1] [SDK_CLIENTS=1] [DISK_LOW=1] [PURGES=1] [NODES=5] [FAULTS=kind,...]
+# Long failover drills: make drill SEEDS=1-100 DURATION=30 [WORKDIR=dir] [KEEP=1] [POWER_LOSS=1] [PARTITIONS=1] [CASCADES=1] [DISK_LOSS=1] [GRACEFUL=1] [FSYNC_ERRORS=1] [CLIENT_PARTITIONS=1] [WRITE_ERRORS=1] [SLOW_LINKS=1] [SDK_CLIENTS=1] [DISK_LOW=1] [PURGES=1] [UPGRADE_FROM=previous|REV] [NODES=5] [FAULTS=kind,...]
 SEEDS ?= 1-5
 DURATION ?= 30
 drill: $(STAMP)
 	$(BIN)/python -m tests.drills.run --seeds $(SEEDS) --duration $(DURATION) $(if $(POWER_LOSS),--power-loss,) \
 		$(if $(PARTITIONS),--partitions,) $(if $(CASCADES),--cascades,) $(if $(DISK_LOSS),--disk-loss,) \
 		$(if $(GRACEFUL),--graceful,) $(if $(FSYNC_ERRORS),--fsync-errors,) $(if $(WRITE_ERRORS),--write-errors,) \
-		$(if $(CLIENT_PARTITIONS),--client-partitions,) $(if $(SLOW_LINKS),--slow-links,) $(if $(SDK_CLIENTS),--sdk-clients,) $(if $(DISK_LOW),--disk-low,) $(if $(PURGES),--purges,) $(if $(NODES),--nodes $(NODES),) $(if $(FAULTS),--faults $(FAULTS),) \
+		$(if $(CLIENT_PARTITIONS),--client-partitions,) $(if $(SLOW_LINKS),--slow-links,) $(if $(SDK_CLIENTS),--sdk-clients,) $(if $(DISK_LOW),--disk-low,) $(if $(PURGES),--purges,) $(if $(UPGRADE_FROM),--upgrade-from $(UPGRADE_FROM),) $(if $(NODES),--nodes $(NODES),) $(if $(FAULTS),--faults $(FAULTS),) \
 		$(if $(NODE_ARGS),--node-args "$(NODE_ARGS)",) $(if $(WORKDIR),--workdir $(WORKDIR),) $(if $(KEEP),--keep,)
 
 bench: $(STAMP)

@@ -30,6 +30,8 @@ class UnmarkedNodeStart(AssertionError):
 
 
 class NodeProc:
+    DEFAULT_ENTRY = ("-m", "node.main")  # this checkout's build
+
     def __init__(self, data_dir: str, node_id: str = "n1", admin_key: str = ADMIN_KEY, extra_args=(),
                  http_port: int = 0, grpc_port: int = 0, env: Optional[dict] = None, env_only: bool = False,
                  entry: Optional[list] = None):
@@ -38,7 +40,7 @@ class NodeProc:
         does, and the test's own SPOOLER_* variables are not passed on.
         ``entry``: the interpreter's arguments before the node's flags (by
         default ``-m node.main``; ``-c CODE`` runs a node with a fault put in)."""
-        self.entry = list(entry or ["-m", "node.main"])
+        self.entry = list(entry or self.DEFAULT_ENTRY)
         self.env_only = env_only
         self.data_dir = data_dir
         self.node_id = node_id
@@ -300,10 +302,11 @@ def free_ports(n: int, lowest: int = 0, highest: int = 0) -> list:
 
 
 def start_cluster(base_dir: str, n: int = 3, failover_timeout_s: float = 1.0, extra_args=(), env=None,
-                  per_node_args=None, per_node_env=None) -> dict:
+                  per_node_args=None, per_node_env=None, entry=None) -> dict:
     """Start n nodes n1..nN with one --peers list, in parallel; returns {id: NodeProc}.
     per_node_args(id) -> extra arguments for that node; per_node_env(id) -> more
-    environment for it. The caller kills them."""
+    environment for it; entry: how every node is run (NodeProc's, e.g. an older
+    build: tests/drills/builds.py). The caller kills them."""
     import threading
     ids = [f"n{i + 1}" for i in range(n)]
     ports = dict(zip(ids, free_ports(n)))
@@ -311,7 +314,7 @@ def start_cluster(base_dir: str, n: int = 3, failover_timeout_s: float = 1.0, ex
     nodes = {i: NodeProc(os.path.join(base_dir, i), node_id=i, grpc_port=ports[i],
                          env={**(env or {}), **per_node_env(i)} if per_node_env else env,
                          extra_args=["--peers", peers, "--failover-timeout", str(failover_timeout_s), *extra_args,
-                                     *(per_node_args(i) if per_node_args else ())]) for i in ids}
+                                     *(per_node_args(i) if per_node_args else ())], entry=entry) for i in ids}
     errors_ = []
 
     def start(node):

@@ -274,6 +274,7 @@ def test_capabilities_publishes_defaults_limits_and_knob_bounds(spool):
     assert caps["version"]
     d = caps["defaults"]
     assert d["heartbeat_interval_s"] == 5.0 and d["reap_threshold_s"] == 30.0 and d["busy_timeout_s"] == 5.0
+    assert d["term_grace_s"] == 5.0  # the seed's "wait up to 5 seconds" between SIGTERM and SIGKILL
     assert d["max_retries"] == 3 and d["max_crashes"] is None
     lim = caps["limits"]
     assert (lim["concurrency_min"], lim["concurrency_max"]) == (1, knobs.CONCURRENCY_MAX)
@@ -514,3 +515,26 @@ def test_a_spool_of_a_newer_schema_is_refused_and_left_as_it_is(spool, command):
         assert [x[0] for x in c.execute("SELECT id FROM jobs")] == [job_id]
     finally:
         c.close()
+
+
+def test_a_worker_gives_a_timed_out_job_its_grace_to_clean_up(spool, tmp_path):
+    """The worker's own timeout kill (not only the executor's, whose test passes a
+    grace of its own): SIGTERM, then up to knobs.TERM_GRACE_S before SIGKILL, so a
+    command that cleans up on SIGTERM (0.3 s here) finishes and exits with its own
+    code. With no grace it was SIGKILLed (exit -9) and printed nothing."""
+    import sys
+    prog = ("import signal, sys, time\n"
+            "def term(*_):\n"
+            "    time.sleep(0.3)\n"
+            "    print('cleaned', flush=True)\n"
+            "    sys.exit(3)\n"
+            "signal.signal(signal.SIGTERM, term)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(300)\n")
+    job_id = spool.submit(sys.executable, "-c", prog, opts=("--timeout", "2", "--max-retries", "0"))
+    spool.run("worker", "--drain", timeout_s=60)
+    job = spool.job(job_id)
+    [a] = job["attempts"]
+    assert job["state"] == "dead" and a["failure_reason"] == "timeout", job
+    assert a["exit_code"] == 3, f"exit {a['exit_code']}: not the command's own exit after its cleanup"
+    assert spool.run("output", job_id).stdout == b"ready\ncleaned\n"

@@ -490,10 +490,17 @@ class Service:
         """Every message of the queue goes, leased ones too (their leases end:
         stale_lease, reason settled); its settings, totals and dedup keys stay.
         -> how many it held when the purge applied. Refused (unavailable) while a
-        member that answered this primary runs a build that cannot apply it."""
+        member that answered this primary runs a build that cannot apply it, and on
+        a replica while the primary runs a build that has no purge (it answers the
+        forwarded call UNIMPLEMENTED: method_not_allowed would tell the caller that
+        the call itself is wrong, when only the cluster's upgrade is unfinished)."""
         self.check_name_any(name)
         if (a := self._remote(p)):
-            return await self.fwd.purge(a, p.auth, name)
+            try:
+                return await self.fwd.purge(a, p.auth, name)
+            except errors.MethodNotAllowed:
+                raise errors.Unavailable(f"the primary (at {a}) runs a build older than 0.4.42, which has no "
+                                         "purge: upgrade it first", retry_after_s=30.0) from None
         self.authorize(p, "admin", name)
         self._queue(name)
         behind = self.engine.repl.members_behind(PURGE_LOG_FORMAT)

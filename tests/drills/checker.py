@@ -44,7 +44,7 @@ DEFINITE_FAILURE_KINDS = frozenset({
 })
 # Nemeses after which clients may be unable to write until the cluster recovers.
 DISRUPTIVE_NEMESES = frozenset({"kill", "stop", "term", "partition", "power_loss", "disk_loss", "fsync_error",
-                                "write_error"})
+                                "write_error", "upgrade"})
 DUPLICATE_CAUSES = ("nack", "lease_expired", "primary_changed", "unknown_ack", "answered_late", "other")
 REQUIRED_ZEROS = ("lost", "lost_after_delivery", "unexpected", "body_mismatches", "acked_then_redelivered",
                   "overlapping_leases", "settles_of_superseded_leases", "retry_count_decreases",

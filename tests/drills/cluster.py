@@ -67,7 +67,7 @@ class Cluster:
     def __init__(self, workdir: str, nodes: int = 3, failover_timeout_s: float = 1.0,
                  admin_key: str = ADMIN_KEY, extra_args=(), power_loss: bool = False, partitions: bool = False,
                  fsync_errors: bool = False, write_errors: bool = False, client_partitions: bool = False,
-                 disk_low: bool = False):
+                 disk_low: bool = False, entry: Optional[list] = None):
         """power_loss: nodes keep every write in memory until fsync (test VFS), so each
         SIGKILL is a power cut that loses everything not fsync'd. partitions: route all
         node-to-node traffic through a FaultProxy (``self.proxy``) that can cut links.
@@ -76,13 +76,16 @@ class Cluster:
         likewise its writes, ``fail_file(id, "write")`` (``fail_writes``). client_partitions:
         the clients reach the nodes through a FaultProxy of their own (``self.client_proxy``).
         disk_low: each node's data directory reads as full (0 bytes free) while its file
-        ``fail_file(id, "disk-free")`` exists (``fill_disk``; SPOOLER_TEST_DISK_FREE_FILE)."""
+        ``fail_file(id, "disk-free")`` exists (``fill_disk``; SPOOLER_TEST_DISK_FREE_FILE).
+        entry: how every node is started at first (``NodeProc(entry=...)``: another
+        build, see builds.py); ``set_entry`` changes one node's for its next start."""
         self.workdir = os.path.abspath(workdir)
         self.ids = [f"n{i + 1}" for i in range(nodes)]
         self.failover_timeout_s = failover_timeout_s
         self.admin_key = admin_key
         self.extra_args = list(extra_args)
         self.env = {"SPOOLER_TEST_VFS": "buffered"} if power_loss else None
+        self.entry = entry
         self.procs: dict[str, NodeProc] = {}
         self.stopped: set[str] = set()   # SIGSTOPped, not yet SIGCONTed
         self.lock = threading.RLock()
@@ -133,7 +136,7 @@ class Cluster:
             if self.disk_low:
                 env = {**(env or {}), "SPOOLER_TEST_DISK_FREE_FILE": self.fail_file(nid, "disk-free")}
             self.procs[nid] = NodeProc(os.path.join(self.workdir, nid), node_id=nid, admin_key=self.admin_key,
-                                       grpc_port=gp, extra_args=args, env=env)
+                                       grpc_port=gp, extra_args=args, env=env, entry=self.entry)
         errs: list = []
 
         def go(nid):
@@ -354,6 +357,10 @@ class Cluster:
         me = next((n for n in info.get("nodes", []) if n.get("id") == nid), {})
         return bool(me.get("joining"))
 
+    def set_entry(self, nid: str, entry: Optional[list]) -> None:
+        """Start ``nid`` with ``entry`` from its next start on (None: this checkout's build)."""
+        self.procs[nid].entry = list(entry or NodeProc.DEFAULT_ENTRY)
+
     def graceful_stop(self, nid: str) -> int:
         with self.lock:
             if nid in self.stopped:
@@ -400,6 +407,19 @@ class Cluster:
                 return json.loads(r.read())
         except (OSError, ValueError, urllib.error.URLError):
             return None
+
+    def version(self, nid: str, timeout_s: float = 2.0) -> Optional[str]:
+        """The version ``nid``'s /metrics names (spooler_build_info), or None."""
+        p = self.procs[nid]
+        if not p.alive() or not p.http_url:
+            return None
+        req = urllib.request.Request(p.http_url + "/metrics", headers={"Authorization": f"Bearer {self.admin_key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                m = re.search(r'^spooler_build_info\{[^}]*version="([^"]+)"', r.read().decode(), re.M)
+        except (OSError, ValueError, urllib.error.URLError):
+            return None
+        return m.group(1) if m else None
 
     def infos(self, timeout_s: float = 1.0) -> dict[str, dict]:
         out = {}

@@ -55,11 +55,13 @@ try:  # imported as tests.drills.drill (python -m) or drills.drill (pytest rootd
     from .cluster import Cluster, db_digest, primaries_from_logs, snapshot_installs_from_logs
     from .history import History, expires_at_monotonic
     from .proxy import ANSWERS_HELD, BLACKHOLE, DROP
+    from . import builds
 except ImportError:  # pragma: no cover
     from checker import DEFINITE_FAILURE_KINDS, check  # type: ignore
     from cluster import Cluster, db_digest, primaries_from_logs, snapshot_installs_from_logs  # type: ignore
     from history import History, expires_at_monotonic  # type: ignore
     from proxy import ANSWERS_HELD, BLACKHOLE, DROP  # type: ignore
+    import builds  # type: ignore
 
 QUEUE = "drill"
 FAILURE_QUEUE = QUEUE + ".failed"
@@ -149,6 +151,12 @@ SLOW_LINK_ACTIONS = (("slow_links", 0.3),)
 # room (Replication.disk); a replica low on disk refuses to take over. The round notes
 # whether a member with room was primary before the disks had room again.
 DISK_LOW_ACTIONS = (("disk_low", 0.3),)
+# with upgrade_from=TREE (an older build's node/ and spooler/, see builds.py): every node
+# starts on that build, and the nemesis's first rounds are a rolling upgrade, one node a
+# round, replicas first and the primary last: the node is told to stop (SIGTERM; a primary
+# hands over first, an exit other than 0 fails the seed) and started again on this
+# checkout's build; the rounds after it draw as usual
+UPGRADE_ACTIONS = (("upgrade", 0.0),)
 # with purges=True: a second queue with a producer and a consumer of its own, which a
 # purger empties (POST .../purge) every PURGE_EVERY_S; the checker excuses from "lost" only
 # that queue's messages a purge may have taken, and counts any message delivered after a
@@ -166,7 +174,8 @@ SDK_SENDERS = 4
 # every fault kind the nemesis knows, for a scripted start (Drill(faults=...))
 FAULT_KINDS = frozenset(a for acts in (PROCESS_ACTIONS, PARTITION_ACTIONS, CASCADE_ACTIONS, DISK_LOSS_ACTIONS,
                                        GRACEFUL_ACTIONS, FSYNC_ERROR_ACTIONS, WRITE_ERROR_ACTIONS,
-                                       CLIENT_PARTITION_ACTIONS, SLOW_LINK_ACTIONS, DISK_LOW_ACTIONS)
+                                       CLIENT_PARTITION_ACTIONS, SLOW_LINK_ACTIONS, DISK_LOW_ACTIONS,
+                                       UPGRADE_ACTIONS)
                         for a, _ in acts)
 SCRIPT_WAIT_S = 120.0  # how long past duration_s the load runs for the scripted faults to be done
 
@@ -238,7 +247,7 @@ class Drill:
                  disk_loss: bool = False, graceful: bool = False, fsync_errors: bool = False,
                  write_errors: bool = False, faults: tuple = (), node_args: tuple = (),
                  client_partitions: bool = False, slow_links: bool = False, sdk_clients: bool = False,
-                 disk_low: bool = False, purges: bool = False):
+                 disk_low: bool = False, purges: bool = False, upgrade_from: Optional[str] = None):
         unknown = [f for f in faults if f not in FAULT_KINDS]
         if unknown:
             raise ValueError(f"unknown fault kinds {unknown}; known: {sorted(FAULT_KINDS)}")
@@ -255,6 +264,7 @@ class Drill:
                  "client_partitions": (client_partitions, {a for a, _ in CLIENT_PARTITION_ACTIONS}),
                  "slow_links": (slow_links, {a for a, _ in SLOW_LINK_ACTIONS}),
                  "disk_low": (disk_low, {a for a, _ in DISK_LOW_ACTIONS}),
+                 "upgrade_from": (upgrade_from, {a for a, _ in UPGRADE_ACTIONS}),
                  "partitions": (partitions, {a for a, _ in PARTITION_ACTIONS} - {a for a, _ in PROCESS_ACTIONS})}
         for flag, (on, kinds) in needs.items():
             if not on and set(faults) & kinds:
@@ -262,6 +272,11 @@ class Drill:
         # The nemesis carries these out first, in order, each in place of a round's drawn kind
         # (the round's other draws are the seed's as usual); the load goes on past duration_s
         # until the last of them is over, so a test that needs a kind does not hang on timing.
+        self.upgrade_from = upgrade_from
+        self.old_nodes: set = set()  # nodes still on the older build (upgrade_from)
+        self.versions: dict = {}     # node -> [the version it ran at the start, and after each upgrade]
+        if upgrade_from:
+            faults = ("upgrade",) * nodes + tuple(faults)
         self.faults = list(faults)
         self.faults_done = threading.Event()
         self.rounds: list[str] = []  # the fault kind of each round carried out, in order
@@ -290,7 +305,9 @@ class Drill:
                                failover_timeout_s=failover_timeout_s, power_loss=power_loss,
                                partitions=partitions, extra_args=node_args, fsync_errors=fsync_errors,
                                write_errors=write_errors, client_partitions=client_partitions,
-                               disk_low=disk_low)
+                               disk_low=disk_low, entry=builds.entry(upgrade_from) if upgrade_from else None)
+        if upgrade_from:
+            self.old_nodes = set(self.cluster.ids)
         self.stop_load = threading.Event()
         self.stop_observer = threading.Event()
         self.thread_errors: list[str] = []
@@ -680,6 +697,8 @@ class Drill:
                 self._replace(p, epoch, crng, primary=action == "replace_primary")
             elif action == "term_primary":
                 self._term(p, epoch, down)
+            elif action == "upgrade":
+                self._upgrade(p, epoch, down)
             elif action in ("fsync_error", "write_error"):
                 self._storage_error(action, p, epoch, down, crng)
             elif action == "disk_low":
@@ -743,6 +762,26 @@ class Drill:
             self.unexpected_exits.append({"node": p, "returncode": rc, "t": time.monotonic(), "on": "SIGTERM"})
         self.stop_load.wait(down)
         self._restart(p)
+
+    def _upgrade(self, p: str, epoch: int, down: float) -> None:
+        """A rolling upgrade's step: the first node still on the older build that is
+        not the primary (the primary once it is the last) is told to stop, as in
+        ``_term``, and ``down`` seconds later started on this checkout's build."""
+        old = [n for n in self.cluster.ids if n in self.old_nodes]
+        if not old:
+            self.notes.append("an upgrade round found every node upgraded already")
+            return
+        node = next((n for n in old if n != p), p)
+        self.h.nemesis("upgrade", node, role="primary" if node == p else "replica", epoch=epoch)
+        self.expected_down.add(node)
+        rc = self.cluster.graceful_stop(node)
+        if rc not in (0, None):
+            self.unexpected_exits.append({"node": node, "returncode": rc, "t": time.monotonic(), "on": "SIGTERM"})
+        self.cluster.set_entry(node, None)
+        self.old_nodes.discard(node)
+        self.stop_load.wait(down)
+        self._restart(node)
+        self.versions.setdefault(node, []).append(self.cluster.version(node))
 
     def _storage_error(self, kind: str, p: str, epoch: int, down: float, rng: random.Random) -> None:
         """``kind`` "fsync_error": the next fsync of the primary or of a replica fails;
@@ -1124,6 +1163,8 @@ class Drill:
         with self.cluster:
             try:
                 self.cluster.primary(timeout_s=30)
+                for nid in self.cluster.ids:
+                    self.versions[nid] = [self.cluster.version(nid)]
                 self.setup_queue()
                 obs = self._guard("observer", self.observer)
                 load = [self._guard(f"p{i}", lambda i=i: self.producer(i)) for i in range(self.n_producers)]
@@ -1192,6 +1233,7 @@ class Drill:
                       node_counters=final.get("node_counters"), proxy_links=final_proxy,
                       client_proxy_links=final_client_proxy)
         report["unexpected_exits"] = self.unexpected_exits
+        report["versions"] = self.versions
         if self.disk_low:
             report["disk_low"] = dict(self.disk_low_rounds, handover_s=list(self.disk_low_rounds["handover_s"]))
         report["snapshot_installs"] = snapshot_installs_from_logs(self.cluster.workdir)

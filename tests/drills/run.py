@@ -21,10 +21,12 @@ import tempfile
 import time
 
 try:
+    from . import builds
     from .checker import REQUIRED_ZEROS, format_table
     from .drill import FAULT_KINDS, run_drill
 except ImportError:  # pragma: no cover - run as a plain script
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from drills import builds  # type: ignore
     from drills.checker import REQUIRED_ZEROS, format_table  # type: ignore
     from drills.drill import FAULT_KINDS, run_drill  # type: ignore
 
@@ -150,6 +152,10 @@ def main(argv=None) -> int:
     ap.add_argument("--purges", action="store_true",
                     help="a second queue with a producer and a consumer of its own is purged every 1-3 s; "
                          "the checker counts any message delivered after a purge that confirmed it gone")
+    ap.add_argument("--upgrade-from", default=None, metavar="REV",
+                    help="start every node on an older build, REV's node/ and spooler/ (a git revision of "
+                         "this checkout, or 'previous': the last commit of the release before this one); the "
+                         "nemesis's first rounds upgrade one node each to this checkout's build, the primary last")
     ap.add_argument("--sdk-clients", action="store_true",
                     help="a service on the asyncio SDK (auto-batched sends on its Session stream, receives, "
                          "acks, nacks, renewals) runs beside the HTTP clients, its calls recorded and checked "
@@ -176,6 +182,16 @@ def main(argv=None) -> int:
         ap.error(f"--faults: unknown kinds {sorted(set(faults) - FAULT_KINDS)}; known: {', '.join(sorted(FAULT_KINDS))}")
     root = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="spooler-drills-"))
     os.makedirs(root, exist_ok=True)
+    old_tree = None
+    if args.upgrade_from:
+        rev = args.upgrade_from
+        if rev == "previous":
+            _, rev = builds.previous_release(builds.repo_root())
+        old_tree = os.path.join(root, "older-build")
+        if os.path.exists(old_tree):
+            shutil.rmtree(old_tree)
+        builds.extract(rev, old_tree, builds.repo_root())
+        print(f"older build: {builds.version_at(builds.repo_root(), rev)} ({rev[:12]})", flush=True)
     print(f"drills: seeds {args.seeds} ({len(seeds)}), {args.duration:g}s each, {args.nodes} nodes"
           f"{', power loss' if args.power_loss else ''}{', partitions' if args.partitions else ''}"
           f"{', cascades' if args.cascades else ''}{', disk loss' if args.disk_loss else ''}"
@@ -184,6 +200,7 @@ def main(argv=None) -> int:
           f"{', client partitions' if args.client_partitions else ''}"
           f"{', slow links' if args.slow_links else ''}{', SDK clients' if args.sdk_clients else ''}"
           f"{', disks low' if args.disk_low else ''}{', purges' if args.purges else ''}"
+          f"{', upgrading from ' + args.upgrade_from if args.upgrade_from else ''}"
           f"{', node flags ' + repr(args.node_args) if args.node_args else ''}, in {root}",
           flush=True)
     reports = []
@@ -199,7 +216,7 @@ def main(argv=None) -> int:
                           write_errors=args.write_errors, faults=faults, node_args=tuple(shlex.split(args.node_args)),
                           client_partitions=args.client_partitions, slow_links=args.slow_links,
                           sdk_clients=args.sdk_clients, disk_low=args.disk_low,
-                          purges=args.purges)
+                          purges=args.purges, upgrade_from=old_tree)
         except Exception as e:  # noqa: BLE001 - a drill that cannot finish is a failing seed
             import traceback
             traceback.print_exc()
@@ -231,6 +248,8 @@ def main(argv=None) -> int:
             with open(args.json, "a") as fh:
                 slim = {k: v for k, v in r.items() if not k.endswith("_details")}
                 fh.write(json.dumps(slim, default=str) + "\n")
+    if old_tree:
+        shutil.rmtree(old_tree, ignore_errors=True)
     print()
     print(summarize(reports))
     if not args.workdir and not args.keep:

@@ -5,10 +5,12 @@ between the clients and the nodes, ...) run in the normal suite; the long ones a
 (``pytest -m slow tests/drills/test_drills.py``). Many seeds: ``python -m tests.drills.run``.
 """
 import json
+import subprocess
 import threading
 
 import pytest
 
+from drills import builds
 from drills.checker import format_table
 from drills.drill import run_drill
 
@@ -17,14 +19,15 @@ pytestmark = pytest.mark.integration
 
 def _run(seed, duration_s, tmp_path, power_loss=False, partitions=False, cascades=False, disk_loss=False,
          graceful=False, fsync_errors=False, write_errors=False, faults=(), client_partitions=False,
-         slow_links=False, sdk_clients=False, disk_low=False, purges=False):
+         slow_links=False, sdk_clients=False, disk_low=False, purges=False, upgrade_from=None):
     """faults: kinds the nemesis carries out first (the load runs on until they are over), so
     that what a test asserts of them does not hang on how many rounds fit in duration_s."""
     report = run_drill(seed, duration_s, nodes=3, workdir=str(tmp_path / f"seed-{seed}"), power_loss=power_loss,
                        partitions=partitions, cascades=cascades, disk_loss=disk_loss, graceful=graceful,
                        fsync_errors=fsync_errors, write_errors=write_errors, faults=faults,
                        client_partitions=client_partitions, slow_links=slow_links, sdk_clients=sdk_clients,
-                       disk_low=disk_low, purges=purges)
+                       disk_low=disk_low, purges=purges, upgrade_from=upgrade_from)
+    faults = ("upgrade",) * 3 * bool(upgrade_from) + tuple(faults)  # (an upgrade's rounds come first)
     assert report["faults"][:len(faults)] == list(faults), (report["faults"], report["notes"])
     table = format_table(report)
     print(f"seed {seed}: {report['wall_s']:.1f}s wall, nemeses {json.dumps(report['nemesis_counts'])}\n{table}")
@@ -271,6 +274,25 @@ def test_short_purge_drill(tmp_path):
     purged = [e for e in events if e.get("f") == "purge" and e.get("type") == "ok"]
     assert r["purges"] >= 2 and len(purged) >= 1, r["purges"]
     assert r["purged"] > 0 and sum(e["purged"] for e in purged) > 0, r["purged"]
+
+
+def test_short_rolling_upgrade_drill(tmp_path):
+    """Every node starts on the previous release (built from this checkout's history)
+    and is upgraded under load, one a round, replicas first and the primary last (told
+    to stop, it hands over); then the primary, on this build, is killed. The purged
+    queue runs throughout (while a member runs a build without purge, a purge is
+    refused). Skipped where the history is not there (a shallow clone)."""
+    from spooler import __version__
+    root = builds.repo_root()
+    try:
+        version, commit = builds.previous_release(root)
+    except (LookupError, subprocess.SubprocessError, OSError) as e:
+        pytest.skip(f"no earlier release in this checkout's history: {e}")
+    tree = builds.extract(commit, str(tmp_path / "older-build"), root)
+    r = _run(29, 6.0, tmp_path, purges=True, faults=("kill_primary",), upgrade_from=tree)
+    assert r["nemesis_counts"].get("upgrade_replica") == 2 and r["nemesis_counts"].get("upgrade_primary") == 1, \
+        r["nemesis_counts"]
+    assert r["versions"] == {n: [version, __version__] for n in ("n1", "n2", "n3")}, r["versions"]
 
 
 @pytest.mark.slow
