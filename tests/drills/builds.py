@@ -29,7 +29,7 @@ def _git(root: str, *args: str, binary: bool = False):
 
 def version_at(root: str, rev: str) -> Optional[str]:
     """The version pyproject.toml names at ``rev`` (None: it names none)."""
-    m = _VERSION.search(_git(root, "show", f"{rev}:pyproject.toml"))
+    m = _VERSION.search(_git(root, "show", f"{rev}:./pyproject.toml"))  # (./: relative to root)
     return m.group(1) if m else None
 
 

@@ -16,8 +16,9 @@ Deliveries of one message are taken in the order their answers arrived;
 an answer held up past its own lease's expiry (a partition) may be an older grant than
 the one before it, which the retry-count and overlap rules allow for. A purge of a queue
 (``f: purge``) that succeeded or may have excuses from "lost" only the messages of that
-queue it may have taken; one that succeeded must have taken every message answered
-before it was asked for (``purged_then_delivered``). Cost: O(n log n) in
+queue it may have taken (one of unknown outcome may take effect at any later time); one
+that succeeded must have taken every message answered before it was asked for
+(``purged_then_delivered``). Cost: O(n log n) in
 the number of events (sorting and bisects), times the deliveries of one message for the
 retry-count rule.
 """
@@ -318,18 +319,25 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
     body_of_id: dict[Any, Any] = {}
     confirmed = 0
     lost_ids: list = []
-    # -- purges: a purge of a queue may have taken every message of it stored before the
-    # purge took effect (at the latest, its effect_t): a confirmed message never delivered
-    # and never acked whose send began before then is not lost but purged. A purge that
-    # succeeded took, for certain, every message whose send was answered before the purge
-    # was asked for: such a message delivered from that queue by a receive asked for after
-    # the purge was answered came back (purged_then_delivered)
+    # -- purges: a purge of a queue may have taken every message of it that was stored
+    # before the purge took effect: at the latest its answer, and for a purge of unknown
+    # outcome at any time after (a forwarded or proposed purge may commit long after its
+    # client gave up, under a later primary too). A confirmed message never delivered
+    # and never acked is not lost but purged when such a purge may have come after its
+    # first send began; one delivered, never acked and not seen again, when such a purge
+    # may have come after its last delivery was asked for (it existed until then). A
+    # purge that succeeded took, for certain, every message whose send was answered
+    # before the purge was asked for: such a message delivered from that queue by a
+    # receive asked for after the purge was answered came back (purged_then_delivered)
     purged_ids: set = set()
     send_of_id: dict[Any, _Op] = {}  # message id -> the first send answered with it
+    last_asked: dict[Any, float] = {}  # message id -> when its last delivery was asked for
+    for d in deliveries:
+        last_asked[d.id] = max(d.inv_t, last_asked.get(d.id, d.inv_t))
 
-    def may_be_purged(mid: Any) -> bool:
-        op = send_of_id.get(mid)
-        return op is not None and any(p.effect_t > op.inv_t for p in purges.get(op.inv.get("queue"), ()))
+    def may_be_purged(mid: Any, since: float) -> bool:
+        queue = body_send_queue.get(body_of_id.get(mid))
+        return any((p.done_t if p.outcome == "ok" else INF) > since for p in purges.get(queue, ()))
 
     unknown_sends = unknown_sends_appeared = 0
     send_oks: list[tuple[float, float]] = []  # (invoke t, ok t)
@@ -359,7 +367,7 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
                 body_of_id[mid] = body
                 send_of_id.setdefault(mid, op)
                 if mid not in delivered_ids and mid not in failed_queue_ids and mid not in expired_ids:
-                    if may_be_purged(mid):
+                    if may_be_purged(mid, body_first_send[body]):  # (its first send, keyed resends too)
                         purged_ids.add(mid)
                     else:
                         lost_ids.append(mid)
@@ -437,7 +445,7 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
     for mid in (body_of_id if final.get("drained") else ()):  # (only a drained history shows it)
         if (mid in delivered_ids and mid not in ids_acked and mid not in failed_queue_ids
                 and mid not in expired_ids):
-            if may_be_purged(mid):
+            if may_be_purged(mid, last_asked[mid]):
                 purged_ids.add(mid)
             else:
                 lost_after.append(mid)

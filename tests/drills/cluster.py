@@ -408,18 +408,21 @@ class Cluster:
         except (OSError, ValueError, urllib.error.URLError):
             return None
 
-    def version(self, nid: str, timeout_s: float = 2.0) -> Optional[str]:
-        """The version ``nid``'s /metrics names (spooler_build_info), or None."""
+    def version(self, nid: str, timeout_s: float = 10.0) -> Optional[str]:
+        """The version ``nid``'s /metrics names (spooler_build_info), asked until it
+        answers or ``timeout_s`` has passed (None then)."""
         p = self.procs[nid]
-        if not p.alive() or not p.http_url:
-            return None
-        req = urllib.request.Request(p.http_url + "/metrics", headers={"Authorization": f"Bearer {self.admin_key}"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                m = re.search(r'^spooler_build_info\{[^}]*version="([^"]+)"', r.read().decode(), re.M)
-        except (OSError, ValueError, urllib.error.URLError):
-            return None
-        return m.group(1) if m else None
+        deadline = time.monotonic() + timeout_s
+        while p.alive() and p.http_url and time.monotonic() < deadline:
+            req = urllib.request.Request(p.http_url + "/metrics",
+                                         headers={"Authorization": f"Bearer {self.admin_key}"})
+            try:
+                with urllib.request.urlopen(req, timeout=max(0.1, deadline - time.monotonic())) as r:
+                    m = re.search(r'^spooler_build_info\{[^}]*version="([^"]+)"', r.read().decode(), re.M)
+                    return m.group(1) if m else None
+            except (OSError, ValueError, urllib.error.URLError):
+                time.sleep(0.1)
+        return None
 
     def infos(self, timeout_s: float = 1.0) -> dict[str, dict]:
         out = {}

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -185,12 +186,18 @@ def main(argv=None) -> int:
     old_tree = None
     if args.upgrade_from:
         rev = args.upgrade_from
-        if rev == "previous":
-            _, rev = builds.previous_release(builds.repo_root())
         old_tree = os.path.join(root, "older-build")
         if os.path.exists(old_tree):
             shutil.rmtree(old_tree)
-        builds.extract(rev, old_tree, builds.repo_root())
+        try:
+            if rev == "previous":
+                _, rev = builds.previous_release(builds.repo_root())
+            builds.extract(rev, old_tree, builds.repo_root())
+        except (LookupError, subprocess.SubprocessError, OSError) as e:
+            why = getattr(e, "stderr", None)
+            why = why.decode(errors="replace").strip() if isinstance(why, bytes) and why else e
+            ap.error(f"--upgrade-from {args.upgrade_from}: cannot build it from this checkout's history "
+                     f"(a shallow clone, or no git?): {why}")
         print(f"older build: {builds.version_at(builds.repo_root(), rev)} ({rev[:12]})", flush=True)
     print(f"drills: seeds {args.seeds} ({len(seeds)}), {args.duration:g}s each, {args.nodes} nodes"
           f"{', power loss' if args.power_loss else ''}{', partitions' if args.partitions else ''}"
@@ -248,8 +255,8 @@ def main(argv=None) -> int:
             with open(args.json, "a") as fh:
                 slim = {k: v for k, v in r.items() if not k.endswith("_details")}
                 fh.write(json.dumps(slim, default=str) + "\n")
-    if old_tree:
-        shutil.rmtree(old_tree, ignore_errors=True)
+    if old_tree and not args.keep and all(r["required_zeros_ok"] for r in reports):
+        shutil.rmtree(old_tree, ignore_errors=True)  # (kept with a failing seed: its nodes ran it)
     print()
     print(summarize(reports))
     if not args.workdir and not args.keep:

@@ -1218,3 +1218,48 @@ def test_a_message_delivered_after_a_purge_that_confirmed_it_gone_is_counted():
         s.settle("ack", 2.3, 2.31, "m1", "t1")
         s.final(drained=True)
         assert_only(s.check())
+
+
+def test_a_purge_excuses_a_delivered_message_only_if_it_may_have_come_after_its_last_delivery():
+    """Found by a review (2026-12-07): a message delivered after a purge was answered
+    survived it; dropped after that delivery, it is lost after delivery, not purged.
+    And a keyed message whose first attempt's answer was lost, purged, then answered
+    "duplicate" to a resend after the purge, may be what the purge took (its first
+    attempt stored it); a purge of unknown outcome may take effect at any later time."""
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1", queue="pq")
+    s.purge(0.9, 1.5, queue="pq")
+    s.recv(3.0, 3.01, "m1", "b1", "t1", queue="pq")
+    s.settle("nack", 3.1, 3.11, "m1", "t1")
+    s.final(drained=True)
+    r = s.check()
+    assert_only(r, lost_after_delivery=1)
+    assert r["purged"] == 0
+    s = Sim()  # the same with a purge that may have come after the delivery: purged
+    s.send(1.0, 1.01, "b1", "m1", queue="pq")
+    s.recv(3.0, 3.01, "m1", "b1", "t1", queue="pq")
+    s.purge(3.05, 3.2, queue="pq")
+    s.final(drained=True)
+    r = s.check()
+    assert_only(r)
+    assert r["purged"] == 1
+    s = Sim()  # keyed: stored by an attempt whose answer was lost, purged, answered to a resend
+    s.send(1.0, 1.5, "b1", outcome="unknown", queue="pq", key="k")
+    s.purge(2.0, 2.1, queue="pq")
+    s.send(3.0, 3.01, "b1", "m1", duplicate=True, queue="pq", key="k")
+    s.final(drained=True)
+    r = s.check()
+    assert_only(r)
+    assert r["purged"] == 1
+    s = Sim()  # a purge of unknown outcome, given up on at 2.1, may commit after a send at 3.0
+    s.purge(2.0, 2.1, queue="pq", outcome="unknown")
+    s.send(3.0, 3.01, "b1", "m1", queue="pq")
+    s.final(drained=True)
+    r = s.check()
+    assert_only(r)
+    assert r["purged"] == 1
+    s = Sim()  # and one that succeeded, answered before the send, cannot
+    s.purge(2.0, 2.1, queue="pq")
+    s.send(3.0, 3.01, "b1", "m1", queue="pq")
+    s.final(drained=True)
+    assert_only(s.check(), lost=1)
