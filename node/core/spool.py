@@ -326,7 +326,7 @@ class Core:
         (stale_lease, reason settled). -> how many there were. The queue's counts
         are the caller's to reset (a purge zeroes them, a delete drops the queue).
         ``_detach`` and ``_remove`` inlined: one pass over up to the per-queue cap
-        of messages, on every node's loop (limits.md: half the time of the calls)."""
+        of messages, on every node's loop (limits.md: under half the time of the calls)."""
         n = q.size
         msgs, q.msgs = q.msgs, {}
         dirty, leases = self.dirty.msgs, self.leases

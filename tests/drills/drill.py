@@ -272,7 +272,6 @@ class Drill:
         # The nemesis carries these out first, in order, each in place of a round's drawn kind
         # (the round's other draws are the seed's as usual); the load goes on past duration_s
         # until the last of them is over, so a test that needs a kind does not hang on timing.
-        self.upgrade_from = upgrade_from
         self.old_nodes: set = set()  # nodes still on the older build (upgrade_from)
         self.versions: dict = {}     # node -> [the version it ran at the start, and after each upgrade]
         if upgrade_from:
@@ -752,35 +751,36 @@ class Drill:
         self.h.nemesis("restarted", node)
 
     def _term(self, p: str, epoch: int, down: float) -> None:
-        """A rolling restart's step: SIGTERM to the primary, which hands over and exits
-        (an exit other than 0 is noted, and fails the seed as an unexpected exit would);
-        started again ``down`` seconds later."""
+        """A rolling restart's step: the primary told to stop (it hands over) and
+        started again ``down`` seconds later (``_stop_and_restart``)."""
         self.h.nemesis("term", p, role="primary", epoch=epoch)
-        self.expected_down.add(p)
-        rc = self.cluster.graceful_stop(p)
+        self._stop_and_restart(p, down)
+
+    def _stop_and_restart(self, node: str, down: float, upgraded: bool = False) -> None:
+        """SIGTERM ``node`` (a primary hands over first; an exit other than 0 is noted,
+        and fails the seed as an unexpected exit would), and start it again ``down``
+        seconds later; ``upgraded``: on this checkout's build from then on."""
+        self.expected_down.add(node)
+        rc = self.cluster.graceful_stop(node)
         if rc not in (0, None):
-            self.unexpected_exits.append({"node": p, "returncode": rc, "t": time.monotonic(), "on": "SIGTERM"})
+            self.unexpected_exits.append({"node": node, "returncode": rc, "t": time.monotonic(), "on": "SIGTERM"})
+        if upgraded:
+            self.cluster.set_entry(node, None)
+            self.old_nodes.discard(node)
         self.stop_load.wait(down)
-        self._restart(p)
+        self._restart(node)
 
     def _upgrade(self, p: str, epoch: int, down: float) -> None:
         """A rolling upgrade's step: the first node still on the older build that is
-        not the primary (the primary once it is the last) is told to stop, as in
-        ``_term``, and ``down`` seconds later started on this checkout's build."""
+        not the primary (the primary once it is the last) is told to stop, and ``down``
+        seconds later started on this checkout's build."""
         old = [n for n in self.cluster.ids if n in self.old_nodes]
         if not old:
             self.notes.append("an upgrade round found every node upgraded already")
             return
         node = next((n for n in old if n != p), p)
         self.h.nemesis("upgrade", node, role="primary" if node == p else "replica", epoch=epoch)
-        self.expected_down.add(node)
-        rc = self.cluster.graceful_stop(node)
-        if rc not in (0, None):
-            self.unexpected_exits.append({"node": node, "returncode": rc, "t": time.monotonic(), "on": "SIGTERM"})
-        self.cluster.set_entry(node, None)
-        self.old_nodes.discard(node)
-        self.stop_load.wait(down)
-        self._restart(node)
+        self._stop_and_restart(node, down, upgraded=True)
         self.versions.setdefault(node, []).append(self.cluster.version(node))
 
     def _storage_error(self, kind: str, p: str, epoch: int, down: float, rng: random.Random) -> None:
