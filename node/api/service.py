@@ -1149,7 +1149,20 @@ class Service:
 
     def _renewed(self, lease, now: int) -> LeaseEnd:
         """Renew ``lease`` -> its new end, and how long it lasts from ``now`` (so that
-        clients time their renewals on their own clocks: LeaseEnd)."""
+        clients time their renewals on their own clocks: LeaseEnd).
+
+        A renewal grants lease time as a receive does, and like a lease it is
+        kept in memory only (no log record, no quorum): so it passes the gate a
+        receive passes (``Engine.may_lease``: a majority heard this primary within
+        half a failover timeout, and no older primary can still lease). A primary
+        cut off from its replicas stops renewing when it stops leasing, half a
+        failover timeout before it stops serving, with the margin a successor's
+        wait for the old leases counts on; it answers ``unavailable``, and the
+        lease is still the consumer's if the primary is heard again."""
+        if not self.engine.may_lease():
+            wait = self.engine.repl.lease_wait_s()
+            raise errors.Unavailable(f"this primary may not extend leases for about {wait:.2f} s (a majority "
+                                     "has not answered lately)", retry_after_s=wait)
         end = self.core.renew(lease, now)
         return LeaseEnd(rfc3339(end), (end - now) / US)
 

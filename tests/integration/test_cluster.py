@@ -603,6 +603,46 @@ def test_a_cut_off_primary_leases_nothing_while_the_new_one_leases(tmp_path):
         c.proxy.heal()
 
 
+def test_a_cut_off_primary_stops_renewing_when_it_stops_leasing(tmp_path):
+    """A renewal is lease time granted without a log record, so a primary cut
+    off from both replicas (fault proxy) must stop renewing when it stops
+    leasing: half a failover timeout after its majority's last contact, not
+    when it stops serving writes, a whole timeout after. Renewals of a lease it
+    granted before the cut are asked every 0.1 s; every one asked past half a
+    failover timeout from the cut is refused 503 (a successor's wait for the
+    old leases counts on that margin). Without the gate in
+    ``Service._renewed`` those in the second half of the timeout were renewed."""
+    from tests.drills.cluster import Cluster
+
+    timeout_s = 4.0  # a second half long enough to ask in, on a loaded machine
+    with Cluster(str(tmp_path / "c"), failover_timeout_s=timeout_s, partitions=True) as c:
+        old = c.primary()
+        on_old = HttpClient(c.url(old), c.admin_key, timeout_s=5)
+        until_ok(lambda: on_old.put_queue("held", leaseTimeoutSeconds=60), what="the queue")
+        send_until_ok(on_old, "held", b"m")
+        d = until_ok(lambda: on_old.receive("held"), what="a lease")
+        c.wait_converged()
+        c.proxy.isolate(old, "drop")
+        cut_at = time.monotonic()  # (the links are reset when isolate returns)
+        answers: list = []  # (asked, s after the cut; the answer)
+
+        def step():
+            asked = time.monotonic() - cut_at
+            try:
+                on_old.renew(d.token)
+                got = "renewed"
+            except errors.Unavailable:
+                got = "unavailable"
+            except errors.SpoolerError as e:
+                got = type(e).__name__
+            answers.append((round(asked, 2), got))
+            return asked > timeout_s
+        wait_until(step, 30, interval_s=0.1, what="renewals for a failover timeout after the cut")
+        assert sum(1 for t, _ in answers if timeout_s / 2 < t < timeout_s) >= 3, answers  # the window was tried
+        assert all(got == "unavailable" for t, got in answers if t > timeout_s / 2), answers
+        c.proxy.heal()
+
+
 def test_the_cluster_document_says_how_long_ago_each_member_was_heard(cluster):
     """On the primary each replica's entry has lastContactMs (its latest
     acknowledgement), on a replica the primary's entry has it; a killed replica's

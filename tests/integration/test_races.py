@@ -392,3 +392,35 @@ def test_a_second_settle_waits_for_the_commit_of_a_first_whose_caller_went_away(
         assert isinstance(r, errors.StaleLease) and r.reason == "settled", r
         assert (await svc.get_queue(ADMIN, "q"))["stats"]["visible"] == 0  # the ack landed
     run(body, tmp_path)
+
+
+def test_a_primary_whose_leasing_window_has_closed_renews_no_lease_but_still_settles(tmp_path):
+    """A renewal is lease time granted without a log record, so it passes the
+    gate a receive passes: with the window in which this primary may lease
+    closed (its majority's contact older than ``lease_us``; here ``lease_us`` is
+    0, while the failover timeout still has it serving), a renew, alone or in a
+    settle batch, is 503 ``unavailable`` and changes nothing, as a receive is
+    (the third message is visible), and an ack (a write through the quorum) still commits. Once the
+    window is open again the same lease renews. Without the gate in
+    ``Service._renewed`` both renewals returned a new expiry."""
+    async def body(eng, svc):
+        await svc.put_queue(ADMIN, "q", {"leaseTimeoutSeconds": 60})
+        await svc.send(ADMIN, [("q", b"a", 0.0, ""), ("q", b"b", 0.0, ""), ("q", b"c", 0.0, "")])
+        a, b = await svc.receive(ADMIN, "q", 0, 2)
+        core = eng.repl.core
+        lease_us, core.lease_us = core.lease_us, 0
+        assert eng.serving() and not eng.may_lease()
+        ends = {lease.msg_id: lease.expires_at for lease in eng.core.leases.values()}
+        assert set(ends) == {a.id, b.id}
+        with pytest.raises(errors.Unavailable):
+            await svc.renew(ADMIN, a.token)
+        [refused] = await svc.settle(ADMIN, [(a.token, "renew", 0.0)], per_item_errors=True)
+        assert isinstance(refused, errors.Unavailable), refused
+        assert {lease.msg_id: lease.expires_at for lease in eng.core.leases.values()} == ends
+        with pytest.raises(errors.Unavailable):
+            await svc.receive(ADMIN, "q", 0)
+        await svc.ack(ADMIN, b.token)  # still serving: writes commit
+        core.lease_us = lease_us
+        assert eng.may_lease()
+        assert (await svc.renew(ADMIN, a.token)).left_s > 59
+    run(body, tmp_path)
