@@ -57,7 +57,7 @@ def test_every_metric_the_alerts_read_is_one_a_cluster_exposes(tmp_path):
     renamed or dropped in the node leaves an alert that can never fire."""
     wanted = {n for r in _rules() for n in NAME.findall(r["expr"])}
     assert {"spooler_is_primary", "spooler_member_disk_low", "spooler_queue_events_total",
-            "spooler_commit_seconds_bucket"} <= wanted, wanted
+            "spooler_commit_seconds_bucket", "spooler_build_info"} <= wanted, wanted
     nodes = start_cluster(str(tmp_path), 3, 2.0)
     try:
         def primary():
