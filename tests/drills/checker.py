@@ -50,7 +50,7 @@ DUPLICATE_CAUSES = ("nack", "lease_expired", "primary_changed", "unknown_ack", "
 REQUIRED_ZEROS = ("lost", "lost_after_delivery", "unexpected", "body_mismatches", "acked_then_redelivered",
                   "overlapping_leases", "settles_of_superseded_leases", "retry_count_decreases",
                   "failover_retry_increments", "double_primaries", "leases_behind_a_newer_epoch",
-                  "keyed_duplicates", "duplicated_messages", "unkeyed_answered_duplicate",
+                  "renewals_behind_a_newer_epoch", "keyed_duplicates", "duplicated_messages", "unkeyed_answered_duplicate",
                   "purged_then_delivered")
 # Expiry stamps come from the server's wall clock converted to the monotonic clock; the
 # two clock reads of the conversion differ by microseconds. Overlap must exceed this.
@@ -244,6 +244,25 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         if d.epoch is not None and newest is not None and d.epoch < newest[0]:
             behind += 1
             _keep(behind_details, {"older": d.brief(), "newer": newest[1].brief()})
+    # ... and none extended: a renewal is lease time granted too, so a lease of an
+    # epoch older than one already granted (answered before the renewal was sent)
+    # renewed means the older primary still granted lease time while the newer leased
+    renews_behind, renews_behind_details = 0, []
+    newest, done = None, iter(deliveries)
+    nxt = next(done, None)
+    for op in sorted((op for ops in settles.values() for op in ops
+                      if op.f == "renew" and op.outcome == "ok" and op.inv.get("epoch") is not None),
+                     key=lambda o: o.inv_t):
+        while nxt is not None and nxt.ok_t < op.inv_t:
+            if nxt.epoch is not None and (newest is None or nxt.epoch > newest[0]):
+                newest = (nxt.epoch, nxt)
+            nxt = next(done, None)
+        if newest is not None and op.inv["epoch"] < newest[0]:
+            renews_behind += 1
+            _keep(renews_behind_details, {"renewed": {"id": op.inv.get("id"), "epoch": op.inv["epoch"],
+                                                      "asked_at": op.inv_t, "answered_at": op.done_t,
+                                                      "process": op.process},
+                                          "newer": newest[1].brief()})
     by_token = {d.token: d for d in deliveries if d.token is not None}
 
     # A lower bound on each queue's lease length: every lease of a queue is as long
@@ -763,6 +782,8 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
         "failover_retry_increments_details": retry_details,
         "leases_behind_a_newer_epoch": behind,
         "leases_behind_a_newer_epoch_details": behind_details,
+        "renewals_behind_a_newer_epoch": renews_behind,
+        "renewals_behind_a_newer_epoch_details": renews_behind_details,
         "double_primaries": len(double),
         "double_primaries_details": double,
         "body_mismatches": body_mismatches,
@@ -973,6 +994,7 @@ def format_table(report: dict) -> str:
                 ("failover_retry_increments", report["failover_retry_increments_details"]),
                 ("double_primaries", report["double_primaries_details"]),
                 ("leases_behind_a_newer_epoch", report["leases_behind_a_newer_epoch_details"]),
+                ("renewals_behind_a_newer_epoch", report["renewals_behind_a_newer_epoch_details"]),
                 ("body_mismatches", report["body_mismatch_details"]),
                 ("purged_then_delivered", report["purged_then_delivered_details"])]
     for name, items in examples:

@@ -10,6 +10,9 @@ processes (``cluster.Cluster``), creates a queue, and for ``duration_s`` seconds
   all with the batch's outcome;
 - consumers (2 threads): receive (wait 0.5 s), then ~5 % nack, ~5 % renew-then-ack,
   ~1 % abandon the lease (it expires), otherwise ack;
+- with ``partitions=True``, a stayer (1 thread): a consumer that stays on the primary of
+  the nemesis's latest round whatever it answers, renewing each lease 3-8 times before
+  its ack, so a cut-off primary is asked for leases and renewals all through its cut;
 - a role observer: ``GET /v1/cluster`` on every live node every ~100 ms, recording a
   ``role`` event whenever a node's (role, epoch) changes;
 - a nemesis on a seeded schedule, one fault at a time: SIGKILL the primary and restart
@@ -27,7 +30,7 @@ processes (``cluster.Cluster``), creates a queue, and for ``duration_s`` seconds
   With ``purges=True`` a second queue gets a producer and a consumer of its own and is
   purged every second or few (see ``PURGE_QUEUE``).
 
-Every client call talks to a random running node (a new one after an error) and is
+Every client call but the stayer's talks to a random running node (a new one after an error) and is
 recorded in a :class:`History` (invoke, then ok / fail / unknown as the module docstring
 of ``history.py`` prescribes). Then it heals everything, drains the queue and its failure
 queue (receives recorded with ``drain: true``), waits for every node to apply the same LSN,
@@ -216,12 +219,19 @@ class _Client:
     spread over the nodes: a fault of one node's client links then catches some of
     every client's calls, not only those of the clients that happened to be on it."""
 
-    def __init__(self, cluster: Cluster, rng: random.Random, name: str, spread: bool = False):
+    def __init__(self, cluster: Cluster, rng: random.Random, name: str, spread: bool = False, pin=None):
         self.cluster, self.rng, self.name, self.spread = cluster, rng, name, spread
+        self.pin = pin  # () -> the node to stay on, whatever its answers (None: as any client)
         self.node: Optional[str] = None
         self.http: Optional[HttpClient] = None
 
     def pick(self, anywhere: bool = False) -> None:
+        if self.pin is not None and self.pin() is not None:
+            if self.pin() != self.node or self.http is None:
+                self.node = self.pin()
+                self.http = HttpClient(self.cluster.client_url(self.node), self.cluster.admin_key,
+                                       timeout_s=CLIENT_TIMEOUT_S)
+            return
         with self.cluster.lock:
             running = [n for n in self.cluster.ids if self.cluster.alive(n)]
         others = (running if anywhere else [n for n in running if n != self.node]) or running or self.cluster.ids
@@ -313,6 +323,7 @@ class Drill:
         self.failed_queue_ids: set = set()
         self.notes: list[str] = []
         self.late_probes = 0  # sends of the nemesis into client_late faults (_late_probe)
+        self.stay_on: Optional[str] = None  # the stayer's node: the primary of the nemesis's latest round
         self.expected_down: set = set()   # nodes the drill itself killed / stopped gracefully
         self.unexpected_exits: list[dict] = []
 
@@ -512,6 +523,35 @@ class Drill:
                 time.sleep(rng.random() * 0.05)  # some work
             self.settle_retrying(c, "ack", dd)
 
+    def stayer(self, name: str = "s0"):
+        """A consumer that stays on the node that was primary when the nemesis last
+        began a round, whatever it answers: through a partition of that primary it
+        keeps asking the cut-off node for leases and renewing the one it holds (every
+        other client moves on after an error, so none would see a cut-off primary
+        granting lease time; the checker counts any such grant behind a newer epoch).
+        Each lease is renewed 3 to 8 times, 0.1-0.3 s apart, then acked."""
+        rng = self.rng(name)
+        c = _Client(self.cluster, rng, name, pin=lambda: self.stay_on)
+        while not self.stop_load.is_set():
+            c.pick()  # (to the nemesis's latest primary, once it names one)
+            typ, v = self.receive(c, QUEUE, RECEIVE_WAIT_S)
+            if typ != "ok":
+                self.stop_load.wait(0.05 + rng.random() * 0.1)
+                continue
+            if v is None:
+                continue
+            dd = {"id": v.id, "token": v.token, "epoch": v.epoch,
+                  "expires_at": expires_at_monotonic(v.expires_at)}
+            for _ in range(rng.randint(3, 8)):
+                if self.stop_load.wait(rng.uniform(0.1, 0.3)):
+                    break
+                typ, v2 = self.settle(c, "renew", dd)
+                if typ == "ok":
+                    dd["expires_at"] = expires_at_monotonic(v2)
+                elif isinstance(v2, errors.StaleLease):
+                    break
+            self.settle_retrying(c, "ack", dd)
+
     def purger(self, name: str = "x0"):
         """Empties PURGE_QUEUE every PURGE_EVERY_S, at a random node (a replica forwards)."""
         rng = self.rng(name)
@@ -690,6 +730,7 @@ class Drill:
                 self._wait_healthy(5.0)  # one fault at a time
                 continue
             p, epoch = cp
+            self.stay_on = p  # the stayer's node for this round (and until the next)
             if action in ("kill_primary_twice", "kill_replica_stop_primary"):
                 self._cascade(action, p, epoch, down, crng)
             elif action in ("replace_replica", "replace_primary"):
@@ -1173,6 +1214,8 @@ class Drill:
                 load += [self._guard(f"c{i}", lambda i=i: self.consumer(i)) for i in range(self.n_consumers)]
                 if self.sdk_clients:
                     load.append(self._guard("g0", self.sdk_client))
+                if self.partitions:
+                    load.append(self._guard("s0", self.stayer))
                 if self.purges:
                     load += [self._guard("q0", lambda: self.producer(0, "q0", PURGE_QUEUE)),
                              self._guard("qc0", lambda: self.consumer(0, "qc0", PURGE_QUEUE)),
@@ -1219,6 +1262,11 @@ class Drill:
                 if f is not None and e.get("type") in ("ok", "fail", "unknown"):
                     k = f"{f} {e['type']}" + (f" {e['error']}" if e.get("error") else "")
                     sdk_calls[k] = sdk_calls.get(k, 0) + 1
+        stayer_calls: dict = {}  # the stayer's calls, "f outcome [error]" -> how many (evidence)
+        for e in self.h.events:
+            if e.get("process") == "s0" and e.get("type") in ("ok", "fail", "unknown"):
+                k = f"{e['f']} {e['type']}" + (f" {e['error']}" if e.get("error") else "")
+                stayer_calls[k] = stayer_calls.get(k, 0) + 1
         nem_counts: dict = {}
         for e in self.h.events:
             if e.get("type") == "nemesis" and e.get("phase") != "heal" and e["f"] not in ("restarted", "rejoined"):
@@ -1229,7 +1277,7 @@ class Drill:
                    for e in self.h.events if e.get("type") == "nemesis" and e["f"] == "rejoined"]
         report.update(seed=self.seed, rejoins=rejoins, duration_s=self.duration_s, wall_s=time.monotonic() - t0,
                       workdir=self.workdir, history=hist_path, drain_complete=drained,
-                      nemesis_counts=nem_counts, sdk_calls=sdk_calls, faults=list(self.rounds), thread_errors=self.thread_errors, notes=self.notes,
+                      nemesis_counts=nem_counts, sdk_calls=sdk_calls, stayer_calls=stayer_calls, faults=list(self.rounds), thread_errors=self.thread_errors, notes=self.notes,
                       node_counters=final.get("node_counters"), proxy_links=final_proxy,
                       client_proxy_links=final_client_proxy)
         report["unexpected_exits"] = self.unexpected_exits

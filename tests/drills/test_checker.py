@@ -85,7 +85,8 @@ def received_and_acked(s, t, mid, body, token):
 REQUIRED = ("lost", "lost_after_delivery", "unexpected", "body_mismatches", "acked_then_redelivered",
             "overlapping_leases", "settles_of_superseded_leases", "retry_count_decreases",
             "failover_retry_increments", "double_primaries", "leases_behind_a_newer_epoch",
-            "keyed_duplicates", "duplicated_messages", "unkeyed_answered_duplicate", "purged_then_delivered")
+            "renewals_behind_a_newer_epoch", "keyed_duplicates", "duplicated_messages",
+            "unkeyed_answered_duplicate", "purged_then_delivered")
 
 
 def test_the_required_zeros_here_are_the_checker_s():
@@ -350,6 +351,29 @@ def test_a_lease_of_an_older_epoch_granted_after_a_newer_one_is_counted():
     r = s.check()
     assert_only(r, leases_behind_a_newer_epoch=1)
     assert r["leases_behind_a_newer_epoch_details"][0]["older"]["epoch"] == 1
+
+
+def test_a_renewal_of_an_older_epoch_asked_after_a_newer_lease_was_granted_is_counted():
+    """A renewal is lease time granted too: the old primary renewing a lease of
+    epoch 1 for a renewal sent after a lease of epoch 2 was answered means two
+    primaries granted lease time at once. One sent before that answer may have
+    been granted first (not counted), and so may one refused, or of unknown
+    outcome."""
+    s = Sim()
+    s.send(1.0, 1.01, "b1", "m1")
+    s.send(1.02, 1.03, "b2", "m2")
+    s.recv(1.1, 1.11, "m1", "b1", "t1", epoch=1)
+    s.settle("renew", 1.9, 2.2, "m1", "t1", epoch=1, expires_at=12.2)  # sent before the newer answer
+    s.recv(2.0, 2.01, "m2", "b2", "t2", epoch=2)
+    s.settle("renew", 2.5, 2.51, "m1", "t1", epoch=1, expires_at=12.5)  # sent after it: counted
+    s.settle("renew", 2.6, 2.61, "m1", "t1", epoch=1, outcome="fail", error="unavailable")
+    s.settle("renew", 2.7, 2.71, "m1", "t1", epoch=1, outcome="fail", error="timeout")
+    s.settle("ack", 3.0, 3.01, "m2", "t2", epoch=2)
+    r = s.check()
+    assert_only(r, renewals_behind_a_newer_epoch=1)
+    [d] = r["renewals_behind_a_newer_epoch_details"]
+    assert d["renewed"]["asked_at"] == 2.5 and d["newer"]["epoch"] == 2, d
+    assert "renewals_behind_a_newer_epoch (first 1):" in format_table(r)
 
 
 def test_redelivery_after_concurrent_nack_is_not_overlapping():
