@@ -493,19 +493,25 @@ class Drill:
             if self.send_pause_s:
                 self.stop_load.wait(rng.random() * 2 * self.send_pause_s)
 
+    def _lease(self, c: _Client, queue: str, rng: random.Random) -> Optional[dict]:
+        """One receive of a consumer: the lease it got ({id, token, epoch, expires_at}),
+        or None (nothing there; or an error, after a short pause)."""
+        typ, v = self.receive(c, queue, RECEIVE_WAIT_S)
+        if typ != "ok":
+            self.stop_load.wait(0.05 + rng.random() * 0.1)
+            return None
+        if v is None:
+            return None
+        return {"id": v.id, "token": v.token, "epoch": v.epoch, "expires_at": expires_at_monotonic(v.expires_at)}
+
     def consumer(self, i: int, name: str = "", queue: str = QUEUE):
         name = name or f"c{i}"
         rng = self.rng(name)
         c = _Client(self.cluster, rng, name, spread=self.client_partitions)
         while not self.stop_load.is_set():
-            typ, v = self.receive(c, queue, RECEIVE_WAIT_S)
-            if typ != "ok":
-                self.stop_load.wait(0.05 + rng.random() * 0.1)
+            dd = self._lease(c, queue, rng)
+            if dd is None:
                 continue
-            if v is None:
-                continue
-            dd = {"id": v.id, "token": v.token, "epoch": v.epoch,
-                  "expires_at": expires_at_monotonic(v.expires_at)}
             x = rng.random()
             if x < 0.01:
                 continue  # abandon: the lease expires, the server auto-nacks
@@ -534,14 +540,9 @@ class Drill:
         c = _Client(self.cluster, rng, name, pin=lambda: self.stay_on)
         while not self.stop_load.is_set():
             c.pick()  # (to the nemesis's latest primary, once it names one)
-            typ, v = self.receive(c, QUEUE, RECEIVE_WAIT_S)
-            if typ != "ok":
-                self.stop_load.wait(0.05 + rng.random() * 0.1)
+            dd = self._lease(c, QUEUE, rng)
+            if dd is None:
                 continue
-            if v is None:
-                continue
-            dd = {"id": v.id, "token": v.token, "epoch": v.epoch,
-                  "expires_at": expires_at_monotonic(v.expires_at)}
             for _ in range(rng.randint(3, 8)):
                 if self.stop_load.wait(rng.uniform(0.1, 0.3)):
                     break
