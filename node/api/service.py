@@ -1160,9 +1160,9 @@ class Service:
         wait for the old leases counts on; it answers ``unavailable``, and the
         lease is still the consumer's if the primary is heard again."""
         if not self.engine.may_lease():
-            wait = self.engine.repl.lease_wait_s()
-            raise errors.Unavailable(f"this primary may not extend leases for about {wait:.2f} s (a majority "
-                                     "has not answered lately)", retry_after_s=wait)
+            raise errors.Unavailable("this primary may not extend leases now (a majority has not answered it "
+                                     "lately, or an older primary's leases may still run)",
+                                     retry_after_s=self.engine.repl.lease_wait_s())
         end = self.core.renew(lease, now)
         return LeaseEnd(rfc3339(end), (end - now) / US)
 

@@ -537,6 +537,7 @@ class Drill:
         granting lease time; the checker counts any such grant behind a newer epoch).
         Each lease is renewed 3 to 8 times, 0.1-0.3 s apart, then acked."""
         rng = self.rng(name)
+        # (until the nemesis's first round names a primary it moves as any client does)
         c = _Client(self.cluster, rng, name, pin=lambda: self.stay_on)
         while not self.stop_load.is_set():
             c.pick()  # (to the nemesis's latest primary, once it names one)
@@ -1263,11 +1264,27 @@ class Drill:
                 if f is not None and e.get("type") in ("ok", "fail", "unknown"):
                     k = f"{f} {e['type']}" + (f" {e['error']}" if e.get("error") else "")
                     sdk_calls[k] = sdk_calls.get(k, 0) + 1
-        stayer_calls: dict = {}  # the stayer's calls, "f outcome [error]" -> how many (evidence)
+        # the stayer's calls, "f outcome [error]" -> how many (evidence); and those of
+        # them asked of a primary while a partition cut it off (from its partition's
+        # start to its heal)
+        stayer_calls: dict = {}
+        stayer_cut_calls: dict = {}
+        cut: dict = {}  # node -> the partition of it as primary under way
+        asked: dict = {}  # the stayer's op -> asked of a cut-off primary
         for e in self.h.events:
-            if e.get("process") == "s0" and e.get("type") in ("ok", "fail", "unknown"):
+            if e.get("type") == "nemesis" and e["f"] == "partition" and e.get("role") == "primary":
+                cut[e["node"]] = True
+            elif e.get("type") == "nemesis" and e["f"] == "heal":
+                if e.get("node") is None:  # the run's final heal: of everything
+                    cut.clear()
+                cut.pop(e.get("node"), None)
+            elif e.get("process") == "s0" and e.get("type") == "invoke":
+                asked[e["op"]] = bool(cut.get(e.get("node")))
+            elif e.get("process") == "s0" and e.get("type") in ("ok", "fail", "unknown"):
                 k = f"{e['f']} {e['type']}" + (f" {e['error']}" if e.get("error") else "")
                 stayer_calls[k] = stayer_calls.get(k, 0) + 1
+                if asked.get(e["op"]):
+                    stayer_cut_calls[k] = stayer_cut_calls.get(k, 0) + 1
         nem_counts: dict = {}
         for e in self.h.events:
             if e.get("type") == "nemesis" and e.get("phase") != "heal" and e["f"] not in ("restarted", "rejoined"):
@@ -1278,7 +1295,8 @@ class Drill:
                    for e in self.h.events if e.get("type") == "nemesis" and e["f"] == "rejoined"]
         report.update(seed=self.seed, rejoins=rejoins, duration_s=self.duration_s, wall_s=time.monotonic() - t0,
                       workdir=self.workdir, history=hist_path, drain_complete=drained,
-                      nemesis_counts=nem_counts, sdk_calls=sdk_calls, stayer_calls=stayer_calls, faults=list(self.rounds), thread_errors=self.thread_errors, notes=self.notes,
+                      nemesis_counts=nem_counts, sdk_calls=sdk_calls, stayer_calls=stayer_calls,
+                      stayer_cut_calls=stayer_cut_calls, faults=list(self.rounds), thread_errors=self.thread_errors, notes=self.notes,
                       node_counters=final.get("node_counters"), proxy_links=final_proxy,
                       client_proxy_links=final_client_proxy)
         report["unexpected_exits"] = self.unexpected_exits
