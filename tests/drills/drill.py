@@ -226,10 +226,11 @@ class _Client:
         self.http: Optional[HttpClient] = None
 
     def pick(self, anywhere: bool = False) -> None:
-        if self.pin is not None and self.pin() is not None:
-            if self.pin() != self.node or self.http is None:
-                self.node = self.pin()
-                self.http = HttpClient(self.cluster.client_url(self.node), self.cluster.admin_key,
+        stay = self.pin() if self.pin is not None else None
+        if stay is not None:
+            if stay != self.node or self.http is None:
+                self.node = stay
+                self.http = HttpClient(self.cluster.client_url(stay), self.cluster.admin_key,
                                        timeout_s=CLIENT_TIMEOUT_S)
             return
         with self.cluster.lock:
