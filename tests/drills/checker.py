@@ -50,8 +50,8 @@ DUPLICATE_CAUSES = ("nack", "lease_expired", "primary_changed", "unknown_ack", "
 REQUIRED_ZEROS = ("lost", "lost_after_delivery", "unexpected", "body_mismatches", "acked_then_redelivered",
                   "overlapping_leases", "settles_of_superseded_leases", "retry_count_decreases",
                   "failover_retry_increments", "double_primaries", "leases_behind_a_newer_epoch",
-                  "renewals_behind_a_newer_epoch", "keyed_duplicates", "duplicated_messages", "unkeyed_answered_duplicate",
-                  "purged_then_delivered")
+                  "renewals_behind_a_newer_epoch", "keyed_duplicates", "duplicated_messages",
+                  "unkeyed_answered_duplicate", "purged_then_delivered")
 # Expiry stamps come from the server's wall clock converted to the monotonic clock; the
 # two clock reads of the conversion differ by microseconds. Overlap must exceed this.
 DEFAULT_SLACK_S = 0.001
@@ -115,6 +115,24 @@ class _Delivery:
     def brief(self) -> dict:
         return {"id": self.id, "epoch": self.epoch, "retry": self.retry, "received_at": self.ok_t,
                 "expires_at": self.expires_at, "queue": self.queue, "process": self.process}
+
+
+def _behind_a_newer_epoch(deliveries: list, asked: list, epoch_of) -> Iterable:
+    """(item, newer delivery) for each of ``asked`` (sorted by invoke time; each with
+    ``inv_t``) whose epoch (``epoch_of``; None: not known, skipped) is older than the
+    newest epoch of a delivery answered before the item was asked (``deliveries``
+    sorted by answer time): one sweep of both lists."""
+    newest: Any = None  # (epoch, delivery) of the newest epoch answered so far
+    done = iter(deliveries)
+    nxt = next(done, None)
+    for item in asked:
+        while nxt is not None and nxt.ok_t < item.inv_t:
+            if nxt.epoch is not None and (newest is None or nxt.epoch > newest[0]):
+                newest = (nxt.epoch, nxt)
+            nxt = next(done, None)
+        epoch = epoch_of(item)
+        if epoch is not None and newest is not None and epoch < newest[0]:
+            yield item, newest[1]
 
 
 class _Intervals:
@@ -233,36 +251,22 @@ def check(events: Iterable[dict], slack_s: float = DEFAULT_SLACK_S) -> dict:
     # already granted (answered before this receive was even sent) means two
     # primaries were handing out leases at the same time ------------------------
     behind, behind_details = 0, []
-    newest: Any = None  # (epoch, delivery) of the newest epoch answered so far
-    done = iter(deliveries)  # by ok_t
-    nxt = next(done, None)
-    for d in sorted(deliveries, key=lambda x: x.inv_t):
-        while nxt is not None and nxt.ok_t < d.inv_t:
-            if nxt.epoch is not None and (newest is None or nxt.epoch > newest[0]):
-                newest = (nxt.epoch, nxt)
-            nxt = next(done, None)
-        if d.epoch is not None and newest is not None and d.epoch < newest[0]:
-            behind += 1
-            _keep(behind_details, {"older": d.brief(), "newer": newest[1].brief()})
+    for d, newer in _behind_a_newer_epoch(deliveries, sorted(deliveries, key=lambda x: x.inv_t),
+                                          lambda d: d.epoch):
+        behind += 1
+        _keep(behind_details, {"older": d.brief(), "newer": newer.brief()})
     # ... and none extended: a renewal is lease time granted too, so a lease of an
     # epoch older than one already granted (answered before the renewal was sent)
     # renewed means the older primary still granted lease time while the newer leased
     renews_behind, renews_behind_details = 0, []
-    newest, done = None, iter(deliveries)
-    nxt = next(done, None)
-    for op in sorted((op for ops in settles.values() for op in ops
-                      if op.f == "renew" and op.outcome == "ok" and op.inv.get("epoch") is not None),
-                     key=lambda o: o.inv_t):
-        while nxt is not None and nxt.ok_t < op.inv_t:
-            if nxt.epoch is not None and (newest is None or nxt.epoch > newest[0]):
-                newest = (nxt.epoch, nxt)
-            nxt = next(done, None)
-        if newest is not None and op.inv["epoch"] < newest[0]:
-            renews_behind += 1
-            _keep(renews_behind_details, {"renewed": {"id": op.inv.get("id"), "epoch": op.inv["epoch"],
-                                                      "asked_at": op.inv_t, "answered_at": op.done_t,
-                                                      "process": op.process},
-                                          "newer": newest[1].brief()})
+    renewed = sorted((op for ops in settles.values() for op in ops if op.f == "renew" and op.outcome == "ok"),
+                     key=lambda o: o.inv_t)
+    for op, newer in _behind_a_newer_epoch(deliveries, renewed, lambda o: o.inv.get("epoch")):
+        renews_behind += 1
+        _keep(renews_behind_details, {"renewed": {"id": op.inv.get("id"), "epoch": op.inv["epoch"],
+                                                  "asked_at": op.inv_t, "answered_at": op.done_t,
+                                                  "process": op.process},
+                                      "newer": newer.brief()})
     by_token = {d.token: d for d in deliveries if d.token is not None}
 
     # A lower bound on each queue's lease length: every lease of a queue is as long

@@ -1256,36 +1256,36 @@ class Drill:
         if self.cluster.watch_errors_total:  # a down node's links may have accepted, or a live one's refused
             self.notes.append(f"the cluster's watcher failed {self.cluster.watch_errors_total} refusals "
                               f"(tried again): {self.cluster.watch_errors[:3]}")
-        sdk_calls: dict = {}  # the SDK service's calls, "f outcome" -> how many (evidence)
-        if self.sdk_clients:
-            sdk_ops = {(e["process"], e["op"]): e["f"] for e in self.h.events
-                       if e.get("type") == "invoke" and e.get("sdk")}
-            for e in self.h.events:
-                f = sdk_ops.get((e.get("process"), e.get("op")))
-                if f is not None and e.get("type") in ("ok", "fail", "unknown"):
-                    k = f"{f} {e['type']}" + (f" {e['error']}" if e.get("error") else "")
-                    sdk_calls[k] = sdk_calls.get(k, 0) + 1
-        # the stayer's calls, "f outcome [error]" -> how many (evidence); and those of
-        # them asked of a primary while a partition cut it off (from its partition's
-        # start to its heal)
+        # evidence, "f outcome [error]" -> how many: the SDK service's calls; the
+        # stayer's, and those of them asked of a primary while a partition cut it
+        # off (from its partition's start to its heal)
+        sdk_calls: dict = {}
         stayer_calls: dict = {}
         stayer_cut_calls: dict = {}
-        cut: dict = {}  # node -> the partition of it as primary under way
-        asked: dict = {}  # the stayer's op -> asked of a cut-off primary
+        sdk_ops: set = set()  # (process, op) of the SDK service's calls
+        cut: set = set()  # nodes a partition of them as primary holds cut off now
+        asked_cut: set = set()  # the stayer's ops asked of a cut-off primary
         for e in self.h.events:
-            if e.get("type") == "nemesis" and e["f"] == "partition" and e.get("role") == "primary":
-                cut[e["node"]] = True
-            elif e.get("type") == "nemesis" and e["f"] == "heal":
+            typ = e.get("type")
+            if typ == "nemesis" and e["f"] == "partition" and e.get("role") == "primary":
+                cut.add(e["node"])
+            elif typ == "nemesis" and e["f"] == "heal":
                 if e.get("node") is None:  # the run's final heal: of everything
                     cut.clear()
-                cut.pop(e.get("node"), None)
-            elif e.get("process") == "s0" and e.get("type") == "invoke":
-                asked[e["op"]] = bool(cut.get(e.get("node")))
-            elif e.get("process") == "s0" and e.get("type") in ("ok", "fail", "unknown"):
-                k = f"{e['f']} {e['type']}" + (f" {e['error']}" if e.get("error") else "")
-                stayer_calls[k] = stayer_calls.get(k, 0) + 1
-                if asked.get(e["op"]):
-                    stayer_cut_calls[k] = stayer_cut_calls.get(k, 0) + 1
+                cut.discard(e.get("node"))
+            elif typ == "invoke":
+                if e.get("sdk"):
+                    sdk_ops.add((e["process"], e["op"]))
+                if e.get("process") == "s0" and e.get("node") in cut:
+                    asked_cut.add(e["op"])
+            elif typ in ("ok", "fail", "unknown"):
+                k = f"{e['f']} {typ}" + (f" {e['error']}" if e.get("error") else "")
+                if (e.get("process"), e.get("op")) in sdk_ops:
+                    sdk_calls[k] = sdk_calls.get(k, 0) + 1
+                if e.get("process") == "s0":
+                    stayer_calls[k] = stayer_calls.get(k, 0) + 1
+                    if e["op"] in asked_cut:
+                        stayer_cut_calls[k] = stayer_cut_calls.get(k, 0) + 1
         nem_counts: dict = {}
         for e in self.h.events:
             if e.get("type") == "nemesis" and e.get("phase") != "heal" and e["f"] not in ("restarted", "rejoined"):
