@@ -5,8 +5,9 @@
     .venv/bin/python -m bench.run --peers none --no-jobs
     SPOOLER_BENCH_INSTALL_PEERS=1 .venv/bin/python -m bench.run   # apt-get/pip the peers if missing
 
-Prints one JSON object on stdout (progress goes to stderr) and writes the same JSON to
-bench/results/latest.json. Sections: machine, spooler (bench/spool.py, ONE node), peers
+Prints one JSON object on stdout (progress, and at the end the run's tables in Markdown, go
+to stderr) and writes the same JSON to bench/results/latest.json and the tables to
+bench/results/latest.md (bench/summary.py). Sections: machine, spooler (bench/spool.py, ONE node), peers
 (bench/peers.py: NATS JetStream and RabbitMQ quorum queues, each a 3-node cluster made by the
 peer's own cluster.sh), ratios and targets (single node vs peers, the single-node issue's
 targets), cluster (bench/cluster.py: Spooler as 3 nodes with quorum confirm, the same workload,
@@ -383,6 +384,7 @@ def main(argv=None) -> int:
     from bench import floor
     from bench import peers as peers_mod
     from bench import spool
+    from bench import summary
 
     t0 = time.perf_counter()
     result = {"benchmark": "spooler single-node and 3-node vs peers",
@@ -453,13 +455,16 @@ def main(argv=None) -> int:
     result["elapsed_s"] = round(time.perf_counter() - t0, 1)
 
     text = json.dumps(result, indent=2)
+    md = summary.table(result)
     try:
         out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
-        log(f"wrote {out.relative_to(REPO) if out.is_relative_to(REPO) else out}")
+        out.with_suffix(".md").write_text(md)
+        log(f"wrote {out.relative_to(REPO) if out.is_relative_to(REPO) else out} and its tables (.md)")
     except OSError as e:
         log(f"could not write {a.out}: {e}")
+    print(md, file=sys.stderr)
     print(text)
     return 1 if "error" in result["spooler"] or "error" in (result["cluster"].get("spooler") or {}) else 0
 
