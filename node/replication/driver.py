@@ -9,6 +9,7 @@ acknowledgement mean "on disk".
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import random
@@ -651,20 +652,9 @@ class Driver:
         ok = False
         try:
             await e.snapshot_to(path)   # in slices: commits go on meanwhile
-
-            async def chunks():
-                with open(path, "rb") as f:
-                    while True:
-                        data = f.read(1 << 20)
-                        last = len(data) < (1 << 20)
-                        if last and SNAPSHOT_DELAY_S:
-                            await asyncio.sleep(SNAPSHOT_DELAY_S)
-                        yield pb.SnapshotChunk(epoch=epoch, primary=self.id, data=data, last=last)
-                        if last:
-                            return
-
             log.info("sending a snapshot to %s", peer)
-            ack = await self._stubs[peer].InstallSnapshot(chunks(), timeout=120, metadata=self._peer_md)
+            ack = await self._stubs[peer].InstallSnapshot(snapshot_chunks(path, epoch, self.id, SNAPSHOT_DELAY_S),
+                                                          timeout=120, metadata=self._peer_md)
             ok = ack.ok
             if ack.ok:
                 async with self.lock:
@@ -703,6 +693,7 @@ class Driver:
         me = asyncio.current_task()
         self._inbound[me] = True
         epoch, primary, complete, handed = 0, "", False, False
+        digest, expected = hashlib.sha256(), b""
         try:
             with os.fdopen(fd, "wb") as f:
                 async for ch in request_iterator:
@@ -711,12 +702,21 @@ class Driver:
                         return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
                     epoch, primary = ch.epoch, ch.primary
                     f.write(ch.data)
+                    digest.update(ch.data)
                     if ch.last:
-                        complete = True
+                        complete, expected = True, ch.sha256
                         break
                 f.flush()
                 os.fsync(f.fileno())
             if not complete:
+                return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
+            # What arrived is what the primary read from its copy (a primary before
+            # 0.4.45 sends no digest). A copy is checked as a store when it is
+            # installed, but a changed byte inside a row is still a store: only
+            # this says the rows are the primary's.
+            if expected and digest.digest() != expected:
+                log.warning("refused a snapshot from %s: what arrived does not hash to the digest it was sent "
+                            "with; this node's store is unchanged", primary)
                 return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
             handed = True  # from here the install removes the file, when it is done with it
             self._inbound[me] = False
@@ -1093,6 +1093,25 @@ def _remove_copy(path: str) -> None:
     for p in (path, path + "-wal", path + "-shm"):
         if os.path.exists(p):
             os.remove(p)
+
+
+async def snapshot_chunks(path: str, epoch: int, primary: str, last_delay_s: float = 0.0,
+                          chunk_bytes: int = 1 << 20):
+    """The copy at ``path`` as InstallSnapshot's chunks; the last one carries the
+    SHA-256 of all of them (checked by serve_snapshot). ``last_delay_s``: a
+    pause before the last chunk (SPOOLER_TEST_SNAPSHOT_DELAY)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(chunk_bytes)
+            digest.update(data)
+            last = len(data) < chunk_bytes
+            if last and last_delay_s:
+                await asyncio.sleep(last_delay_s)
+            yield pb.SnapshotChunk(epoch=epoch, primary=primary, data=data, last=last,
+                                   sha256=digest.digest() if last else b"")
+            if last:
+                return
 
 
 async def shielded(coro):

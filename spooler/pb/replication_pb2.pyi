@@ -131,16 +131,18 @@ class ReplEmpty(_message.Message):
     def __init__(self) -> None: ...
 
 class SnapshotChunk(_message.Message):
-    __slots__ = ("epoch", "primary", "data", "last")
+    __slots__ = ("epoch", "primary", "data", "last", "sha256")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     primary: str
     data: bytes
     last: bool
-    def __init__(self, epoch: _Optional[int] = ..., primary: _Optional[str] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+    sha256: bytes
+    def __init__(self, epoch: _Optional[int] = ..., primary: _Optional[str] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., sha256: _Optional[bytes] = ...) -> None: ...
 
 class SnapshotAck(_message.Message):
     __slots__ = ("epoch", "ok", "last_lsn")

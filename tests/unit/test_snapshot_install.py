@@ -81,7 +81,7 @@ import threading  # noqa: E402
 import time  # noqa: E402
 
 import node.engine as engine_mod  # noqa: E402
-from node.replication.driver import SNAPSHOT_INCOMING  # noqa: E402
+from node.replication.driver import SNAPSHOT_INCOMING, snapshot_chunks  # noqa: E402
 from spooler.pb import log_pb2, replication_pb2 as pb  # noqa: E402
 
 PEERS = {"n1": "127.0.0.1:1", "n2": "127.0.0.1:2", "n3": "127.0.0.1:3"}
@@ -110,16 +110,24 @@ async def _replica(d):
     return r
 
 
-def _chunks(path, epoch, primary, last_marked=True):
+def _chunks(path, epoch, primary, last_marked=True, digest=True, changed_at=None):
+    """``path`` as a primary of this build streams it (snapshot_chunks), at the
+    network's pace. ``digest=False``: as a primary before 0.4.45 (no digest).
+    ``changed_at``: that byte of the file arrives changed (after the primary
+    hashed it), as a copy damaged on its way would."""
     async def gen():
-        with open(path, "rb") as f:
-            while True:
-                data = f.read(1 << 20)
-                last = len(data) < (1 << 20)
-                yield pb.SnapshotChunk(epoch=epoch, primary=primary, data=data, last=last and last_marked)
-                await asyncio.sleep(0.01)  # the network's pace: another stream interleaves
-                if last:
-                    return
+        async for ch in snapshot_chunks(path, epoch, primary, chunk_bytes=1 << 16):
+            if changed_at is not None and gen.offset <= changed_at < gen.offset + len(ch.data):
+                data = bytearray(ch.data)
+                data[changed_at - gen.offset] ^= 0x01
+                ch.data = bytes(data)
+            gen.offset += len(ch.data)
+            ch.last = ch.last and last_marked
+            if not digest:
+                ch.ClearField("sha256")
+            yield ch
+            await asyncio.sleep(0.01)  # the network's pace: another stream interleaves
+    gen.offset = 0
     return gen()
 
 
@@ -608,6 +616,59 @@ def test_a_late_copy_that_ends_where_our_log_ends_does_not_take_our_applied_stat
             assert ack.ok and ack.last_lsn == m, ack
             assert [q[0] for q in r.store.load_queues()] == ["other"]
             assert r.core.lsn == m and "q" not in r.core.queues
+        finally:
+            await r.stop()
+
+    asyncio.run(main())
+
+
+def test_a_copy_changed_on_its_way_is_refused_and_the_same_copy_whole_is_installed(tmp_path):
+    """A byte of a message's body changed between the primary's copy and the
+    replica's file: the copy is still a store (it passes every check of an
+    install), so only the digest the primary sent tells. Refused, the node's
+    store unchanged and nothing of the copy left; the copy as it was, installed."""
+    async def main():
+        a = str(tmp_path / "A.db")
+        p = Engine(str(tmp_path / "pa"))
+        await p.start()
+        await p.propose(log_pb2.Record(queue_put=log_pb2.QueuePut(name="qa")))
+        body = b"the body of the one message, " * 40
+        rec = log_pb2.Record()
+        rec.send.entries.add(queue="qa", id="m1", body=body)
+        await p.propose(rec)
+        await p.checkpoint_now()
+        await p.snapshot_to(a)
+        await p.stop()
+        with open(a, "rb") as f:
+            at = f.read().index(body) + 100
+        r = await _replica(str(tmp_path / "r"))
+        try:
+            ack = await r.repl.serve_snapshot(_chunks(a, 5, "n1", changed_at=at), None)
+            assert not ack.ok
+            assert sorted(r.core.queues) == [] and [q[0] for q in r.store.load_queues()] == []
+            assert r.store.integrity_check() == "ok"
+            assert not [n for n in os.listdir(r.data_dir) if n.startswith(SNAPSHOT_INCOMING)]
+
+            ack = await r.repl.serve_snapshot(_chunks(a, 5, "n1"), None)
+            assert ack.ok
+            q = r.core.queues["qa"]
+            assert r.bodies_of([q.msgs["m1"]]) == [body]
+        finally:
+            await r.stop()
+
+    asyncio.run(main())
+
+
+def test_a_copy_from_a_primary_that_sends_no_digest_is_installed(tmp_path):
+    """A primary before 0.4.45 sends no digest: its copy is installed, checked as
+    a store only (a rolling upgrade may upgrade the replicas first)."""
+    async def main():
+        a = str(tmp_path / "A.db")
+        await _primary_snapshot(str(tmp_path / "pa"), "qa", 3, 1000, a)
+        r = await _replica(str(tmp_path / "r"))
+        try:
+            ack = await r.repl.serve_snapshot(_chunks(a, 5, "n1", digest=False), None)
+            assert ack.ok and sorted(r.core.queues) == ["qa"]
         finally:
             await r.stop()
 
