@@ -91,3 +91,44 @@ def _refusal(c):
     except errors.Unavailable as e:
         return e if "0.4.42" in str(e) else None
     raise AssertionError("a purge went through while a member runs 0.4.41")
+
+
+@pytest.fixture(scope="module")
+def before_digest(tmp_path_factory):
+    """0.4.44, the last release whose snapshot copies carry no digest."""
+    return _older(tmp_path_factory, "0.4.44")
+
+
+@pytest.mark.parametrize("old_side", ["primary", "replica"])
+def test_a_snapshot_copy_crosses_0_4_44_and_this_build_either_way(tmp_path, before_digest, old_side):
+    """A replica that fell behind the primary's compacted log catches up from a
+    copy when one of the two runs 0.4.44: a 0.4.44 primary sends no digest (this
+    build's replica installs its copy as before), and a 0.4.44 replica ignores
+    the digest this build's primary sends (docs/upgrades.md, 0.4.45)."""
+    from integration.test_snapshot import _compacted
+    from integration.test_cluster import view
+    from spooler import __version__
+    old = builds.entry(before_digest)
+    nodes = start_cluster(str(tmp_path), 3, FAILOVER_S, extra_args=["--log-keep-records", "10"],
+                          entry=old if old_side == "primary" else None)
+    try:
+        p, _ = wait_until(lambda: primary_of(nodes), 20, what="a primary")
+        c = client(nodes[p])
+        until_ok(lambda: c.put_queue("q"), what="the queue")
+        down = next(i for i in sorted(nodes) if i != p)
+        nodes[down].kill()
+        for i in range(60):
+            send_until_ok(c, "q", f"m{i}".encode())
+        top = view(nodes[p])["appliedLsn"]
+        wait_until(lambda: _compacted(nodes[p], top), 15, what="the primary to compact its log")
+        nodes[down].entry = list(nodes[down].DEFAULT_ENTRY) if old_side == "primary" else old
+        nodes[down].start()
+        assert _version(nodes[down]) == ("0.4.44" if old_side == "replica" else __version__)
+        assert _version(nodes[p]) == ("0.4.44" if old_side == "primary" else __version__)
+        wait_until(lambda: (view(nodes[down]) or {}).get("appliedLsn", -1) >= top, 20,
+                   what="the lagging replica to catch up")
+        wait_until(lambda: "installed a snapshot" in nodes[down].read_log(), 5, what="the snapshot log line")
+        assert "does not hash" not in nodes[down].read_log()
+    finally:
+        for n in nodes.values():
+            n.kill()
