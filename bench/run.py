@@ -455,16 +455,21 @@ def main(argv=None) -> int:
     result["elapsed_s"] = round(time.perf_counter() - t0, 1)
 
     text = json.dumps(result, indent=2)
-    md = summary.table(result)
+    out = Path(a.out)
     try:
-        out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
-        out.with_suffix(".md").write_text(md)
-        log(f"wrote {out.relative_to(REPO) if out.is_relative_to(REPO) else out} and its tables (.md)")
+        log(f"wrote {out.relative_to(REPO) if out.is_relative_to(REPO) else out}")
     except OSError as e:
         log(f"could not write {a.out}: {e}")
-    print(md, file=sys.stderr)
+    # the tables after the JSON is safe: a failure here costs the tables only
+    tables = out.with_suffix(".md") if out.suffix != ".md" else out.with_name(out.name + ".tables.md")
+    try:
+        md = summary.table(result)
+        tables.write_text(md)
+        print(md, file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - the run's figures are in the JSON already
+        log(f"could not make or write the tables ({tables.name}): {type(e).__name__}: {e}")
     print(text)
     return 1 if "error" in result["spooler"] or "error" in (result["cluster"].get("spooler") or {}) else 0
 

@@ -14,6 +14,7 @@ target without a value is "not measured", never met.
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 PEERS = (("nats-jetstream", "JetStream R3"), ("rabbitmq-quorum", "RabbitMQ QQ R3"))
@@ -40,12 +41,18 @@ THREE_NODE_LABELS = {"send_64_in_flight_per_s": "3 nodes, 64 in flight",
 
 
 def fmt(v, unit: str = "") -> str:
-    """A figure as the docs write it: ms and s with three decimals, rates whole."""
+    """A figure as the docs write it: ms and s with three decimals, rates whole
+    (without a unit: small fractions with three decimals, the rest whole)."""
     if v is None:
         return "–"
-    if unit in ("ms", "s") or isinstance(v, float) and abs(v) < 100:
+    if unit in ("ms", "s") or not unit and isinstance(v, float) and abs(v) < 100:
         return f"{v:,.3f}"
     return f"{round(v):,}"
+
+
+def _wanted(target: str) -> str:
+    """bench/run.py's target text, its large numbers with thousands separators."""
+    return re.sub(r"\d{4,}", lambda m: f"{int(m.group()):,}", target)
 
 
 def _unit(fig: str) -> str:
@@ -54,15 +61,19 @@ def _unit(fig: str) -> str:
     return "ms" if fig.endswith("_ms") else "s"
 
 
-def _verdict(t: dict) -> str:
+def _verdict(t: dict, error: str = "") -> str:
+    """Met or missed; ``error``: the runs of the figure that failed (its median
+    is then of the others), said beside it."""
     if t.get("passed") is None:
-        return t.get("note") or "not measured"
-    if t["passed"]:
-        return "met"
-    return f"missed by {t['missed_by_pct']}%" if "missed_by_pct" in t else "missed"
+        v = t.get("note") or "not measured"
+    elif t["passed"]:
+        v = "met"
+    else:
+        v = f"missed by {t['missed_by_pct']}%" if "missed_by_pct" in t else "missed"
+    return f"{v} ({error})" if error else v
 
 
-def _target_rows(targets: dict, labels: dict, medians: dict, samples: dict) -> list:
+def _target_rows(targets: dict, labels: dict, samples: dict, errors: dict) -> list:
     rows = []
     for fig, label in labels.items():
         t = targets.get(fig)
@@ -76,8 +87,31 @@ def _target_rows(targets: dict, labels: dict, medians: dict, samples: dict) -> l
         if "ratio_to_peer" in t:
             seen += f", {t['ratio_to_peer']:.3f}x"
         bare = fmt(t["bare_stack"], unit) if "bare_stack" in t else "–"
-        rows.append(f"| {label} | {t['target']} | {seen} | {bare} | {_verdict(t)} |")
+        rows.append(f"| {label} | {_wanted(t['target'])} | {seen} | {bare} | {_verdict(t, errors.get(fig, ''))} |")
     return rows
+
+
+def _errors(result: dict) -> tuple:
+    """({figure of the 3-node targets: what failed}, [lines for every part that
+    failed or was skipped]): a table that reads "met" must not hide a failed run."""
+    cl = result.get("cluster") or {}
+    fo = cl.get("failover") or {}
+    by_fig, lines = {}, []
+    parts = [("Spooler, 1 node", result.get("spooler")), ("Spooler, 3 nodes", cl.get("spooler")),
+             ("Spooler, 3 nodes", cl)]
+    parts += [(f"failover after {kind.upper()}", fo.get(kind)) for kind in ("sigkill", "sigstop")]
+    parts += [(label, (result.get("peers") or {}).get(k)) for k, label in PEERS]
+    parts += [("the job runner", result.get("jobs"))]
+    for what, part in parts:
+        if not isinstance(part, dict):
+            continue
+        why = part.get("error") or part.get("skipped")
+        if why:
+            lines.append(f"- {what}: {'skipped' if 'skipped' in part else 'error'}: {why}")
+    for kind in ("sigkill", "sigstop"):
+        if (fo.get(kind) or {}).get("error"):
+            by_fig[f"failover_{kind}_s"] = fo[kind]["error"]
+    return by_fig, lines
 
 
 def _med(d) -> dict:
@@ -94,14 +128,17 @@ def table(result: dict) -> str:
             f"load average at the start {', '.join(str(x) for x in m.get('loadavg_at_start') or []) or '?'}; "
             f"fdatasync of 256 bytes p50 {fmt((m.get('fdatasync_256b_ms') or {}).get('p50'), 'ms')} ms. "
             "Medians of each figure's samples (in brackets).")
+    errors, error_lines = _errors(result)
     out = [head, "", "| target | wanted | seen | bare stack | |", "|---|---|---|---|---|"]
-    out += _target_rows(result.get("targets") or {}, ONE_NODE_LABELS, _med(one), one.get("samples") or {})
+    out += _target_rows(result.get("targets") or {}, ONE_NODE_LABELS, one.get("samples") or {}, {})
     fo = cl.get("failover") or {}
     three_samples = dict(three.get("samples") or {})
     for kind in ("sigkill", "sigstop"):
         if (fo.get(kind) or {}).get("samples_s"):
             three_samples[f"failover_{kind}_s"] = fo[kind]["samples_s"]
-    out += _target_rows(cl.get("targets") or {}, THREE_NODE_LABELS, _med(three), three_samples)
+    out += _target_rows(cl.get("targets") or {}, THREE_NODE_LABELS, three_samples, errors)
+    notes = {(t or {}).get("note") for t in (result.get("targets"), cl.get("targets")) if isinstance(t, dict)}
+    out += [f"\n{n}." for n in sorted(x for x in notes if x)]
 
     names = [(k, label) for k, label in PEERS if _med(peers.get(k))]
     cols = ["1 node", "3 nodes"] + [label for _, label in names] + [f"3 nodes / {label}" for _, label in names]
@@ -126,12 +163,19 @@ def table(result: dict) -> str:
         cells = ["–", fmt(mine, "s")] + [fmt(v, "s") for v in theirs]
         cells += [f"{mine / v:.3f}" if v else "–" for v in theirs]
         out.append(f"| {label} | " + " | ".join(cells) + " |")
-    out += ["", "Ratios are the three-node median over the peer's: above 1 is faster for msg/s, "
-            "slower for ms and s."]
+    if names:
+        out += ["", "Ratios are the three-node median over the peer's: above 1 is faster for msg/s, "
+                "slower for ms and s."]
     jobs = result.get("jobs") or {}
     if "jobs_per_s" in jobs:
-        out += ["", f"The job runner: {fmt(jobs['jobs_per_s'])} jobs/s with {jobs.get('workers', '?')} workers "
-                    f"(target {fmt(jobs.get('target_jobs_per_s'))}: {'met' if jobs.get('meets_target') else 'missed'})."]
+        judged = {True: "met", False: "missed"}.get(jobs.get("meets_target"), "not judged")
+        out += ["", f"The job runner: {fmt(jobs['jobs_per_s'], 'msg/s')} jobs/s with {jobs.get('workers', '?')} "
+                    f"workers (target {fmt(jobs.get('target_jobs_per_s'), 'msg/s')}: {judged})."]
+    if error_lines:
+        failed = any(": error: " in ln for ln in error_lines)
+        out += ["", "Failed or skipped in this run" + (" (where a part failed, a median above is of the runs "
+                                                      "that gave a figure)" if failed else "") + ":", ""]
+        out += error_lines
     return "\n".join(out) + "\n"
 
 

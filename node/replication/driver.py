@@ -656,6 +656,9 @@ class Driver:
             ack = await self._stubs[peer].InstallSnapshot(snapshot_chunks(path, epoch, self.id, SNAPSHOT_DELAY_S),
                                                           timeout=120, metadata=self._peer_md)
             ok = ack.ok
+            if not ack.ok:
+                log.info("%s did not install the snapshot copy (its log says why); another follows after a pause",
+                         peer)
             if ack.ok:
                 async with self.lock:
                     if self.core.role == R.PRIMARY and self.core.epoch == epoch:
@@ -706,18 +709,22 @@ class Driver:
                     if ch.last:
                         complete, expected = True, ch.sha256
                         break
+                if not complete:
+                    return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
+                # What arrived must be what the primary read from its copy file
+                # (SnapshotChunk.sha256). A copy is checked as a store when it is
+                # installed, but a byte changed on the way inside a row still leaves
+                # a store; this is what catches it. (It does not cover the primary's
+                # file before it was read, nor this one after it is written.)
+                if not expected:
+                    log.info("a snapshot from %s came without a digest (a primary before 0.4.45): it is checked "
+                             "as a store only", primary)
+                elif digest.digest() != expected:
+                    log.warning("refused a snapshot from %s: what arrived does not hash to the digest it was sent "
+                                "with; this node's store is unchanged", primary)
+                    return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
                 f.flush()
                 os.fsync(f.fileno())
-            if not complete:
-                return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
-            # What arrived is what the primary read from its copy (a primary before
-            # 0.4.45 sends no digest). A copy is checked as a store when it is
-            # installed, but a changed byte inside a row is still a store: only
-            # this says the rows are the primary's.
-            if expected and digest.digest() != expected:
-                log.warning("refused a snapshot from %s: what arrived does not hash to the digest it was sent "
-                            "with; this node's store is unchanged", primary)
-                return pb.SnapshotAck(epoch=self.core.epoch, ok=False)
             handed = True  # from here the install removes the file, when it is done with it
             self._inbound[me] = False
             return await shielded(self._install(path, epoch, primary))

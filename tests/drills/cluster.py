@@ -545,15 +545,21 @@ def primaries_from_logs(workdir: str) -> dict:
 
 
 def snapshot_installs_from_logs(workdir: str) -> dict:
-    """How many snapshot copies the nodes installed, and how many they refused as not
-    installable (docs/DESIGN.md, "Snapshots"), from every node log under ``workdir``:
-    evidence of what a run exercised, not judged."""
-    out = {"installed": 0, "refused": 0}
+    """How many snapshot copies the nodes installed, how many they refused as not
+    installable, how many because what arrived did not hash to the primary's digest
+    (0.4.45), and how many came without one (from a primary before 0.4.45)
+    (docs/DESIGN.md, "Snapshots"), from every node log under ``workdir``: evidence of
+    what a run exercised, not judged."""
+    out = {"installed": 0, "refused": 0, "refused_digest": 0, "without_digest": 0}
     for line in _node_log_lines(workdir):
         if "installed a snapshot from" in line:
             out["installed"] += 1
         elif "it could not be installed" in line:
             out["refused"] += 1
+        elif "does not hash to the digest" in line:
+            out["refused_digest"] += 1
+        elif "came without a digest" in line:
+            out["without_digest"] += 1
     return out
 
 

@@ -926,8 +926,13 @@ def test_the_snapshot_installs_the_nodes_logged_are_counted(tmp_path):
     (tmp_path / "n3-disk2" / "n3.log").write_text(
         "2026-12-05 10:00:02,000 WARNING spooler.replication refused a snapshot from n1: it could not be "
         "installed (NotADBError('file is not a database')); this node's store is unchanged\n"
-        "2026-12-05 10:00:03,000 INFO spooler.replication installed a snapshot from n1: log to lsn 12, applied 12\n")
-    assert snapshot_installs_from_logs(str(tmp_path)) == {"installed": 2, "refused": 1}
+        "2026-12-05 10:00:03,000 INFO spooler.replication installed a snapshot from n1: log to lsn 12, applied 12\n"
+        "2026-12-07 10:00:04,000 WARNING spooler.replication refused a snapshot from n1: what arrived does not "
+        "hash to the digest it was sent with; this node's store is unchanged\n"
+        "2026-12-07 10:00:05,000 INFO spooler.replication a snapshot from n2 came without a digest (a primary "
+        "before 0.4.45): it is checked as a store only\n")
+    assert snapshot_installs_from_logs(str(tmp_path)) == {"installed": 2, "refused": 1, "refused_digest": 1,
+                                                          "without_digest": 1}
 
 
 @pytest.mark.parametrize("jump_s", [0.0, 7.0])

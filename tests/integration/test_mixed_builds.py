@@ -105,9 +105,9 @@ def test_a_snapshot_copy_crosses_0_4_44_and_this_build_either_way(tmp_path, befo
     copy when one of the two runs 0.4.44: a 0.4.44 primary sends no digest (this
     build's replica installs its copy as before), and a 0.4.44 replica ignores
     the digest this build's primary sends (docs/upgrades.md, 0.4.45)."""
-    from integration.test_snapshot import _compacted
-    from integration.test_cluster import view
     from spooler import __version__
+    from test_cluster import view
+    from integration.test_snapshot import _compacted
     old = builds.entry(before_digest)
     nodes = start_cluster(str(tmp_path), 3, FAILOVER_S, extra_args=["--log-keep-records", "10"],
                           entry=old if old_side == "primary" else None)

@@ -1,6 +1,8 @@
 """bench/summary.py: one run's JSON as the tables docs/benchmarks.md takes."""
 from __future__ import annotations
 
+import statistics
+
 from bench import run as bench_run
 from bench.summary import table
 
@@ -15,7 +17,7 @@ def _result(js_in_flight=20_000, seq_p50=1.1, peers=True, sigkill=(0.06, 0.08, 0
                                               "receive_ack_per_s": 26_000}},
                 "rabbitmq-quorum": {"median": {"send_sequential_p50_ms": 0.8, "send_64_in_flight_per_s": 5_000,
                                                "receive_ack_per_s": 5_500}}} if peers else {}
-    fo = {"sigkill": {"samples_s": list(sigkill), "median_s": sorted(sigkill)[1], "failover_timeout_s": 2.0},
+    fo = {"sigkill": {"samples_s": list(sigkill), "median_s": statistics.median(sigkill), "failover_timeout_s": 2.0},
           "sigstop": {"samples_s": [2.1, 2.05, 2.2], "median_s": 2.1, "failover_timeout_s": 2.0},
           "peers": {"nats-jetstream": {"median_s": 5.0}}}
     cl = {"spooler": three, "failover": fo}
@@ -51,6 +53,35 @@ def test_a_slower_run_reads_missed_and_the_ratios_follow_the_peers_of_that_run()
     side = _row(t, "send, 64 in flight, msg/s")
     assert side == ["send, 64 in flight, msg/s", "40,000", "33,000", "25,000", "5,000", "1.320", "6.600"]
     assert _row(t, "failover after SIGKILL, s")[1:] == ["–", "0.070", "5.000", "–", "0.014", "–"]
+    # the peers' failover scripts kill only: nothing of theirs beside a SIGSTOP
+    assert _row(t, "failover after SIGSTOP, s")[1:] == ["–", "2.100", "–", "–", "–", "–"]
+    assert "Ratios are the three-node median" in t
+
+
+def test_a_target_met_by_the_runs_that_gave_a_figure_says_how_many_gave_none():
+    r = _result(sigkill=(0.06,))
+    fo = r["cluster"]["failover"]["sigkill"]
+    fo["error"] = "2 of 3 runs gave no figure"
+    r["peers"]["rabbitmq-quorum"] = {"skipped": "rabbitmq-server is not installed"}
+    t = table(r)
+    assert _row(t, "failover after SIGKILL")[-1] == "met (2 of 3 runs gave no figure)"
+    assert _row(t, "failover after SIGSTOP")[-1] == "met"
+    assert "- failover after SIGKILL: error: 2 of 3 runs gave no figure" in t.splitlines()
+    assert "- RabbitMQ QQ R3: skipped: rabbitmq-server is not installed" in t.splitlines()
+    assert "RabbitMQ" not in t.split("| figure |", 1)[1].splitlines()[0]
+
+
+def test_what_no_system_measured_has_no_row():
+    r = _result()
+    del r["cluster"]["failover"]
+    for part in (r["spooler"], r["cluster"]["spooler"], *r["peers"].values()):
+        part["median"].pop("receive_ack_per_s", None)
+    r["cluster"]["targets"] = bench_run.cluster_targets(r["cluster"], r["peers"], 2)
+    t = table(r)
+    assert not [ln for ln in t.splitlines() if ln.startswith(("| failover after SIGKILL, s", "| receive + ack,"))]
+    assert _row(t, "3 nodes, receive + ack")[-1] == "nats-jetstream not measured in this run"
+    assert _row(t, "failover after SIGKILL")[2:] == ["–", "–", "not measured"]
+    assert "Failed or skipped" not in t
 
 
 def test_without_peers_the_relative_targets_are_not_measured_and_no_peer_column_appears():
@@ -58,3 +89,4 @@ def test_without_peers_the_relative_targets_are_not_measured_and_no_peer_column_
     assert _row(t, "3 nodes, 64 in flight")[-1] == "nats-jetstream not measured in this run"
     assert "JetStream" not in t.split("| figure |", 1)[1].splitlines()[0]
     assert _row(t, "send, 64 in flight, msg/s") == ["send, 64 in flight, msg/s", "40,000", "33,000"]
+    assert "Ratios are" not in t

@@ -110,24 +110,28 @@ async def _replica(d):
     return r
 
 
-def _chunks(path, epoch, primary, last_marked=True, digest=True, changed_at=None):
+def _chunks(path, epoch, primary, last_marked=True, digest=True, changed_at=None, chunk_bytes=1 << 16,
+            sent=None):
     """``path`` as a primary of this build streams it (snapshot_chunks), at the
     network's pace. ``digest=False``: as a primary before 0.4.45 (no digest).
     ``changed_at``: that byte of the file arrives changed (after the primary
-    hashed it), as a copy damaged on its way would."""
+    hashed it), as a copy damaged on its way would. ``sent``: a list that gets
+    each chunk's size as it goes."""
     async def gen():
-        async for ch in snapshot_chunks(path, epoch, primary, chunk_bytes=1 << 16):
-            if changed_at is not None and gen.offset <= changed_at < gen.offset + len(ch.data):
+        offset = 0
+        async for ch in snapshot_chunks(path, epoch, primary, chunk_bytes=chunk_bytes):
+            if changed_at is not None and offset <= changed_at < offset + len(ch.data):
                 data = bytearray(ch.data)
-                data[changed_at - gen.offset] ^= 0x01
+                data[changed_at - offset] ^= 0x01
                 ch.data = bytes(data)
-            gen.offset += len(ch.data)
+            offset += len(ch.data)
             ch.last = ch.last and last_marked
             if not digest:
                 ch.ClearField("sha256")
+            if sent is not None:
+                sent.append(len(ch.data))
             yield ch
             await asyncio.sleep(0.01)  # the network's pace: another stream interleaves
-    gen.offset = 0
     return gen()
 
 
@@ -622,7 +626,7 @@ def test_a_late_copy_that_ends_where_our_log_ends_does_not_take_our_applied_stat
     asyncio.run(main())
 
 
-def test_a_copy_changed_on_its_way_is_refused_and_the_same_copy_whole_is_installed(tmp_path):
+def test_a_copy_changed_on_its_way_is_refused_and_the_same_copy_whole_is_installed(tmp_path, caplog):
     """A byte of a message's body changed between the primary's copy and the
     replica's file: the copy is still a store (it passes every check of an
     install), so only the digest the primary sent tells. Refused, the node's
@@ -640,11 +644,15 @@ def test_a_copy_changed_on_its_way_is_refused_and_the_same_copy_whole_is_install
         await p.snapshot_to(a)
         await p.stop()
         with open(a, "rb") as f:
-            at = f.read().index(body) + 100
+            whole = f.read()
+        at = whole.index(body) + 100
+        assert at < len(whole) - 4096  # a chunk before the last (the digest covers every chunk)
         r = await _replica(str(tmp_path / "r"))
         try:
-            ack = await r.repl.serve_snapshot(_chunks(a, 5, "n1", changed_at=at), None)
-            assert not ack.ok
+            sent = []
+            ack = await r.repl.serve_snapshot(_chunks(a, 5, "n1", changed_at=at, chunk_bytes=4096, sent=sent), None)
+            assert not ack.ok and len(sent) > 2
+            assert "does not hash to the digest" in caplog.text  # (what the drills count: drills/cluster.py)
             assert sorted(r.core.queues) == [] and [q[0] for q in r.store.load_queues()] == []
             assert r.store.integrity_check() == "ok"
             assert not [n for n in os.listdir(r.data_dir) if n.startswith(SNAPSHOT_INCOMING)]
@@ -659,9 +667,11 @@ def test_a_copy_changed_on_its_way_is_refused_and_the_same_copy_whole_is_install
     asyncio.run(main())
 
 
-def test_a_copy_from_a_primary_that_sends_no_digest_is_installed(tmp_path):
+def test_a_copy_from_a_primary_that_sends_no_digest_is_installed(tmp_path, caplog):
     """A primary before 0.4.45 sends no digest: its copy is installed, checked as
     a store only (a rolling upgrade may upgrade the replicas first)."""
+    caplog.set_level("INFO", logger="spooler.replication")
+
     async def main():
         a = str(tmp_path / "A.db")
         await _primary_snapshot(str(tmp_path / "pa"), "qa", 3, 1000, a)
@@ -669,6 +679,7 @@ def test_a_copy_from_a_primary_that_sends_no_digest_is_installed(tmp_path):
         try:
             ack = await r.repl.serve_snapshot(_chunks(a, 5, "n1", digest=False), None)
             assert ack.ok and sorted(r.core.queues) == ["qa"]
+            assert "came without a digest" in caplog.text
         finally:
             await r.stop()
 
