@@ -160,20 +160,28 @@ def test_two_snapshots_streamed_at_once_install_one_whole_copy(tmp_path):
     asyncio.run(main())
 
 
-def test_a_snapshot_stream_that_ends_before_its_last_chunk_installs_nothing(tmp_path):
+def _serve_a_small_copy(tmp_path, check, **chunks):
+    """A primary's copy holding queue qa (3 messages) streamed to a fresh replica
+    (``chunks``: _chunks' options); ``check(ack, replica)`` then."""
     async def main():
         a = str(tmp_path / "A.db")
         await _primary_snapshot(str(tmp_path / "pa"), "qa", 3, 1000, a)
         r = await _replica(str(tmp_path / "r"))
         try:
-            ack = await r.repl.serve_snapshot(_chunks(a, 5, "n1", last_marked=False), None)
-            assert not ack.ok
-            assert sorted(r.core.queues) == [] and [q[0] for q in r.store.load_queues()] == []
-            assert not [n for n in os.listdir(r.data_dir) if n.startswith("snapshot-incoming")]
+            check(await r.repl.serve_snapshot(_chunks(a, 5, "n1", **chunks), None), r)
         finally:
             await r.stop()
 
     asyncio.run(main())
+
+
+def test_a_snapshot_stream_that_ends_before_its_last_chunk_installs_nothing(tmp_path):
+    def check(ack, r):
+        assert not ack.ok
+        assert sorted(r.core.queues) == [] and [q[0] for q in r.store.load_queues()] == []
+        assert not [n for n in os.listdir(r.data_dir) if n.startswith("snapshot-incoming")]
+
+    _serve_a_small_copy(tmp_path, check, last_marked=False)
 
 
 def test_a_checkpoint_taken_while_a_snapshot_is_installed_is_not_written_into_it(tmp_path, monkeypatch):
@@ -672,15 +680,8 @@ def test_a_copy_from_a_primary_that_sends_no_digest_is_installed(tmp_path, caplo
     a store only (a rolling upgrade may upgrade the replicas first)."""
     caplog.set_level("INFO", logger="spooler.replication")
 
-    async def main():
-        a = str(tmp_path / "A.db")
-        await _primary_snapshot(str(tmp_path / "pa"), "qa", 3, 1000, a)
-        r = await _replica(str(tmp_path / "r"))
-        try:
-            ack = await r.repl.serve_snapshot(_chunks(a, 5, "n1", digest=False), None)
-            assert ack.ok and sorted(r.core.queues) == ["qa"]
-            assert "came without a digest" in caplog.text
-        finally:
-            await r.stop()
+    def check(ack, r):
+        assert ack.ok and sorted(r.core.queues) == ["qa"]
+        assert "came without a digest" in caplog.text
 
-    asyncio.run(main())
+    _serve_a_small_copy(tmp_path, check, digest=False)
