@@ -656,13 +656,13 @@ class Driver:
             ack = await self._stubs[peer].InstallSnapshot(snapshot_chunks(path, epoch, self.id, SNAPSHOT_DELAY_S),
                                                           timeout=120, metadata=self._peer_md)
             ok = ack.ok
-            if not ack.ok:
-                log.info("%s did not install the snapshot copy (its log says why); another follows after a pause",
-                         peer)
             if ack.ok:
                 async with self.lock:
                     if self.core.role == R.PRIMARY and self.core.epoch == epoch:
                         await self._run(self.core.snapshot_sent(peer, ack.last_lsn, mono_us()))
+            else:
+                log.info("%s did not install the snapshot copy (its log says why); another follows after a pause",
+                         peer)
         except grpc.RpcError as err:
             log.warning("snapshot to %s failed: %s", peer, err.code())
         except apsw.Error as err:   # e.g. the store was closed under the copy (this node stepped down)
