@@ -129,6 +129,8 @@ def test_a_snapshot_copy_crosses_0_4_44_and_this_build_either_way(tmp_path, befo
                    what="the lagging replica to catch up")
         wait_until(lambda: "installed a snapshot" in nodes[down].read_log(), 5, what="the snapshot log line")
         assert "does not hash" not in nodes[down].read_log()
+        if old_side == "primary":  # this build's replica says the copy went unchecked
+            assert "came without a digest" in nodes[down].read_log()
     finally:
         for n in nodes.values():
             n.kill()
