@@ -201,7 +201,7 @@ class Engine:
                  checkpoint_interval_s: float = 1.0, checkpoint_bytes: int = CHECKPOINT_BYTES,
                  synchronous: str = "FULL", peers: Optional[dict] = None, failover_timeout_s: float = 2.0,
                  grpc_options=(), tls=None, log_keep_records: int = 100_000, log_keep_bytes: int = 256 << 20,
-                 join: bool = False, cluster_key: str = ""):
+                 join: bool = False, cluster_key: str = "", eager_replicas: str = "quorum"):
         """peers: member id -> gRPC address, this node included (None: a cluster of one).
         ``join``: a replacement member; if its store is empty, it joins without a vote
         until it holds the cluster's history (Replication.joining)."""
@@ -249,7 +249,8 @@ class Engine:
         self.cluster = len(peers) > 1
         self.tls = tls
         self.cluster_key = cluster_key  # (node/tls.py: CLUSTER_KEY_MD)
-        self.repl = Driver(self, node_id, peers, failover_timeout_s, grpc_options, tls, join=join and self.cluster)
+        self.repl = Driver(self, node_id, peers, failover_timeout_s, grpc_options, tls, join=join and self.cluster,
+                           eager=eager_replicas)
         self._wake: Optional[asyncio.Event] = None
         self._events: dict[str, asyncio.Event] = {}
         self.receives_waiting = 0  # long polls waiting here now (a gauge in /metrics)

@@ -155,6 +155,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--join", action="store_true", default=_env("SPOOLER_JOIN", "").strip().lower() in JOIN_ON,
                    help="this node replaces a member whose data is lost: on an empty --data it neither "
                         "votes nor stands for election until it holds what the cluster committed (SPOOLER_JOIN=1)")
+    p.add_argument("--eager-replicas", default=_env("SPOOLER_EAGER_REPLICAS", "quorum"),
+                   help="quorum: a new record goes at once to as many replicas as a quorum needs (the most "
+                        "caught up), the others get it within a tick (10 ms); all: to every replica at once "
+                        "(SPOOLER_EAGER_REPLICAS, default quorum)")
     p.add_argument("--disk-reserve-bytes", type=int, default=_env("SPOOLER_DISK_RESERVE_BYTES", str(64 << 20)),
                    help="sends are refused (503) while the data directory's file system has less free than this "
                         "(SPOOLER_DISK_RESERVE_BYTES, default 67108864; 0: never)")
@@ -174,6 +178,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--failover-timeout must be > 0")
     if not FAILOVER_TIMEOUT_MIN_S <= a.failover_timeout <= FAILOVER_TIMEOUT_MAX_S:  # (nan and inf too)
         p.error(f"--failover-timeout must be {FAILOVER_TIMEOUT_MIN_S}..{FAILOVER_TIMEOUT_MAX_S} seconds")
+    if a.eager_replicas not in ("quorum", "all"):
+        p.error(f"--eager-replicas must be quorum or all, not {a.eager_replicas[:40]!r}")
     if not NODE_ID_RE.match(a.id):
         # it names the node in --peers (ID=HOST:PORT,...), in votes and in /v1/cluster,
         # where an empty id would read as "no primary"
@@ -452,6 +458,7 @@ async def serve(args) -> int:
                     peers=peers, failover_timeout_s=args.failover_timeout, grpc_options=grpc_api.GRPC_OPTIONS,
                     tls=tls, vfs=vfs_from_env(), log_keep_records=args.log_keep_records,
                     log_keep_bytes=args.log_keep_bytes, join=args.join, cluster_key=args.cluster_key,
+                    eager_replicas=args.eager_replicas,
                     synchronous=os.environ.get("SPOOLER_TEST_SYNCHRONOUS", "FULL"))  # tests' control runs only
     stop = asyncio.Event()
     exit_code = 0

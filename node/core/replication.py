@@ -16,6 +16,17 @@ The ordering rules are the safety argument: a vote is persisted before it is
 sent; an append is acknowledged only after its records are fsync'd; a primary
 counts itself in a quorum only for records its own store has fsync'd.
 
+Shipping (``eager``): with ``EAGER_QUORUM`` a primary sends each new record
+at once only to as many replicas as a quorum needs with it (one of two, two
+of four), the ones most caught up (_eager_peers); the others get what they lack in
+one frame at each tick, or at once while they are a frame or more behind.
+Nothing else changes: every member still stores every record, a record still
+commits on a majority's fsync, and a replica that falls behind or stops
+answering is replaced at the next input (it is no longer the most caught up).
+On two cores this takes one replica's round of work off the path of every
+send (docs/benchmarks.md). ``EAGER_ALL`` sends every record to every replica
+at once.
+
 Leases: a primary serves (confirms writes, hands out leases) only while a
 majority has acknowledged one of its appends sent within the last
 ``failover_timeout``; a new primary hands out leases only once the old
@@ -30,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 REPLICA, CANDIDATE, PRIMARY = "replica", "candidate", "primary"
+EAGER_QUORUM, EAGER_ALL = "quorum", "all"  # Replication(eager=...): see "Shipping" above
 
 
 # ----------------------------------------------------------------- messages
@@ -231,8 +243,9 @@ SPLIT_RETRY_US = 200_000  # a refused candidate retries within this (see _on_vot
 class Replication:
     def __init__(self, node_id: str, members: list, failover_timeout_us: int, rand: Callable[[], float],
                  heartbeat_us: Optional[int] = None, frame_entries_max: int = 512, frames_in_flight_max: int = 8,
-                 frame_bytes_max: int = FRAME_RECORD_BYTES_MAX):
+                 frame_bytes_max: int = FRAME_RECORD_BYTES_MAX, eager: str = EAGER_ALL):
         assert node_id in members
+        assert eager in (EAGER_QUORUM, EAGER_ALL), eager
         self.id = node_id
         self.members = sorted(members)
         self.peers = [m for m in self.members if m != node_id]
@@ -268,6 +281,7 @@ class Replication:
         self.frame_entries_max = frame_entries_max
         self.frames_in_flight_max = frames_in_flight_max
         self.frame_bytes_max = frame_bytes_max
+        self.eager = eager
         # persistent (loaded by the shell before use)
         self.epoch = 0
         self.voted_for = ""
@@ -493,6 +507,8 @@ class Replication:
             for p in self.peers:
                 if now - self.last_sent.get(p, -1 << 62) >= self.heartbeat:
                     self._send_append(p, now, out, heartbeat=True)
+                elif self.eager == EAGER_QUORUM and self.next.get(p, self.log.last_lsn + 1) <= self.log.last_lsn:
+                    self._send_append(p, now, out)  # a lazy peer's frame of the tick
             return out
         if self.election_at is not None and now >= self.election_at and not self.joining:
             out += self._campaign(now, pre=True)
@@ -523,10 +539,38 @@ class Replication:
         out: list = []
         if self.role != PRIMARY:
             return out
-        for p in self.peers:
+        for p in self._eager_peers():
             self._send_append(p, now, out)
         self._advance_commit(out)
         return out
+
+    def _eager_peers(self) -> list:
+        """The peers a new record goes to at once (see "Shipping" above): every
+        peer, or with EAGER_QUORUM the quorum - 1 that a record would commit with
+        soonest: a switchover's target first (it must catch up), then those
+        answering on the stream they have now (not lost since their last
+        answer), not joining (a joining member acknowledges nothing for a
+        while), not low on disk, and the furthest along (the highest lsn
+        acknowledged; among equals the same one each time, by name)."""
+        if self.eager == EAGER_ALL or len(self.peers) < self.quorum:
+            return self.peers
+        never = -1 << 62
+
+        def rank(p):
+            return (p != self.transfer_to,
+                    self.acked_sent.get(p, never) < self.stream_lost_at.get(p, never),
+                    self.peer_joining.get(p, False), self.peer_disk_low.get(p, False),
+                    -self.match.get(p, 0), p)
+        return sorted(self.peers, key=rank)[:self.quorum - 1]
+
+    def _frame_or_more_behind(self, p: str) -> bool:
+        """``p`` lacks more records than one frame carries: it is catching up, so
+        each of its acknowledgements brings the next frame (EAGER_QUORUM's lazy
+        peers otherwise get one frame a tick)."""
+        nxt, last = self.next.get(p, self.log.last_lsn + 1), self.log.last_lsn
+        if last - nxt + 1 > self.frame_entries_max or nxt - 1 < self.log.base_lsn:
+            return True  # (the second: what it lacks was compacted away, it needs a snapshot)
+        return nxt <= last and self.log.frame_end(nxt - 1, last, self.frame_bytes_max) < last
 
     def durable(self, lsn: int, epoch: int, now: int) -> list:
         """Primary: its own fsync of the records it appended up to ``lsn`` in
@@ -886,7 +930,8 @@ class Replication:
             # and would send the replica another one)
             self.next[p] = max(1, min(self.next.get(p, 1) - 1, m.match_lsn + 1))
             self._no_frames_in_flight(p)
-        if self.next.get(p, 0) <= self.log.last_lsn:
+        if self.next.get(p, 0) <= self.log.last_lsn and (
+                self.eager == EAGER_ALL or p in self._eager_peers() or self._frame_or_more_behind(p)):
             self._send_append(p, now, out)
 
     def _advance_commit(self, out: list) -> None:

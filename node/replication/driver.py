@@ -99,8 +99,9 @@ def frame_parts(msg: "R.AppendReq", data: list, limit: int = FRAME_BYTES_MAX) ->
 
 class Driver:
     def __init__(self, engine, node_id: str, peers: dict, failover_timeout_s: float, grpc_options=(), tls=None,
-                 join: bool = False):
-        """peers: id -> gRPC address, this node included. ``join``: see load()."""
+                 join: bool = False, eager: str = R.EAGER_QUORUM):
+        """peers: id -> gRPC address, this node included. ``join``: see load().
+        ``eager``: which replicas a new record goes to at once (Replication)."""
         self.engine = engine
         self.join = join
         from node.tls import peer_metadata
@@ -108,7 +109,7 @@ class Driver:
         self.id = node_id
         self.addresses = dict(peers)
         self.core = R.Replication(node_id, list(peers), failover_timeout_us=int(failover_timeout_s * 1e6),
-                                  rand=random.random)
+                                  rand=random.random, eager=eager)
         self.grpc_options = list(grpc_options)
         self.tls = tls
         self.lock = asyncio.Lock()

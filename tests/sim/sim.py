@@ -88,8 +88,12 @@ class SimNode:
         entries, frames = sim.rng.choice([1, 3, 64]), sim.rng.choice([1, 4])
         # (one frame of one record in flight is one record a round trip: no faster
         # than the sim writes, so a replica that fell behind would never catch up)
+        # which replicas a new record goes to at once, drawn at each boot (so a
+        # cluster mixes both, as during a rolling change of --eager-replicas)
+        eager = sim.eager_rng.choice([R.EAGER_QUORUM, R.EAGER_ALL])
         c = R.Replication(self.id, sim.members, failover_timeout_us=sim.timeout_for(self.id), rand=sim.rng.random,
-                          frame_entries_max=entries, frames_in_flight_max=2 if entries == frames == 1 else frames)
+                          frame_entries_max=entries, frames_in_flight_max=2 if entries == frames == 1 else frames,
+                          eager=eager)
         c.epoch, c.voted_for, c.joining = self.disk.epoch, self.disk.voted_for, self.disk.joining
         c.lease_seen = self.disk.lease_seen
         # low_disk: now and then a member low on disk (Driver._handicap), drawn at
@@ -197,6 +201,10 @@ class Sim:
         # (FRAME_RECORD_BYTES_MAX) as well as by its record bound (its own
         # generator, as the backlog's: the other draws of a seed stay what they were)
         self.size_rng = random.Random(f"sizes-{seed}")
+        self.eager_rng = random.Random(f"eager-{seed}")  # (SimNode.boot; its own generator too)
+        # writes by a primary in each --eager-replicas mode, and of them how many it
+        # sent at once to fewer than all its peers: mode -> [writes, to fewer]
+        self.writes_by_mode = {R.EAGER_QUORUM: [0, 0], R.EAGER_ALL: [0, 0]}
         self.payloads: dict = {}
         self.sizes: dict = {}          # (lsn, epoch, crc) -> the record's size in bytes
         self.frames = 0                # frames of records sent
@@ -343,10 +351,17 @@ class Sim:
                     self.seq += 1
                     heapq.heappush(self.queue, (self.now + self.rng.randint(0, 30) * MS, self.seq, n.id,
                                                 LocalSync(lsn, ep, n.incarnation), n.id))
-                    n.run(c.appended([(lsn, ep, crc, size)], self.now, durable=False))
+                    effects = c.appended([(lsn, ep, crc, size)], self.now, durable=False)
                 else:
                     n.disk.log.append((ep, crc, payload, size))  # the group commit's fsync
-                    n.run(c.appended([(lsn, ep, crc, size)], self.now))
+                    effects = c.appended([(lsn, ep, crc, size)], self.now)
+                sent_to = {e.to for e in effects if isinstance(e, R.Send) and e.msg.entries
+                           and e.msg.entries[-1][0] >= lsn}
+                if c.role == R.PRIMARY:
+                    counts = self.writes_by_mode[c.eager]
+                    counts[0] += 1
+                    counts[1] += len(sent_to) < len(c.peers)
+                n.run(effects)
 
     def check_leases(self):
         holders = [n.id for n in self.nodes.values() if n.up and n.core.may_lease(self.now)]

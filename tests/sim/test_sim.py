@@ -101,6 +101,21 @@ def test_random_runs_have_frames_cut_by_the_byte_bound():
     assert sum(cut) >= 10 and sum(1 for n in cut if n) >= 3, cut
 
 
+def test_random_runs_have_primaries_that_send_a_write_to_a_quorum_first():
+    """Each node draws --eager-replicas at each boot (SimNode.boot), so the random
+    runs above check safety with primaries that send a new record at once only
+    to a quorum's worth of replicas (the others within a tick) beside ones that
+    send it to all. In several seeds, primaries in quorum mode wrote, each write
+    going at once to fewer than all their peers; in all mode most went to every
+    peer (the rest found a peer's in-flight frames at their limit)."""
+    runs = _first_random_runs()
+    quorum = [s.writes_by_mode[R.EAGER_QUORUM] for s in runs]
+    every = [s.writes_by_mode[R.EAGER_ALL] for s in runs]
+    assert sum(w for w, _ in quorum) >= 100 and sum(1 for w, _ in quorum if w) >= 5, quorum
+    assert all(fewer == w for w, fewer in quorum), quorum
+    assert sum(fewer for _, fewer in every) < 0.6 * sum(w for w, _ in every), every
+
+
 def test_a_split_vote_is_retried_soon_not_after_a_whole_timeout():
     """Two replicas of a 3-node cluster whose primary stopped campaign at the same moment
     and each votes for itself. A refusal makes each retry after a random pause under a
