@@ -47,6 +47,8 @@ from node.main import _parse_peers, parse_args, serve
     (["--id", "n" * 65], "--id must match [A-Za-z0-9._-]{1,64}"),
     (["--log-level", "LOUD"], "--log-level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL"),
     (["--data", ""], "--data must name a directory"),
+    (["--eager-replicas", "some"], "--eager-replicas must be quorum or all, not 'some'"),
+    (["--eager-replicas", "Quorum"], "--eager-replicas must be quorum or all"),
     # a replacement with no cluster named would serve as a lone primary at once
     (["--join"], "--join (SPOOLER_JOIN) replaces a member of a cluster"),
     (["--join", "--peers", "n1=127.0.0.1:1"], "--join (SPOOLER_JOIN) replaces a member of a cluster"),
@@ -73,6 +75,18 @@ def test_spooler_join_reads_the_usual_words_for_yes_and_no(monkeypatch, value, j
     manifest saying so left a new cluster's every node unable to vote."""
     monkeypatch.setenv("SPOOLER_JOIN", value)
     assert parse_args(["--peers", "n1=127.0.0.1:1,n2=127.0.0.1:2"]).join is join
+
+
+def test_eager_replicas_defaults_to_quorum_and_reads_its_variable(monkeypatch, capsys):
+    monkeypatch.delenv("SPOOLER_EAGER_REPLICAS", raising=False)
+    assert parse_args([]).eager_replicas == "quorum"
+    monkeypatch.setenv("SPOOLER_EAGER_REPLICAS", "all")
+    assert parse_args([]).eager_replicas == "all"
+    assert parse_args(["--eager-replicas", "quorum"]).eager_replicas == "quorum"  # the flag wins
+    monkeypatch.setenv("SPOOLER_EAGER_REPLICAS", "half")
+    with pytest.raises(SystemExit) as e:
+        parse_args([])
+    assert e.value.code == 2 and "--eager-replicas must be quorum or all, not 'half'" in capsys.readouterr().err
 
 
 def test_a_spooler_join_that_is_neither_yes_nor_no_stops_the_node(monkeypatch, capsys):
