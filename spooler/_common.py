@@ -185,6 +185,8 @@ def cluster_dict(c: api_pb2.ClusterInfo) -> dict:
             d["reachable"] = n.reachable
         if n.HasField("disk_low"):
             d["diskLow"] = n.disk_low
+        if n.HasField("eager"):
+            d["eager"] = n.eager
         nodes.append(d)
     doc = {"nodeId": c.node_id, "role": c.role, "epoch": c.epoch, "primary": c.primary or None}
     if c.HasField("commit_lsn"):  # (an older node does not say)

@@ -63,6 +63,8 @@ def cluster_pb(d: dict) -> api_pb2.ClusterInfo:
             pb.reachable = n["reachable"]
         if "diskLow" in n:
             pb.disk_low = n["diskLow"]
+        if "eager" in n:
+            pb.eager = n["eager"]
         nodes.append(pb)
     return api_pb2.ClusterInfo(node_id=d["nodeId"], role=d["role"], epoch=d["epoch"], primary=d["primary"] or "",
                                commit_lsn=d.get("commitLsn"), applied_lsn=d.get("appliedLsn"),

@@ -18,11 +18,12 @@ counts itself in a quorum only for records its own store has fsync'd.
 
 Shipping (``eager``): with ``EAGER_QUORUM`` a primary sends each new record
 at once only to as many replicas as a quorum needs with it (one of two, two
-of four), the ones most caught up (_eager_peers); the others get what they lack in
+of four), the ones most caught up (eager_peers); the others get what they lack in
 one frame at each tick, or at once while they are a frame or more behind.
 Nothing else changes: every member still stores every record, a record still
 commits on a majority's fsync, and a replica that falls behind or stops
-answering is replaced at the next input (it is no longer the most caught up).
+answering is replaced within a tick (once another has answered its tick's
+frame it is the further along), or at once when its stream breaks.
 On two cores this takes one replica's round of work off the path of every
 send (docs/benchmarks.md). ``EAGER_ALL`` sends every record to every replica
 at once.
@@ -539,20 +540,24 @@ class Replication:
         out: list = []
         if self.role != PRIMARY:
             return out
-        for p in self._eager_peers():
+        for p in self.eager_peers():
             self._send_append(p, now, out)
         self._advance_commit(out)
         return out
 
-    def _eager_peers(self) -> list:
+    def eager_peers(self) -> list:
         """The peers a new record goes to at once (see "Shipping" above): every
         peer, or with EAGER_QUORUM the quorum - 1 that a record would commit with
         soonest: a switchover's target first (it must catch up), then those
         answering on the stream they have now (not lost since their last
         answer), not joining (a joining member acknowledges nothing for a
         while), not low on disk, and the furthest along (the highest lsn
-        acknowledged; among equals the same one each time, by name)."""
-        if self.eager == EAGER_ALL or len(self.peers) < self.quorum:
+        acknowledged; among equals the same one each time, by name). Every peer
+        while this primary's disk is low: it looks for a member to hand over
+        to, and wants each one caught up (_maybe_hand_over_for_disk takes only
+        a member that holds every committed record, which a peer sent a frame
+        a tick, with records committing in between, never is)."""
+        if self.eager == EAGER_ALL or len(self.peers) < self.quorum or self.disk_low_since is not None:
             return self.peers
         never = -1 << 62
 
@@ -931,7 +936,7 @@ class Replication:
             self.next[p] = max(1, min(self.next.get(p, 1) - 1, m.match_lsn + 1))
             self._no_frames_in_flight(p)
         if self.next.get(p, 0) <= self.log.last_lsn and (
-                self.eager == EAGER_ALL or p in self._eager_peers() or self._frame_or_more_behind(p)):
+                self.eager == EAGER_ALL or p in self.eager_peers() or self._frame_or_more_behind(p)):
             self._send_append(p, now, out)
 
     def _advance_commit(self, out: list) -> None:

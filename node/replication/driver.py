@@ -303,6 +303,7 @@ class Driver:
 
     def status(self) -> dict:
         c, now = self.core, mono_us()
+        eager = c.eager_peers() if c.role == R.PRIMARY else ()
         nodes = []
         for m in c.members:
             # a candidate is not the primary: "replica", as at the top level (API.md's two roles)
@@ -310,6 +311,7 @@ class Driver:
             d = {"id": m, "role": role, "address": self.addresses[m]}
             if c.role == R.PRIMARY and m != self.id:
                 d["matchLsn"] = c.match.get(m, 0)
+                d["eager"] = m in eager  # new records go to it at once (--eager-replicas)
             elif m == self.id:
                 d["lsn"] = c.log.last_lsn
             # how long ago this node last heard that one, where it keeps track: a

@@ -319,7 +319,7 @@ class DeleteKeyRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("id", "role", "address", "lsn", "match_lsn", "joining", "last_contact_ms", "reachable", "disk_low")
+    __slots__ = ("id", "role", "address", "lsn", "match_lsn", "joining", "last_contact_ms", "reachable", "disk_low", "eager")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +329,7 @@ class NodeInfo(_message.Message):
     LAST_CONTACT_MS_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     DISK_LOW_FIELD_NUMBER: _ClassVar[int]
+    EAGER_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: str
     address: str
@@ -338,7 +339,8 @@ class NodeInfo(_message.Message):
     last_contact_ms: float
     reachable: bool
     disk_low: bool
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., lsn: _Optional[int] = ..., match_lsn: _Optional[int] = ..., joining: _Optional[bool] = ..., last_contact_ms: _Optional[float] = ..., reachable: _Optional[bool] = ..., disk_low: _Optional[bool] = ...) -> None: ...
+    eager: bool
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., lsn: _Optional[int] = ..., match_lsn: _Optional[int] = ..., joining: _Optional[bool] = ..., last_contact_ms: _Optional[float] = ..., reachable: _Optional[bool] = ..., disk_low: _Optional[bool] = ..., eager: _Optional[bool] = ...) -> None: ...
 
 class ClusterInfo(_message.Message):
     __slots__ = ("node_id", "role", "epoch", "primary", "nodes", "commit_lsn", "applied_lsn", "cluster_id")

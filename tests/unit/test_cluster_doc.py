@@ -10,9 +10,9 @@ def test_the_cluster_document_round_trips_through_cluster_info():
            "clusterId": "5f0c8a", "nodes": [{"id": "n1", "role": "primary", "address": "h1:1", "lsn": 41,
                                              "diskLow": False},
                      {"id": "n2", "role": "replica", "address": "h2:1", "matchLsn": 41, "lastContactMs": 12.5,
-                      "reachable": True, "diskLow": True},
+                      "reachable": True, "diskLow": True, "eager": True},
                      {"id": "n3", "role": "replica", "address": "h3:1", "joining": True, "lastContactMs": None,
-                      "reachable": False},
+                      "reachable": False, "eager": False},
                      {"id": "n4", "role": "replica", "address": "h4:1", "lastContactMs": 0.0}]}
     assert cluster_dict(cluster_pb(doc)) == doc
     # zeros are said, not dropped: a fresh primary's replicas have matchLsn 0, a new node lsn 0
