@@ -73,13 +73,15 @@ def test_one_replica_stores_each_send_and_the_other_a_frame_a_tick(nodes_of, mod
     finally:
         c.close()
     low, high = sorted(commits.values())
-    # the sends were one at a time: a record each, stored by the eager replica one frame each
-    assert high >= SENDS, commits
+    # the sends were one at a time: a record each, stored by an eager replica about
+    # one commit each (a replica that fell behind a moment stores what it has read
+    # in one commit: 298 for 300 sends was seen on a loaded machine)
+    assert high >= 0.9 * SENDS, commits
     if mode == "quorum":
         assert low < 0.6 * high, commits  # records come about 1 ms apart, ticks 10 ms
         assert eager == {max(commits, key=commits.get)}, (eager, commits)  # and the document says which
     else:
-        assert low >= SENDS, commits
+        assert low >= 0.9 * SENDS, commits
         assert eager == set(commits), eager
 
 
