@@ -950,7 +950,8 @@ class Drill:
                 self._kill(nxt[0], "primary", nxt[1])
                 self.stop_load.wait(down / 2)
             else:
-                self.notes.append(f"no successor of {p} (epoch {epoch}) within {3 * ft + 5.0:.1f}s to kill")
+                if not self.stop_load.is_set():  # (else the load's end cut the wait short)
+                    self.notes.append(f"no successor of {p} (epoch {epoch}) within {3 * ft + 5.0:.1f}s to kill")
                 self.stop_load.wait(down / 2)
             self._restart(p)
             if nxt is not None:
