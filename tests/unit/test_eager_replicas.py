@@ -46,6 +46,16 @@ def _ack(c: R.Replication, peer: str, lsn: int, now: int) -> list:
     return c.receive(R.AppendResp(c.epoch, peer, True, lsn, now), now)
 
 
+def _commit_with_n2(c: R.Replication, count: int, now: int = T0) -> int:
+    """``count`` new records a millisecond apart, each acknowledged by n2 (the
+    eager replica) a tenth of a millisecond later. -> the time of the last."""
+    for _ in range(count):
+        now += 1000
+        lsn, _ = _append(c, now)
+        _ack(c, "n2", lsn, now + 100)
+    return now
+
+
 def _commits(out: list) -> list:
     return [e.lsn for e in out if isinstance(e, R.Commit)]
 
@@ -121,11 +131,7 @@ def test_a_replica_that_stops_answering_is_overtaken_within_a_tick():
 
 def test_a_lazy_replica_a_frame_or_more_behind_gets_the_next_frame_with_each_answer():
     c = _primary(R.EAGER_QUORUM, frame_entries_max=2)
-    now = T0
-    for _ in range(7):
-        now += 1000
-        lsn, _ = _append(c, now)
-        _ack(c, "n2", lsn, now + 100)
+    now = _commit_with_n2(c, 7)
     out = c.tick(now + TICK)
     assert _records_to(out) == {"n3": [1, 2]}
     now += TICK
@@ -140,11 +146,7 @@ def test_a_lazy_replica_behind_the_compacted_log_is_offered_a_snapshot_at_the_he
     """What it lacks is compacted away: its answers and the ticks send it nothing
     more (a frame that asks for a snapshot goes once a heartbeat, as with all)."""
     c = _primary(R.EAGER_QUORUM)
-    now = T0
-    for _ in range(6):
-        now += 1000
-        lsn, _ = _append(c, now)
-        _ack(c, "n2", lsn, now + 100)
+    now = _commit_with_n2(c, 6)
     c.log.compact(4)
     c.next["n3"], c.match["n3"] = 2, 1
     assert _records_to(_ack(c, "n3", 1, now + 200)) == {}
@@ -156,11 +158,7 @@ def test_a_lazy_replica_behind_the_compacted_log_is_offered_a_snapshot_at_the_he
 
 def test_a_lazy_replica_a_frame_or_more_behind_in_bytes_gets_the_next_frame_with_each_answer():
     c = _primary(R.EAGER_QUORUM, frame_bytes_max=1000)  # records of 300 bytes: frames of 3 (records: 512)
-    now = T0
-    for _ in range(7):
-        now += 1000
-        lsn, _ = _append(c, now)
-        _ack(c, "n2", lsn, now + 100)
+    now = _commit_with_n2(c, 7)
     assert _records_to(c.tick(now + TICK)) == {"n3": [1, 2, 3]}
     now += TICK
     assert _records_to(_ack(c, "n3", 3, now + 100)) == {"n3": [4, 5, 6]}  # 4 more: over a frame's bytes
@@ -213,11 +211,7 @@ def test_a_switchover_target_is_sent_records_at_once():
     """The target must hold every record before it takes over: each of its answers
     brings the rest at once, not only while it is a frame or more behind."""
     c = _primary(R.EAGER_QUORUM, frame_entries_max=2)
-    now = T0
-    for _ in range(5):
-        now += 1000
-        lsn, _ = _append(c, now)
-        _ack(c, "n2", lsn, now + 100)
+    now = _commit_with_n2(c, 5)
     now += 1000
     assert _records_to(c.transfer("n3", now)) == {"n3": [1, 2]}
     assert _records_to(_ack(c, "n3", 2, now + 100)) == {"n3": [3, 4]}
