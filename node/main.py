@@ -28,6 +28,7 @@ from node.api import http_conns
 from node.api.http import CLIENT_TIMEOUT_S, CONNECTIONS, RUNNER_OPTIONS, build_app
 from node.api.metrics import Metrics
 from node.api.service import KEY_CHARS_MAX, Service
+from node.core.replication import EAGER_ALL, EAGER_QUORUM
 from node.engine import INTERNAL_FAILURE, STORAGE_FAILURE, CorruptStore, Engine, Limits
 from spooler import __version__
 
@@ -155,7 +156,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--join", action="store_true", default=_env("SPOOLER_JOIN", "").strip().lower() in JOIN_ON,
                    help="this node replaces a member whose data is lost: on an empty --data it neither "
                         "votes nor stands for election until it holds what the cluster committed (SPOOLER_JOIN=1)")
-    p.add_argument("--eager-replicas", default=_env("SPOOLER_EAGER_REPLICAS", "quorum"),
+    p.add_argument("--eager-replicas", default=_env("SPOOLER_EAGER_REPLICAS", EAGER_QUORUM),
                    help="quorum: a new record goes at once to as many replicas as a quorum needs (the most "
                         "caught up), the others get it within a tick (10 ms); all: to every replica at once "
                         "(SPOOLER_EAGER_REPLICAS, default quorum)")
@@ -178,8 +179,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--failover-timeout must be > 0")
     if not FAILOVER_TIMEOUT_MIN_S <= a.failover_timeout <= FAILOVER_TIMEOUT_MAX_S:  # (nan and inf too)
         p.error(f"--failover-timeout must be {FAILOVER_TIMEOUT_MIN_S}..{FAILOVER_TIMEOUT_MAX_S} seconds")
-    if a.eager_replicas not in ("quorum", "all"):
-        p.error(f"--eager-replicas must be quorum or all, not {a.eager_replicas[:40]!r}")
+    if a.eager_replicas not in (EAGER_QUORUM, EAGER_ALL):
+        p.error(f"--eager-replicas must be {EAGER_QUORUM} or {EAGER_ALL}, not {a.eager_replicas[:40]!r}")
     if not NODE_ID_RE.match(a.id):
         # it names the node in --peers (ID=HOST:PORT,...), in votes and in /v1/cluster,
         # where an empty id would read as "no primary"
