@@ -170,6 +170,29 @@ class LogView:
     def last_epoch(self) -> int:
         return self.entries[-1][0] if self.entries else self.base_epoch
 
+    @classmethod
+    def from_store(cls, rows: list, applied: tuple) -> "LogView":
+        """The view of a store's log as it loads: ``rows`` [(lsn, epoch, crc, size)]
+        in lsn order, ``applied`` the checkpoint's (lsn, epoch, crc).
+
+        The base is always a record the store applied, so committed: the first
+        row if the store applied it (compaction keeps the last applied record in
+        the log), else the applied position, with every row after it. Never a
+        row the store has not applied: a base is never truncated (a replica
+        takes any record at or before it as matching), and a deposed primary's
+        first record, never committed, can be what a restarted node's log
+        begins with (a store that has applied nothing keeps every row from lsn
+        1); the new primary's different record at that lsn would then never
+        replace it."""
+        if rows and rows[0][0] <= applied[0]:
+            lsn, epoch, crc, _ = rows[0]
+            rows = rows[1:]
+        else:
+            lsn, epoch, crc = applied
+            assert not rows or rows[0][0] == lsn + 1, \
+                f"the log's first row is lsn {rows[0][0]}, past the applied lsn {lsn} + 1"
+        return cls(lsn, epoch, crc, [(e, c) for _, e, c, _ in rows], [size for *_, size in rows])
+
     def at(self, lsn: int) -> Optional[tuple]:
         """(epoch, crc) at lsn, or None if unknown (compacted away or beyond the end)."""
         if lsn == self.base_lsn:

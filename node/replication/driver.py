@@ -171,13 +171,8 @@ class Driver:
         c.voted_for = st.get_meta("voted_for") or ""
         c.lease_seen = int(st.get_meta("lease_seen_us") or 0)
         rows = list(st.db.execute("SELECT lsn, epoch, crc, length(rec) FROM log ORDER BY lsn"))
-        if rows:
-            first = rows[0]
-            c.log = R.LogView(first[0], first[1], first[2], [(e, crc) for _, e, crc, _ in rows[1:]],
-                              [size for *_, size in rows[1:]])
-        else:
-            a = st.applied_position()
-            c.log = R.LogView(a.lsn, a.epoch, a.crc, [])
+        a = st.applied_position()
+        c.log = R.LogView.from_store(rows, (a.lsn, a.epoch, a.crc))
         c.epoch = max(c.epoch, c.log.last_epoch)
         # what the store applied was committed: a primary's record that differs from
         # it is a conflict to stop on (R.CommittedConflict), never a truncation

@@ -188,7 +188,10 @@ def cmd_cluster_status(args):
             heard += "  UNREACHABLE"
         if n.get("diskLow"):
             heard += "  DISK LOW"
-        lines.append(f"  {n['id']} {n['role']} {n.get('address', '')}{' joining' if n.get('joining') else ''}{heard}")
+        # (a primary's replica entries: sent each new record at once, --eager-replicas)
+        first = " first" if n.get("eager") else ""
+        lines.append(f"  {n['id']} {n['role']} {n.get('address', '')}{' joining' if n.get('joining') else ''}"
+                     f"{first}{heard}")
     emit(args, d, "\n".join(lines))
 
 

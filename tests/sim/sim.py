@@ -21,6 +21,13 @@ identical and every acknowledged write is in them, and each core knows the
 size of every record its disk holds; with members low on disk (``low_disk``),
 the primary is one with room whenever a member has room.
 
+Disks are compacted now and then (a checkpoint of what the node applied, then
+log rows behind it deleted, as Store.compaction_point allows), each node loads
+its disk as Driver.load does (LogView.from_store), and a replica that needs
+records its primary compacted away gets a copy of the primary's disk
+(InstallSnapshot), installed or kept out as Engine._copy_held decides; the
+checks above then read each log from its first row.
+
 Replay a failure: ``python -m tests.sim.sim SEED [nodes]`` prints the trace.
 """
 from __future__ import annotations
@@ -65,8 +72,53 @@ class Disk:
     epoch: int = 0
     voted_for: str = ""
     lease_seen: int = 0
-    log: list = field(default_factory=list)  # [(epoch, crc, payload, size)], lsn = index + 1
+    log: list = field(default_factory=list)  # [(epoch, crc, payload, size)], lsn = off + index + 1
     joining: bool = False  # a replacement's empty disk (--join) until it has joined
+    # compaction (Store.compaction_point) deleted the rows up to lsn ``off``; the
+    # checkpoint's applied position (lsn, epoch, crc), which compaction never passes
+    # (the last applied record stays in the log)
+    off: int = 0
+    applied: tuple = (0, 0, 0)
+
+    @property
+    def last_lsn(self) -> int:
+        return self.off + len(self.log)  # (an empty log's off is its applied lsn)
+
+    def at(self, lsn: int):
+        """(epoch, crc) of the record at ``lsn`` on this disk, or None (compacted
+        away, or past the end); the applied position counts (Store.last_position)."""
+        if self.off < lsn <= self.off + len(self.log):
+            return self.log[lsn - self.off - 1][:2]
+        if lsn == self.applied[0]:
+            return self.applied[1:]
+        return None
+
+    def view(self):
+        """What Driver.load makes of this disk (LogView.from_store)."""
+        return R.LogView.from_store([(self.off + 1 + i, e, crc, size) for i, (e, crc, _, size) in enumerate(self.log)],
+                                    self.applied)
+
+
+@dataclass
+class SnapshotCopy:
+    """A primary's store as InstallSnapshot streams it (Engine.snapshot_to): its
+    fsync'd log rows from its first, and its applied position."""
+    epoch: int
+    primary: str
+    incarnation: int
+    off: int
+    rows: list
+    applied: tuple
+
+
+@dataclass
+class SnapshotDone:
+    """The replica's answer to a copy, back at the primary (Driver._send_snapshot)."""
+    peer: str
+    epoch: int
+    incarnation: int
+    ok: bool
+    last_lsn: int
 
 
 class SimNode:
@@ -101,23 +153,25 @@ class SimNode:
         # and a primary must still be elected
         self.low_disk = sim.low_disk and sim.rng.random() < 0.3
         c.disk(self.low_disk, sim.now)
-        # as Driver.load: (epoch, crc) and the size of every record the disk holds
-        c.log = R.LogView(0, 0, 0, [(e, crc) for e, crc, *_ in self.disk.log],
-                          [size for *_, size in self.disk.log])
+        # as Driver.load: (epoch, crc) and the size of every record the disk holds,
+        # after the first row's (the base); what the store applied was committed
+        c.log = self.disk.view()
+        c.epoch = max(c.epoch, c.log.last_epoch)
+        c.commit_lsn = max(c.commit_lsn, self.disk.applied[0])
         self.core = c
         self.run(c.start(sim.now))
 
     def crc_at(self, lsn):
-        if lsn > len(self.disk.log) and self.volatile:
-            return self.volatile[lsn - len(self.disk.log) - 1][2]
-        return self.disk.log[lsn - 1][1] if lsn >= 1 else 0
+        if lsn > self.disk.last_lsn and self.volatile:
+            return self.volatile[lsn - self.disk.last_lsn - 1][2]
+        return self.disk.at(lsn)[1] if lsn >= 1 else 0
 
     def flush_volatile(self, upto=None):
         """The writer thread finishes the pending local writes, in order (it does so
         before any later store operation: truncation, replica appends)."""
         while self.volatile and (upto is None or self.volatile[0][0] <= upto):
             lsn, ep, crc, payload, size = self.volatile.pop(0)
-            assert lsn == len(self.disk.log) + 1, (self.id, "volatile write out of order", lsn)
+            assert lsn == self.disk.last_lsn + 1, (self.id, "volatile write out of order", lsn)
             self.disk.log.append((ep, crc, payload, size))
 
     def local_sync(self, m: LocalSync):
@@ -144,10 +198,12 @@ class SimNode:
                 self.disk.joining = False
             elif isinstance(eff, R.Truncate):
                 assert eff.after_lsn >= self.committed_here(), (self.id, "truncating committed records")
-                del self.disk.log[eff.after_lsn:]
+                assert eff.after_lsn >= self.disk.applied[0], (self.id, "truncating applied records")
+                assert eff.after_lsn >= self.disk.off, (self.id, "truncating compacted records")
+                del self.disk.log[eff.after_lsn - self.disk.off:]
             elif isinstance(eff, R.Store):
                 for lsn, ep, crc in eff.req.entries:
-                    assert lsn == len(self.disk.log) + 1, (self.id, lsn, len(self.disk.log))
+                    assert lsn == self.disk.last_lsn + 1, (self.id, lsn, self.disk.last_lsn)
                     self.disk.log.append((ep, crc, sim.payloads[(lsn, ep, crc)], sim.sizes[(lsn, ep, crc)]))
                 self.run(self.core.stored(eff.req, sim.now))
             elif isinstance(eff, R.Send):
@@ -202,6 +258,16 @@ class Sim:
         # generator, as the backlog's: the other draws of a seed stay what they were)
         self.size_rng = random.Random(f"sizes-{seed}")
         self.eager_rng = random.Random(f"eager-{seed}")  # (SimNode.boot; its own generator too)
+        # compaction: now and then a node checkpoints what it has applied and deletes
+        # log rows behind it (Engine.checkpoint_now); a replica that needs those gets
+        # a snapshot of the primary's store (its own generator too)
+        self.compact_rng = random.Random(f"compact-{seed}")
+        self.p_compact = self.compact_rng.choice([0.0, 0.2, 0.5])
+        self.compactions = 0
+        self.snapshot_busy: dict = {}  # (primary, replica) -> until when a copy is under way
+        self.snapshots = 0             # copies sent
+        self.installs = 0              # ... installed
+        self.copies_kept_out = 0       # ... not installed: the replica's log held the copy's end (Engine._copy_held)
         # writes by a primary in each --eager-replicas mode, and of them how many it
         # sent at once to fewer than all its peers: mode -> [writes, to fewer]
         self.writes_by_mode = {R.EAGER_QUORUM: [0, 0], R.EAGER_ALL: [0, 0]}
@@ -231,6 +297,10 @@ class Sim:
 
     # ---------------------------------------------------------- network
     def send(self, frm, to, msg):
+        if isinstance(msg, R.AppendReq) and msg.prev_epoch == -1:
+            # what ``to`` needs was compacted away here: a copy of the store goes
+            # instead (Driver._send), and the frame too (it holds no records)
+            self.send_snapshot(frm, to, msg.epoch)
         if isinstance(msg, R.AppendReq) and msg.entries:
             msg = self.on_the_wire(self.nodes[frm], msg)
         if (frm, to) in self.blocked or self.rng.random() < self.p_drop:
@@ -266,6 +336,75 @@ class Sim:
                 f"frame {msg.primary}->{to} of lsn {msg.entries[0][0]}..{msg.entries[-1][0]} " \
                 f"({len(msg.entries)} records) holds {total} bytes > {R.FRAME_RECORD_BYTES_MAX}"
 
+    def send_snapshot(self, frm, to, epoch):
+        """One copy at a time to a peer; another only once this one is answered or
+        has had its time (Driver._snapshots, _snapshot_retry)."""
+        if self.now < self.snapshot_busy.get((frm, to), -1):
+            return
+        self.snapshot_busy[(frm, to)] = self.now + 20 * self.delay_ms[1] * MS
+        src = self.nodes[frm]
+        self.snapshots += 1
+        self.trace(f"{frm} sends {to} a snapshot: log {src.disk.off + 1}..{src.disk.last_lsn}, "
+                   f"applied {src.disk.applied[0]}")
+        self.send(frm, to, SnapshotCopy(epoch, frm, src.incarnation, src.disk.off, list(src.disk.log),
+                                        src.disk.applied))
+
+    def install(self, n, m: SnapshotCopy):
+        """Replica ``n`` receives a copy (Driver._install_locked, Engine.install_snapshot_sync)."""
+        c, d = n.core, n.disk
+        ok, last = False, 0
+        if m.epoch >= c.epoch and c.role != R.PRIMARY and not c.join_quiet(self.now):
+            end_lsn = m.off + len(m.rows)
+            end = (end_lsn,) + m.rows[-1][:2] if m.rows else m.applied
+            applied_here = min(c.commit_lsn, d.last_lsn)  # the engine applies what it knows committed
+            if end[0] > d.last_lsn:
+                held = False
+            elif end[0] == d.last_lsn:
+                held = end[0] > 0 and d.at(end[0]) == end[1:] and m.applied[0] <= applied_here
+            else:
+                held = end[0] <= applied_here or d.at(end[0]) == end[1:]
+            ok, last = True, end[0]
+            if not held:
+                n.disk = replace(d, log=list(m.rows), off=m.off, applied=m.applied)  # our vote, epoch, lease
+                c.log = n.disk.view()                                                # Driver.load
+                c.epoch = max(c.epoch, c.log.last_epoch)
+                c.commit_lsn = max(c.commit_lsn, m.applied[0])
+                c.durable_lsn = c.log.last_lsn
+                last = c.log.last_lsn
+                self.installs += 1
+            else:
+                self.copies_kept_out += 1
+            self.trace(f"{n.id} {'keeps its log over' if held else 'installs'} the snapshot of {m.primary} "
+                       f"(to lsn {end[0]})")
+        self.send(n.id, m.primary, SnapshotDone(n.id, m.epoch, m.incarnation, ok, last))
+
+    def snapshot_done(self, n, m: SnapshotDone):
+        """The primary hears how its copy went (Driver._send_snapshot)."""
+        self.snapshot_busy.pop((n.id, m.peer), None)
+        c = n.core
+        if m.ok and n.incarnation == m.incarnation and c.role == R.PRIMARY and c.epoch == m.epoch:
+            n.run(c.snapshot_sent(m.peer, m.last_lsn, self.now))
+
+    def compact(self):
+        """A live node's checkpoint: it records what it has applied (every record it
+        holds that it knows committed) and deletes log rows behind that, keeping the
+        last applied one (Store.compaction_point); the core forgets them first."""
+        up = [n for n in self.nodes.values() if n.up]
+        if not up:
+            return
+        n = self.compact_rng.choice(up)
+        d = n.disk
+        applied = min(n.core.commit_lsn, d.last_lsn)
+        if applied > d.applied[0]:
+            d.applied = (applied,) + d.at(applied)
+        cut = d.applied[0] - self.compact_rng.choice([1, 2, 3, 10])
+        if cut > d.off:
+            n.core.log.compact(cut)
+            del d.log[:cut - d.off]
+            d.off = cut
+            self.compactions += 1
+            self.trace(f"{n.id} compacts its log to lsn {cut} (applied {d.applied[0]})")
+
     def record_size(self) -> int:
         r = self.size_rng.random()
         if r < 0.08:
@@ -282,14 +421,19 @@ class Sim:
             assert prev in (None, node.id), f"two primaries in epoch {eff.epoch}: {prev} and {node.id}"
             self.primaries[eff.epoch] = node.id
             self.pending_noops.append(node.id)  # like the engine: EpochBegin first
-            # leader completeness: the new primary holds every committed record
+            # leader completeness: the new primary holds every committed record (those
+            # compacted away were applied, and the checksum of the first one it holds
+            # chains them all)
             for lsn, (ep, crc) in self.committed.items():
-                have = node.disk.log[lsn - 1][:2] if lsn <= len(node.disk.log) else None
-                assert have == (ep, crc), f"new primary {node.id} lacks committed lsn {lsn}"
+                if lsn <= node.disk.off and lsn != node.disk.applied[0]:
+                    continue
+                assert node.disk.at(lsn) == (ep, crc), f"new primary {node.id} lacks committed lsn {lsn}"
 
     def on_commit(self, node, lsn):
-        for i in range(1, lsn + 1):
-            have = node.disk.log[i - 1][:2] if i <= len(node.disk.log) else None
+        for i in range(max(1, node.disk.off), lsn + 1):
+            have = node.disk.at(i)
+            if have is None and i == node.disk.off:
+                continue  # compacted; applied, so committed before (and checked then)
             assert have is not None, f"{node.id} commits lsn {i} it does not hold"
             prior = self.committed.get(i)
             assert prior is None or prior == have, f"lsn {i} committed as {prior} and as {have} on {node.id}"
@@ -318,7 +462,8 @@ class Sim:
         n.up = True
         if self.mixed and self.rng.random() < 0.5:
             self.timeouts[nid] = self.rng.choice(self.timeout_choices)
-        self.trace(f"{nid} RESTART (epoch {n.disk.epoch}, log {len(n.disk.log)}, timeout {self.timeouts[nid] // MS} ms)")
+        self.trace(f"{nid} RESTART (epoch {n.disk.epoch}, log {n.disk.off + 1}..{n.disk.last_lsn}, "
+                   f"timeout {self.timeouts[nid] // MS} ms)")
         n.boot()
 
     def flush_noops(self):
@@ -368,6 +513,8 @@ class Sim:
         assert len(holders) <= 1, f"two nodes may lease at once: {holders}"
 
     def nemesis(self):
+        if self.compact_rng.random() < self.p_compact:
+            self.compact()
         if self.low_disk and self.disk_rng.random() < 0.02:
             n = self.nodes[self.disk_rng.choice(self.members)]
             n.low_disk = not n.low_disk
@@ -445,7 +592,11 @@ class Sim:
         elif n.up and self.declines(n, msg, _frm):
             pass
         elif n.up:
-            if isinstance(msg, Backlogged):
+            if isinstance(msg, SnapshotCopy):
+                self.install(n, msg)
+            elif isinstance(msg, SnapshotDone):
+                self.snapshot_done(n, msg)
+            elif isinstance(msg, Backlogged):
                 n.run(n.core.receive(msg.msg, self.now))
             elif isinstance(msg, R.AppendReq) and (self.now < self.backlog_until.get(to, 0)
                                                    or self.backlog_rng.random() < self.p_backlog):
@@ -521,6 +672,10 @@ class Sim:
                 n.local_sync(msg)
             elif self.declines(n, msg, frm):
                 pass
+            elif isinstance(msg, SnapshotCopy):
+                self.install(n, msg)
+            elif isinstance(msg, SnapshotDone):
+                self.snapshot_done(n, msg)
             else:
                 n.run(n.core.receive(msg.msg if isinstance(msg, Backlogged) else msg, self.now))
             self.flush_noops()
@@ -538,21 +693,24 @@ class Sim:
         prim = [n for n in self.nodes.values() if n.core.role == R.PRIMARY]
         assert len(prim) == 1, f"no single primary after healing: {[n.id for n in prim]}"
         p = prim[0]
-        logs = {n.id: [x[:2] for x in n.disk.log] for n in self.nodes.values()}
         commits = {n.id: n.core.commit_lsn for n in self.nodes.values()}
         top = p.core.commit_lsn
-        for nid, lg in logs.items():
-            assert commits[nid] == top, f"{nid} commit {commits[nid]} != primary's {top}"
-            assert lg[:top] == logs[p.id][:top], f"{nid}'s log differs from the primary's"
+        for n in self.nodes.values():
+            assert commits[n.id] == top, f"{n.id} commit {commits[n.id]} != primary's {top}"
+            for lsn in range(max(n.disk.off, p.disk.off) + 1, top + 1):
+                assert n.disk.at(lsn) == p.disk.at(lsn), f"{n.id}'s log differs from the primary's at lsn {lsn}"
         for lsn, ep, crc in self.acked:
-            assert lsn <= top and logs[p.id][lsn - 1] == (ep, crc), f"acknowledged write lsn {lsn} lost"
+            held = p.disk.at(lsn) if lsn > p.disk.off else self.committed.get(lsn)
+            assert lsn <= top and held == (ep, crc), f"acknowledged write lsn {lsn} lost"
         if any(not n.low_disk for n in self.nodes.values()):
             assert not p.low_disk, f"{p.id}, low on disk, is still the primary, while " \
                 f"{[n.id for n in self.nodes.values() if not n.low_disk]} have room"
-        for n in self.nodes.values():  # sizes survived restarts, reloads and truncations
-            held = min(len(n.disk.log), n.core.log.last_lsn)
-            assert n.core.log.sizes[:held] == [x[3] for x in n.disk.log[:held]], f"{n.id}'s core lost record sizes"
-
+        for n in self.nodes.values():  # sizes survived restarts, reloads, truncations and compactions
+            v = n.core.log
+            for lsn in range(max(v.base_lsn, n.disk.off) + 1, min(v.last_lsn, n.disk.last_lsn) + 1):
+                i = lsn - v.base_lsn - 1
+                assert i < len(v.sizes) and v.sizes[i] == n.disk.log[lsn - n.disk.off - 1][3], \
+                    f"{n.id}'s core lost the size of lsn {lsn}"
 
 def run_seed(seed: int, nodes: int = 3, steps: int = 400, verbose: bool = False, mixed: bool = False,
              low_disk: bool = False) -> Sim:

@@ -116,6 +116,19 @@ def test_random_runs_have_primaries_that_send_a_write_to_a_quorum_first():
     assert sum(fewer for _, fewer in every) < 0.6 * sum(w for w, _ in every), every
 
 
+def test_random_runs_compact_logs_and_install_snapshots():
+    """Nodes compact their logs now and then (Sim.compact), so the random runs
+    check every invariant with replicas that need a snapshot: in several seeds
+    primaries sent copies of their store, and replicas installed them (the new
+    log's first row the base of their view, as after a restart), or kept their
+    own log when it already held the copy's end."""
+    runs = _first_random_runs()
+    assert sum(s.compactions for s in runs) >= 40, [s.compactions for s in runs]
+    installs = [s.installs for s in runs]
+    assert sum(installs) >= 5 and sum(1 for n in installs if n) >= 3, installs
+    assert sum(s.snapshots for s in runs) >= sum(installs) + sum(s.copies_kept_out for s in runs)
+
+
 def test_a_split_vote_is_retried_soon_not_after_a_whole_timeout():
     """Two replicas of a 3-node cluster whose primary stopped campaign at the same moment
     and each votes for itself. A refusal makes each retry after a random pause under a

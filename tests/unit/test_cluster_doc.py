@@ -56,3 +56,26 @@ def test_spoolctl_promote_never_prints_a_primary_of_none(monkeypatch, capsys):
     assert "None" not in out and "switchover to n2 done" in out and "epoch 2" in out, out
     cli_spool.cmd_cluster_promote(args)
     assert capsys.readouterr().out.strip() == "primary is now n2 (epoch 2)"
+
+
+def test_spoolctl_cluster_status_says_which_replicas_a_primary_sends_each_record_first(monkeypatch, capsys):
+    """A primary's replica entries say ``eager`` (--eager-replicas): the status
+    line of such a replica says "first", the others' do not."""
+    import argparse
+
+    from spooler.cli import spool as cli_spool
+
+    doc = {"nodeId": "n1", "role": "primary", "epoch": 4, "primary": "n1", "nodes": [
+        {"id": "n1", "role": "primary", "address": "h1:1", "lsn": 9},
+        {"id": "n2", "role": "replica", "address": "h2:1", "matchLsn": 9, "lastContactMs": 3.0, "eager": True},
+        {"id": "n3", "role": "replica", "address": "h3:1", "matchLsn": 8, "lastContactMs": 4.0, "eager": False}]}
+
+    class Fake:
+        def cluster(self):
+            return doc
+
+    monkeypatch.setattr(cli_spool, "_client", lambda args: Fake())
+    cli_spool.cmd_cluster_status(argparse.Namespace(json=False))
+    lines = {x.split()[0]: x for x in capsys.readouterr().out.splitlines()[1:]}
+    assert lines["n2"].split()[:4] == ["n2", "replica", "h2:1", "first"], lines
+    assert "first" not in lines["n3"] and "first" not in lines["n1"], lines
