@@ -100,6 +100,16 @@ class Disk:
 
 
 @dataclass
+class CopyMade:
+    """The primary's copy of its store for ``to`` is made (Engine.snapshot_to runs
+    in slices after the decision to send it): what it holds is the store as of
+    now, which may be later than the frame that asked for it (a local event)."""
+    to: str
+    epoch: int
+    incarnation: int
+
+
+@dataclass
 class SnapshotCopy:
     """A primary's store as InstallSnapshot streams it (Engine.snapshot_to): its
     fsync'd log rows from its first, and its applied position."""
@@ -125,7 +135,7 @@ class SimNode:
     def __init__(self, sim, nid):
         self.sim = sim
         self.id = nid
-        self.disk = Disk()
+        self._disk = Disk()
         self.up = True
         self.core = None
         self.pending = []  # (lsn, epoch, crc) written as primary, not yet known committed
@@ -160,6 +170,17 @@ class SimNode:
         c.commit_lsn = max(c.commit_lsn, self.disk.applied[0])
         self.core = c
         self.run(c.start(sim.now))
+
+    @property
+    def disk(self) -> Disk:
+        return self._disk
+
+    @disk.setter
+    def disk(self, d: Disk) -> None:
+        """A disk put in place of another: a lost disk's replacement (or a test's
+        disk set by hand); Sim.check_matches leaves the node out from then on."""
+        self._disk = d
+        self.sim.replaced.add(self.id)
 
     def crc_at(self, lsn):
         if lsn > self.disk.last_lsn and self.volatile:
@@ -280,6 +301,7 @@ class Sim:
         self.primaries: dict = {}      # epoch -> node id
         self.writes = 0
         self.pending_noops: list = []
+        self.replaced: set = set()     # nodes whose disk was replaced (SimNode.disk; not in check_matches)
         self.nodes = {nid: None for nid in self.members}
         for nid in self.members:
             self.nodes[nid] = SimNode(self, nid)
@@ -296,7 +318,7 @@ class Sim:
             print(line)
 
     # ---------------------------------------------------------- network
-    def send(self, frm, to, msg):
+    def send(self, frm, to, msg, extra_us: int = 0):
         if isinstance(msg, R.AppendReq) and msg.prev_epoch == -1:
             # what ``to`` needs was compacted away here: a copy of the store goes
             # instead (Driver._send), and the frame too (it holds no records)
@@ -308,7 +330,7 @@ class Sim:
         copies = 2 if self.rng.random() < self.p_dup else 1
         for _ in range(copies):
             lo, hi = self.delay_ms
-            at = self.now + self.rng.randint(lo, hi) * MS
+            at = self.now + self.rng.randint(lo, hi) * MS + extra_us
             self.seq += 1
             heapq.heappush(self.queue, (at, self.seq, to, msg, frm))
 
@@ -341,13 +363,26 @@ class Sim:
         has had its time (Driver._snapshots, _snapshot_retry)."""
         if self.now < self.snapshot_busy.get((frm, to), -1):
             return
-        self.snapshot_busy[(frm, to)] = self.now + 20 * self.delay_ms[1] * MS
-        src = self.nodes[frm]
+        hi = self.delay_ms[1]
+        self.snapshot_busy[(frm, to)] = self.now + 20 * hi * MS
+        self.seq += 1
+        heapq.heappush(self.queue, (self.now + self.compact_rng.randint(0, 2 * hi) * MS, self.seq, frm,
+                                    CopyMade(to, epoch, self.nodes[frm].incarnation), frm))
+
+    def copy_made(self, src, m: CopyMade):
+        """The copy leaves (Driver._send_snapshot), tagged with the epoch of the frame
+        that asked for it even if ``src`` has stepped down since (its task runs on),
+        holding ``src``'s disk as it is now. Now and then it is slow on its way,
+        past the time a retry may be sent: a late copy, which the replica must not
+        install over records it has since acknowledged (Engine._copy_held)."""
+        if not src.up or src.incarnation != m.incarnation:
+            return  # died with the process
         self.snapshots += 1
-        self.trace(f"{frm} sends {to} a snapshot: log {src.disk.off + 1}..{src.disk.last_lsn}, "
+        self.trace(f"{src.id} sends {m.to} a snapshot: log {src.disk.off + 1}..{src.disk.last_lsn}, "
                    f"applied {src.disk.applied[0]}")
-        self.send(frm, to, SnapshotCopy(epoch, frm, src.incarnation, src.disk.off, list(src.disk.log),
-                                        src.disk.applied))
+        late = self.compact_rng.randint(1, 40 * self.delay_ms[1]) * MS if self.compact_rng.random() < 0.25 else 0
+        self.send(src.id, m.to, SnapshotCopy(m.epoch, src.id, src.incarnation, src.disk.off, list(src.disk.log),
+                                             src.disk.applied), extra_us=late)
 
     def install(self, n, m: SnapshotCopy):
         """Replica ``n`` receives a copy (Driver._install_locked, Engine.install_snapshot_sync)."""
@@ -365,9 +400,12 @@ class Sim:
                 held = end[0] <= applied_here or d.at(end[0]) == end[1:]
             ok, last = True, end[0]
             if not held:
-                n.disk = replace(d, log=list(m.rows), off=m.off, applied=m.applied)  # our vote, epoch, lease
-                c.log = n.disk.view()                                                # Driver.load
-                c.epoch = max(c.epoch, c.log.last_epoch)
+                d.log, d.off, d.applied = list(m.rows), m.off, m.applied  # (our vote, epoch and lease stay)
+                # Driver.load: epoch, vote and lease seen read back from the store,
+                # the log's view, what the store applied counted committed
+                c.voted_for, c.lease_seen = d.voted_for, d.lease_seen
+                c.log = d.view()
+                c.epoch = max(d.epoch, c.log.last_epoch)
                 c.commit_lsn = max(c.commit_lsn, m.applied[0])
                 c.durable_lsn = c.log.last_lsn
                 last = c.log.last_lsn
@@ -511,6 +549,23 @@ class Sim:
     def check_leases(self):
         holders = [n.id for n in self.nodes.values() if n.up and n.core.may_lease(self.now)]
         assert len(holders) <= 1, f"two nodes may lease at once: {holders}"
+        self.check_matches()
+
+    def check_matches(self):
+        """What a live primary counts a replica of its epoch as holding (``match``,
+        what commits count), that replica's disk holds: a late snapshot installed
+        over records it acknowledged would break this (a replaced disk is left
+        out: its primary's count is of the old disk until it answers)."""
+        for p in self.nodes.values():
+            if not (p.up and p.core.role == R.PRIMARY):
+                continue
+            for nid, lsn in p.core.match.items():
+                n = self.nodes[nid]
+                if not n.up or n.core.epoch != p.core.epoch or nid in self.replaced or lsn <= n.disk.off:
+                    continue
+                want = p.core.log.at(lsn)
+                assert want is None or n.disk.at(lsn) == want, \
+                    f"{p.id} counts {nid} as holding lsn {lsn} {want}; its disk holds {n.disk.at(lsn)}"
 
     def nemesis(self):
         if self.compact_rng.random() < self.p_compact:
@@ -589,6 +644,8 @@ class Sim:
         n = self.nodes[to]
         if isinstance(msg, LocalSync):
             n.local_sync(msg)
+        elif isinstance(msg, CopyMade):
+            self.copy_made(n, msg)
         elif n.up and self.declines(n, msg, _frm):
             pass
         elif n.up:
@@ -670,6 +727,8 @@ class Sim:
             n = self.nodes[to]
             if isinstance(msg, LocalSync):
                 n.local_sync(msg)
+            elif isinstance(msg, CopyMade):
+                self.copy_made(n, msg)
             elif self.declines(n, msg, frm):
                 pass
             elif isinstance(msg, SnapshotCopy):
@@ -705,6 +764,14 @@ class Sim:
         if any(not n.low_disk for n in self.nodes.values()):
             assert not p.low_disk, f"{p.id}, low on disk, is still the primary, while " \
                 f"{[n.id for n in self.nodes.values() if not n.low_disk]} have room"
+        for n in self.nodes.values():
+            # each core's view of its log is its disk's, and what a disk holds up to
+            # the commit point is the committed history
+            v, d = n.core.log, n.disk
+            for lsn in range(max(v.base_lsn, d.off) + 1, min(v.last_lsn, d.last_lsn) + 1):
+                assert v.at(lsn) == d.at(lsn), f"{n.id}'s core says lsn {lsn} is {v.at(lsn)}, its disk {d.at(lsn)}"
+                if lsn <= top:
+                    assert d.at(lsn) == self.committed.get(lsn), f"{n.id} holds lsn {lsn} unlike the committed one"
         for n in self.nodes.values():  # sizes survived restarts, reloads, truncations and compactions
             v = n.core.log
             for lsn in range(max(v.base_lsn, n.disk.off) + 1, min(v.last_lsn, n.disk.last_lsn) + 1):
