@@ -1062,3 +1062,36 @@ def test_a_replication_stream_that_dies_of_a_bug_stops_the_primary(tmp_path):
     failed, what = asyncio.run(main())
     assert isinstance(failed, ValueError) and what == INTERNAL_FAILURE, (failed, what)
     e.store.close()
+
+
+def test_a_restarted_node_replaces_a_first_record_that_never_committed(tmp_path):
+    """Driver.load on a store that holds a deposed primary's first record (n1's
+    lsn 1 of epoch 7, which no majority stored) and has applied nothing: the
+    core's view is based on the applied position (LogView.from_store), so the
+    new primary's different lsn 1 replaces that record. With the first row as
+    the base (before 0.4.47) the core truncated twice, its view no longer
+    matched what it stored, and a later frame stopped the node with "differs
+    from the one committed here" (tests/unit/test_log_view_load.py)."""
+    e = _voted(tmp_path)
+    try:
+        d = e.repl
+        d.load()
+        c = d.core
+        assert c.log.base_lsn == 0 and c.log.last_lsn == 1 and c.commit_lsn == 0
+        now = mono_us()
+        c.start(now)
+        # n2, primary of epoch 9, sends its own lsn 1 and 2
+        out = c.receive(R.AppendReq(9, "n2", 0, 0, 0, [(1, 9, 201), (2, 9, 202)], 0, now, 0, 1_000_000), now)
+        assert [type(x).__name__ for x in out if isinstance(x, (R.Truncate, R.Store))] == ["Truncate", "Store"]
+        assert next(x for x in out if isinstance(x, R.Truncate)).after_lsn == 0
+        store = next(x for x in out if isinstance(x, R.Store))
+        assert [x[0] for x in store.req.entries] == [1, 2]
+        assert c.log.at(1) == (9, 201) and c.log.at(2) == (9, 202) and c.log.last_lsn == 2
+        acks = [x.msg for x in c.stored(store.req, now) if isinstance(x, R.Send)]
+        assert acks and acks[-1].ok and acks[-1].match_lsn == 2
+        # the next frame follows on from n2's lsn 2, with lsn 2 committed
+        out = c.receive(R.AppendReq(9, "n2", 2, 9, 202, [(3, 9, 203)], 2, now + 1, 2, 1_000_000), now + 1)
+        assert any(isinstance(x, R.Store) for x in out)
+        assert c.log.at(3) == (9, 203)
+    finally:
+        e.store.close()
