@@ -416,6 +416,16 @@ class Sim:
                        f"(to lsn {end[0]})")
         self.send(n.id, m.primary, SnapshotDone(n.id, m.epoch, m.incarnation, ok, last))
 
+    def snapshot_message(self, n, msg) -> bool:
+        """A copy or its answer reaches live ``n``; False: ``msg`` is neither."""
+        if isinstance(msg, SnapshotCopy):
+            self.install(n, msg)
+        elif isinstance(msg, SnapshotDone):
+            self.snapshot_done(n, msg)
+        else:
+            return False
+        return True
+
     def snapshot_done(self, n, m: SnapshotDone):
         """The primary hears how its copy went (Driver._send_snapshot)."""
         self.snapshot_busy.pop((n.id, m.peer), None)
@@ -648,12 +658,10 @@ class Sim:
             self.copy_made(n, msg)
         elif n.up and self.declines(n, msg, _frm):
             pass
+        elif n.up and self.snapshot_message(n, msg):
+            pass
         elif n.up:
-            if isinstance(msg, SnapshotCopy):
-                self.install(n, msg)
-            elif isinstance(msg, SnapshotDone):
-                self.snapshot_done(n, msg)
-            elif isinstance(msg, Backlogged):
+            if isinstance(msg, Backlogged):
                 n.run(n.core.receive(msg.msg, self.now))
             elif isinstance(msg, R.AppendReq) and (self.now < self.backlog_until.get(to, 0)
                                                    or self.backlog_rng.random() < self.p_backlog):
@@ -729,12 +737,8 @@ class Sim:
                 n.local_sync(msg)
             elif isinstance(msg, CopyMade):
                 self.copy_made(n, msg)
-            elif self.declines(n, msg, frm):
+            elif self.declines(n, msg, frm) or self.snapshot_message(n, msg):
                 pass
-            elif isinstance(msg, SnapshotCopy):
-                self.install(n, msg)
-            elif isinstance(msg, SnapshotDone):
-                self.snapshot_done(n, msg)
             else:
                 n.run(n.core.receive(msg.msg if isinstance(msg, Backlogged) else msg, self.now))
             self.flush_noops()
