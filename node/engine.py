@@ -36,6 +36,7 @@ import apsw
 
 from spooler import errors
 from spooler.pb import log_pb2
+from node.core.replication import copy_held
 from node.core.spool import QUEUES_MAX, Core
 from node.process import release_memory
 from node.store.sqlite import CheckpointData, Position, Store, chain
@@ -1251,17 +1252,13 @@ class Engine:
                 end = Position(epoch, lsn, crc)
         finally:
             db.close()
-        if end.lsn > ours.lsn:
+        def record_at(lsn):
+            for row in st.db.execute("SELECT epoch, crc FROM log WHERE lsn = ?", (lsn,)):
+                return tuple(row)
             return None
-        if end.lsn == ours.lsn:  # only at our very last record, and taking back nothing we applied
-            same = end.lsn > 0 and (end.epoch, end.crc) == (ours.epoch, ours.crc)
-            return end if same and applied.lsn <= self.core.lsn else None
-        if end.lsn <= self.core.lsn:
-            return end
-        for epoch, crc in st.db.execute("SELECT epoch, crc FROM log WHERE lsn = ?", (end.lsn,)):
-            if (epoch, crc) == (end.epoch, end.crc):
-                return end
-        return None
+        held = copy_held((end.lsn, end.epoch, end.crc), applied.lsn, (ours.lsn, ours.epoch, ours.crc),
+                         self.core.lsn, record_at)
+        return end if held else None
 
     # -------------------------------------------------------------- reading
     @staticmethod

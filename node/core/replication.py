@@ -241,6 +241,27 @@ class LogView:
         self.base_lsn, self.base_epoch, self.base_crc = upto_lsn, e[0], e[1]
 
 
+
+def copy_held(end: tuple, copy_applied: int, last: tuple, applied: int,
+              record_at: Callable[[int], Optional[tuple]]) -> bool:
+    """Does a replica's log already hold a snapshot copy that reaches it, so that
+    installing the copy would take nothing and the replica keeps its log
+    (Engine._copy_held, which says why)? Positions are (lsn, epoch, crc):
+    ``end`` the copy's last record (its applied position if its log is empty),
+    ``copy_applied`` the lsn the copy applied, ``last`` the replica's last
+    record, ``applied`` the lsn the replica applied, ``record_at(lsn)`` the
+    replica's (epoch, crc) at lsn, or None.
+
+    Held: a copy ending before our last record, at a record we applied or one
+    that is ours (the checksum chains every record before it); and a copy
+    ending at our last record, that record ours, if we applied at least what
+    the copy applied. Not held: a copy ending past our log, or at lsn 0."""
+    if end[0] > last[0]:
+        return False
+    if end[0] == last[0]:
+        return end[0] > 0 and end[1:] == last[1:] and copy_applied <= applied
+    return end[0] <= applied or record_at(end[0]) == end[1:]
+
 # The records of one frame, in bytes (a single larger record goes alone): 8
 # frames in flight to a lagging replica then hold at most ~32 MiB of records
 # plus at most one record (8 MiB of bodies) each, whatever the log holds. The

@@ -392,12 +392,7 @@ class Sim:
             end_lsn = m.off + len(m.rows)
             end = (end_lsn,) + m.rows[-1][:2] if m.rows else m.applied
             applied_here = min(c.commit_lsn, d.last_lsn)  # the engine applies what it knows committed
-            if end[0] > d.last_lsn:
-                held = False
-            elif end[0] == d.last_lsn:
-                held = end[0] > 0 and d.at(end[0]) == end[1:] and m.applied[0] <= applied_here
-            else:
-                held = end[0] <= applied_here or d.at(end[0]) == end[1:]
+            held = R.copy_held(end, m.applied[0], (d.last_lsn,) + d.at(d.last_lsn), applied_here, d.at)
             ok, last = True, end[0]
             if not held:
                 d.log, d.off, d.applied = list(m.rows), m.off, m.applied  # (our vote, epoch and lease stay)
