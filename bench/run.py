@@ -84,7 +84,7 @@ def settle_disk(what: str) -> None:
     holds (``sync``), so that one system's figures do not pay for the writes of
     the one measured before it (the kernel's writeback would otherwise flush them
     during the next workload's fsyncs). Kept in ``machine.settles``: the dirty kB
-    found and how long the sync took (docs/benchmarks.md: so far too little to
+    found and how long the sync took (docs/benchmarks-history.md: so far too little to
     move a figure; it rules that cause out)."""
     dirty = _meminfo_kb("Dirty")
     t0 = time.perf_counter()

@@ -36,6 +36,7 @@ import apsw
 
 from spooler import errors
 from spooler.pb import log_pb2
+from node.core.invariant import BrokenInvariant
 from node.core.replication import copy_held
 from node.core.spool import QUEUES_MAX, Core
 from node.process import release_memory
@@ -668,7 +669,8 @@ class Engine:
     def stored_from_primary(self, rows: list) -> None:
         """Replica: records fsync'd from the primary's stream (rows as in the log table)."""
         for lsn, epoch, crc, data in rows:
-            assert lsn == self.appended_lsn + 1, f"replica log gap at {lsn} after {self.appended_lsn}"
+            if lsn != self.appended_lsn + 1:
+                raise BrokenInvariant(f"replica log gap at {lsn} after {self.appended_lsn}")
             if chain(self.crc, data) != crc:
                 raise RuntimeError(f"checksum mismatch in the primary's record {lsn}")
             self.crc = crc
@@ -681,7 +683,8 @@ class Engine:
     def truncated(self, after_lsn: int, crc: int) -> None:
         """The log lost its unapplied records after ``after_lsn`` (they were never committed),
         or (resync) the engine learns where the store's log really ends."""
-        assert after_lsn >= self.core.lsn, "truncating applied records"
+        if after_lsn < self.core.lsn:
+            raise BrokenInvariant(f"truncating to {after_lsn}, below the applied lsn {self.core.lsn}")
         for lsn in [x for x in self.unapplied if x > after_lsn]:
             _, _, fut = self.unapplied.pop(lsn)
             if fut is not None and not fut.done():

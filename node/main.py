@@ -391,7 +391,7 @@ def _admin_keys(args) -> list:
 # Python's cyclic garbage collector makes a young-generation pass every 700
 # net allocations of container objects by default. A node makes several per
 # message (messages, leases, heap entries), so receive + ack paid about
-# 3 us per message in collections (docs/benchmarks.md, measured with
+# 3 us per message in collections (docs/benchmarks-history.md, measured with
 # gc.callbacks). Our objects seldom form cycles (reference counting frees
 # them), so collect far less often: cyclic garbage still has a bound, it is
 # only found later. What the store loaded at start is frozen out of the walks.

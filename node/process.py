@@ -53,7 +53,7 @@ def release_memory() -> Optional[int]:
     C library keeps what they took (the parsed requests, the log records) for
     reuse, so after a burst of sends the node stayed as large as at its peak: 200,000
     messages sent in batches left it about 110 MiB larger, against 6-7 MiB once
-    this is called after the checkpoint that let the bodies go (docs/benchmarks.md).
+    this is called after the checkpoint that let the bodies go (docs/benchmarks-history.md).
     ctypes lets go of the GIL while it runs, so it is called off the event loop."""
     global _LIBC
     import ctypes

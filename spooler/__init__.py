@@ -4,7 +4,7 @@
     from spooler.aio import AsyncClient # asyncio gRPC client
     from spooler.http import HttpClient # small HTTP/JSON client (what spoolctl uses)
 """
-__version__ = "0.4.47"
+__version__ = "0.4.48"
 
 # gRPC's I/O path, settled before anything imports grpc (spooler/grpc_io.py): the SDK
 # changes nothing unless its user sets SPOOLER_GRPC_IO=legacy

@@ -5,7 +5,7 @@ default) and its older I/O path, chosen with ``GRPC_EXPERIMENTS``, which grpc
 reads once, when it is first imported. On this project's machines a bare
 grpc.aio round trip between two processes took about 160 us on the older path
 against 220-290 us on the EventEngine, and a client on the older path spent
-about a quarter less CPU per sequential send (docs/benchmarks.md).
+about a quarter less CPU per sequential send (docs/benchmarks-history.md).
 
 ``SPOOLER_GRPC_IO`` names the choice, for the node and the SDK alike:
 

@@ -33,7 +33,8 @@ _SETTINGS_PB = {"leaseTimeoutSeconds": "lease_timeout_seconds", "maxRetries": "m
                 "failureQueue": "failure_queue"}
 _PB_SETTINGS = {v: k for k, v in _SETTINGS_PB.items()}
 SETTINGS_TO_PB = _SETTINGS_PB
-assert set(_SETTINGS_PB) == set(SETTINGS)
+if set(_SETTINGS_PB) != set(SETTINGS):
+    raise ImportError(f"the gRPC settings map {sorted(_SETTINGS_PB)} does not cover the queue settings {sorted(SETTINGS)}")
 
 _ACTIONS = {api_pb2.SETTLE_ACK: "ack", api_pb2.SETTLE_NACK: "nack", api_pb2.SETTLE_RENEW: "renew"}
 

@@ -25,7 +25,7 @@ commits on a majority's fsync, and a replica that falls behind or stops
 answering is replaced within a tick (once another has answered its tick's
 frame it is the further along), or at once when its stream breaks.
 On two cores this takes one replica's round of work off the path of every
-send (docs/benchmarks.md). ``EAGER_ALL`` sends every record to every replica
+send (docs/benchmarks-history.md). ``EAGER_ALL`` sends every record to every replica
 at once.
 
 Leases: a primary serves (confirms writes, hands out leases) only while a
@@ -40,6 +40,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 from typing import Callable, Optional
+
+from node.core.invariant import BrokenInvariant
 
 REPLICA, CANDIDATE, PRIMARY = "replica", "candidate", "primary"
 EAGER_QUORUM, EAGER_ALL = "quorum", "all"  # Replication(eager=...): see "Shipping" above
@@ -189,8 +191,8 @@ class LogView:
             rows = rows[1:]
         else:
             lsn, epoch, crc = applied
-            assert not rows or rows[0][0] == lsn + 1, \
-                f"the log's first row is lsn {rows[0][0]}, past the applied lsn {lsn} + 1"
+            if rows and rows[0][0] != lsn + 1:
+                raise BrokenInvariant(f"the log's first row is lsn {rows[0][0]}, past the applied lsn {lsn} + 1")
         return cls(lsn, epoch, crc, [(e, c) for _, e, c, _ in rows], [size for *_, size in rows])
 
     def at(self, lsn: int) -> Optional[tuple]:
@@ -269,7 +271,7 @@ def copy_held(end: tuple, copy_applied: int, last: tuple, applied: int,
 FRAME_RECORD_BYTES_MAX = 4 << 20
 
 
-class CommittedConflict(AssertionError):
+class CommittedConflict(BrokenInvariant):
     """A primary's log differs from a record this node holds as committed. That
     cannot happen within one cluster (every primary holds every committed
     record; raft's leader completeness): this node's store is not this
@@ -289,8 +291,10 @@ class Replication:
     def __init__(self, node_id: str, members: list, failover_timeout_us: int, rand: Callable[[], float],
                  heartbeat_us: Optional[int] = None, frame_entries_max: int = 512, frames_in_flight_max: int = 8,
                  frame_bytes_max: int = FRAME_RECORD_BYTES_MAX, eager: str = EAGER_ALL):
-        assert node_id in members
-        assert eager in (EAGER_QUORUM, EAGER_ALL), eager
+        if node_id not in members:
+            raise ValueError(f"{node_id!r} is not one of the members {sorted(members)}")
+        if eager not in (EAGER_QUORUM, EAGER_ALL):
+            raise ValueError(f"eager must be {EAGER_QUORUM!r} or {EAGER_ALL!r}, not {eager!r}")
         self.id = node_id
         self.members = sorted(members)
         self.peers = [m for m in self.members if m != node_id]
@@ -577,7 +581,8 @@ class Replication:
         quorum)."""
         for r in records:
             lsn, epoch, crc = r[:3]
-            assert epoch == self.epoch and lsn == self.log.last_lsn + 1, (lsn, epoch, self.log.last_lsn)
+            if epoch != self.epoch or lsn != self.log.last_lsn + 1:
+                raise BrokenInvariant(f"appended lsn {lsn} of epoch {epoch} after lsn {self.log.last_lsn} in epoch {self.epoch}")
             self.log.add(epoch, crc, r[3] if len(r) > 3 else 0)
             if durable:
                 self.durable_lsn = lsn

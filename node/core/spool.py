@@ -28,6 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
+from node.core.invariant import BrokenInvariant
 from spooler.ids import message_id, run_ids
 from spooler.pb import log_pb2
 
@@ -275,8 +276,10 @@ class Core:
 
     # ------------------------------------------------------------------ apply
     def apply(self, rec) -> object:
-        assert rec.lsn == self.lsn + 1, f"log gap: applying lsn {rec.lsn} after {self.lsn}"
-        assert rec.epoch >= self.epoch, f"epoch went back: {rec.epoch} after {self.epoch}"
+        if rec.lsn != self.lsn + 1:
+            raise BrokenInvariant(f"log gap: applying lsn {rec.lsn} after {self.lsn}")
+        if rec.epoch < self.epoch:
+            raise BrokenInvariant(f"epoch went back: {rec.epoch} after {self.epoch}")
         op = rec.WhichOneof("op")
         if op is None:  # a record type this build does not know: never skip a change
             raise ValueError(f"record {rec.lsn} holds an operation this node does not know (an older build?)")
@@ -1394,12 +1397,6 @@ class StaleLeaseError(Exception):
 
 class BadToken(Exception):
     pass
-
-
-class BrokenInvariant(Exception):
-    """A record or a loaded state that breaks what the core relies on (a bug or a
-    damaged store, never a client's doing): the node stops (exit 71), since
-    going on would lose or duplicate messages unseen."""
 
 
 def _first(seg: Segment) -> int:

@@ -23,6 +23,7 @@ import grpc
 
 from node import logs
 from node.core import replication as R
+from node.core.invariant import BrokenInvariant
 from node.core.spool import LOG_FORMAT
 from node.engine import INTERNAL_FAILURE, LOG_CONFLICT, CopyHeld, InstallBroken, mono_us, nobody_waits
 from node.tls import ANOTHER_CLUSTER, CLUSTER_ID_MD, another_cluster
@@ -496,7 +497,8 @@ class Driver:
                 await self._run(self.core.stored(eff.req, mono_us()))
             elif isinstance(eff, R.Truncate):
                 # checked before the store's log is cut (Engine.truncated checks it again after)
-                assert eff.after_lsn >= e.core.lsn, f"truncating to {eff.after_lsn}, below applied {e.core.lsn}"
+                if eff.after_lsn < e.core.lsn:
+                    raise BrokenInvariant(f"truncating to {eff.after_lsn}, below applied {e.core.lsn}")
                 crc = await self._store(self._truncate, eff.after_lsn)
                 e.truncated(eff.after_lsn, crc)
             elif isinstance(eff, R.Role):
@@ -534,7 +536,8 @@ class Driver:
         for (crc,) in st.db.execute("SELECT crc FROM log WHERE lsn = ?", (after_lsn,)):
             return crc
         a = st.applied_position()
-        assert a.lsn == after_lsn, f"truncating to {after_lsn}, which is neither in the log nor the checkpoint"
+        if a.lsn != after_lsn:
+            raise BrokenInvariant(f"truncating to {after_lsn}, which is neither in the log nor the checkpoint")
         return a.crc
 
     def _on_role(self, eff: R.Role) -> None:

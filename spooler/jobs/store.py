@@ -303,7 +303,8 @@ class Store:
                 "UPDATE jobs SET state='running', attempt_count=?, worker_id=?, worker_pid=?, worker_host=?,"
                 " heartbeat_at=?, heartbeat_interval_s=?, updated_at=? WHERE id=? AND state='queued'",
                 (n, worker.worker_id, worker.pid, worker.host, now, worker.heartbeat_interval_s, now, job_id))
-            assert c.changes() == 1, "claimed row changed under BEGIN IMMEDIATE"
+            if c.changes() != 1:  # cannot happen under BEGIN IMMEDIATE; never claim twice if it does
+                raise RuntimeError(f"job {job_id}'s row changed under BEGIN IMMEDIATE while it was claimed")
             c.execute(
                 "INSERT INTO attempts(job_id, n, worker_id, worker_pid, worker_host, started_at, stdout, stderr)"
                 " VALUES (?,?,?,?,?,?,?,?)",

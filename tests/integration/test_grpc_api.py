@@ -760,7 +760,7 @@ def test_memory_the_bodies_took_is_handed_back_after_the_checkpoint(tmp_path):
     """After a checkpoint lets message bodies go, the node asks the C library to hand
     its free memory back to the OS (node/process.py: release_memory), and counts by
     how much its resident size fell. Without that the node stayed as large as at its
-    peak after a burst of sends (docs/benchmarks.md)."""
+    peak after a burst of sends (docs/benchmarks-history.md)."""
     from node.process import release_memory
     from nodeproc import NodeProc
 

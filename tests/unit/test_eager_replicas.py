@@ -244,5 +244,5 @@ def test_two_members_send_every_record_to_the_other_at_once():
 
 
 def test_an_unknown_mode_is_refused():
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="eager must be"):
         R.Replication("n1", ["n1", "n2", "n3"], 2_000_000, rand=lambda: 0.5, eager="some")

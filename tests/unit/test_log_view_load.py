@@ -12,6 +12,7 @@ such a store: tests/unit/test_repl_gates.py::test_a_restarted_node_replaces_a_fi
 import pytest
 
 from node.core import replication as R
+from node.core.invariant import BrokenInvariant
 
 
 def test_a_store_that_applied_nothing_gives_a_view_based_on_its_applied_position():
@@ -35,5 +36,5 @@ def test_an_empty_log_gives_a_view_of_the_applied_position():
 
 
 def test_rows_that_do_not_follow_the_applied_position_are_refused():
-    with pytest.raises(AssertionError, match="past the applied lsn"):
+    with pytest.raises(BrokenInvariant, match="past the applied lsn"):
         R.LogView.from_store([(5, 1, 105, 1)], (3, 1, 103))
