@@ -243,7 +243,6 @@ class LogView:
         self.base_lsn, self.base_epoch, self.base_crc = upto_lsn, e[0], e[1]
 
 
-
 def copy_held(end: tuple, copy_applied: int, last: tuple, applied: int,
               record_at: Callable[[int], Optional[tuple]]) -> bool:
     """Does a replica's log already hold a snapshot copy that reaches it, so that
@@ -263,6 +262,7 @@ def copy_held(end: tuple, copy_applied: int, last: tuple, applied: int,
     if end[0] == last[0]:
         return end[0] > 0 and end[1:] == last[1:] and copy_applied <= applied
     return end[0] <= applied or record_at(end[0]) == end[1:]
+
 
 # The records of one frame, in bytes (a single larger record goes alone): 8
 # frames in flight to a lagging replica then hold at most ~32 MiB of records

@@ -764,19 +764,18 @@ class Sim:
             assert not p.low_disk, f"{p.id}, low on disk, is still the primary, while " \
                 f"{[n.id for n in self.nodes.values() if not n.low_disk]} have room"
         for n in self.nodes.values():
-            # each core's view of its log is its disk's, and what a disk holds up to
-            # the commit point is the committed history
+            # each core's view of its log is its disk's, sizes included (they survived
+            # restarts, reloads, truncations and compactions), and what a disk holds
+            # up to the commit point is the committed history
             v, d = n.core.log, n.disk
             for lsn in range(max(v.base_lsn, d.off) + 1, min(v.last_lsn, d.last_lsn) + 1):
                 assert v.at(lsn) == d.at(lsn), f"{n.id}'s core says lsn {lsn} is {v.at(lsn)}, its disk {d.at(lsn)}"
+                i = lsn - v.base_lsn - 1
+                assert i < len(v.sizes) and v.sizes[i] == d.log[lsn - d.off - 1][3], \
+                    f"{n.id}'s core lost the size of lsn {lsn}"
                 if lsn <= top:
                     assert d.at(lsn) == self.committed.get(lsn), f"{n.id} holds lsn {lsn} unlike the committed one"
-        for n in self.nodes.values():  # sizes survived restarts, reloads, truncations and compactions
-            v = n.core.log
-            for lsn in range(max(v.base_lsn, n.disk.off) + 1, min(v.last_lsn, n.disk.last_lsn) + 1):
-                i = lsn - v.base_lsn - 1
-                assert i < len(v.sizes) and v.sizes[i] == n.disk.log[lsn - n.disk.off - 1][3], \
-                    f"{n.id}'s core lost the size of lsn {lsn}"
+
 
 def run_seed(seed: int, nodes: int = 3, steps: int = 400, verbose: bool = False, mixed: bool = False,
              low_disk: bool = False) -> Sim:
